@@ -1,0 +1,40 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from h3kit.cli import COMMANDS, main
+from h3kit.devices import parse_device_list
+from h3kit.errors import DeviceListError
+
+
+def test_help_lists_every_command(runner):
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for name in COMMANDS:
+        assert name in result.output
+
+
+def test_help_imports_no_heavy_module():
+    code = ("import sys; from h3kit.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY=' + ','.join(m for m in ('torch', 'git', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "HEAVY="
+
+
+@pytest.mark.parametrize("text, ids", [("0", [0]), ("0,1", [0, 1]), ("4,5,6,7", [4, 5, 6, 7]), ("1,3", [1, 3])])
+def test_device_list_valid(text, ids):
+    assert parse_device_list(text) == ids
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("", "empty"), ("1, 2,3", "not a non-negative integer"), ("0,0", "twice"), ("2,1", "ascending"),
+    ("0,1,2", "3 devices"), ("-1", "not a non-negative"), ("0,1,2,3,4,5,6,7", "8 devices"), ("a", "not a"),
+    ("0,,1", "not a"), ("０", "not a"),
+])
+def test_device_list_invalid(text, fragment):
+    with pytest.raises(DeviceListError) as e:
+        parse_device_list(text)
+    assert fragment in e.value.message

@@ -1,0 +1,39 @@
+"""Exception types the library raises; the CLI maps each to a message and an exit code.
+
+Every error carries a stable machine `code` (for scripts reading `--json`), a human message, and where
+possible a `hint` naming the fix. `exit_code` is 1 for a failed operation and 2 for bad input.
+"""
+
+from __future__ import annotations
+
+
+class H3kitError(Exception):
+    code = "error"
+    exit_code = 1
+
+    def __init__(self, message: str, *, code: str | None = None, hint: str | None = None,
+                 details: dict | list | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.hint = hint
+        self.details = details
+
+    def to_dict(self) -> dict:
+        out = {"code": self.code, "message": self.message}
+        if self.hint:
+            out["hint"] = self.hint
+        if self.details is not None:
+            out["details"] = self.details
+        return out
+
+
+class UsageError(H3kitError):
+    """Bad input on the command line or in a file the user gave: nothing was changed."""
+    code = "bad_input"
+    exit_code = 2
+
+
+class DeviceListError(UsageError):
+    code = "bad_device_list"
