@@ -1,0 +1,3 @@
+from h3kit.cli import main
+
+main()
