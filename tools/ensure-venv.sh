@@ -8,6 +8,8 @@
 # The environment (about 7 GB) is keyed by the hash of its requirement files, so a change to them builds a
 # new one beside the old; an interrupted build is detected by a missing completion marker and redone.
 set -euo pipefail
+install_toolkit=1
+[ "${1:-}" = "--no-toolkit" ] && install_toolkit=0   # worktrees: use PYTHONPATH=<tree>/toolkit instead
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${H3KIT_CACHE:-$HOME/.cache/h3kit}
 base_py=${H3KIT_BOOTSTRAP_PYTHON:-python3.11}
@@ -28,9 +30,11 @@ if [ ! -f "$venv/.h3kit-complete" ]; then
   say "building the ComfyUI environment in $venv (about 7 GB, a few minutes, once)"
   rm -rf "$venv"
   "$base_py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q --no-deps -r "$runtime_req" >&2
-  "$venv/bin/python" -m pip install -q -r "$test_req" >&2
+  log=$cache/.venv-$key.build.log
+  { "$venv/bin/python" -m pip install -q --upgrade pip \
+    && "$venv/bin/python" -m pip install -q --no-deps -r "$runtime_req" \
+    && "$venv/bin/python" -m pip install -q -r "$test_req"; } >"$log" 2>&1 \
+    || { tail -n 40 "$log" >&2; say "building the environment failed (log: $log)"; exit 1; }
   "$venv/bin/python" -c 'import torch, torchaudio, torchvision, comfy_kitchen, git' >&2
   touch "$venv/.h3kit-complete"
 fi
@@ -39,11 +43,14 @@ templates=$cache/testdata/workflow-templates-json-$templates_version
 if [ ! -f "$templates/.h3kit-complete" ]; then
   say "fetching the upstream H3 workflow templates (comfyui-workflow-templates-json==$templates_version)"
   rm -rf "$templates"
-  "$venv/bin/python" -m pip install -q --no-deps --target "$templates" "comfyui-workflow-templates-json==$templates_version" >&2
+  "$venv/bin/python" -m pip install -q --no-deps --target "$templates" "comfyui-workflow-templates-json==$templates_version" \
+    >"$cache/.templates.log" 2>&1 || { cat "$cache/.templates.log" >&2; exit 1; }
   touch "$templates/.h3kit-complete"
 fi
 
 # The toolkit itself, editable, pointing at this checkout (cheap; re-run on every call so a new clone takes over).
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2 2>/dev/null \
-  || "$venv/bin/python" -m pip install -q --no-deps -e "$root" >&2
+if [ "$install_toolkit" = 1 ]; then
+  "$venv/bin/python" -m pip install -q --no-deps -e "$root" >"$cache/.pip-toolkit.log" 2>&1 \
+    || { cat "$cache/.pip-toolkit.log" >&2; say "installing the toolkit failed"; exit 1; }
+fi
 echo "$venv/bin/python"
