@@ -1,0 +1,434 @@
+"""The patch engine and install/verify/revert on small git repositories made here (no upstream needed).
+
+A fake upstream repository stands in for ComfyUI and a fake h3kit checkout (H3KIT_ROOT) holds a two-patch
+series, a new-file source under patches/src, and shipped files, so every edge case runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from h3kit.cli import main
+
+REAL_ROOT = Path(__file__).resolve().parents[1]
+A_PY = "".join(f"line {i}\n" for i in range(1, 21))
+NODES_PY = "import os\n\nNODES = ['a', 'b']\n\n\ndef load():\n    return NODES\n"
+
+P1 = """Description: Change a.py and add new.py
+ long text
+Origin: vendor, h3kit
+Forwarded: not-needed
+Last-Update: 2026-11-30
+---
+diff --git a/comfy/a.py b/comfy/a.py
+--- a/comfy/a.py
++++ b/comfy/a.py
+@@ -4,7 +4,7 @@
+ line 4
+ line 5
+ line 6
+-line 7
++line seven
+ line 8
+ line 9
+ line 10
+"""
+P2 = """Description: Change nodes.py
+Origin: vendor, h3kit
+Forwarded: not-needed
+Last-Update: 2026-11-30
+---
+diff --git a/nodes.py b/nodes.py
+--- a/nodes.py
++++ b/nodes.py
+@@ -1,6 +1,6 @@
+ import os
+ 
+-NODES = ['a', 'b']
++NODES = ['a', 'b', 'multinpu']
+ 
+ 
+ def load():
+"""
+NEW_PY = "def hello():\n    return 'new'\n"
+
+
+def git(*args, cwd):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.rstrip("\n")
+
+
+def snapshot(tree: Path) -> dict:
+    """Every file under the tree (but .git) with its bytes and mtime: 'byte-identical' made checkable."""
+    out = {}
+    for p in sorted(tree.rglob("*")):
+        if ".git" in p.relative_to(tree).parts or not p.is_file():
+            continue
+        out[p.relative_to(tree).as_posix()] = (p.read_bytes(), p.stat().st_mtime_ns)
+    return out
+
+
+@pytest.fixture
+def upstream(tmp_path):
+    up = tmp_path / "upstream"
+    (up / "comfy").mkdir(parents=True)
+    (up / "comfy" / "a.py").write_text(A_PY)
+    (up / "nodes.py").write_text(NODES_PY)
+    git("init", "-q", "-b", "master", cwd=up)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "add", "-A", cwd=up)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "pin", cwd=up)
+    return up, git("rev-parse", "HEAD", cwd=up)
+
+
+def commit_change(up: Path, rel: str, text: str) -> str:
+    (up / rel).write_text(text)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "later", cwd=up)
+    return git("rev-parse", "HEAD", cwd=up)
+
+
+@pytest.fixture
+def kit(tmp_path, upstream, monkeypatch):
+    """A fake h3kit checkout whose manifest pins the fake upstream."""
+    up, pin = upstream
+    root = tmp_path / "kit"
+    (root / "patches" / "src" / "comfy").mkdir(parents=True)
+    (root / "patches" / "p1-change-a.patch").write_text(P1)
+    (root / "patches" / "p2-change-nodes.patch").write_text(P2)
+    (root / "patches" / "series").write_text("# test series\np1-change-a.patch\np2-change-nodes.patch\n")
+    (root / "patches" / "src" / "comfy" / "new.py").write_text(NEW_PY)
+    (root / "additional_files" / "custom_nodes" / "h3kit_test").mkdir(parents=True)
+    (root / "additional_files" / "custom_nodes" / "h3kit_test" / "__init__.py").write_text("NODE = 1\n")
+    (root / "workflows").mkdir()
+    (root / "workflows" / "w.json").write_text('{"nodes": []}\n')
+    (root / "launch").mkdir()
+    (root / "launch" / "start.sh").write_text("#!/bin/sh\necho start\n")
+    os.chmod(root / "launch" / "start.sh", 0o755)
+    data = json.loads((REAL_ROOT / "source_deps_info.json").read_text())
+    data["upstream"].update(url=str(up), commit=pin)
+    data["patches"] = []
+    (root / "source_deps_info.json").write_text(json.dumps(data))
+    monkeypatch.setenv("H3KIT_ROOT", str(root))
+    monkeypatch.delenv("H3KIT_COMFY_SOURCE", raising=False)
+    monkeypatch.delenv("H3KIT_COMFY_HOME", raising=False)
+    return root
+
+
+def h3(runner, *args):
+    return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture
+def refreshed(kit, upstream, runner):
+    up, _ = upstream
+    r = h3(runner, "patches", "refresh", "--source", up, "--add", "p1-change-a.patch:comfy/new.py")
+    assert r.exit_code == 0, r.output
+    return kit
+
+
+def install(runner, home, *extra):
+    return h3(runner, "install", "--comfy-home", home, "--python", sys.executable, "--json", *extra)
+
+
+def payload(result):
+    return json.loads(result.stdout)
+
+
+# --- series maintenance ----------------------------------------------------------------------------
+
+def test_refresh_records_sha_and_base_blobs(refreshed, upstream):
+    up, pin = upstream
+    data = json.loads((refreshed / "source_deps_info.json").read_text())
+    assert [p["name"] for p in data["patches"]] == ["p1-change-a.patch", "p2-change-nodes.patch"]
+    files = {f["path"]: f for f in data["patches"][0]["files"]}
+    assert files["comfy/a.py"]["base_blob"] == git("rev-parse", f"{pin}:comfy/a.py", cwd=up)
+    assert files["comfy/new.py"] == {"path": "comfy/new.py", "status": "added", "base_blob": None}
+    assert "+def hello():" in (refreshed / "patches" / "p1-change-a.patch").read_text()
+
+
+def test_check_passes_then_flags_each_structural_problem(refreshed, upstream, runner):
+    up, _ = upstream
+    assert h3(runner, "patches", "check", "--source", up).exit_code == 0
+    # a source edited without refresh: the generated section drifts
+    (refreshed / "patches" / "src" / "comfy" / "new.py").write_text(NEW_PY + "# edited\n")
+    r = h3(runner, "patches", "check", "--source", up)
+    assert r.exit_code == 1 and "differ from patches/src" in r.output
+    (refreshed / "patches" / "src" / "comfy" / "new.py").write_text(NEW_PY)
+    # an orphan patch file and an orphan source
+    (refreshed / "patches" / "orphan.patch").write_text(P2)
+    (refreshed / "patches" / "src" / "comfy" / "lonely.py").write_text("x = 1\n")
+    r = h3(runner, "patches", "check", "--source", up)
+    assert "orphan.patch is in patches/ but not in patches/series" in r.output
+    assert "patches/src/comfy/lonely.py is added by no patch" in r.output
+    assert r.exit_code == 1
+
+
+def test_missing_dep3_field_is_a_clear_error(refreshed, runner):
+    (refreshed / "patches" / "p2-change-nodes.patch").write_text(P2.replace("Forwarded: not-needed\n", ""))
+    r = runner.invoke(main, ["patches", "check"])
+    assert r.exit_code == 1
+    assert "DEP-3 header lacks Forwarded" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_edited_patch_no_longer_matches_manifest(refreshed, upstream, runner):
+    up, _ = upstream
+    text = (refreshed / "patches" / "p2-change-nodes.patch").read_text()
+    (refreshed / "patches" / "p2-change-nodes.patch").write_text(text.replace("'multinpu'", "'other'"))
+    r = h3(runner, "patches", "check", "--source", up)
+    assert r.exit_code == 1 and "sha256 differs" in r.output
+
+
+# --- install ---------------------------------------------------------------------------------------
+
+def test_clean_install_then_rerun_changes_nothing(refreshed, upstream, runner, tmp_path):
+    up, pin = upstream
+    home = tmp_path / "home"
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 0, r.output
+    rep = payload(r)
+    assert rep["cloned"] and [p["state"] for p in rep["patches"]] == ["apply", "apply"]
+    assert (home / "comfy" / "a.py").read_text() == A_PY.replace("line 7\n", "line seven\n")
+    assert (home / "comfy" / "new.py").read_text() == NEW_PY
+    assert "'multinpu'" in (home / "nodes.py").read_text()
+    assert (home / "custom_nodes" / "h3kit_test" / "__init__.py").read_text() == "NODE = 1\n"
+    assert (home / "user/default/workflows/h3kit/w.json").is_file()
+    launch = home / ".h3kit" / "run" / "start.sh"
+    assert launch.stat().st_mode & stat.S_IXUSR
+    state = json.loads((home / ".h3kit" / "state.json").read_text())
+    assert state["pin"] == pin and len(state["files"]) == 3 and state["python"] == sys.executable
+    assert "/.h3kit/" in (home / ".git" / "info" / "exclude").read_text()
+    assert git("status", "--porcelain", cwd=home).splitlines() == [
+        " M comfy/a.py", " M nodes.py", "?? comfy/new.py", "?? custom_nodes/", "?? user/"]
+
+    before = snapshot(home)
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 0
+    rep = payload(r)
+    assert [p["state"] for p in rep["patches"]] == ["applied", "applied"] and rep["changed"] == []
+    after = snapshot(home)
+    assert {k: v for k, v in after.items() if not k.startswith(".h3kit/")} == \
+           {k: v for k, v in before.items() if not k.startswith(".h3kit/")}
+
+
+def test_verify_passes_then_reports_each_problem(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    r = h3(runner, "verify", "--comfy-home", home)
+    assert r.exit_code == 0, r.output
+    (home / "comfy" / "a.py").write_text(A_PY)  # patch 1 undone by hand
+    (home / "custom_nodes" / "h3kit_test" / "__init__.py").write_text("NODE = 2\n")
+    pyc = home / "comfy" / "__pycache__" / "new.cpython-311.pyc"
+    pyc.parent.mkdir()
+    pyc.write_bytes(b"\x00" * 8 + b"\x01\x00\x00\x00" + b"\x05\x00\x00\x00")  # compiled from another version
+    r = h3(runner, "verify", "--comfy-home", home, "--json")
+    assert r.exit_code == 1
+    problems = "\n".join(payload(r)["problems"])
+    assert "patch p1-change-a.patch is not applied" in problems
+    assert "comfy/a.py differs from what the series produces" in problems
+    assert "installed file custom_nodes/h3kit_test/__init__.py was modified" in problems
+    assert "stale bytecode: comfy/__pycache__/new.cpython-311.pyc" in problems
+
+
+def test_already_applied_patch_is_detected(refreshed, upstream, runner, tmp_path):
+    up, pin = upstream
+    home = tmp_path / "home"
+    git("clone", "-q", str(up), str(home), cwd=tmp_path)
+    subprocess.run(["git", "apply", str(refreshed / "patches" / "p2-change-nodes.patch")], cwd=home, check=True)
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 0, r.output
+    assert [p["state"] for p in payload(r)["patches"]] == ["apply", "applied"]
+
+
+def test_local_edit_refused_tree_unchanged_and_hunk_named(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    git("clone", "-q", str(up), str(home), cwd=tmp_path)
+    (home / "nodes.py").write_text(NODES_PY.replace("['a', 'b']", "['a', 'b', 'mine']"))
+    before = snapshot(home)
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 1
+    err = payload(r)["error"]
+    assert err["code"] == "install_refused" and "nodes.py" in err["message"]
+    p2 = next(p for p in err["details"]["patches"] if p["patch"] == "p2-change-nodes.patch")
+    assert p2["state"] == "conflict"
+    assert p2["failures"][0]["file"] == "nodes.py" and p2["failures"][0]["hunk"].startswith("@@ -1,6 +1,6 @@")
+    assert snapshot(home) == before
+    # --force restores the file from the pin, then patches
+    r = install(runner, home, "--source", up, "--force")
+    assert r.exit_code == 0, r.output
+    assert payload(r)["discarded_edits"] == ["nodes.py"]
+    assert "'multinpu'" in (home / "nodes.py").read_text()
+
+
+def test_series_that_does_not_apply_leaves_nothing_behind(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    broken = P1.replace(" line 5\n", " line five\n")
+    (refreshed / "patches" / "p1-change-a.patch").write_text(broken)
+    home = tmp_path / "home"
+    home.mkdir()
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 1
+    err = payload(r)["error"]
+    assert err["code"] == "patch_conflict"
+    assert "p1-change-a.patch: comfy/a.py hunk @@ -4,7 +4,7 @@" in err["message"]
+    assert home.is_dir() and list(home.iterdir()) == []  # the clone this run made is gone
+
+
+def test_upstream_drift_is_reported_precisely(refreshed, upstream, runner, tmp_path):
+    up, pin = upstream
+    later = commit_change(up, "comfy/a.py", A_PY.replace("line 18\n", "line eighteen\n"))
+    home = tmp_path / "home"
+    r = install(runner, home, "--source", up, "--commit", later)
+    assert r.exit_code == 0, r.output  # the change is outside every hunk: the series still applies
+    drift = payload(r)["drift"]
+    assert drift == [{"patch": "p1-change-a.patch", "file": "comfy/a.py",
+                      "expected_base": git("rev-parse", f"{pin}:comfy/a.py", cwd=up),
+                      "found": git("rev-parse", f"{later}:comfy/a.py", cwd=up), "kind": "upstream"}]
+    # a later commit inside a hunk: conflict naming the hunk, drift in the details
+    clash = commit_change(up, "comfy/a.py", A_PY.replace("line 7\n", "line VII\n"))
+    r = install(runner, tmp_path / "home2", "--source", up, "--commit", clash)
+    assert r.exit_code == 1
+    err = payload(r)["error"]
+    assert "hunk @@ -4,7 +4,7 @@" in err["message"] and err["details"]["drift"][0]["file"] == "comfy/a.py"
+
+
+def test_other_commit_refused_without_force(refreshed, upstream, runner, tmp_path):
+    up, pin = upstream
+    later = commit_change(up, "comfy/a.py", A_PY.replace("line 18\n", "line eighteen\n"))
+    home = tmp_path / "home"
+    git("clone", "-q", str(up), str(home), cwd=tmp_path)
+    assert git("rev-parse", "HEAD", cwd=home) == later
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 1 and payload(r)["error"]["code"] == "install_refused"
+    assert "not the pin" in payload(r)["error"]["message"]
+    r = install(runner, home, "--source", up, "--force")
+    assert r.exit_code == 0, r.output
+    assert git("rev-parse", "HEAD", cwd=home) == pin
+
+
+def test_user_edited_installed_file_is_kept_unless_force(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    wf = home / "user/default/workflows/h3kit/w.json"
+    wf.write_text('{"nodes": [1]}\n')
+    (refreshed / "workflows" / "w.json").write_text('{"nodes": [], "v": 2}\n')  # a newer h3kit ships a new version
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 0
+    rep = payload(r)
+    assert rep["files"]["kept"] == ["user/default/workflows/h3kit/w.json"]
+    assert any("kept files you edited" in w for w in rep["warnings"])
+    assert wf.read_text() == '{"nodes": [1]}\n'
+    r = install(runner, home, "--source", up)  # still kept on the next run: it is still the user's
+    assert payload(r)["files"]["kept"] == ["user/default/workflows/h3kit/w.json"]
+    r = install(runner, home, "--source", up, "--force")
+    assert payload(r)["files"]["overwritten"] == ["user/default/workflows/h3kit/w.json"]
+    assert wf.read_text() == '{"nodes": [], "v": 2}\n'
+
+
+def test_preexisting_user_file_is_never_taken_over(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    git("clone", "-q", str(up), str(home), cwd=tmp_path)
+    own = home / "custom_nodes" / "h3kit_test" / "__init__.py"
+    own.parent.mkdir(parents=True)
+    own.write_text("THEIRS = 1\n")
+    for _ in range(2):
+        rep = payload(install(runner, home, "--source", up))
+        assert rep["files"]["kept"] == ["custom_nodes/h3kit_test/__init__.py"]
+    assert own.read_text() == "THEIRS = 1\n"
+    assert h3(runner, "revert", "--comfy-home", home).exit_code == 0
+    assert own.read_text() == "THEIRS = 1\n"
+
+
+def test_unedited_installed_file_follows_new_h3kit(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    (refreshed / "launch" / "start.sh").write_text("#!/bin/sh\necho start v2\n")
+    (refreshed / "workflows" / "w.json").unlink()
+    rep = payload(install(runner, home, "--source", up))
+    assert rep["files"]["updated"] == [".h3kit/run/start.sh"]
+    assert rep["files"]["removed"] == ["user/default/workflows/h3kit/w.json"]
+    assert not (home / "user/default/workflows/h3kit/w.json").exists()
+
+
+def test_new_series_replaces_the_applied_one(refreshed, upstream, runner, tmp_path):
+    """Upgrading h3kit: the old series (kept in .h3kit/applied-patches) is reversed, the new one applied."""
+    up, _ = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    (refreshed / "patches" / "p2-change-nodes.patch").write_text(P2.replace("'multinpu'", "'multinpu', 'v2'"))
+    assert h3(runner, "patches", "refresh", "--source", up).exit_code == 0
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 0, r.output
+    assert "'multinpu', 'v2'" in (home / "nodes.py").read_text()
+    assert h3(runner, "verify", "--comfy-home", home).exit_code == 0
+
+
+def test_dry_run_changes_nothing(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    r = install(runner, home, "--source", up, "--dry-run")
+    assert r.exit_code == 0 and payload(r)["cloned"] and not home.exists()
+    git("clone", "-q", str(up), str(home), cwd=tmp_path)
+    before = snapshot(home)
+    rep = payload(install(runner, home, "--source", up, "--dry-run"))
+    assert {"comfy/a.py", "comfy/new.py", "nodes.py", ".h3kit/run/start.sh"} <= set(rep["changed"])
+    assert snapshot(home) == before
+
+
+def test_revert_leaves_git_status_clean_and_keeps_user_files(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    (home / "custom_nodes" / "h3kit_test" / "__init__.py").write_text("NODE = 'mine'\n")
+    r = h3(runner, "revert", "--comfy-home", home, "--json")
+    assert r.exit_code == 0, r.output
+    rep = payload(r)
+    assert [p["state"] for p in rep["patches"]] == ["reverse", "reverse"]
+    assert rep["kept"] == ["custom_nodes/h3kit_test/__init__.py"]
+    assert git("status", "--porcelain", "--untracked-files=all", cwd=home).splitlines() == \
+        ["?? custom_nodes/h3kit_test/__init__.py"]
+    assert not (home / "comfy" / "new.py").exists()
+    assert not (home / ".h3kit" / "state.json").exists()
+
+
+def test_revert_of_an_edited_patched_file_needs_force(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    (home / "nodes.py").write_text("edited by hand\n")
+    before = snapshot(home)
+    r = h3(runner, "revert", "--comfy-home", home, "--json")
+    assert r.exit_code == 1 and payload(r)["error"]["code"] == "patch_conflict"
+    assert snapshot(home) == before
+    r = h3(runner, "revert", "--comfy-home", home, "--force", "--json")
+    assert r.exit_code == 0 and payload(r)["restored_from_pin"] == ["nodes.py"]
+    assert git("status", "--porcelain", cwd=home) == ""
+
+
+def test_non_git_folder_and_bad_commit_are_refused(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine\n")
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 1 and "not a git checkout" in payload(r)["error"]["message"]
+    assert (home / "notes.txt").read_text() == "mine\n"
+    r = runner.invoke(main, ["install", "--comfy-home", str(tmp_path / "x"), "--commit", "--upload-pack=evil"])
+    assert r.exit_code == 2 and "not a commit id" in r.output and "Traceback" not in r.output
+
+
+def test_missing_source_is_a_clear_error(refreshed, runner, tmp_path):
+    r = install(runner, tmp_path / "home", "--source", tmp_path / "nowhere")
+    assert r.exit_code == 1
+    assert payload(r)["error"]["code"] == "no_source"
+    assert not (tmp_path / "home").exists()

@@ -1,0 +1,115 @@
+"""install, verify, revert: the click layer over h3kit.install."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+
+
+def _log(msg: str) -> None:
+    err(f"h3kit: {msg}")
+
+
+@click.command()
+@comfy_home_option()
+@click.option("--source", metavar="URL_OR_PATH",
+              help="Git URL or local mirror of ComfyUI holding the pin (default: $H3KIT_COMFY_SOURCE, "
+                   "else the public URL).")
+@click.option("--commit", metavar="SHA", help="Install another commit than the pin (the series may not apply).")
+@click.option("--python", metavar="PY", help="The interpreter that will run ComfyUI (default: this one).")
+@click.option("--force", is_flag=True,
+              help="Check out the pin over another commit, restore locally edited patched files from the pin, "
+                   "and overwrite edited shipped files.")
+@click.option("--dry-run", is_flag=True, help="Check everything and report what would change; change nothing.")
+@json_option
+@handle_errors
+def install(comfy_home, source, commit, python, force, dry_run, as_json):
+    """Install ComfyUI at the pin with the h3kit patch series.
+
+    Clones (without checkout, then checks out the pin) or reuses DIR, checks the interpreter, checks every
+    patch before applying any, then writes the patched and shipped files all at once. Re-running on an
+    installed tree changes nothing.
+    """
+    from pathlib import Path
+
+    from h3kit import install as lib
+
+    opts = lib.InstallOptions(comfy_home=Path(comfy_home), source=source, commit=commit, python=python,
+                              force=force, dry_run=dry_run, progress=sys.stderr.isatty() and not as_json)
+    report = lib.install(opts, log=_log if not as_json else (lambda m: None))
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    for w in report.warnings:
+        err(f"h3kit: warning: {w}")
+    for d in report.drift:
+        if d["kind"] == "upstream":
+            err(f"h3kit: drift: {d['file']} is blob {str(d['found'])[:12]} at this commit; "
+                f"{d['patch']} was made against {str(d['expected_base'])[:12]}")
+    if report.discarded_edits:
+        err("h3kit: restored from the pin (local edits discarded): " + ", ".join(report.discarded_edits))
+    click.echo(f"ComfyUI {report.pin[:12]} at {report.comfy_home}" + (" (cloned)" if report.cloned else ""))
+    for st in report.patches:
+        label = {"apply": "apply" if report.dry_run else "applied now", "applied": "already applied"}[st["state"]]
+        click.echo(f"  patch {st['patch']}: {label}")
+    files = report.files
+    click.echo(f"  files: {len(files['installed'])} new, {len(files['updated'])} updated, "
+               f"{len(files['unchanged'])} unchanged, {len(files['kept'])} kept (edited), "
+               f"{len(files['removed'])} removed")
+    if not report.changed:
+        click.echo("Nothing to change: the tree is installed.")
+    else:
+        click.echo(f"{'Would change' if report.dry_run else 'Changed'} {len(report.changed)} files.")
+
+
+@click.command()
+@comfy_home_option()
+@json_option
+@handle_errors
+def verify(comfy_home, as_json):
+    """Check an installed tree: pin, patches, installed files, bytecode. Exit 1 on any problem."""
+    from pathlib import Path
+
+    from h3kit import install as lib
+
+    result = lib.verify(Path(comfy_home))
+    if as_json:
+        emit_json(result)
+    else:
+        for w in result["warnings"]:
+            err(f"h3kit: warning: {w}")
+        if result["ok"]:
+            click.echo(f"OK: {result['comfy_home']} is at the pin {result['pin'][:12]} with "
+                       f"{len(result['patches'])} patches applied and its installed files intact.")
+        else:
+            click.echo(f"{len(result['problems'])} problem(s) in {result['comfy_home']}:")
+            for p in result["problems"]:
+                click.echo(f"  - {p}")
+    sys.exit(0 if result["ok"] else 1)
+
+
+@click.command()
+@comfy_home_option()
+@click.option("--force", is_flag=True, help="Restore edited patched files from the pin and remove edited shipped files.")
+@json_option
+@handle_errors
+def revert(comfy_home, force, as_json):
+    """Reverse the patch series and remove the files install added (those you did not edit)."""
+    from pathlib import Path
+
+    from h3kit import install as lib
+
+    result = lib.revert(Path(comfy_home), force=force, log=_log if not as_json else (lambda m: None))
+    if as_json:
+        emit_json(result)
+        return
+    for st in result["patches"]:
+        click.echo(f"  patch {st['patch']}: {'reversed' if st['state'] == 'reverse' else 'was not applied'}")
+    click.echo(f"  removed {len(result['removed'])} installed files")
+    if result["kept"]:
+        click.echo("  kept (you edited them): " + ", ".join(result["kept"]))
+    if result["restored_from_pin"]:
+        click.echo("  restored from the pin: " + ", ".join(result["restored_from_pin"]))

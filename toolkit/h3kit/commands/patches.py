@@ -1,0 +1,138 @@
+"""h3kit patches check|refresh|status: maintain the series the way quilt users do."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+from h3kit.errors import UsageError
+
+source_option = click.option("--source", metavar="PATH", envvar="H3KIT_COMFY_SOURCE",
+                             help="A local mirror or checkout holding the pin (env H3KIT_COMFY_SOURCE).")
+
+
+def _local_source(source):
+    from h3kit import gitutil
+
+    if not source:
+        return None
+    if not gitutil.is_local_source(source) or not os.path.exists(source):
+        raise UsageError(f"--source {source!r} is not a local mirror or checkout",
+                         hint="clone the mirror locally (git clone --mirror URL) and pass its path")
+    return source
+
+
+@click.group()
+def patches():
+    """Inspect and maintain the patch series (check, refresh, status)."""
+
+
+@patches.command()
+@source_option
+@json_option
+@handle_errors
+def check(source, as_json):
+    """Validate patches/series: every entry parses with a DEP-3 header, appears once, no orphans, sources in
+    sync, manifest in sync; with a source, the whole series applies to the pin and reverses back to it."""
+    from h3kit import gitutil, manifest
+    from h3kit.patches import PatchConflict, Series, plan_reverse, series_result, structural_problems
+    from h3kit.paths import repo_root
+
+    root = repo_root()
+    data = manifest.load(root)
+    series = Series.load(root)
+    problems = structural_problems(series, data)
+    applied_to_pin = None
+    src = _local_source(source)
+    if src:
+        pin = manifest.pin(data)
+        touched = series.touched_files()
+        base = gitutil.read_blobs(src, pin, touched)
+        for entry in data["patches"]:
+            for f in entry.get("files", []):
+                found = manifest.git_blob_id(base[f["path"]]) if base.get(f["path"]) is not None else None
+                if f["path"] in base and found != f.get("base_blob"):
+                    problems.append(f"{entry['name']}: {f['path']} is blob {found} at the pin, the manifest says "
+                                    f"{f.get('base_blob')}")
+        try:
+            result = series_result(series, base)
+            back = plan_reverse(series, result)
+            applied_to_pin = True
+            if back.conflicts or back.after != base:
+                problems.append("the series does not reverse back to the pin's files")
+        except PatchConflict as e:
+            applied_to_pin = False
+            problems.append(f"{e.message}: {e.details}")
+    if as_json:
+        emit_json({"ok": not problems, "patches": series.names, "problems": problems,
+                   "applies_to_pin": applied_to_pin})
+    else:
+        for i, name in enumerate(series.names, 1):
+            click.echo(f"  {i}/{len(series.names)} {name}")
+        if applied_to_pin is None:
+            err("h3kit: no --source: the series was not applied to the pin")
+        for p in problems:
+            click.echo(f"problem: {p}")
+        click.echo("OK" if not problems else f"{len(problems)} problem(s)")
+    sys.exit(0 if not problems else 1)
+
+
+@patches.command()
+@source_option
+@click.option("--add", "additions", multiple=True, metavar="PATCH:PATH",
+              help="Add a new-file section for patches/src/PATH to PATCH (repeatable).")
+@handle_errors
+def refresh(source, additions):
+    """Regenerate new-file sections from patches/src and rewrite the manifest's patch list
+    (sha256, touched files, base blobs read from the pin in --source)."""
+    from h3kit import gitutil, manifest
+    from h3kit.patches import Series, add_source_sections, manifest_entries, regenerate, series_result
+    from h3kit.paths import repo_root
+
+    root = repo_root()
+    src = _local_source(source)
+    if not src:
+        raise UsageError("refresh needs the pin's files", hint="pass --source or set H3KIT_COMFY_SOURCE to a local mirror")
+    series = Series.load(root)
+    for spec in additions:
+        name, _, rel = spec.partition(":")
+        if name not in series.names or not rel:
+            raise UsageError(f"--add {spec!r}: give PATCH:PATH with PATCH listed in patches/series")
+        (root / "patches" / name).write_text(add_source_sections(series, name, [rel]))
+        series = Series.load(root)
+    for name, text in regenerate(series).items():
+        (root / "patches" / name).write_text(text)
+        click.echo(f"regenerated {name}")
+    series = Series.load(root)
+    data = manifest.load(root)
+    base = gitutil.read_blobs(src, manifest.pin(data), series.touched_files())
+    series_result(series, base)  # refuse to record a series that does not apply
+    data["patches"] = manifest_entries(series, base)
+    manifest.save(data, root)
+    click.echo(f"source_deps_info.json: {len(series.names)} patches recorded")
+
+
+@patches.command()
+@comfy_home_option()
+@json_option
+@handle_errors
+def status(comfy_home, as_json):
+    """Per patch: applied, applies cleanly, or conflicts (with the failing hunk) in a ComfyUI tree."""
+    from pathlib import Path
+
+    from h3kit.patches import Series, plan_forward, read_tree_files
+    from h3kit.paths import repo_root
+
+    series = Series.load(repo_root())
+    tree = Path(comfy_home)
+    plan = plan_forward(series, read_tree_files(tree, series.touched_files()))
+    if as_json:
+        emit_json({"patches": [s.to_dict() for s in plan.states]})
+        return
+    for s in plan.states:
+        click.echo(f"{s.state:9} {s.name}")
+        for f in s.failures:
+            click.echo(f"          {f}")

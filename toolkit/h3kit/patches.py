@@ -1,0 +1,391 @@
+"""The patch series and the engine that checks, applies and reverses it, all or nothing.
+
+Nothing is applied in place. The engine copies every file the series touches (as it is in the tree, or
+absent) into a scratch directory, runs `git apply` there patch by patch, and only when every patch either
+applies cleanly or is already applied does it write the results into the tree, restoring every file it
+wrote if a write fails. A conflict therefore leaves the tree byte-identical to before. `git apply` allows
+no fuzz and matches whitespace exactly, so upstream drift is reported instead of being papered over.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from h3kit import manifest
+from h3kit.errors import H3kitError
+from h3kit.patchfile import PatchFile, PatchFormatError, parse_patch, render_new_file_section, render_patch
+
+GIT_TIMEOUT = 60  # seconds; applying a patch to a handful of files takes milliseconds
+_FAILED_RE = re.compile(r"^error: patch failed: (.+):(\d+)$")
+_FILE_ERR_RE = re.compile(r"^error: (.+?): (patch does not apply|already exists in working directory|"
+                          r"does not exist in index|No such file or directory)$")
+
+
+class SeriesError(H3kitError):
+    code = "series"
+
+
+class PatchConflict(H3kitError):
+    code = "patch_conflict"
+
+
+@dataclass
+class Failure:
+    patch: str
+    path: str
+    message: str
+    hunk: str | None = None
+    line: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"patch": self.patch, "file": self.path, "hunk": self.hunk, "line": self.line,
+                "message": self.message}
+
+    def __str__(self) -> str:
+        where = f"{self.path}" + (f", hunk {self.hunk}" if self.hunk else "")
+        return f"{self.patch}: {where}: {self.message}"
+
+
+@dataclass
+class PatchState:
+    name: str
+    state: str  # "apply" (applies cleanly), "applied" (already in the tree), "conflict"
+    failures: list[Failure] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"patch": self.name, "state": self.state, "failures": [f.to_dict() for f in self.failures]}
+
+
+@dataclass
+class Plan:
+    states: list[PatchState]
+    before: dict[str, bytes | None]
+    after: dict[str, bytes | None]
+
+    @property
+    def conflicts(self) -> list[PatchState]:
+        return [s for s in self.states if s.state == "conflict"]
+
+    @property
+    def changed(self) -> list[str]:
+        return sorted(p for p in self.after if self.after[p] != self.before.get(p))
+
+
+class Series:
+    """patches/series and the patch files it lists, in order."""
+
+    def __init__(self, root: Path, names: list[str], patches: list[PatchFile]):
+        self.root = root
+        self.patches_dir = root / "patches"
+        self.src_dir = self.patches_dir / "src"
+        self.names = names
+        self.patches = patches
+
+    @classmethod
+    def load(cls, root: Path) -> "Series":
+        series_file = root / "patches" / "series"
+        try:
+            lines = series_file.read_text().splitlines()
+        except OSError as e:
+            raise SeriesError(f"cannot read {series_file}: {e}") from None
+        names: list[str] = []
+        for n, line in enumerate(lines, 1):
+            entry = line.split("#", 1)[0].strip()
+            if not entry:
+                continue
+            if entry in names:
+                raise SeriesError(f"patches/series line {n}: {entry} is listed twice")
+            if entry.startswith("/") or ".." in Path(entry).parts:
+                raise SeriesError(f"patches/series line {n}: {entry} points outside patches/")
+            names.append(entry)
+        patches = []
+        for name in names:
+            path = root / "patches" / name
+            if not path.is_file():
+                raise SeriesError(f"patches/series lists {name}, which does not exist")
+            patches.append(parse_patch(path))
+        return cls(root, names, patches)
+
+    def touched_files(self) -> list[str]:
+        return sorted({p for patch in self.patches for p in patch.files})
+
+    def added_files(self) -> list[str]:
+        return sorted({s.path for patch in self.patches for s in patch.sections if s.new_file})
+
+    def source_of(self, rel_path: str) -> Path | None:
+        src = self.src_dir / rel_path
+        return src if src.is_file() else None
+
+
+# --- the scratch directory -------------------------------------------------------------------------
+
+class Scratch:
+    """A throwaway copy of the touched files, where `git apply` runs outside any repository."""
+
+    def __init__(self, files: dict[str, bytes | None]):
+        self.dir = Path(tempfile.mkdtemp(prefix="h3kit-scratch-"))
+        self.paths = sorted(files)
+        for rel, data in files.items():
+            if data is not None:
+                dest = self.dir / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def git_apply(self, patch: PatchFile, *, reverse=False, check=False) -> subprocess.CompletedProcess:
+        args = ["git", "apply", "--whitespace=nowarn"]
+        if reverse:
+            args.append("-R")
+        if check:
+            args.append("--check")
+        args.append(str(patch.path.resolve()))
+        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(self.dir.parent), LC_ALL="C")
+        env.pop("GIT_DIR", None)
+        env.pop("GIT_WORK_TREE", None)
+        try:
+            return subprocess.run(args, cwd=self.dir, capture_output=True, text=True, env=env, timeout=GIT_TIMEOUT)
+        except FileNotFoundError:
+            raise H3kitError("git is not installed", code="no_git", hint="install git") from None
+
+    def read(self) -> dict[str, bytes | None]:
+        out = {}
+        for rel in self.paths:
+            p = self.dir / rel
+            out[rel] = p.read_bytes() if p.is_file() else None
+        return out
+
+
+def _failures(patch: PatchFile, stderr: str, reverse: bool) -> list[Failure]:
+    found: list[Failure] = []
+    for line in stderr.splitlines():
+        m = _FAILED_RE.match(line)
+        if m:
+            path, lineno = m.group(1), int(m.group(2))
+            hunk = patch.find_hunk(path, lineno, reverse=reverse)
+            found.append(Failure(patch.name, path, "hunk does not match the file",
+                                 hunk=hunk.header if hunk else None, line=lineno))
+            continue
+        m = _FILE_ERR_RE.match(line)
+        if m and m.group(2) != "patch does not apply":
+            path, what = m.group(1), m.group(2)
+            msg = {"already exists in working directory": "the file the patch adds already exists with other content",
+                   "does not exist in index": "the file the patch changes is missing",
+                   "No such file or directory": "the file the patch changes is missing"}[what]
+            found.append(Failure(patch.name, path, msg))
+    if not found:
+        found.append(Failure(patch.name, "?", stderr.strip() or "git apply failed"))
+    return found
+
+
+def plan_forward(series: Series, current: dict[str, bytes | None]) -> Plan:
+    """Decide, patch by patch on a scratch copy of `current`, what applying the series would do."""
+    states = []
+    with Scratch(current) as scratch:
+        for patch in series.patches:
+            fwd = scratch.git_apply(patch, check=True)
+            if fwd.returncode == 0:
+                scratch.git_apply(patch).check_returncode()
+                states.append(PatchState(patch.name, "apply"))
+            elif scratch.git_apply(patch, reverse=True, check=True).returncode == 0:
+                states.append(PatchState(patch.name, "applied"))
+            else:
+                states.append(PatchState(patch.name, "conflict", _failures(patch, fwd.stderr, reverse=False)))
+        after = scratch.read()
+    return Plan(states, dict(current), after)
+
+
+def plan_reverse(series: Series, current: dict[str, bytes | None]) -> Plan:
+    """The same for reversing the series, last patch first. States: "reverse", "absent", "conflict"."""
+    states = []
+    with Scratch(current) as scratch:
+        for patch in reversed(series.patches):
+            rev = scratch.git_apply(patch, reverse=True, check=True)
+            if rev.returncode == 0:
+                scratch.git_apply(patch, reverse=True).check_returncode()
+                states.append(PatchState(patch.name, "reverse"))
+            elif scratch.git_apply(patch, check=True).returncode == 0:
+                states.append(PatchState(patch.name, "absent"))
+            else:
+                states.append(PatchState(patch.name, "conflict", _failures(patch, rev.stderr, reverse=True)))
+        after = scratch.read()
+    states.reverse()
+    return Plan(states, dict(current), after)
+
+
+def series_result(series: Series, base: dict[str, bytes | None]) -> dict[str, bytes | None]:
+    """What the whole series produces from `base` (the pin's files); raises PatchConflict if it cannot."""
+    plan = plan_forward(series, base)
+    bad = [s for s in plan.states if s.state != "apply"]
+    if bad:
+        raise PatchConflict(f"the series does not apply to the pin: {bad[0].name} is {bad[0].state}",
+                            details=[s.to_dict() for s in bad])
+    return plan.after
+
+
+# --- reading and writing the tree ------------------------------------------------------------------
+
+def read_tree_files(tree: Path, paths: list[str]) -> dict[str, bytes | None]:
+    out = {}
+    for rel in paths:
+        p = tree / rel
+        out[rel] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[str, bytes | None],
+                     modes: dict[str, int] | None = None) -> list[str]:
+    """Make the tree hold `after` for every path where it differs from `before`, all or nothing.
+
+    Each file is written to a temporary name beside it and renamed over the original (keeping its mode,
+    or taking `modes[path]` when given); if any step fails, every file already written is restored and
+    every file created is removed.
+    """
+    modes = modes or {}
+    changed = sorted(p for p in after if after[p] != before.get(p))
+    done: list[str] = []
+    created_dirs: list[Path] = []
+    try:
+        for rel in changed:
+            dest = tree / rel
+            data = after[rel]
+            if data is None:
+                if dest.exists():
+                    dest.unlink()
+            else:
+                missing = []
+                parent = dest.parent
+                while not parent.exists():
+                    missing.append(parent)
+                    parent = parent.parent
+                for d in reversed(missing):
+                    d.mkdir()
+                    created_dirs.append(d)
+                mode = modes.get(rel) or (dest.stat().st_mode & 0o7777 if dest.exists() else 0o644)
+                tmp = dest.with_name(f".{dest.name}.h3kit-tmp")
+                tmp.write_bytes(data)
+                os.chmod(tmp, mode)
+                os.replace(tmp, dest)
+            done.append(rel)
+    except BaseException:
+        for rel in done:
+            dest = tree / rel
+            old = before.get(rel)
+            if old is None:
+                dest.unlink(missing_ok=True)
+            else:
+                dest.write_bytes(old)
+        for d in reversed(created_dirs):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        for rel in changed:
+            (tree / rel).with_name(f".{Path(rel).name}.h3kit-tmp").unlink(missing_ok=True)
+        raise
+    # a reverse that deletes an added file leaves its folder behind only if the patch created it
+    for rel in changed:
+        if after[rel] is None:
+            parent = (tree / rel).parent
+            while parent != tree and parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+                parent = parent.parent
+    return changed
+
+
+# --- maintaining the series itself -----------------------------------------------------------------
+
+def regenerate(series: Series) -> dict[str, str]:
+    """Patch texts with every new-file section rebuilt from patches/src; {name: text} of those that change."""
+    changed = {}
+    for patch in series.patches:
+        sections = []
+        for sec in patch.sections:
+            src = series.source_of(sec.path)
+            if sec.new_file and src is not None:
+                sections.append(render_new_file_section(sec.path, src.read_bytes()))
+            else:
+                sections.append(sec.text)
+        text = render_patch(patch.header_text, sections)
+        if text.encode() != patch.raw:
+            changed[patch.name] = text
+    return changed
+
+
+def add_source_sections(series: Series, name: str, rel_paths: list[str]) -> str:
+    """Patch text of `name` with new-file sections for `rel_paths` (sources under patches/src) appended."""
+    patch = next(p for p in series.patches if p.name == name)
+    sections = [s.text for s in patch.sections]
+    for rel in rel_paths:
+        src = series.source_of(rel)
+        if src is None:
+            raise SeriesError(f"patches/src/{rel} does not exist")
+        if patch.section(rel) is None:
+            sections.append(render_new_file_section(rel, src.read_bytes()))
+    return render_patch(patch.header_text, sections)
+
+
+def structural_problems(series: Series, data: dict) -> list[str]:
+    """Everything `h3kit patches check` finds without an upstream tree; empty when the series is sound."""
+    problems = []
+    listed = set(series.names)
+    for f in sorted(series.patches_dir.glob("*.patch")):
+        if f.name not in listed:
+            problems.append(f"{f.name} is in patches/ but not in patches/series")
+    covered = {s.path for p in series.patches for s in p.sections if s.new_file}
+    if series.src_dir.is_dir():
+        for src in sorted(series.src_dir.rglob("*")):
+            if src.is_file() and "__pycache__" not in src.parts:
+                rel = src.relative_to(series.src_dir).as_posix()
+                if rel not in covered:
+                    problems.append(f"patches/src/{rel} is added by no patch")
+    for name in regenerate(series):
+        problems.append(f"{name}: new-file sections differ from patches/src (run h3kit patches refresh)")
+    owners: dict[str, str] = {}
+    for p in series.patches:
+        for s in p.sections:
+            if s.new_file and s.path in owners:
+                problems.append(f"{s.path} is added by both {owners[s.path]} and {p.name}")
+            owners.setdefault(s.path, p.name)
+    entries = data.get("patches", [])
+    if [e["name"] for e in entries] != series.names:
+        problems.append("source_deps_info.json lists the patches "
+                        f"{[e['name'] for e in entries]} but patches/series has {series.names} (run h3kit patches refresh)")
+    for p in series.patches:
+        entry = manifest.patch_entry(data, p.name)
+        if entry is None:
+            continue
+        if entry.get("sha256") != manifest.sha256_bytes(p.raw):
+            problems.append(f"{p.name}: sha256 differs from source_deps_info.json (run h3kit patches refresh)")
+        if sorted(f["path"] for f in entry.get("files", [])) != sorted(p.files):
+            problems.append(f"{p.name}: touched files differ from source_deps_info.json (run h3kit patches refresh)")
+    return problems
+
+
+def manifest_entries(series: Series, base: dict[str, bytes | None]) -> list[dict]:
+    """The manifest's "patches" list: per patch its sha256 and the upstream files with their base blobs."""
+    entries = []
+    for p in series.patches:
+        files = []
+        for s in p.sections:
+            data = base.get(s.path)
+            files.append({"path": s.path, "status": "added" if s.new_file else "modified",
+                          "base_blob": manifest.git_blob_id(data) if data is not None else None})
+        entries.append({"name": p.name, "description": p.description,
+                        "sha256": manifest.sha256_bytes(p.raw), "files": files})
+    return entries
+
+
+__all__ = ["Series", "Plan", "PatchState", "Failure", "PatchConflict", "PatchFormatError", "SeriesError",
+           "plan_forward", "plan_reverse", "series_result", "read_tree_files", "write_tree_files",
+           "regenerate", "structural_problems", "manifest_entries", "add_source_sections"]

@@ -1,0 +1,102 @@
+"""Check the interpreter that will run ComfyUI: its version and its torch / torch-npu pairing.
+
+Versions are read from package metadata in a subprocess, never by importing torch: with torch-npu installed
+and no CANN, `import torch` itself fails, and that is one of the things this check must report cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+
+from h3kit.errors import H3kitError
+
+_PROBE = r"""
+import json, sys
+import importlib.metadata as md
+def v(*names):
+    for n in names:
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            pass
+    return None
+print(json.dumps({"python": list(sys.version_info[:3]), "executable": sys.executable,
+                  "torch": v("torch"), "torch_npu": v("torch-npu", "torch_npu"),
+                  "torchaudio": v("torchaudio"), "torchvision": v("torchvision")}))
+"""
+
+
+class PythonEnvError(H3kitError):
+    code = "python_env"
+
+
+@dataclass
+class EnvReport:
+    python: str
+    info: dict
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"python": self.python, "info": self.info, "errors": self.errors, "warnings": self.warnings}
+
+
+def probe(python: str) -> dict:
+    try:
+        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PythonEnvError(f"cannot run {python}: {e}", hint="give --python the interpreter that runs ComfyUI") from None
+    if proc.returncode != 0:
+        raise PythonEnvError(f"{python} failed to report its packages: {proc.stderr.strip()[-400:]}",
+                             hint="give --python the interpreter that runs ComfyUI")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _base(version: str) -> tuple[int, ...]:
+    """'2.14.0.post2' -> (2, 14, 0); '2.14.1+cu130' -> (2, 14, 1)."""
+    return tuple(int(x) for x in re.match(r"^(\d+(?:\.\d+)*)", version).group(1).split(".")[:3])
+
+
+def _vt(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def evaluate(python: str, info: dict, spec: dict) -> EnvReport:
+    """Judge a probe result against the manifest's "python" and "torch" entries."""
+    report = EnvReport(python=python, info=info)
+    py = tuple(info["python"])
+    lo, below = _vt(spec["python"]["min"]), _vt(spec["python"]["below"])
+    if not (lo <= py[:len(lo)] and py[:len(below)] < below):
+        report.errors.append(f"Python {'.'.join(map(str, py))} is outside the supported range "
+                             f">={spec['python']['min']},<{spec['python']['below']}")
+    torch, npu = info.get("torch"), info.get("torch_npu")
+    if torch is None:
+        report.warnings.append("torch is not installed in this interpreter: ComfyUI will not start until it is "
+                               "(CPU: tools/ensure-venv.sh; NPU: torch and torch-npu from the table in the README)")
+    elif info.get("torchaudio") is None:
+        report.warnings.append("torchaudio is not installed: the pinned comfy/sd.py imports it at start-up")
+    if npu is not None:
+        if torch is None:
+            report.errors.append(f"torch-npu {npu} is installed without torch")
+        else:
+            local = torch.split("+", 1)[1] if "+" in torch else ""
+            if local.startswith("cu") or local.startswith("rocm"):
+                report.errors.append(f"torch {torch} is a {local} build; torch-npu {npu} needs the CPU/aarch64 "
+                                     "build of the same version")
+            if _base(npu) != _base(torch):
+                want = ".".join(map(str, _base(npu)))
+                report.errors.append(f"torch-npu {npu} needs torch {want}.*, but torch {torch} is installed "
+                                     f"(pip install 'torch=={want}' into {python})")
+            known = {(p["torch_npu"], p["torch"]) for p in spec["torch"]["npu"]}
+            if (".".join(map(str, _base(npu))), ".".join(map(str, _base(torch)))) not in known:
+                tested = ", ".join(f"torch-npu {p['torch_npu']} + torch {p['torch']} (CANN {p['cann']})"
+                                   for p in spec["torch"]["npu"])
+                report.warnings.append(f"torch-npu {npu} with torch {torch} is not a tested pairing (tested: {tested})")
+    return report
+
+
+def check(python: str, spec: dict) -> EnvReport:
+    return evaluate(python, probe(python), spec)
