@@ -8,7 +8,9 @@ env:
 	@tools/ensure-venv.sh >/dev/null
 
 demo:
-	@py=$$(tools/ensure-venv.sh) && "$$(dirname "$$py")/h3kit" demo --comfy-home "$(COMFY_HOME)"
+	@py=$$(tools/ensure-venv.sh) && bin=$$(dirname "$$py") && \
+	  "$$bin/h3kit" install --comfy-home "$(COMFY_HOME)" --python "$$py" && \
+	  "$$bin/h3kit" verify --comfy-home "$(COMFY_HOME)"
 
 test:
-	@py=$$(tools/ensure-venv.sh) && H3KIT_TEMPLATES_DIR=$${H3KIT_TEMPLATES_DIR:-} "$$py" -m pytest $(PYTEST_ARGS)
+	@py=$$(tools/ensure-venv.sh) && "$$py" -m pytest $(PYTEST_ARGS)

@@ -81,3 +81,15 @@ def templates_dir():
         if d.is_dir():
             return d
     pytest.skip("upstream workflow templates not installed: run tools/ensure-venv.sh (make test does)")
+
+
+@pytest.fixture(scope="session")
+def installed_tree(tmp_path_factory, comfy_source, comfy_python):
+    """The pinned ComfyUI after `h3kit install` (patches applied, files shipped); session-wide, read-only by
+    convention: tests that run it give the server their own model, output and user folders."""
+    dest = tmp_path_factory.mktemp("installed") / "ComfyUI"
+    proc = subprocess.run([sys.executable, "-m", "h3kit", "install", "--comfy-home", str(dest),
+                           "--source", comfy_source, "--python", comfy_python, "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dest

@@ -102,9 +102,14 @@ class _Progress:
     def __new__(cls):
         import git
 
+        names = {git.RemoteProgress.COUNTING: "counting objects", git.RemoteProgress.COMPRESSING: "compressing",
+                 git.RemoteProgress.RECEIVING: "receiving objects", git.RemoteProgress.RESOLVING: "resolving deltas",
+                 git.RemoteProgress.WRITING: "writing", git.RemoteProgress.FINDING_SOURCES: "finding sources",
+                 git.RemoteProgress.CHECKING_OUT: "checking out"}
+
         class P(git.RemoteProgress):
             def update(self, op_code, cur_count, max_count=None, message=""):
-                stage = self._cur_line.split(":")[0] if self._cur_line else "cloning"
+                stage = names.get(op_code & self.OP_MASK, "cloning")
                 pct = f"{100 * cur_count / max_count:5.1f}%" if max_count else f"{int(cur_count)}"
                 sys.stderr.write(f"\r  {stage}: {pct} {message}".ljust(78)[:78])
                 if op_code & self.END:
