@@ -373,6 +373,26 @@ def test_new_series_replaces_the_applied_one(refreshed, upstream, runner, tmp_pa
     assert h3(runner, "verify", "--comfy-home", home).exit_code == 0
 
 
+def test_added_patch_on_a_shared_file_upgrades_cleanly(refreshed, upstream, runner, tmp_path):
+    """A newer series adds a patch to a file an applied patch already changed (comfy/a.py)."""
+    up, _ = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    p3 = P1.replace("Change a.py and add new.py", "Change a.py again").replace(
+        "@@ -4,7 +4,7 @@\n line 4\n line 5\n line 6\n-line 7\n+line seven\n line 8\n line 9\n line 10\n",
+        "@@ -14,7 +14,7 @@\n line 14\n line 15\n line 16\n-line 17\n+line seventeen\n line 18\n line 19\n line 20\n")
+    (refreshed / "patches" / "p3-change-a-again.patch").write_text(p3)
+    with (refreshed / "patches" / "series").open("a") as f:
+        f.write("p3-change-a-again.patch\n")
+    assert h3(runner, "patches", "refresh", "--source", up).exit_code == 0
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 0, r.output
+    assert [p["state"] for p in payload(r)["patches"]] == ["applied", "applied", "apply"]
+    text = (home / "comfy" / "a.py").read_text()
+    assert "line seven\n" in text and "line seventeen\n" in text
+    assert h3(runner, "verify", "--comfy-home", home).exit_code == 0
+
+
 def test_dry_run_changes_nothing(refreshed, upstream, runner, tmp_path):
     up, _ = upstream
     home = tmp_path / "home"

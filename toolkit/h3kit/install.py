@@ -384,34 +384,36 @@ def _install(opts: InstallOptions, log) -> InstallReport:
                                  "(see drift); install the pin from source_deps_info.json",
                             details={"patches": e.details, "drift": report.drift}) from None
 
-    acceptable_old = series_result(old_series, pin_files) if old_series is not None else {}
-    start: dict[str, bytes | None] = {}
-    offending = []
-    for rel in touched:
-        cur = current[rel]
-        if cur == expected.get(rel, pin_files[rel]) or cur == pin_files[rel]:
-            start[rel] = cur
-        elif rel in acceptable_old and cur == acceptable_old[rel]:
-            start[rel] = pin_files[rel]  # an older h3kit series: reverse it by starting from the pin
-        else:
-            offending.append(rel)
-            start[rel] = pin_files[rel]
-    for rel in offending:
-        report.drift.append({"file": rel, "kind": "local",
-                             "expected_base": manifest.git_blob_id(pin_files[rel]) if pin_files[rel] is not None else None,
-                             "found": manifest.git_blob_id(current[rel]) if current[rel] is not None else None})
-    if offending and not opts.force:
-        actual = plan_forward(series, current)
-        raise InstallRefused("local edits to files the patches touch: " + ", ".join(offending),
-                             hint="commit or copy your edits elsewhere; install --force restores these files to "
-                                  "the pin before patching",
-                             details={"files": offending, "patches": [s.to_dict() for s in actual.states],
-                                      "drift": report.drift})
+    # Where does the tree stand? Decided for the whole tree, because patch state is per patch, not per
+    # file: the series on top of what is there (fresh, partly or fully applied), else an older series to
+    # reverse wholesale, else local edits.
+    as_is = plan_forward(series, current)
+    old_expected = series_result(old_series, pin_files) if old_series is not None else None
+    offending: list[str] = []
+    if not as_is.conflicts and as_is.after == expected_all(expected, pin_files, touched):
+        start = current
+    elif old_expected is not None and all(current[f] == old_expected.get(f, pin_files[f]) for f in touched):
+        start = dict(pin_files)
+    else:
+        offending = [f for f in touched if current[f] not in (pin_files[f], expected.get(f, pin_files[f]))
+                     and (old_expected is None or current[f] != old_expected.get(f, pin_files[f]))]
+        for rel in offending:
+            report.drift.append({"file": rel, "kind": "local",
+                                 "expected_base": manifest.git_blob_id(pin_files[rel]) if pin_files[rel] is not None else None,
+                                 "found": manifest.git_blob_id(current[rel]) if current[rel] is not None else None})
+        if not opts.force:
+            raise InstallRefused("local edits to files the patches touch: " + ", ".join(offending or touched),
+                                 hint="commit or copy your edits elsewhere; install --force restores these files "
+                                      "to the pin before patching",
+                                 details={"files": offending, "patches": [st.to_dict() for st in as_is.states],
+                                          "drift": report.drift})
+        start = dict(pin_files)
     report.discarded_edits = offending
 
     plan = plan_forward(series, start)
     report.patches = [s.to_dict() for s in plan.states]
-    assert plan.after == {k: expected.get(k, pin_files[k]) for k in plan.after}, "series plan disagrees with its result"
+    if plan.conflicts or plan.after != expected_all(expected, pin_files, touched):
+        raise InstallError("internal: the series' plan disagrees with its result", details=[st.to_dict() for st in plan.states])
 
     state = load_state(home)
     f_before, f_after, modes = _shipped_plan(home, root, state, opts.force, report)
@@ -449,6 +451,11 @@ def _install(opts: InstallOptions, log) -> InstallReport:
         "files": files_sha,
     }, series)
     return report
+
+
+def expected_all(expected: dict, pin_files: dict, touched: list[str]) -> dict:
+    """What every touched file must hold after install (files only an older series touched: the pin)."""
+    return {f: expected.get(f, pin_files[f]) for f in touched}
 
 
 def _describe(details) -> str:

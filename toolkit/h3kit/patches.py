@@ -335,6 +335,33 @@ def add_source_sections(series: Series, name: str, rel_paths: list[str]) -> str:
     return render_patch(patch.header_text, sections)
 
 
+def diff_sections(old_tree, new_tree, rel_paths: list[str]) -> str:
+    """Unified diff sections, one per path that differs, from `old_tree` to `new_tree` in the series' format."""
+    out = []
+    for rel in rel_paths:
+        a, b = Path(old_tree) / rel, Path(new_tree) / rel
+        proc = subprocess.run(["git", "diff", "--no-index", "--no-color", "-U3", "--no-renames",
+                               str(a) if a.exists() else "/dev/null", str(b) if b.exists() else "/dev/null"],
+                              capture_output=True, text=True, timeout=GIT_TIMEOUT)
+        if proc.returncode not in (0, 1):
+            raise SeriesError(f"git diff failed for {rel}: {proc.stderr.strip()}")
+        if not proc.stdout:
+            continue
+        lines = []
+        for ln in proc.stdout.splitlines():
+            if ln.startswith("index "):
+                continue
+            if ln.startswith("diff --git "):
+                ln = f"diff --git a/{rel} b/{rel}"
+            elif ln.startswith("--- ") and ln != "--- /dev/null":
+                ln = f"--- a/{rel}"
+            elif ln.startswith("+++ ") and ln != "+++ /dev/null":
+                ln = f"+++ b/{rel}"
+            lines.append(ln)
+        out.append("\n".join(lines) + "\n")
+    return "".join(out)
+
+
 def structural_problems(series: Series, data: dict) -> list[str]:
     """Everything `h3kit patches check` finds without an upstream tree; empty when the series is sound."""
     problems = []
@@ -388,4 +415,4 @@ def manifest_entries(series: Series, base: dict[str, bytes | None]) -> list[dict
 
 __all__ = ["Series", "Plan", "PatchState", "Failure", "PatchConflict", "PatchFormatError", "SeriesError",
            "plan_forward", "plan_reverse", "series_result", "read_tree_files", "write_tree_files",
-           "regenerate", "structural_problems", "manifest_entries", "add_source_sections"]
+           "regenerate", "structural_problems", "manifest_entries", "add_source_sections", "diff_sections"]

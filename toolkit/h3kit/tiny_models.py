@@ -1,9 +1,14 @@
 """Tiny random-weight H3 checkpoints built with the real upstream classes and key names.
 
 Runs inside the ComfyUI interpreter with the ComfyUI tree on sys.path (it imports comfy.*), e.g.
-`python -m h3kit.tiny_models dit OUT.safetensors --seed 1` from the tree. The DiT loader reads every
-dimension from the weights (comfy/model_detection.py), so a few-hundred-KB file loads through the stock
-UNETLoader and runs the real H3 forward.
+`python -m h3kit.tiny_models dit OUT.safetensors --seed 1` from the tree.
+
+- dit: the DiT loader reads every dimension from the weights (comfy/model_detection.py).
+- te, video_vae, audio_vae: the loaders build these at full size unless the checkpoint declares its
+  dimensions in the "config" metadata entry, which h3-checkpoint-declared-dimensions.patch adds. The text
+  encoder keeps all 50 layers (upstream detects the H3 encoder by its layer 49) at width 16.
+
+Everything is fp32 so that multi-device runs can be compared with one device at the fp32 gates.
 """
 
 from __future__ import annotations
@@ -15,8 +20,19 @@ import math
 # Small enough to run a forward in milliseconds on CPU, shaped so that every code path of the real model
 # is used: 8 heads (so 2 and 4 devices split them), rotary dims 6 x rope_inv_freq_len inside head_dim 16.
 TINY_DIT = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=8,
-                attention_head_dim=16, ffn_hidden_size=128, text_dim=48, timestep_input_dim=32,
+                attention_head_dim=16, ffn_hidden_size=128, text_dim=16, timestep_input_dim=32,
                 time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=2)
+# Qwen3-VL at width 16 (= the tiny DiT's text_dim): 4 query heads over 2 key/value heads of upstream's fixed
+# head_dim 128, so 2 and 4 devices split the queries and 4 must share key/value heads.
+TINY_TE = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=50, num_attention_heads=4,
+               num_key_value_heads=2,
+               vision=dict(hidden_size=16, intermediate_size=32, depth=2, num_heads=2,
+                           deepstack_visual_indexes=[0, 1], num_position_embeddings=64))
+# Video VAE: GroupNorm needs multiples of 32 channels, the six levels keep upstream's 16x / 4x strides.
+TINY_VIDEO_VAE = dict(ch=32, ch_mult=[1, 1, 1, 1, 1, 1], num_res_blocks=1, decoder_layers=1,
+                      decoder_heads=2, decoder_dim_head=16)
+# Audio VAE: the projection has 8 heads, BigVGAN halves its width seven times (so 128 is the floor).
+TINY_AUDIO_VAE = dict(encoder_dim=2, latent_dim=16, decoder_dim=128)
 
 
 def _cpu_comfy():
@@ -51,22 +67,92 @@ def dit_state_dict(seed: int = 0, dims: dict | None = None) -> dict:
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def write_dit(path: str, seed: int = 0, dims: dict | None = None) -> int:
+def _randomize(module, seed: int, keep=()) -> dict:
+    """The module's state dict with parameters drawn deterministically (buffers kept unless listed)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
+    sd = {}
+    for name, t in module.state_dict().items():
+        if name in params and name not in keep:
+            fan_in = max(1, t[0].numel()) if t.dim() > 1 else 1
+            if "norm" in name and name.endswith("weight"):
+                sd[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
+            else:
+                sd[name] = torch.randn(t.shape, generator=gen) / math.sqrt(fan_in)
+        else:
+            sd[name] = t.detach().clone().float()
+    return {k: v.contiguous().float() for k, v in sd.items()}
+
+
+def te_state_dict(seed: int = 0, dims: dict | None = None) -> dict:
+    _cpu_comfy()
+    import torch
+
+    import comfy.ops
+    import comfy.text_encoders.minimax
+
+    cfg = dict(TINY_TE, **(dims or {}))
+    model = comfy.text_encoders.minimax.MiniMaxQwen3VL(cfg, torch.float32, "cpu", comfy.ops.manual_cast)
+    return _randomize(model, seed)
+
+
+def video_vae_state_dict(seed: int = 0, dims: dict | None = None) -> dict:
+    _cpu_comfy()
+    import comfy.ldm.minimax.vae
+
+    model = comfy.ldm.minimax.vae.MiniMaxH3VideoVAE(**dict(TINY_VIDEO_VAE, **(dims or {})))
+    return _randomize(model, seed)
+
+
+def audio_vae_state_dict(seed: int = 0, dims: dict | None = None) -> dict:
+    _cpu_comfy()
+    import torch
+
+    import comfy.ldm.minimax.audio_vae
+
+    model = comfy.ldm.minimax.audio_vae.MiniMaxH3AudioVAE(**dict(TINY_AUDIO_VAE, **(dims or {})))
+    sd = _randomize(model, seed)
+    sd["latents_mean"] = torch.zeros_like(sd["latents_mean"])
+    sd["latents_std"] = torch.ones_like(sd["latents_std"])
+    return sd
+
+
+# component: (state dict builder, the metadata key its loader reads, default dims)
+COMPONENTS = {
+    "dit": (dit_state_dict, "transformer", TINY_DIT),
+    "te": (te_state_dict, "minimax_h3_text_encoder", TINY_TE),
+    "video_vae": (video_vae_state_dict, "minimax_h3_video_vae", TINY_VIDEO_VAE),
+    "audio_vae": (audio_vae_state_dict, "minimax_h3_audio_vae", TINY_AUDIO_VAE),
+}
+
+
+def write(component: str, path: str, seed: int = 0) -> int:
+    """Write one tiny checkpoint; returns its size in bytes."""
     import safetensors.torch
 
-    sd = dit_state_dict(seed, dims)
-    safetensors.torch.save_file(sd, path, metadata={"h3kit_tiny": json.dumps({"component": "dit", "seed": seed})})
+    build, key, dims = COMPONENTS[component]
+    sd = build(seed)
+    config = {"minimax_h3_text_encoder": {"qwen3vl_32b_model_config": dims}} if component == "te" else {key: dims}
+    metadata = {"config": json.dumps(config) if component != "dit" else json.dumps({}),
+                "h3kit_tiny": json.dumps({"component": component, "seed": seed})}
+    safetensors.torch.save_file(sd, path, metadata=metadata)
     return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def write_dit(path: str, seed: int = 0, dims: dict | None = None) -> int:
+    return write("dit", path, seed)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("component", choices=["dit"])
+    ap.add_argument("component", choices=sorted(COMPONENTS))
     ap.add_argument("out", nargs="+", help="one file per seed: --seed, --seed+1, ...")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for i, out in enumerate(args.out):
-        size = write_dit(out, args.seed + i)
+        size = write(args.component, out, args.seed + i)
         print(json.dumps({"component": args.component, "path": out, "seed": args.seed + i, "bytes": size}))
 
 

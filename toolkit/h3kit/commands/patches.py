@@ -116,6 +116,19 @@ def refresh(source, additions):
 
 
 @patches.command()
+@click.argument("old", type=click.Path(exists=True, file_okay=False))
+@click.argument("new", type=click.Path(exists=True, file_okay=False))
+@click.argument("paths", nargs=-1, required=True)
+@handle_errors
+def diff(old, new, paths):
+    """Print diff sections for PATHS from tree OLD to tree NEW in the series' format (a/ b/, 3 lines of
+    context, no index lines), ready to paste under a patch's DEP-3 header."""
+    from h3kit.patches import diff_sections
+
+    click.echo(diff_sections(old, new, list(paths)), nl=False)
+
+
+@patches.command()
 @comfy_home_option()
 @json_option
 @handle_errors
