@@ -126,39 +126,46 @@ def is_socket(item) -> bool:
 
 
 class Catalog:
-    """Node definitions by class name; `names` is every class known to be installed (may be larger)."""
+    """Node definitions by class name, built from the compact entries on first use."""
 
-    def __init__(self, defs: dict[str, NodeDef]):
-        self.defs = defs
+    def __init__(self, entries: dict[str, dict]):
+        self.entries = entries
+        self.defs: dict[str, NodeDef] = {}
         self._produced = None
+
+    def get(self, class_type) -> NodeDef | None:
+        if not isinstance(class_type, str):
+            return None
+        nd = self.defs.get(class_type)
+        if nd is None:
+            e = self.entries.get(class_type)
+            if e is None:
+                return None
+            nd = self.defs[class_type] = NodeDef(class_type, e["inputs"], e["outputs"], e.get("output_node", False))
+        return nd
+
+    def __contains__(self, class_type) -> bool:
+        return isinstance(class_type, str) and class_type in self.entries
 
     def is_produced(self, kind: str) -> bool:
         """Whether some known node outputs this type (else an input of it can only be a widget)."""
         if self._produced is None:
-            self._produced = {t.strip() for nd in self.defs.values() for o in nd.outputs for t in o.split(",")}
+            self._produced = {t.strip() for e in self.entries.values() for o in e["outputs"] for t in str(o).split(",")}
         return kind in ("*", "COMFY_MATCHTYPE_V3") or any(t.strip() in self._produced for t in kind.split(","))
-
-    def get(self, class_type) -> NodeDef | None:
-        return self.defs.get(class_type) if isinstance(class_type, str) else None
-
-    def __contains__(self, class_type) -> bool:
-        return isinstance(class_type, str) and class_type in self.defs
 
     def merge_object_info(self, object_info: dict) -> None:
         """Add (or replace) definitions from a live server's /object_info answer."""
         for name, entry in compact_object_info(object_info).items():
-            self.defs[name] = NodeDef(name, entry["inputs"], entry["outputs"], entry["output_node"])
+            self.entries[name] = entry
+            self.defs.pop(name, None)
         self._produced = None
 
 
 def load_catalog(path: str = PIN_CATALOG) -> Catalog:
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    defs = {name: NodeDef(name, e["inputs"], e["outputs"], e.get("output_node", False))
-            for name, e in data["nodes"].items()}
-    for name, e in H3KIT_NODES.items():
-        defs[name] = NodeDef(name, e["inputs"], e["outputs"], e["output_node"])
-    return Catalog(defs)
+        entries = json.load(f)["nodes"]
+    entries.update(H3KIT_NODES)
+    return Catalog(entries)
 
 
 _KEEP_OPTIONS = ("control_after_generate", "forceInput", "widgetType", "component", *UPLOAD_FLAGS)
@@ -207,10 +214,10 @@ def refresh(url: str, path: str = PIN_CATALOG) -> int:
     import requests
 
     info = requests.get(url.rstrip("/") + "/object_info", timeout=60).json()
-    nodes = compact_object_info(info, skip_modules=("comfy_api_nodes",))
+    nodes = compact_object_info(info, skip_modules=("comfy_api_nodes", "custom_nodes"))
     data = {
         "source": "GET /object_info of ComfyUI bd34f338ac505ea79e43968753968a464060e609 on CPU, "
-                  "compacted by h3kit.workflow.catalog.compact_object_info (comfy_api_nodes left out)",
+                  "compacted by h3kit.workflow.catalog.compact_object_info (API and custom nodes left out)",
         "nodes": dict(sorted(nodes.items())),
     }
     # one node per line, so a refresh after an upstream bump reviews as a readable diff

@@ -88,6 +88,7 @@ class Graph:
         self.nodes: dict[str, Node] = {}
         self.findings: list[Finding] = []
         self.class_types: set[str] = set()  # every node type written in the file, active or not
+        self.instances: dict[str, dict] = {}  # expanded subgraph instance id -> its widget values by input name
 
     def add_finding(self, code: str, message: str, node: Node | None = None, *, node_id: str | None = None,
                     path: str | None = None):
@@ -413,6 +414,7 @@ class _UiFlattener:
             if depth + 1 > MAX_DEPTH:
                 raise GraphTooLarge(f"subgraphs are nested more than {MAX_DEPTH} deep")
             dto.promoted = self._promoted_values(dto, sub)
+            self.graph.instances[dto.eid] = dto.promoted
             dto.expanded = True
             self._expand(sub, [*prefix, str(nid)], dto, depth + 1)
 
@@ -602,8 +604,8 @@ class _UiFlattener:
 
     def _resolve_subgraph_output(self, dto: _Dto, slot: int, want_type, visited: set):
         sub = dto.sub
-        if not dto.expanded:
-            return _Unresolved("broken", f"subgraph instance {dto.path} cannot be expanded")
+        if not dto.expanded:  # a self-containing subgraph, already reported as H3404
+            return _Unresolved("broken")
         if not 0 <= slot < len(sub.outputs):
             return _Unresolved("broken", f"linked to output {slot} of subgraph {sub.label!r}, which has "
                                f"{len(sub.outputs)} output(s); reconnect it")

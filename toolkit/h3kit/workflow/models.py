@@ -65,7 +65,7 @@ H3KIT_NODE_TYPES = frozenset({"MultiNPUParallelConfig"})
 _NODE_ID = re.compile(r"""(?:node_id|NodeId|NODE_ID)[ \t]*=[ \t]*["']([^"'\n]+)["']""")  # no \b: 4x slower
 _MAPPING_BLOCK = re.compile(r"NODE_CLASS_MAPPINGS\s*(?::[^=\n]*)?=\s*\{(.*?)\n\s*\}", re.S)
 _MAPPING_UPDATE = re.compile(r"NODE_CLASS_MAPPINGS\.update\(\s*\{(.*?)\}\s*\)", re.S)
-_MAPPING_KEY = re.compile(r"""^\s*["']([^"'\n]+)["']\s*:""", re.M)
+_MAPPING_KEY = re.compile(r"""(?:^|[{,])\s*["']([^"'\n]+)["']\s*:""", re.M)
 _MAPPING_ITEM = re.compile(r"""NODE_CLASS_MAPPINGS\[\s*["']([^"'\n]+)["']\s*\]\s*=""")
 MAX_SCAN_FILES = 20000
 MAX_SCAN_BYTES = 4 * 1024 * 1024
@@ -166,8 +166,12 @@ def open_install(home: str, *, object_info: dict | None = None, service_args: li
             _add_extra_paths(config, model_dirs, problems)
     if object_info is not None:
         known, source = set(object_info), "its running service's /object_info"
-    else:
+    elif os.path.isfile(os.path.join(home, "nodes.py")):
         known, source = scan_node_types(home, problems), "a static scan of its node sources"
+    else:
+        known, source = None, "none"
+        problems.append(f"{home} has no nodes.py: node types were not checked; point --comfy-home at the "
+                        "ComfyUI checkout, or start its service")
     return Install(os.path.abspath(home), model_dirs, known, source, problems)
 
 
