@@ -16,7 +16,7 @@ from h3kit.cli import main
 from h3kit.errors import DeviceListError, UsageError
 from h3kit.workflow import report
 from h3kit.workflow.checks import adapt_canvas, align_frame_count
-from support.check_workflow_helpers import ROOT, check_doc, deep, found, load_data, messages
+from support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
 
 API = load_data("api_t2va.json")
 NESTED = load_data("ui_nested_subgraphs.json")
@@ -574,6 +574,23 @@ def test_shipped_workflows_pass_on_four_devices(path, tmp_path):
     assert "pruned" not in unet and "turbo_8step" in lora
 
 
+def test_frontend_schema_check_catches_what_the_frontend_rejects():
+    doc = json.loads(SHIPPED[0].read_text())
+    assert frontend_schema_errors(doc) == []
+    doc["id"] = None
+    doc["nodes"][0]["pos"] = [0]
+    doc["links"][0] = doc["links"][0][:5]
+    assert len(frontend_schema_errors(doc)) == 3
+
+
+def test_npu_count_is_the_first_widget_even_if_the_node_grows(tmp_path):
+    doc = json.loads(SHIPPED[0].read_text())
+    config = next(n for n in doc["nodes"] if n["type"] == "MultiNPUParallelConfig")
+    config["widgets_values"] = [2, "a widget a later runtime adds"]
+    result = check_doc(tmp_path, doc, devices="0,1,2,3")
+    assert found(result) == [("H3406", "6"), ("H3102", "6")]
+
+
 def test_shipped_set_is_complete():
     assert {p.name for p in SHIPPED} == {"t2va_8steps_lora.json", "fl2va_8steps_lora.json", "ref2va_8steps_lora.json"}
 
@@ -584,6 +601,7 @@ def test_shipped_workflows_are_consistent_ui_documents(path):
     from h3kit.workflow.catalog import load_catalog
     catalog = load_catalog()
     doc = json.loads(path.read_text())
+    assert frontend_schema_errors(doc) == []
     nodes = {n["id"]: n for n in doc["nodes"]}
     assert doc["last_node_id"] == max(nodes) and doc["last_link_id"] == max(link[0] for link in doc["links"])
     for lid, src, slot, dst, dslot, kind in doc["links"]:

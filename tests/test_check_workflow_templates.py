@@ -260,3 +260,19 @@ def test_templates_against_the_pinned_tree(templates_dir, pin_tree):
         missing = " ".join(messages(result, "H3501"))
         assert "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors" in missing and "models/text_encoders/" in missing
         assert result.exit_code == 1
+
+
+def test_all_templates_sweep(templates_dir):
+    """All 660 files of the pinned package: nothing crashes, non-workflows exit 2, and the only findings are
+    true ones at the pin (an output node fed by an unconnected subgraph input, a subgraph output pointing at a
+    link its subgraph lacks, a switch branch the pin still requires)."""
+    result = check_paths([str(p) for p in sorted(templates_dir.glob("*.json"))], environ={})
+    assert result.exit_code == 2 and result.summary["files"] == 660
+    unreadable = [f.file.rsplit("/", 1)[-1] for f in result.findings if f.code == "H3001"]
+    findings = {(f.file.rsplit("/", 1)[-1], f.code, f.node) for f in result.findings if f.code != "H3001"}
+    assert all(n.startswith(("index", "fuse_options")) for n in unreadable) and len(unreadable) == 16
+    assert findings == {("video_ltx2_i2v_lora.json", "H3401", "75"),
+                        ("image_ernie_image.json", "H3402", "88:92"), ("image_ernie_image.json", "H3402", "88:93"),
+                        ("image_ernie_image_turbo.json", "H3402", "88:99"),
+                        ("image_ernie_image_turbo.json", "H3402", "88:100"),
+                        ("video_wan_animate2.json", "H3402", "672:651")}

@@ -35,8 +35,9 @@ OUTPUT_NAMES = {"MiniMaxH3ImageToVideo": ["positive", "LATENT"], "MiniMaxH3Refer
 
 
 class Builder:
-    def __init__(self, catalog):
+    def __init__(self, catalog, uid):
         self.catalog = catalog
+        self.uid = uid
         self.nodes = []
         self.links = []
 
@@ -71,7 +72,7 @@ class Builder:
         self.links.append([lid, src, slot, dst, index, source["type"]])
 
     def document(self):
-        return {"id": None, "revision": 0, "last_node_id": len(self.nodes), "last_link_id": len(self.links),
+        return {"id": self.uid, "revision": 0, "last_node_id": len(self.nodes), "last_link_id": len(self.links),
                 "nodes": self.nodes, "links": self.links, "groups": [], "config": {},
                 "extra": {"ds": {"scale": 0.6, "offset": [0, 0]},
                           "h3kit": "MultiNPUParallelConfig npu_count must equal the devices `h3kit start "
@@ -136,15 +137,16 @@ REF2VA_PROMPT = ("<Subject 1> is the person in <Picture 1>. <Subject 1> walks th
                  "a noodle stall and smiles at the cook. Audio: rain on awnings, sizzling woks, distant chatter.")
 
 
+# Fixed graph ids (the frontend wants a UUID or none), so regenerating gives the same files
 def build_t2va(catalog):
-    b = Builder(catalog)
+    b = Builder(catalog, "6f3d2b0e-43a1-4c8e-9b7a-3e1f0c5d2a01")
     _cond, video = _common(b, FULL_FL2VA, TURBO_FL2V, "MiniMaxH3ImageToVideo", [T2VA_PROMPT, 1344, 768, 124])
     _save(b, video, "video/h3kit_t2va")
     return b.document()
 
 
 def build_fl2va(catalog):
-    b = Builder(catalog)
+    b = Builder(catalog, "6f3d2b0e-43a1-4c8e-9b7a-3e1f0c5d2a02")
     cond, video = _common(b, FULL_FL2VA, TURBO_FL2V, "MiniMaxH3ImageToVideo", [FL2VA_PROMPT, 1344, 768, 124])
     first = b.node("LoadImage", ["example.png", "image"], (380, 420), size=(300, 320), title="First frame")
     last = b.node("LoadImage", ["example.png", "image"], (380, 780), size=(300, 320), title="Last frame")
@@ -155,7 +157,7 @@ def build_fl2va(catalog):
 
 
 def build_ref2va(catalog):
-    b = Builder(catalog)
+    b = Builder(catalog, "6f3d2b0e-43a1-4c8e-9b7a-3e1f0c5d2a03")
     refs = [{"label": "ref_image_0", "name": "ref_images.ref_image_0", "shape": 7, "type": "IMAGE", "link": None},
             {"label": "ref_image_1", "name": "ref_images.ref_image_1", "shape": 7, "type": "IMAGE", "link": None}]
     cond, video = _common(b, FULL_REF2VA, TURBO_REF2V, "MiniMaxH3ReferenceToVideo",

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import os
 
-from h3kit import devices as devices_mod
-from h3kit.workflow import checks, graph as graph_mod, load, report
-from h3kit.workflow.catalog import load_catalog
-
 
 class Result:
     def __init__(self, findings, summary, exit_code):
@@ -31,6 +27,11 @@ def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str
     CUDA_VISIBLE_DEVICES) in `environ`, else the running service of `comfy_home`. Bad device lists and a
     --comfy-home that is not ComfyUI raise UsageError.
     """
+    # imported here, not at package import, so `python -m h3kit.workflow.catalog` runs cleanly
+    from h3kit import devices as devices_mod
+    from h3kit.workflow import checks, report
+    from h3kit.workflow.catalog import load_catalog
+
     environ = os.environ if environ is None else environ
     catalog = load_catalog()
     device_list, source, why = None, None, None
@@ -71,6 +72,8 @@ def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str
 
 
 def _check_one(path: str, ctx) -> tuple[list, bool]:
+    from h3kit.workflow import checks, graph as graph_mod, load, report
+
     try:
         workflow = load.read_workflow(path)
     except load.WorkflowFileError as e:

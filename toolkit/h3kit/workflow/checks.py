@@ -147,6 +147,11 @@ def check_structure(graph: Graph, ctx: Context, index: _Index):
 
 def _check_required_inputs(graph: Graph, ctx: Context, node: Node):
     nd = ctx.catalog.get(node.class_type)
+    if nd is None:
+        # A custom node this ComfyUI's definitions do not describe: which inputs it requires is unknown
+        # (older frontends did not mark optional inputs), so it is checked only when a running service's
+        # /object_info supplies its definition.
+        return
     missing = []
     if node.ui_inputs is not None:
         listed = set()
@@ -156,23 +161,19 @@ def _check_required_inputs(graph: Graph, ctx: Context, node: Node):
                 continue
             if is_widget or str(ui_type).upper() in UI_WIDGET_TYPES:
                 continue  # a widget keeps its own value when nothing is linked
-            if nd is not None:
-                spec = nd.input(name)
-                # an input this ComfyUI does not define was saved by another version: not judged
-                required = spec is not None and spec[2] and catalog_mod.is_socket(spec)
-            else:
-                required = not optional and "." not in name
+            spec = nd.input(name)
+            # an input this ComfyUI does not define was saved by another version: not judged
+            required = spec is not None and spec[2] and catalog_mod.is_socket(spec)
             if required:
                 missing.append((name, state, detail))
-        if nd is not None:
-            # Newer frontends drop unlinked widget slots from the saved list, and draw some types no node
-            # produces (bounding boxes, colour palettes) as widgets: only a type some node outputs is a
-            # socket that must have been listed.
-            for name in nd.socket_inputs(required_only=True):
-                kind = nd.input(name)[1]
-                if name not in listed and name not in node.inputs and ctx.catalog.is_produced(kind):
-                    missing.append((name, "unlinked", ""))
-    elif nd is not None:
+        # Newer frontends drop unlinked widget slots from the saved list, and draw some types no node
+        # produces (bounding boxes, colour palettes) as widgets: only a type some node outputs is a socket
+        # that must have been listed.
+        for name in nd.socket_inputs(required_only=True):
+            kind = nd.input(name)[1]
+            if name not in listed and name not in node.inputs and ctx.catalog.is_produced(kind):
+                missing.append((name, "unlinked", ""))
+    else:
         for spec in nd.inputs:
             name, kind, required, _opts = spec
             if required and kind not in catalog_mod.GROUP_TYPES and name not in node.inputs \

@@ -37,6 +37,11 @@ MAX_DEPTH = 32
 MAX_HOPS = 300
 
 
+# Node types whose first widget is fixed by an interface contract, whatever else a later version adds:
+# MultiNPUParallelConfig's npu_count is widgets_values[0] (issue 4).
+FIRST_WIDGET_CONTRACTS = {"MultiNPUParallelConfig": "npu_count"}
+
+
 class GraphTooLarge(Exception):
     pass
 
@@ -505,6 +510,8 @@ class _UiFlattener:
         fits = len(slots) == len(values) if nd.widget_slots_complete else len(values) >= len(slots)
         if not fits:
             node.widgets_mapped = False
+            if dto.type in FIRST_WIDGET_CONTRACTS and values:
+                node.inputs[FIRST_WIDGET_CONTRACTS[dto.type]] = values[0]
             return
         for name, value in zip(slots, values):
             if name is not None:
