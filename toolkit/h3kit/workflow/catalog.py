@@ -233,5 +233,8 @@ if __name__ == "__main__":
 
     if len(sys.argv) != 2:
         sys.exit("usage: python -m h3kit.workflow.catalog http://127.0.0.1:PORT")
-    count = refresh(sys.argv[1])
+    try:
+        count = refresh(sys.argv[1])
+    except Exception as e:  # a maintainer tool: say what failed, no traceback
+        sys.exit(f"cannot read {sys.argv[1]}/object_info: {type(e).__name__}: {e}")
     sys.stderr.write(f"wrote {count} node definitions to {PIN_CATALOG}\n")
