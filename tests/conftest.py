@@ -18,6 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
+# Test this checkout's h3kit, whichever checkout the environment's editable install points at, here and in
+# every subprocess the tests start (`python -m h3kit`, ComfyUI workers importing h3kit.*).
+sys.path.insert(0, str(ROOT / "toolkit"))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "toolkit"), os.environ.get("PYTHONPATH")) if p)
 MANIFEST = json.loads((ROOT / "source_deps_info.json").read_text())
 PIN = MANIFEST["upstream"]["commit"]
 

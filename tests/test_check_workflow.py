@@ -16,7 +16,7 @@ from h3kit.cli import main
 from h3kit.errors import DeviceListError, UsageError
 from h3kit.workflow import report
 from h3kit.workflow.checks import adapt_canvas, align_frame_count
-from support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
+from tests.support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
 
 API = load_data("api_t2va.json")
 NESTED = load_data("ui_nested_subgraphs.json")

@@ -15,8 +15,8 @@ from h3kit.workflow.catalog import load_catalog
 from h3kit.workflow.graph import build_graph
 from h3kit.workflow.load import classify, read_workflow
 from h3kit.workflow.resolve import UNKNOWN, value
-from support.check_workflow_api import to_api
-from support.check_workflow_helpers import check_doc, found, messages, ui_node
+from tests.support.check_workflow_api import to_api
+from tests.support.check_workflow_helpers import check_doc, found, messages, ui_node
 
 H3_PATTERNS = ("api_minimax_h3_*", "image_minimax_h3_t2i*", "video_fasth3_*", "video_fastvideo_fasth3_*",
                "video_minimax_h3_*")
