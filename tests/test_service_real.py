@@ -5,8 +5,10 @@ refusal, restart after an idle run (with a real out-of-memory error in its log w
 impossible allocations), SIGKILL then restart, a foreign port holder, stop. That is three boots of 10-20 s
 each. Every test first makes sure the server is in the state it needs, so each also runs alone.
 
-The server runs in a copy of the tree (ComfyUI writes its database and outputs there), with its own
-runtime root and a port from 8470-8489.
+The server runs in a copy of the installed tree (ComfyUI writes its database and outputs there), from the
+default runtime root `.h3kit/run` where install put the launch scripts: the first start goes through
+`start-4npu.sh` and the restart of the killed server through `restart.sh`, as a deployment would. Ports
+come from 8470-8489.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support.service_helpers import (Home, free_port, h3kit, http_json, http_status, kill_started_under,
+from tests.support.service_helpers import (Home, free_port, h3kit, http_json, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
 
-# The tree the server runs from. Switch to "installed_tree" (the patched install) once it exists.
-TREE_FIXTURE = "pin_tree"
+# The tree the server runs from: the patched install. With "pin_tree" (the plain pin) the same tests run,
+# with the h3kit commands in place of the launch scripts install would have put there.
+TREE_FIXTURE = "installed_tree"
 BOOT_TIMEOUT = 240
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
@@ -43,8 +46,8 @@ def comfy_tree(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(comfy_tree, comfy_python, tmp_path_factory):
-    home = Home(comfy_tree, free_port(8470, 8489), runtime_root=tmp_path_factory.mktemp("service-run"))
+def server(comfy_tree, comfy_python):
+    home = Home(comfy_tree, free_port(8470, 8489))
     home.python = comfy_python
     yield home
     home.run("stop", "--grace", "5")
@@ -52,6 +55,19 @@ def server(comfy_tree, comfy_python, tmp_path_factory):
 
 def start(home: Home):
     return home.start("--python", home.python, timeout=BOOT_TIMEOUT)
+
+
+def launch(home: Home, script: str, *args):
+    """Run an installed launch script the way an operator would: only the documented variables set."""
+    path = home.root / script
+    if not path.exists():
+        assert TREE_FIXTURE != "installed_tree", f"install did not put {script} in {home.root}"
+        return None
+    env = dict(os.environ, NPU_DEVICES="0", COMFYUI_PORT=str(home.port), H3KIT_DEVICE_TYPE="cpu",
+               H3KIT=f"{sys.executable} -m h3kit")
+    for name in ("H3KIT_RUNTIME_ROOT", "H3KIT_COMFY_HOME"):
+        env.pop(name, None)  # the scripts find both from where they live
+    return subprocess.run([str(path), *args], env=env, capture_output=True, text=True, timeout=BOOT_TIMEOUT + 60)
 
 
 def ensure_running(home: Home) -> int:
@@ -78,7 +94,8 @@ def blur_prompt(color: int) -> dict:
 def test_start_waits_for_health(server):
     st = server.status()
     assert not st["running"]
-    r = start(server)
+    # the interpreter comes from install's state.json when the script starts it
+    r = launch(server, "start-4npu.sh") or start(server)
     assert r.returncode == 0, r.stderr
     assert http_status(f"{server.url}/system_stats") == 200
     rec = server.record()
@@ -86,6 +103,7 @@ def test_start_waits_for_health(server):
     assert rec["cmdline"][1:4] == ["-B", "main.py", "--listen"] and "--cpu" in rec["cmdline"]
     assert "Starting server" in Path(rec["log"]).read_text()
     assert f"started: pid {rec['pid']}" in r.stdout
+    assert rec["python"] == server.python and rec["devices"] == [0] and rec["port"] == server.port
 
 
 def test_status_reports_the_running_server(server):
@@ -148,7 +166,7 @@ def test_sigkilled_server_is_seen_as_not_running_and_restarted(server):
     st = server.run("status")
     assert st.returncode == 1 and "running: no" in st.stdout and f"process {pid} has exited" in st.stdout
     assert server.status()["running"] is False  # the record is still there; the process is not
-    r = server.run("restart", timeout=BOOT_TIMEOUT + 60)
+    r = launch(server, "restart.sh") or server.run("restart", timeout=BOOT_TIMEOUT + 60)
     assert r.returncode == 0, r.stderr
     assert "was not running" in r.stdout
     assert server.status()["healthy"]

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from support.service_helpers import (StandinHome, free_port, h3kit, http_status, kill_started_under,
+from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
 
 from h3kit import service
