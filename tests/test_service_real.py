@@ -1,0 +1,215 @@
+"""Service lifecycle against the real ComfyUI server on CPU.
+
+One server is shared by the tests of this module, which run in file order: start, status, the busy-queue
+refusal, restart after an idle run (with a real out-of-memory error in its log when the host refuses
+impossible allocations), SIGKILL then restart, a foreign port holder, stop. That is three boots of 10-20 s
+each. Every test first makes sure the server is in the state it needs, so each also runs alone.
+
+The server runs in a copy of the installed tree (ComfyUI writes its database and outputs there), from the
+default runtime root `.h3kit/run` where install put the launch scripts: the first start goes through
+`start-4npu.sh` and the restart of the killed server through `restart.sh`, as a deployment would. Ports
+come from 8470-8489.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.support.service_helpers import (Home, free_port, h3kit, http_json, http_status, kill_started_under,
+                                     pid_running, port_is_free, wait_for)
+
+# The tree the server runs from: the patched install. With "pin_tree" (the plain pin) the same tests run,
+# with the h3kit commands in place of the launch scripts install would have put there.
+TREE_FIXTURE = "installed_tree"
+BOOT_TIMEOUT = 240
+
+pytestmark = [pytest.mark.upstream, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def comfy_tree(request, tmp_path_factory):
+    source = request.getfixturevalue(TREE_FIXTURE)
+    dest = tmp_path_factory.mktemp("service-real") / "ComfyUI"
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+    yield dest
+    kill_started_under(dest)
+
+
+@pytest.fixture(scope="module")
+def server(comfy_tree, comfy_python):
+    home = Home(comfy_tree, free_port(8470, 8489))
+    home.python = comfy_python
+    yield home
+    home.run("stop", "--grace", "5")
+
+
+def start(home: Home):
+    return home.start("--python", home.python, timeout=BOOT_TIMEOUT)
+
+
+def launch(home: Home, script: str, *args):
+    """Run an installed launch script the way an operator would: only the documented variables set."""
+    path = home.root / script
+    if not path.exists():
+        assert TREE_FIXTURE != "installed_tree", f"install did not put {script} in {home.root}"
+        return None
+    env = dict(os.environ, NPU_DEVICES="0", COMFYUI_PORT=str(home.port), H3KIT_DEVICE_TYPE="cpu",
+               H3KIT=f"{sys.executable} -m h3kit")
+    for name in ("H3KIT_RUNTIME_ROOT", "H3KIT_COMFY_HOME"):
+        env.pop(name, None)  # the scripts find both from where they live
+    return subprocess.run([str(path), *args], env=env, capture_output=True, text=True, timeout=BOOT_TIMEOUT + 60)
+
+
+def ensure_running(home: Home) -> int:
+    st = home.status()
+    if not (st["running"] and st["healthy"]):
+        r = start(home)
+        assert r.returncode == 0, r.stderr
+    return home.record()["pid"]
+
+
+def queue(home: Home) -> tuple[int, int]:
+    q = http_json(f"{home.url}/queue")
+    return len(q["queue_running"]), len(q["queue_pending"])
+
+
+def blur_prompt(color: int) -> dict:
+    # ~2-3 s on this machine's CPU, no model needed; the colour defeats the output cache
+    return {"1": {"class_type": "EmptyImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1,
+                                                        "color": color}},
+            "2": {"class_type": "ImageBlur", "inputs": {"image": ["1", 0], "blur_radius": 31, "sigma": 10.0}},
+            "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 0]}}}
+
+
+def test_start_waits_for_health(server):
+    st = server.status()
+    assert not st["running"]
+    # the interpreter comes from install's state.json when the script starts it
+    r = launch(server, "start-4npu.sh") or start(server)
+    assert r.returncode == 0, r.stderr
+    assert http_status(f"{server.url}/system_stats") == 200
+    rec = server.record()
+    assert pid_running(rec["pid"])
+    assert rec["cmdline"][1:4] == ["-B", "main.py", "--listen"] and "--cpu" in rec["cmdline"]
+    assert "Starting server" in Path(rec["log"]).read_text()
+    assert f"started: pid {rec['pid']}" in r.stdout
+    assert rec["python"] == server.python and rec["devices"] == [0] and rec["port"] == server.port
+
+
+def test_status_reports_the_running_server(server):
+    pid = ensure_running(server)
+    st = server.status()
+    assert st["running"] is True and st["healthy"] is True and st["pid"] == pid
+    assert st["uptime_s"] > 0 and st["port"] == server.port
+    assert st["devices"] and st["devices"][0]["name"] == "cpu" and st["devices"][0]["vram_total"] > 0
+    assert st["queue"] == {"running": 0, "pending": 0}
+    text = server.run("status")
+    assert text.returncode == 0 and f"running: yes, pid {pid}" in text.stdout and "queue: 0 running" in text.stdout
+
+
+def test_busy_queue_makes_restart_refuse_without_force(server):
+    pid = ensure_running(server)
+    for i in range(4):
+        http_json(f"{server.url}/prompt", {"prompt": blur_prompt(int(time.time() * 1000 + i) % 16777215)})
+    try:
+        wait_for(lambda: sum(queue(server)) >= 2, 20, "the queue to fill")
+        r = server.run("restart")
+        assert r.returncode == 1
+        assert "queue_busy" in r.stderr and "pending prompt(s)" in r.stderr and "--force" in r.stderr
+        assert server.record()["pid"] == pid and pid_running(pid)
+    finally:
+        http_json(f"{server.url}/queue", {"clear": True})
+        http_json(f"{server.url}/interrupt", {})
+        wait_for(lambda: queue(server) == (0, 0), 60, "the queue to drain")
+
+
+def test_restart_after_an_idle_run(server):
+    pid = ensure_running(server)
+    oom = _host_refuses_huge_allocations()
+    if oom:
+        # A real failure in the log: an allocation no host can satisfy fails at once ("can't allocate
+        # memory"), which the runbook treats as an out-of-memory error.
+        huge = {"1": {"class_type": "EmptyImage",
+                      "inputs": {"width": 16384, "height": 16384, "batch_size": 4096, "color": 0}},
+                "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
+        prompt_id = http_json(f"{server.url}/prompt", {"prompt": huge})["prompt_id"]
+        wait_for(lambda: http_json(f"{server.url}/history/{prompt_id}"), 30, "the prompt to fail")
+        first = server.status()["first_error"]
+        assert first["kind"] == "oom" and "can't allocate memory" in first["summary"]
+    r = server.run("restart", "--json", timeout=BOOT_TIMEOUT + 60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["was_running"] and out["previous_pid"] == pid and out["pid"] != pid
+    assert out["queue"] == {"running": 0, "pending": 0}
+    assert out["phases"]["start"] > 1 and out["phases"]["total"] >= out["phases"]["start"]
+    if oom:
+        assert out["previous_error"]["kind"] == "oom"
+    assert not pid_running(pid)
+    assert http_status(f"{server.url}/system_stats") == 200
+    assert server.status()["first_error"] is None  # the new run's log is clean
+
+
+def test_sigkilled_server_is_seen_as_not_running_and_restarted(server):
+    pid = ensure_running(server)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_running(pid), 10, "the server to die")
+    st = server.run("status")
+    assert st.returncode == 1 and "running: no" in st.stdout and f"process {pid} has exited" in st.stdout
+    assert server.status()["running"] is False  # the record is still there; the process is not
+    r = launch(server, "restart.sh") or server.run("restart", timeout=BOOT_TIMEOUT + 60)
+    assert r.returncode == 0, r.stderr
+    assert "was not running" in r.stdout
+    assert server.status()["healthy"]
+
+
+def test_foreign_process_on_the_port_is_refused_and_left_alive(server, comfy_tree, tmp_path):
+    server_pid = ensure_running(server)
+    port = free_port(server.port + 1, 8489)
+    foreign = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        wait_for(lambda: not port_is_free(port), 15, "the foreign server to listen")
+        other = Home(comfy_tree, port, runtime_root=tmp_path / "other-run")
+        r = other.start("--python", server.python, "--json")
+        assert r.returncode == 1
+        err = json.loads(r.stdout)["error"]
+        assert err["code"] == "port_in_use" and err["details"]["holders"][0]["pid"] == foreign.pid
+        assert f"pid {foreign.pid}" in r.stderr and "http.server" in r.stderr
+        assert foreign.poll() is None and other.record() is None
+
+        # h3kit's own server, seen from another runtime root, is just as foreign there
+        mine = Home(comfy_tree, server.port, runtime_root=tmp_path / "third-run")
+        r = mine.start("--python", server.python)
+        assert r.returncode == 1 and f"pid {server_pid}" in r.stderr
+        assert pid_running(server_pid) and mine.record() is None
+    finally:
+        foreign.terminate()
+        foreign.wait(10)
+
+
+def test_stop_frees_the_port(server):
+    pid = ensure_running(server)
+    r = server.run("stop", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stopped"] and out["pid"] == pid and out["signals"] == ["SIGTERM"]
+    assert port_is_free(server.port) and not pid_running(pid)
+    assert server.record() is None
+    assert server.run("status").returncode == 1
+
+
+def _host_refuses_huge_allocations() -> bool:
+    try:
+        return Path("/proc/sys/vm/overcommit_memory").read_text().strip() in ("0", "2")
+    except OSError:
+        return False

@@ -1,0 +1,439 @@
+"""Service lifecycle fault cases, against the test stand-in server (tests/support/standin_server.py).
+
+The stand-in is launched by `h3kit start` exactly like ComfyUI (python -B main.py ...) but misbehaves on
+request: never healthy, dies during boot, ignores SIGTERM, busy queue, out-of-memory reports. It needs
+neither torch nor the upstream tree, so these tests always run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_status, kill_started_under,
+                                     pid_running, port_is_free, wait_for)
+
+from h3kit import service
+
+
+@pytest.fixture
+def home(tmp_path):
+    h = StandinHome(tmp_path / "comfy", free_port(8410, 8469))
+    yield h
+    kill_started_under(h.path)
+
+
+def started_pid(home) -> int:
+    rec = home.record()
+    assert rec is not None, "no server record"
+    return rec["pid"]
+
+
+# --------------------------------------------------------------------------------------------- start
+
+
+def test_start_waits_for_health_and_records_the_process(home):
+    home.configure(boot_delay=5.5)
+    t0 = time.monotonic()
+    r = home.start(devices="0,1")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    assert elapsed >= 5.5
+    assert http_status(f"{home.url}/system_stats") == 200  # healthy the moment start returns
+    assert "healthy after" in r.stdout
+    assert "waiting for" in r.stderr  # progress while it waits
+
+    rec = home.record()
+    proc = psutil.Process(rec["pid"])
+    assert rec["create_time"] == pytest.approx(proc.create_time(), abs=0.01)
+    assert rec["cmdline"] == proc.cmdline()
+    assert rec["cmdline"][1:] == ["-B", "main.py", "--listen", "127.0.0.1", "--port", str(home.port), "--cpu"]
+    assert rec["devices"] == [0, 1] and rec["device_type"] == "cpu" and rec["port"] == home.port
+    boot = home.boots()[0]
+    assert boot["env"]["H3KIT_SIM_DEVICES"] == "2"
+    assert boot["dont_write_bytecode"] == 1
+    assert boot["pgid"] == boot["sid"] == rec["pid"]  # own session and process group
+    logs = home.root / "logs"
+    assert os.readlink(logs / "latest") == os.path.basename(rec["log"])
+    assert rec["log"].startswith(str(logs / "comfyui-"))
+    assert "stand-in server (not ComfyUI)" in open(rec["log"]).read()
+
+
+@pytest.mark.parametrize("kind, devices, variable", [("npu", "0,1,2,3", "ASCEND_RT_VISIBLE_DEVICES"),
+                                                     ("cuda", "1,3", "CUDA_VISIBLE_DEVICES")])
+def test_accelerator_start_exposes_devices_and_checks_them(home, kind, devices, variable):
+    r = home.start(devices=devices, device_type=kind)
+    assert r.returncode == 0, r.stderr
+    boot = home.boots()[0]
+    assert boot["env"][variable] == devices
+    assert "--cpu" not in boot["argv"]
+    st = home.status()
+    assert st["running"] and len(st["devices"]) == len(devices.split(","))
+
+
+def test_device_count_mismatch_fails_and_stops_the_child(home):
+    home.configure(devices=1)
+    r = home.start(devices="0,1", device_type="npu")
+    assert r.returncode == 1
+    assert "device_mismatch" in r.stderr and "lists 1 device" in r.stderr
+    assert not pid_running(home.boots()[0]["pid"])
+    assert port_is_free(home.port)
+
+
+@pytest.mark.parametrize("devices, fragment", [("1, 2,3", "not a non-negative integer"), ("0,1,2", "3 devices"),
+                                               ("2,1", "ascending")])
+def test_bad_device_list_is_refused_before_anything_runs(home, devices, fragment):
+    r = home.start(devices=devices)
+    assert r.returncode == 2
+    assert fragment in r.stderr and "Traceback" not in r.stderr
+    assert home.boots() == [] and not home.root.exists()
+
+
+def test_never_healthy_server_times_out_and_is_stopped(home):
+    home.configure(healthy=False)
+    r = home.start(timeout=2)
+    assert r.returncode == 1
+    assert "start_timeout" in r.stderr
+    assert "stand-in server (not ComfyUI)" in r.stderr  # the log's last lines
+    assert not pid_running(home.boots()[0]["pid"])
+    assert port_is_free(home.port)
+    st = home.status()  # the record stays, naming the dead process, so restart can retry
+    assert st["record"] and not st["running"]
+
+
+def test_server_dying_during_boot_fails_at_once(home):
+    home.configure(boot_delay=0.3, exit_during_boot=3)
+    t0 = time.monotonic()
+    r = home.start(timeout=120)
+    assert r.returncode == 1
+    assert time.monotonic() - t0 < 30
+    assert "server_exited" in r.stderr and "code 3" in r.stderr
+    assert "RuntimeError: stand-in boot failure" in r.stderr
+    st = home.status()
+    assert st["first_error"]["summary"] == "RuntimeError: stand-in boot failure"
+
+
+def test_start_again_reports_the_running_instance(home):
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    again = home.start()
+    assert again.returncode == 0
+    assert "already running" in again.stdout and str(pid) in again.stdout
+    assert len(home.boots()) == 1
+    other = h3kit("start", "--comfy-home", home.path, "--runtime-root", home.root, "--devices", "0",
+                  "--device-type", "cpu", "--port", free_port(home.port + 1, 8469))
+    assert other.returncode == 1 and "already_running" in other.stderr
+    assert len(home.boots()) == 1
+
+
+def test_public_listen_address_warns(home):
+    r = home.start("--listen", "0.0.0.0")
+    assert r.returncode == 0, r.stderr
+    assert "no authentication" in r.stderr
+    assert home.record()["listen"] == "0.0.0.0"
+    assert home.status()["healthy"]
+
+
+def test_extra_args_reach_the_server_and_survive_restart(home):
+    bad = home.start(extra=["--port", "9"])
+    assert bad.returncode == 2 and "bad_extra_args" in bad.stderr
+    r = home.start(extra=["--preview-method", "auto"])
+    assert r.returncode == 0, r.stderr
+    assert home.record()["extra_args"] == ["--preview-method", "auto"]
+    assert home.run("restart").returncode == 0
+    assert [b["argv"][-2:] for b in home.boots()] == [["--preview-method", "auto"]] * 2
+
+
+def test_python_comes_from_the_install_state(home, tmp_path):
+    link = tmp_path / "bin" / "python-for-comfy"
+    link.parent.mkdir()
+    link.symlink_to(sys.executable)
+    state = home.path / ".h3kit" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"python": str(link)}))
+    r = home.start()
+    assert r.returncode == 0, r.stderr
+    assert home.record()["python"] == str(link) and home.record()["cmdline"][0] == str(link)
+    assert home.run("stop").returncode == 0
+    bad = home.start("--python", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "bad_python" in bad.stderr
+
+
+def test_start_holds_the_lock_until_healthy_and_the_server_does_not(home):
+    home.configure(boot_delay=2.0)
+    child = subprocess.Popen([sys.executable, "-m", "h3kit", "start", "--comfy-home", str(home.path),
+                              "--devices", "0", "--device-type", "cpu", "--port", str(home.port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = home.root / service.LOCK_NAME
+    wait_for(lambda: home.boots(), 30, "the stand-in to boot")
+    with open(lock, "a") as f:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # start holds it while waiting for health
+        assert child.wait(60) == 0
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on return; the server did not inherit it
+        with pytest.raises(service.LockBusy, match="starting or stopping"):
+            with service.service_lock(home.root, wait=0.2):
+                pass
+
+
+# --------------------------------------------------------------------------------------------- stop / restart
+
+
+def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(home):
+    home.configure(ignore_sigterm=True)
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    r = home.run("stop", "--grace", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stopped"] and out["signals"] == ["SIGTERM", "SIGKILL"] and out["pid"] == pid
+    assert not pid_running(pid) and port_is_free(home.port) and home.record() is None
+
+
+def test_stop_without_a_record_is_a_no_op(home):
+    r = home.run("stop")
+    assert r.returncode == 0 and "nothing to stop" in r.stdout
+
+
+def test_busy_queue_refuses_restart_unless_forced(home):
+    home.configure(queue=[1, 3])
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    r = home.run("restart")
+    assert r.returncode == 1
+    assert "queue_busy" in r.stderr and "1 running and 3 pending" in r.stderr and "--force" in r.stderr
+    assert pid_running(pid) and started_pid(home) == pid
+    forced = home.run("restart", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert not pid_running(pid) and started_pid(home) != pid
+
+
+def test_restart_shows_the_previous_oom(home):
+    assert home.start().returncode == 0
+    home.report_oom()
+    wait_for(lambda: "Got an OOM" in open(home.record()["log"]).read(), 10, "the OOM lines")
+    st = home.status()
+    assert st["first_error"]["kind"] == "oom"
+    assert st["first_error"]["summary"] == "torch.OutOfMemoryError: NPU out of memory. Tried to allocate 2.00 GiB"
+    r = home.run("restart", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["previous_error"]["kind"] == "oom" and out["was_running"]
+    assert set(out["phases"]) == {"check", "stop", "port", "start", "total"}
+    text = home.run("restart")
+    assert text.returncode == 0
+    assert "previous run's log shows no error" in text.stdout  # the new log is clean
+    assert "phases: check" in text.stdout
+
+
+@pytest.mark.parametrize("mismatch", ["create_time", "cmdline"])
+def test_recycled_pid_in_a_stale_record_is_never_signalled(home, mismatch):
+    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        proc = psutil.Process(foreign.pid)
+        home.root.mkdir(parents=True)
+        record = {"pid": foreign.pid, "create_time": proc.create_time(), "cmdline": proc.cmdline(),
+                  "port": home.port, "listen": "127.0.0.1", "device_type": "cpu", "devices": [0],
+                  "python": sys.executable, "comfy_home": str(home.path), "log": str(home.root / "none.log"),
+                  "extra_args": [], "started_at": "2026-01-01T00:00:00+00:00"}
+        if mismatch == "create_time":
+            record["create_time"] -= 3600  # the recorded server started an hour before this process
+        else:
+            record["cmdline"] = [sys.executable, "-B", "main.py", "--port", str(home.port)]
+        (home.root / "server.json").write_text(json.dumps(record))
+
+        st = home.status()
+        assert not st["running"] and ("another process" in st["stale"] or "different command" in st["stale"])
+        r = home.run("stop")
+        assert r.returncode == 0 and "stale record removed, nothing signalled" in r.stdout
+        assert home.record() is None and foreign.poll() is None
+
+        (home.root / "server.json").write_text(json.dumps(record))
+        r = home.run("restart")  # the settings are reused, the foreign process is left alone
+        assert r.returncode == 0, r.stderr
+        assert "was not running" in r.stdout
+        assert started_pid(home) != foreign.pid and foreign.poll() is None
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+def test_restart_without_a_record_says_start_first(home):
+    r = home.run("restart")
+    assert r.returncode == 1 and "not_started" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------- logs
+
+
+def test_logs_print_filter_and_follow(home):
+    assert home.start().returncode == 0
+    home.report_oom()
+    log = home.record()["log"]
+    wait_for(lambda: "Got an OOM" in open(log).read(), 10, "the OOM lines")
+    whole = home.run("logs")
+    assert whole.returncode == 0 and "stand-in server (not ComfyUI)" in whole.stdout
+    assert "\x1b[" not in whole.stdout  # colours are dropped when the output is not a terminal
+    assert home.run("logs", "-n", "2").stdout.splitlines() == [
+        "[INFO] Memory summary: (stand-in)", "[ERROR] Got an OOM, unloading all loaded models."]
+    errors = home.run("logs", "--errors").stdout
+    assert "OUT OF MEMORY" in errors and "torch.OutOfMemoryError" in errors
+    assert "stand-in server" not in errors
+
+    follow = subprocess.Popen([sys.executable, "-m", "h3kit", "logs", "-f", "--errors",
+                               "--runtime-root", str(home.root)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: "OUT OF MEMORY" in follow.stdout.readline(), 15, "the existing OOM block")
+        assert home.run("restart").returncode == 0
+        wait_for(lambda: "new server log" in follow.stdout.readline(), 15, "the switch to the new log")
+        home.report_oom()
+        wait_for(lambda: "OUT OF MEMORY" in follow.stdout.readline(), 15, "the new OOM, followed live")
+    finally:
+        follow.send_signal(signal.SIGTERM)
+        assert follow.wait(10) == 0
+
+
+def test_logs_without_any_log(home):
+    r = home.run("logs")
+    assert r.returncode == 1 and "no_log" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------- watch
+
+WATCH_FAST = ["--interval", "0.2", "--backoff", "0.1", "--grace", "2", "--timeout", "30"]
+
+
+def spawn_watch(home, *args):
+    return subprocess.Popen([sys.executable, "-m", "h3kit", "watch", "--runtime-root", str(home.root),
+                             *WATCH_FAST, *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_watch_restarts_a_dead_server_and_ends_on_stop(home):
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    watch = spawn_watch(home, "--max-seconds", "60")
+    try:
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        new = wait_for(lambda: (home.record() or {}).get("pid") not in (None, pid) and home.status()["healthy"],
+                       30, "watch to restart the server")
+        assert new
+        assert home.run("stop").returncode == 0
+        out, errs = watch.communicate(timeout=20)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0, errs
+    assert "watch ended (stopped)" in out
+    assert "the server is not running" in errs and "started" in errs
+
+
+def test_watch_restarts_after_consecutive_failed_health_checks(home):
+    home.configure(boots=[{"unhealthy_after": 0.5}])  # only the first boot goes bad
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    watch = spawn_watch(home, "--failures", "3", "--max-seconds", "60")
+    try:
+        wait_for(lambda: len(home.boots()) == 2 and home.status()["healthy"], 30, "a restart")
+        watch.send_signal(signal.SIGTERM)
+        out, errs = watch.communicate(timeout=20)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0
+    assert errs.count("health_failed") >= 3 and "3 failed health checks in a row" in errs
+    assert "watch ended (interrupted)" in out
+    assert not pid_running(pid) and pid_running(started_pid(home))  # ending watch leaves the server up
+
+
+def test_watch_stops_a_crash_loop_with_capped_backoff(home):
+    # the first boot dies after half a second; every later boot dies while booting
+    home.configure(exit_during_boot=1, boots=[{"exit_during_boot": None, "die_after": 0.5}])
+    assert home.start().returncode == 0
+    watch = spawn_watch(home, "--crash-limit", "3", "--crash-window", "120", "--backoff-max", "0.2",
+                        "--max-seconds", "60")
+    out, errs = watch.communicate(timeout=90)
+    assert watch.returncode == 1, errs
+    assert "crash_loop" in errs and "3 restarts within 120 s" in errs
+    assert "RuntimeError: stand-in boot failure" in errs  # the first error of the last log
+    delays = [line.split("restarting in ")[1].split(" s")[0] for line in errs.splitlines() if "restarting in" in line]
+    assert delays == ["0.1", "0.2", "0.2"]  # doubling, capped at --backoff-max
+    assert len(home.boots()) == 4
+    assert not any(pid_running(b["pid"]) for b in home.boots())
+
+
+def test_watch_backoff_starts_again_after_a_stable_period(home):
+    home.configure(die_after=1.0)  # every boot is healthy for a second, then dies
+    assert home.start().returncode == 0
+    watch = spawn_watch(home, "--interval", "0.1", "--stable-after", "0.3", "--backoff-max", "10",
+                        "--crash-limit", "3", "--max-seconds", "60")
+    out, errs = watch.communicate(timeout=90)
+    assert watch.returncode == 1 and "crash_loop" in errs
+    delays = [line.split("restarting in ")[1].split(" s")[0] for line in errs.splitlines() if "restarting in" in line]
+    assert delays == ["0.1", "0.1", "0.1"]  # each server was stable for 0.3 s before it died: no doubling
+
+
+def test_watch_ends_at_max_seconds_and_leaves_the_server_running(home):
+    assert home.start().returncode == 0
+    r = home.run("watch", "--interval", "0.2", "--max-seconds", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["reason"] == "time_limit" and out["restarts"] == 0 and out["events"][0]["event"] == "watching"
+    assert pid_running(started_pid(home))
+
+
+@pytest.mark.parametrize("where", ["log", "history"])
+def test_watch_frees_memory_after_an_oom_before_anything_harsher(home, where):
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    watch = spawn_watch(home, "--max-seconds", "60")
+    try:
+        first = watch.stderr.readline()  # "watching" comes once the log offset and history are read
+        assert "watching" in first
+        home.report_oom(log=where == "log", history=where == "history")
+        frees = wait_for(home.frees, 15, "POST /free")
+        time.sleep(1.0)  # a few more ticks: the same OOM must not be answered twice
+        watch.send_signal(signal.SIGTERM)
+        out, errs = watch.communicate(timeout=20)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert frees[0] == {"unload_models": True, "free_memory": True}
+    assert len(home.frees()) == 1
+    assert "out of memory reported" in errs and "POST /free" in errs
+    assert started_pid(home) == pid and len(home.boots()) == 1  # no restart
+
+
+def test_watch_needs_a_record(home):
+    r = home.run("watch", "--max-seconds", "1")
+    assert r.returncode == 1 and "not_started" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------- launch scripts
+
+
+def test_launch_scripts_start_four_devices_and_restart(home):
+    from pathlib import Path
+    launch = Path(__file__).resolve().parents[1] / "launch"
+    env = dict(os.environ, NPU_DEVICES="0,1,2,3", COMFYUI_PORT=str(home.port),
+               H3KIT_RUNTIME_ROOT=str(home.root), H3KIT_COMFY_HOME=str(home.path),
+               H3KIT=f"{sys.executable} -m h3kit")
+    r = subprocess.run([str(launch / "start-4npu.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert home.boots()[0]["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert len(home.status()["devices"]) == 4
+    pid = started_pid(home)
+    r = subprocess.run([str(launch / "restart.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert started_pid(home) != pid and home.status()["healthy"]
+    assert home.boots()[1]["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"

@@ -1,0 +1,333 @@
+"""start, stop, restart, status, logs, watch: the click layer over h3kit.service and h3kit.supervise.
+
+Exit codes: 0 done (and `start` when our server already runs on that port; `status` when it runs),
+1 the operation failed (or `status`: not running), 2 bad input. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import click
+
+from h3kit import devices as h3devices
+from h3kit import logscan, service, supervise
+from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+
+runtime_root_option = click.option(
+    "--runtime-root", metavar="DIR", envvar=service.RUNTIME_ROOT_ENV, type=click.Path(file_okay=False),
+    help=f"Where the record, lock and logs live (env {service.RUNTIME_ROOT_ENV}; "
+         "default <comfy-home>/.h3kit/run).")
+grace_option = click.option("--grace", type=click.FloatRange(min=0), default=service.DEFAULT_GRACE,
+                            show_default=True, metavar="S", help="Seconds between SIGTERM and SIGKILL.")
+timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=service.DEFAULT_START_TIMEOUT,
+                              show_default=True, metavar="S", help="Seconds to wait for the server to be healthy.")
+
+
+def _progress(message: str) -> None:
+    err(f"h3kit: {message}")
+
+
+def _sigterm_as_interrupt() -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _gib(n) -> str:
+    return f"{n / 1024 ** 3:.1f} GiB" if isinstance(n, (int, float)) else "?"
+
+
+def _device_lines(devs: list[dict]) -> list[str]:
+    return [f"  {d.get('name')}: {_gib(d.get('vram_total'))} total, {_gib(d.get('vram_free'))} free"
+            for d in devs]
+
+
+def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
+    kind = "OUT OF MEMORY" if blk["kind"] == "oom" else "error"
+    out = [f"{title} ({kind}, log line {blk['line']}): {blk['summary']}"]
+    lines = blk["lines"]
+    out += ["  | " + ln for ln in lines[:max_lines]]
+    if len(lines) > max_lines:
+        out.append(f"  | ... {len(lines) - max_lines} more line(s): h3kit logs --errors")
+    return out
+
+
+@click.command()
+@comfy_home_option()
+@click.option("--devices", required=True, metavar="LIST",
+              help="Device ids, comma-separated, ascending, no spaces: 1, 2 or 4 of them (e.g. 0,1,2,3).")
+@click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
+              show_default=True, help="auto picks npu, then cuda, then cpu.")
+@click.option("--port", type=click.IntRange(1, 65535), default=service.DEFAULT_PORT, show_default=True,
+              help="Port to listen on.")
+@click.option("--listen", default=service.DEFAULT_LISTEN, show_default=True, metavar="IP",
+              help="Address to listen on. 0.0.0.0 exposes ComfyUI, which has no authentication.")
+@runtime_root_option
+@click.option("--python", metavar="PY", help="Interpreter for ComfyUI (default: the one install recorded).")
+@timeout_option
+@json_option
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_COMFY_ARGS]")
+@handle_errors
+def start(comfy_home, devices, device_type, port, listen, runtime_root, python, timeout, as_json, extra):
+    """Start the ComfyUI server on the given devices and wait until healthy.
+
+    Sets ASCEND_RT_VISIBLE_DEVICES (npu), CUDA_VISIBLE_DEVICES (cuda) or, on cpu, runs with --cpu and
+    H3KIT_SIM_DEVICES=<count>. Returns once GET /system_stats answers (listing every device on npu/cuda).
+    Exits 0 without a second server when h3kit's own server already runs on that port.
+    """
+    ids = h3devices.parse_device_list(devices)
+    kind = h3devices.resolve_device_type(device_type)
+    listen = service.validate_listen(listen)
+    if service.is_public(listen):
+        err(f"h3kit: warning: listening on {listen}: ComfyUI has no authentication, anyone who reaches "
+            f"port {port} can run prompts and read outputs")
+    root = service.runtime_root(comfy_home, runtime_root)
+    spec = service.StartSpec(comfy_home=comfy_home, devices=ids, device_type=kind, port=port, listen=listen,
+                             python=python, extra_args=list(extra))
+    _progress(f"starting ComfyUI on {kind} devices {h3devices.format_device_list(ids)}, port {port}")
+    try:
+        res = service.start(root, spec, timeout=timeout, progress=_progress)
+    except service.StartFailed as e:
+        tail = (e.details or {}).get("log_tail") or []
+        if tail and not as_json:
+            err(f"h3kit: last lines of {e.details.get('log')}:")
+            for line in tail:
+                err(f"  | {line}")
+        raise
+    rec = res.record
+    if as_json:
+        emit_json({"ok": True, "already_running": res.already_running, "pid": rec.pid, "url": rec.url,
+                   "port": rec.port, "device_type": rec.device_type, "devices": res.devices, "health": res.health,
+                   "seconds": round(res.seconds, 2), "log": rec.log, "stale_record": res.stale})
+        return
+    if res.already_running:
+        click.echo(f"already running: pid {rec.pid} on {rec.url} (started {rec.started_at}, {res.health}); "
+                   "nothing started")
+    else:
+        click.echo(f"started: pid {rec.pid} on {rec.url}, healthy after {res.seconds:.1f} s")
+    click.echo(f"log: {rec.log}")
+    for line in _device_lines(res.devices):
+        click.echo(line)
+
+
+@click.command()
+@comfy_home_option(required=False)
+@runtime_root_option
+@grace_option
+@json_option
+@handle_errors
+def stop(comfy_home, runtime_root, grace, as_json):
+    """Stop the server h3kit started.
+
+    Only the recorded process is signalled, after checking its start time and command line: SIGTERM to
+    its process group, SIGKILL after --grace seconds. Returns when the port is free. A stale record is
+    removed without signalling anything.
+    """
+    root = service.runtime_root(comfy_home, runtime_root)
+    res = service.stop(root, grace=grace, progress=_progress)
+    if as_json:
+        emit_json({"ok": True, "stopped": res.stopped, "pid": res.pid, "signals": res.signals,
+                   "seconds": round(res.seconds, 2), "note": res.note})
+    elif res.stopped:
+        click.echo(f"stopped: pid {res.pid} ({', then '.join(res.signals)}) in {res.seconds:.1f} s; port free")
+    else:
+        click.echo(f"not running: {res.note}")
+
+
+@click.command()
+@comfy_home_option(required=False)
+@runtime_root_option
+@click.option("--force", is_flag=True, help="Restart even while prompts are running or queued (they are lost).")
+@grace_option
+@timeout_option
+@json_option
+@handle_errors
+def restart(comfy_home, runtime_root, force, grace, timeout, as_json):
+    """Restart the server (after an OOM, say) with the same settings.
+
+    Refuses while prompts run or wait unless --force. Shows the first error of the previous run's log,
+    stops the server (if it still runs), waits for the port, starts it again and waits until healthy.
+    """
+    root = service.runtime_root(comfy_home, runtime_root)
+    res = service.restart(root, force=force, grace=grace, timeout=timeout, progress=_progress)
+    phases = {k: round(v, 2) for k, v in res.phases.items()}
+    if as_json:
+        emit_json({"ok": True, "previous_pid": res.previous_pid, "was_running": res.was_running,
+                   "pid": res.start.record.pid, "url": res.start.record.url,
+                   "queue": dict(zip(("running", "pending"), res.queue)) if res.queue else None,
+                   "previous_error": res.previous_error, "phases": phases, "log": res.start.record.log})
+        return
+    if res.previous_error:
+        for line in _error_lines(res.previous_error, "previous run's first error"):
+            click.echo(line)
+    else:
+        click.echo("previous run's log shows no error")
+    was = "was running" if res.was_running else "was not running"
+    click.echo(f"restarted: pid {res.previous_pid} ({was}) -> {res.start.record.pid} on {res.start.record.url}")
+    click.echo("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+
+
+@click.command()
+@comfy_home_option(required=False)
+@runtime_root_option
+@json_option
+@handle_errors
+def status(comfy_home, runtime_root, as_json):
+    """Show whether the server runs, its devices and its queue.
+
+    Exits 0 when the recorded process runs, 1 when it does not.
+    """
+    root = service.runtime_root(comfy_home, runtime_root)
+    st = service.status(root)
+    if as_json:
+        emit_json(st)
+    else:
+        for line in _status_lines(st):
+            click.echo(line)
+    raise SystemExit(0 if st["running"] else 1)
+
+
+def _status_lines(st: dict) -> list[str]:
+    if not st["record"]:
+        out = [f"running: no (no server record under {st['runtime_root']})"]
+    elif not st["running"]:
+        out = [f"running: no ({st['stale']}); `h3kit restart` starts it again with the same settings",
+               f"port: {st['port']}, {st['device_type']} devices {st['requested_devices']}"]
+    else:
+        up = st["uptime_s"]
+        out = [f"running: yes, pid {st['pid']}, up {int(up // 3600)}h{int(up % 3600 // 60):02d}m{int(up % 60):02d}s",
+               f"url: {st['url']} ({st['health']})",
+               f"devices ({st['device_type']} {','.join(map(str, st['requested_devices']))} requested; "
+               f"the server reports {len(st.get('devices') or [])}):"]
+        out += _device_lines(st.get("devices") or [])
+        q = st.get("queue")
+        out.append(f"queue: {q['running']} running, {q['pending']} pending" if q
+                   else f"queue: unknown ({st.get('queue_error')})")
+    out.append(f"log: {st['log'] or 'none'}")
+    out += _error_lines(st["first_error"], "first error") if st["first_error"] else ["first error: none"]
+    return out
+
+
+@click.command()
+@comfy_home_option(required=False)
+@runtime_root_option
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines, across restarts, until Ctrl-C.")
+@click.option("--errors", is_flag=True, help="Only error blocks: tracebacks, failed prompts, OOMs.")
+@click.option("-n", "--lines", type=click.IntRange(min=0), default=0, help="Only the last N lines (0: all).")
+@handle_errors
+def logs(comfy_home, runtime_root, follow, errors, lines):
+    """Print or follow the server log."""
+    root = service.runtime_root(comfy_home, runtime_root)
+    rec = service.read_record(root)
+    path = Path(rec.log) if rec else service.latest_log(root)
+    if not path.exists():
+        raise service.ServiceError(f"no server log under {root}", code="no_log",
+                                   hint="start the server with h3kit start")
+    path = path.resolve()
+    if not follow:
+        if errors:
+            blocks = logscan.error_blocks(path)
+            for blk in blocks[-lines:] if lines else blocks:
+                for line in _error_lines(blk.to_dict(), "error", max_lines=logscan.ErrorScanner.MAX_BLOCK_LINES):
+                    click.echo(line)
+            return
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for line in text[-lines:] if lines else text:
+            click.echo(line)
+        return
+    _sigterm_as_interrupt()
+    try:
+        _follow(root, path, errors, lines)
+    except KeyboardInterrupt:
+        pass
+
+
+def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
+    scanner = logscan.ErrorScanner(merge_oom=False)
+
+    def show(text: str) -> None:
+        for raw in text.splitlines():
+            if not errors:
+                click.echo(raw)
+                continue
+            for blk in scanner.feed(raw):
+                for line in _error_lines(blk.to_dict(), "error"):
+                    click.echo(line)
+
+    existing = path.read_text(encoding="utf-8", errors="replace")
+    start = existing.splitlines()
+    show("\n".join(start[-lines:] if lines else start))
+    f = open(path, "r", encoding="utf-8", errors="replace")
+    f.seek(0, 2)
+    partial = ""
+    try:
+        while True:
+            chunk = f.read()
+            if chunk:
+                partial += chunk
+                done, sep, partial = partial.rpartition("\n")
+                if sep:
+                    show(done)
+            else:
+                newest = service.latest_log(root)
+                if newest.exists() and newest.resolve() != path:
+                    path = newest.resolve()
+                    f.close()
+                    f = open(path, "r", encoding="utf-8", errors="replace")
+                    partial = ""
+                    click.echo(f"==> {path} (new server log) <==")
+                    scanner = logscan.ErrorScanner(merge_oom=False)
+                    continue
+                time.sleep(0.2)
+    finally:
+        f.close()
+
+
+@click.command()
+@comfy_home_option(required=False)
+@runtime_root_option
+@click.option("--interval", type=click.FloatRange(min=0.05), default=5.0, show_default=True, metavar="S",
+              help="Seconds between checks.")
+@click.option("--failures", type=click.IntRange(min=1), default=3, show_default=True, metavar="N",
+              help="Failed health checks in a row that count as a failure.")
+@click.option("--backoff", type=click.FloatRange(min=0), default=2.0, show_default=True, metavar="S",
+              help="First delay before a restart; doubles with each restart until the server is stable.")
+@click.option("--backoff-max", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="S",
+              help="Longest delay before a restart.")
+@click.option("--crash-limit", type=click.IntRange(min=1), default=5, show_default=True, metavar="N",
+              help="Restarts allowed within --crash-window; one more failure stops watching.")
+@click.option("--crash-window", type=click.FloatRange(min=1), default=600.0, show_default=True, metavar="S",
+              help="Seconds over which restarts are counted for --crash-limit.")
+@click.option("--stable-after", type=click.FloatRange(min=0), default=120.0, show_default=True, metavar="S",
+              help="Healthy seconds after which the backoff starts again from --backoff.")
+@grace_option
+@timeout_option
+@click.option("--max-seconds", type=click.FloatRange(min=0), default=None, metavar="S",
+              help="Stop watching after S seconds (scripts, tests). Default: until Ctrl-C or h3kit stop.")
+@json_option
+@handle_errors
+def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, crash_limit, crash_window,
+          stable_after, grace, timeout, max_seconds, as_json):
+    """Keep the server up: restart it when it dies or stops answering.
+
+    After an out-of-memory error the server survived, asks it to free memory (POST /free) first. Ends
+    when `h3kit stop` removes the record, on Ctrl-C (the server keeps running), or, exit 1, after a crash
+    loop (the server is stopped and the reason printed).
+    """
+    root = service.runtime_root(comfy_home, runtime_root)
+    policy = supervise.WatchPolicy(interval=interval, failures=failures, backoff=backoff,
+                                   backoff_max=backoff_max, crash_limit=crash_limit, crash_window=crash_window,
+                                   stable_after=stable_after, grace=grace, start_timeout=timeout,
+                                   max_seconds=max_seconds)
+    _sigterm_as_interrupt()
+    outcome = supervise.watch(root, policy,
+                              on_event=lambda e: err(f"h3kit watch: {e['time']} {e['event']}: {e['message']}"))
+    if as_json:
+        emit_json({"ok": True, "reason": outcome.reason, "message": outcome.message,
+                   "restarts": outcome.restarts, "frees": outcome.frees, "events": outcome.events})
+    else:
+        click.echo(f"watch ended ({outcome.reason}): {outcome.message}; "
+                   f"{outcome.restarts} restart(s), {outcome.frees} POST /free")

@@ -1,0 +1,598 @@
+"""Run the patched ComfyUI as a service: start, stop, restart and status, with a record on disk.
+
+Layout under the runtime root (`<comfy-home>/.h3kit/run` unless overridden):
+
+    server.json                  the record of the server h3kit started (the contract in docs/service.md)
+    service.lock                 held (fcntl.flock) while a command starts or stops the server
+    logs/comfyui-<stamp>.log     one file per start: the server's stdout and stderr
+    logs/latest                  link to the newest log
+
+The record names the process by pid, start time and command line; every command re-checks all three
+(h3kit.proc.verify) before it trusts the pid, and a record that fails the check is "stale": reported,
+cleaned up by `stop` and `start`, and never acted on. After a failed start, or once the server has died, the
+record stays behind naming the dead process, so `status` can show the last log's first error and `restart`
+can start the same settings again.
+
+This module never imports click; progress goes through an optional `progress(message)` callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from h3kit import devices as h3devices
+from h3kit import health, logscan, proc
+from h3kit.errors import H3kitError, UsageError
+
+DEFAULT_PORT = 8189
+DEFAULT_LISTEN = "127.0.0.1"
+# The first load of the H3 weights on four NPUs takes minutes; the boot itself takes 9-20 s on CPU.
+DEFAULT_START_TIMEOUT = 900.0
+DEFAULT_GRACE = 10.0                 # SIGTERM to SIGKILL
+KILL_WAIT = 5.0                      # after SIGKILL, before reporting survivors
+PORT_WAIT = 15.0                     # for the port to be free once the process has gone
+LOCK_WAIT = 10.0                     # for another h3kit command to finish starting or stopping
+PROGRESS_EVERY = 5.0
+POLL_ENV = "H3KIT_POLL_INTERVAL"     # seconds between health polls while starting (default 0.05)
+RUNTIME_ROOT_ENV = "H3KIT_RUNTIME_ROOT"
+
+RECORD_NAME = "server.json"
+LOCK_NAME = "service.lock"
+LOG_DIR = "logs"
+LATEST = "latest"
+
+# Arguments h3kit sets itself; passing them again after `--` would make the record lie.
+RESERVED_ARGS = ("--listen", "--port")
+
+Progress = Callable[[str], None]
+
+
+class ServiceError(H3kitError):
+    code = "service_error"
+
+
+class PortInUse(ServiceError):
+    code = "port_in_use"
+
+
+class StartFailed(ServiceError):
+    code = "start_failed"
+
+
+class StopFailed(ServiceError):
+    code = "stop_failed"
+
+
+class QueueBusy(ServiceError):
+    code = "queue_busy"
+
+
+class NotStarted(ServiceError):
+    code = "not_started"
+
+
+class LockBusy(ServiceError):
+    code = "lock_busy"
+
+
+def _noop(_msg: str) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def runtime_root(comfy_home: str | os.PathLike | None, override: str | os.PathLike | None = None) -> Path:
+    if override:
+        return Path(override).expanduser().resolve()
+    if not comfy_home:
+        raise UsageError("no ComfyUI home given", code="no_comfy_home",
+                         hint="pass --comfy-home DIR (or set H3KIT_COMFY_HOME), or --runtime-root DIR")
+    return Path(comfy_home).expanduser().resolve() / ".h3kit" / "run"
+
+
+def record_path(root: Path) -> Path:
+    return root / RECORD_NAME
+
+
+def latest_log(root: Path) -> Path:
+    return root / LOG_DIR / LATEST
+
+
+# ---------------------------------------------------------------------------------------------- record
+
+
+@dataclass
+class Record:
+    pid: int
+    create_time: float
+    cmdline: list[str]
+    port: int
+    listen: str
+    device_type: str
+    devices: list[int]
+    python: str
+    comfy_home: str
+    log: str
+    extra_args: list[str] = field(default_factory=list)
+    started_at: str = ""
+
+    @property
+    def url(self) -> str:
+        return health.base_url(proc.probe_host(self.listen), self.port)
+
+    def verify(self) -> proc.Verdict:
+        return proc.verify(self.pid, self.create_time, self.cmdline)
+
+    def identity(self) -> proc.Identity:
+        return proc.Identity(self.pid, self.create_time, tuple(self.cmdline))
+
+    def spec(self) -> "StartSpec":
+        return StartSpec(comfy_home=self.comfy_home, devices=list(self.devices), device_type=self.device_type,
+                         port=self.port, listen=self.listen, python=self.python,
+                         extra_args=list(self.extra_args))
+
+
+def read_record(root: Path) -> Record | None:
+    path = record_path(root)
+    try:
+        data = json.loads(path.read_text())
+        return Record(**{k: data[k] for k in Record.__dataclass_fields__ if k in data})
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError) as e:
+        raise ServiceError(f"{path} is not a valid server record ({e})", code="bad_record",
+                           hint="nothing was signalled; if no server runs, delete the file") from None
+
+
+def write_record(root: Path, rec: Record) -> None:
+    path = record_path(root)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(rec), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def remove_record(root: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        record_path(root).unlink()
+
+
+@contextlib.contextmanager
+def service_lock(root: Path, wait: float = LOCK_WAIT):
+    """Hold `<root>/service.lock` while starting or stopping; another holder makes this wait, then fail."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                    raise LockBusy(f"another h3kit command (pid {holder}) is starting or stopping the server "
+                                   f"under {root}", hint="wait for it to finish, then run this again") from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+# ---------------------------------------------------------------------------------------------- start
+
+
+@dataclass
+class StartSpec:
+    comfy_home: str
+    devices: list[int]
+    device_type: str = "cpu"
+    port: int = DEFAULT_PORT
+    listen: str = DEFAULT_LISTEN
+    python: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StartResult:
+    record: Record
+    already_running: bool
+    seconds: float
+    devices: list[dict]
+    health: str = "healthy"      # for an already running server: what /system_stats said
+    stale: str | None = None     # what a stale record said, when one replaced it
+
+
+def validate_listen(listen: str) -> str:
+    try:
+        return str(ipaddress.ip_address(listen))
+    except ValueError:
+        raise UsageError(f"--listen {listen!r} is not an IP address", code="bad_listen",
+                         hint="give one address, such as 127.0.0.1 (default) or 0.0.0.0") from None
+
+
+def is_public(listen: str) -> bool:
+    return not ipaddress.ip_address(listen).is_loopback
+
+
+def validate_extra_args(extra: list[str]) -> list[str]:
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in RESERVED_ARGS:
+            raise UsageError(f"{name} after -- would override h3kit's own setting", code="bad_extra_args",
+                             hint=f"use h3kit's {name} option instead")
+    return list(extra)
+
+
+def resolve_python(comfy_home: Path, python: str | None) -> str:
+    """--python, else the interpreter install recorded in <comfy-home>/.h3kit/state.json, else this one."""
+    source = "--python"
+    if not python:
+        state = comfy_home / ".h3kit" / "state.json"
+        if state.is_file():
+            try:
+                python = json.loads(state.read_text()).get("python")
+                source = str(state)
+            except ValueError:
+                raise UsageError(f"{state} is not valid JSON", code="bad_state",
+                                 hint="rerun h3kit install, or pass --python") from None
+    if not python:
+        return sys.executable
+    if os.sep not in python:  # a bare name such as python3.11: look it up like a shell would
+        python = shutil.which(python) or python
+    path = Path(python)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise UsageError(f"the Python interpreter {python} (from {source}) is not an executable file",
+                         code="bad_python", hint="pass --python with the interpreter that runs ComfyUI")
+    return str(path)
+
+
+def child_environment(device_type: str, devices: list[int], base: dict | None = None) -> dict:
+    """The environment the server runs with: the visible-device variable for the device kind, and
+    unbuffered output so `h3kit logs -f` shows print() output as it happens."""
+    env = dict(os.environ if base is None else base)
+    if device_type == "cpu":
+        env[h3devices.SIM_DEVICES_ENV] = str(len(devices))
+    else:
+        env[h3devices.VISIBLE_ENV[device_type]] = h3devices.format_device_list(devices)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def server_argv(python: str, spec: StartSpec) -> list[str]:
+    argv = [python, "-B", "main.py", "--listen", spec.listen, "--port", str(spec.port)]
+    if spec.device_type == "cpu" and "--cpu" not in spec.extra_args:
+        argv.append("--cpu")
+    return argv + list(spec.extra_args)
+
+
+def _new_log(root: Path, header: str) -> Path:
+    logs = root / LOG_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while True:  # two starts within one second get -1, -2 ... suffixes
+        path = logs / (f"comfyui-{stamp}.log" if n == 0 else f"comfyui-{stamp}-{n}.log")
+        try:
+            with open(path, "x", encoding="utf-8") as f:
+                f.write(header + "\n")
+            break
+        except FileExistsError:
+            n += 1
+    link = logs / LATEST
+    tmp = logs / f".{LATEST}.{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(path.name)
+    os.replace(tmp, link)
+    return path
+
+
+def _check_port(listen: str, port: int) -> None:
+    if proc.port_is_free(listen, port):
+        return
+    holders = proc.port_holders(port)
+    if holders:
+        names = "; ".join(_describe_holder(h) for h in holders)
+        message = f"port {port} is in use by {names}"
+    else:
+        message = f"port {port} is in use by a process this user cannot see"
+    raise PortInUse(message, details={"port": port, "holders": holders},
+                    hint="h3kit never stops a process it did not start: choose another --port, or stop that "
+                         "program yourself")
+
+
+def _describe_holder(h: dict) -> str:
+    out = f"pid {h['pid']}"
+    if h.get("name"):
+        out += f" ({h['name']})"
+    if h.get("cmdline"):
+        out += ": " + " ".join(h["cmdline"])
+    return out
+
+
+def _poll_interval() -> float:
+    try:
+        return max(0.01, float(os.environ.get(POLL_ENV, "0.05")))
+    except ValueError:
+        return 0.05
+
+
+def start(root: Path, spec: StartSpec, *, timeout: float = DEFAULT_START_TIMEOUT,
+          progress: Progress = _noop) -> StartResult:
+    """Start the server and return once /system_stats answers (with the expected devices on npu/cuda).
+
+    When the record names our live server on the same port, nothing starts and `already_running` is set.
+    Raises PortInUse when anything else holds the port, StartFailed when the child exits or the deadline
+    passes (the child is stopped first; the log's last lines are in the error's details).
+    """
+    with service_lock(root):
+        return _start_locked(root, spec, timeout=timeout, progress=progress)
+
+
+def _start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progress,
+                  replacing: int | None = None) -> StartResult:
+    home = Path(spec.comfy_home).expanduser().resolve()
+    if not (home / "main.py").is_file():
+        raise UsageError(f"{home} is not a ComfyUI tree (no main.py)", code="no_comfy_tree",
+                         hint="pass the --comfy-home that h3kit install created")
+    listen = validate_listen(spec.listen)
+    python = resolve_python(home, spec.python)
+    spec = StartSpec(comfy_home=str(home), devices=list(spec.devices), device_type=spec.device_type,
+                     port=spec.port, listen=listen, python=python,
+                     extra_args=validate_extra_args(spec.extra_args))
+
+    stale = None
+    rec = read_record(root)
+    if rec is not None:
+        verdict = rec.verify()
+        if verdict.alive:
+            if rec.port != spec.port:
+                raise ServiceError(f"h3kit already runs a server from {root} on port {rec.port} (pid {rec.pid})",
+                                   code="already_running",
+                                   hint="stop it first (h3kit stop), or use h3kit restart")
+            got = health.check_health(rec.url)
+            return StartResult(rec, True, 0.0, got.devices, health=got.reason)
+        # The stale record is replaced below, once the new server is spawned: until then it keeps the
+        # settings, so a start that fails before spawning (port taken) can still be retried by restart.
+        if rec.pid != replacing:  # restart has already said what became of the process it replaces
+            stale = verdict.reason
+            progress(f"replacing the stale server record: {stale}")
+
+    _check_port(listen, spec.port)
+
+    argv = server_argv(python, spec)
+    env = child_environment(spec.device_type, spec.devices)
+    shown = {k: env[k] for k in (h3devices.VISIBLE_ENV[spec.device_type],)}
+    log = _new_log(root, f"h3kit: {datetime.datetime.now().isoformat(timespec='seconds')} starting in {home}: "
+                         f"{' '.join(argv)} with {' '.join(f'{k}={v}' for k, v in shown.items())}")
+    t0 = time.monotonic()
+    with open(log, "ab") as out:
+        try:
+            child = subprocess.Popen(argv, cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        except OSError as e:
+            raise StartFailed(f"could not run {python}: {e}", hint="check --python") from None
+    # Popen returns once exec has succeeded, so /proc already shows the server's own command line.
+    try:
+        ident = proc.identify(child.pid)
+        cmdline = list(ident.cmdline) or argv
+        create_time = ident.create_time
+    except proc.PSUTIL_GONE:
+        cmdline, create_time = argv, 0.0
+    rec = Record(pid=child.pid, create_time=create_time, cmdline=cmdline, port=spec.port, listen=listen,
+                 device_type=spec.device_type, devices=list(spec.devices), python=python,
+                 comfy_home=str(home), log=str(log), extra_args=list(spec.extra_args),
+                 started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+    write_record(root, rec)
+    progress(f"started pid {child.pid}: {' '.join(argv)}")
+    progress(f"log: {log}")
+
+    expected = None if spec.device_type == "cpu" else len(spec.devices)
+    try:
+        got = _wait_healthy(child, rec, expected, t0, timeout, progress)
+    except BaseException as e:
+        # A failed (or interrupted) start leaves no server behind; the record stays, naming the dead
+        # process, so `status` shows why and `restart` can try the same settings again. The child is
+        # not reaped yet, so its pid cannot have been recycled: signalling it is safe.
+        if child.poll() is None:
+            proc.terminate_group(rec.identity(), grace=DEFAULT_GRACE, kill_wait=KILL_WAIT)
+            child.poll()
+        proc.wait_port_free(listen, spec.port, PORT_WAIT)
+        if isinstance(e, StartFailed):
+            e.details = dict(e.details or {}, log=str(log), log_tail=logscan.tail(log, 25))
+        raise
+    return StartResult(rec, False, time.monotonic() - t0, got.devices, stale=stale)
+
+
+def _wait_healthy(child: subprocess.Popen, rec: Record, expected: int | None, t0: float, timeout: float,
+                  progress: Progress) -> health.Health:
+    interval = _poll_interval()
+    next_note = t0 + PROGRESS_EVERY
+    last = health.Health(False, "not polled yet")
+    while True:
+        rc = child.poll()
+        if rc is not None:
+            raise StartFailed(f"the server exited with code {rc} before it was healthy",
+                              code="server_exited", hint=f"read the log: {rec.log}")
+        # a refused connection returns at once; the timeout only matters for a server that is busy
+        last = health.check_health(rec.url, expected, timeout=2.0)
+        if last.ok:
+            return last
+        if last.stats is not None:
+            # it answers but shows the wrong devices: waiting will not change that
+            raise StartFailed(f"the server does not see the requested devices: {last.reason}",
+                              code="device_mismatch",
+                              hint=f"check that devices {h3devices.format_device_list(rec.devices)} exist and "
+                                   f"are free ({h3devices.VISIBLE_ENV[rec.device_type]} was set for it)")
+        now = time.monotonic()
+        if now - t0 >= timeout:
+            raise StartFailed(f"the server was not healthy after {timeout:.0f} s ({last.reason}); stopped it",
+                              code="start_timeout",
+                              hint=f"read the log ({rec.log}); raise --timeout if the first model load is slow")
+        if now >= next_note:
+            progress(f"waiting for {rec.url}/system_stats ({now - t0:.0f} s): {last.reason}")
+            next_note = now + PROGRESS_EVERY
+        time.sleep(interval)
+
+
+# ---------------------------------------------------------------------------------------------- stop
+
+
+@dataclass
+class StopResult:
+    stopped: bool
+    pid: int | None = None
+    signals: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""
+
+
+def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop) -> StopResult:
+    """Stop the recorded server if it is still the process h3kit started; return when its port is free.
+
+    No record: nothing to do. A stale record (the process exited, or its pid now names another process)
+    is removed and nothing is signalled. Raises StopFailed, keeping the record, when a process survives
+    SIGKILL; raises StopFailed when the port stays busy after the process has gone.
+    """
+    with service_lock(root):
+        rec = read_record(root)
+        if rec is None:
+            return StopResult(False, note="no server recorded; nothing to stop")
+        return _stop_locked(root, rec, grace=grace, progress=progress)
+
+
+def _stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
+                 ) -> StopResult:
+    verdict = rec.verify()
+    if not verdict.alive:
+        if not keep_record:
+            remove_record(root)
+        return StopResult(False, rec.pid, note=f"stale record removed, nothing signalled: {verdict.reason}")
+    progress(f"stopping pid {rec.pid} (SIGTERM, SIGKILL after {grace:g} s)")
+    t0 = time.monotonic()
+    down = proc.terminate_group(rec.identity(), grace=grace, kill_wait=KILL_WAIT)
+    if down.survivors:
+        raise StopFailed(f"process(es) {', '.join(map(str, down.survivors))} survived SIGKILL",
+                         hint="they may be stuck in the device driver; the record is kept so stop can be retried")
+    if not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
+        holders = proc.port_holders(rec.port)
+        if not keep_record:
+            remove_record(root)
+        raise StopFailed(f"the server is gone but port {rec.port} is still busy after {PORT_WAIT:g} s"
+                         + (f" (held by {'; '.join(_describe_holder(h) for h in holders)})" if holders else ""),
+                         code="port_still_busy", details={"holders": holders})
+    if not keep_record:
+        remove_record(root)
+    return StopResult(True, rec.pid, down.signals, time.monotonic() - t0)
+
+
+# ---------------------------------------------------------------------------------------------- restart
+
+
+@dataclass
+class RestartResult:
+    previous_pid: int
+    was_running: bool
+    previous_error: dict | None
+    queue: tuple[int, int] | None
+    stop: StopResult | None
+    start: StartResult
+    phases: dict[str, float]
+
+
+def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
+            timeout: float = DEFAULT_START_TIMEOUT, progress: Progress = _noop) -> RestartResult:
+    """Stop the recorded server (if still running) and start it again with the recorded settings.
+
+    Refuses with QueueBusy while GET /queue shows running or pending prompts, unless `force`. Works when
+    the server has already died: the record's settings are used and nothing is signalled.
+    """
+    t_all = time.monotonic()
+    rec = read_record(root)
+    if rec is None:
+        raise NotStarted(f"no server record under {root}", hint="start it once with h3kit start")
+    phases: dict[str, float] = {}
+    t0 = time.monotonic()
+    alive = rec.verify().alive
+    queue = None
+    if alive:
+        try:
+            queue = health.queue_counts(rec.url)
+        except health.HttpError as e:
+            progress(f"could not read the queue ({e}); restarting anyway")
+        if queue and sum(queue) and not force:
+            raise QueueBusy(f"the queue has {queue[0]} running and {queue[1]} pending prompt(s)",
+                            details={"running": queue[0], "pending": queue[1]},
+                            hint="wait for them, or pass --force to drop them")
+    blk = logscan.first_error(rec.log)
+    previous_error = blk.to_dict() if blk else None
+    phases["check"] = time.monotonic() - t0
+
+    with service_lock(root):
+        current = read_record(root)
+        if current is None or current.pid != rec.pid:
+            raise ServiceError("the server record changed while restarting (another h3kit command ran)",
+                               code="record_changed", hint="check h3kit status, then retry")
+        stopped = None
+        if alive:
+            t0 = time.monotonic()
+            stopped = _stop_locked(root, rec, grace=grace, progress=progress, keep_record=True)
+            phases["stop"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        if not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
+            _check_port(rec.listen, rec.port)  # names the holder
+        phases["port"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        started = _start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
+        phases["start"] = time.monotonic() - t0
+    phases["total"] = time.monotonic() - t_all
+    return RestartResult(rec.pid, alive, previous_error, queue, stopped, started, phases)
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def status(root: Path, *, timeout: float = 3.0) -> dict:
+    """What runs, as a JSON-ready dict; `running` is about the process, not the record file."""
+    rec = read_record(root)
+    out: dict = {"running": False, "healthy": False, "runtime_root": str(root), "record": rec is not None}
+    log = Path(rec.log) if rec else latest_log(root)
+    if rec is not None:
+        verdict = rec.verify()
+        out.update(running=verdict.alive, pid=rec.pid, port=rec.port, listen=rec.listen, url=rec.url,
+                   device_type=rec.device_type, requested_devices=rec.devices, started_at=rec.started_at,
+                   python=rec.python, comfy_home=rec.comfy_home, extra_args=rec.extra_args)
+        if verdict.alive:
+            out["uptime_s"] = round(time.time() - rec.create_time, 1)
+            got = health.check_health(rec.url, timeout=timeout)
+            out["healthy"] = got.ok
+            out["health"] = got.reason
+            out["devices"] = got.devices
+            try:
+                running, pending = health.queue_counts(rec.url, timeout=timeout)
+                out["queue"] = {"running": running, "pending": pending}
+            except health.HttpError as e:
+                out["queue"] = None
+                out["queue_error"] = str(e)
+        else:
+            out["stale"] = verdict.reason
+    out["log"] = str(log.resolve()) if log.exists() else None
+    blk = logscan.first_error(log) if log.exists() else None
+    out["first_error"] = blk.to_dict() if blk else None
+    return out

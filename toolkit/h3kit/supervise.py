@@ -1,0 +1,280 @@
+"""Keep the server up: the loop behind `h3kit watch`.
+
+Each tick reads the record, checks that its process is alive and that /system_stats answers, and looks
+for new out-of-memory errors (in the log since the last tick, and in /history execution errors).
+
+- An OOM the server survived is answered with POST /free (unload models, free memory): the cheapest
+  remedy, and it keeps the queue. Nothing harsher happens unless the process then dies or stops answering.
+- A dead process, or `failures` failed health checks in a row, leads to a restart with the recorded
+  settings after a capped exponential backoff (backoff, 2x, 4x ... up to backoff_max). The backoff
+  resets once the server has stayed healthy for `stable_after` seconds.
+- More than `crash_limit` restarts within `crash_window` seconds is a crash loop: watch stops the server
+  if it still runs, leaves the record for `status`, and ends with the reason and the log's first error.
+- `h3kit stop` removes the record, and watch ends quietly when it sees that. A restart made by someone
+  else (a new pid in the record) is adopted. Watch takes the service lock only while it restarts.
+
+Every wait is bounded by the policy; `max_seconds` bounds the whole loop (scripts and tests).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from h3kit import health, logscan, service
+from h3kit.errors import H3kitError
+
+
+class CrashLoop(service.ServiceError):
+    code = "crash_loop"
+
+
+@dataclass
+class WatchPolicy:
+    interval: float = 5.0
+    failures: int = 3
+    backoff: float = 2.0
+    backoff_max: float = 60.0
+    crash_limit: int = 5
+    crash_window: float = 600.0
+    stable_after: float = 120.0
+    health_timeout: float = 5.0
+    grace: float = service.DEFAULT_GRACE
+    start_timeout: float = service.DEFAULT_START_TIMEOUT
+    max_seconds: float | None = None
+    # ComfyUI reports one OOM twice: in its log while the prompt fails, then in /history when it ends.
+    # Reports this soon after a POST /free are taken as the same event.
+    oom_cooldown: float = 10.0
+
+
+@dataclass
+class WatchOutcome:
+    reason: str                    # "stopped", "time_limit" or "interrupted"
+    message: str
+    restarts: int = 0
+    frees: int = 0
+    events: list[dict] = field(default_factory=list)
+
+
+class _OomWatch:
+    """New OOM reports since the last look, from the server's log and its /history."""
+
+    def __init__(self, rec: service.Record, *, fresh: bool):
+        self.log = Path(rec.log)
+        self.url = rec.url
+        # A fresh server is read from the start of its log; an adopted one from now on, so an OOM that
+        # happened before watch started does not trigger anything.
+        self.offset = 0 if fresh or not self.log.exists() else self.log.stat().st_size
+        self.partial = b""
+        self.scanner = logscan.ErrorScanner(merge_oom=True)
+        self.answered: set[int] = set()   # log lines of the OOM blocks already reported
+        self.seen: set[str] = set()
+        if not fresh:
+            try:
+                self.seen = set(health.history_errors(self.url))
+            except health.HttpError:
+                pass
+
+    def poll(self) -> str | None:
+        found = None
+        # the block before may have become an OOM since it was read: the "Got an OOM" line follows the
+        # traceback and is merged into it
+        blocks = self._new_log_blocks() + ([self.scanner.last] if self.scanner.last else [])
+        for blk in blocks:
+            if blk.oom and blk.line not in self.answered:
+                self.answered.add(blk.line)
+                found = found or f"log line {blk.line}: {blk.summary}"
+        try:
+            errors = health.history_errors(self.url)
+        except health.HttpError:
+            errors = {}
+        for prompt_id, data in errors.items():
+            if prompt_id in self.seen:
+                continue
+            self.seen.add(prompt_id)
+            if health.is_oom_error(data) and found is None:
+                message = str(data.get("exception_message") or "").strip().splitlines()
+                found = (f"prompt {prompt_id}: {data.get('exception_type', 'error')}: "
+                         f"{message[0] if message else ''}")
+        return found
+
+    def _new_log_blocks(self) -> list[logscan.ErrorBlock]:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        complete, sep, self.partial = data.rpartition(b"\n")
+        if not sep:
+            return []
+        blocks: list[logscan.ErrorBlock] = []
+        for line in complete.decode("utf-8", errors="replace").split("\n"):
+            blocks.extend(self.scanner.feed(line))
+        # a one-line block (the "Got an OOM" line) is complete as soon as it is read
+        if self.scanner.current is not None and not self.scanner.in_traceback:
+            blocks.extend(self.scanner.finish())
+        return blocks
+
+
+def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] = lambda e: None,
+          clock: Callable[[], float] = time.monotonic) -> WatchOutcome:
+    """Run the supervision loop until the record disappears, `max_seconds` pass or Ctrl-C/SIGTERM.
+
+    Raises NotStarted when there is no record to watch, CrashLoop when the restart limit is hit.
+    """
+    rec = service.read_record(root)
+    if rec is None:
+        raise service.NotStarted(f"nothing to watch: no server record under {root}",
+                                 hint="start the server with h3kit start first")
+    outcome = WatchOutcome("interrupted", "")
+    t_begin = clock()
+
+    def emit(event: str, message: str, **extra) -> None:
+        item = {"time": datetime.datetime.now().isoformat(timespec="seconds"), "event": event,
+                "message": message, **extra}
+        outcome.events.append(item)
+        on_event(item)
+
+    def time_left() -> float:
+        return float("inf") if policy.max_seconds is None else policy.max_seconds - (clock() - t_begin)
+
+    def pause(seconds: float) -> bool:
+        """Sleep, but not past max_seconds; False when the time limit is reached."""
+        seconds = min(seconds, max(0.0, time_left()))
+        time.sleep(seconds)
+        return time_left() > 0
+
+    watched = rec.pid
+    fails = 0
+    restarts: collections.deque[float] = collections.deque()
+    streak = 0                      # restarts since the server was last stable; sets the backoff
+    healthy_since: float | None = None
+    last_free = float("-inf")
+    oom = _OomWatch(rec, fresh=False)
+    emit("watching", f"pid {rec.pid} on {rec.url}, every {policy.interval:g} s")
+
+    try:
+        while True:
+            if time_left() <= 0:
+                outcome.reason, outcome.message = "time_limit", f"stopped watching after {policy.max_seconds:g} s"
+                return outcome
+            rec = service.read_record(root)
+            if rec is None:
+                outcome.reason = "stopped"
+                outcome.message = "the server record is gone (h3kit stop ran): nothing left to watch"
+                return outcome
+            if rec.pid != watched:
+                emit("adopted", f"the record now names pid {rec.pid} (restarted by another command)")
+                watched, fails, healthy_since = rec.pid, 0, None
+                oom = _OomWatch(rec, fresh=False)
+
+            problem = None
+            verdict = rec.verify()
+            if not verdict.alive:
+                problem = f"the server is not running: {verdict.reason}"
+            else:
+                got = health.check_health(rec.url, timeout=policy.health_timeout)
+                now = clock()
+                if got.ok:
+                    if fails:
+                        emit("recovered", f"healthy again after {fails} failed check(s)")
+                    fails = 0
+                    healthy_since = now if healthy_since is None else healthy_since
+                    if streak and now - healthy_since >= policy.stable_after:
+                        streak = 0
+                else:
+                    fails += 1
+                    healthy_since = None
+                    emit("health_failed", f"check {fails}/{policy.failures} failed: {got.reason}")
+                    if fails >= policy.failures:
+                        problem = f"{fails} failed health checks in a row ({got.reason})"
+                if problem is None:
+                    found = oom.poll()
+                    if found and clock() - last_free < policy.oom_cooldown:
+                        emit("oom", f"out of memory reported again, memory was just freed: {found}")
+                    elif found:
+                        emit("oom", f"out of memory reported: {found}")
+                        try:
+                            health.free_memory(rec.url)
+                            last_free = clock()
+                            outcome.frees += 1
+                            emit("free", "asked the server to unload models and free memory (POST /free)")
+                        except health.HttpError as e:
+                            emit("free_failed", f"POST /free failed: {e}")
+
+            if problem is None:
+                pause(policy.interval)
+                continue
+
+            # --- recover -------------------------------------------------------------------------------
+            now = clock()
+            while restarts and now - restarts[0] > policy.crash_window:
+                restarts.popleft()
+            if len(restarts) >= policy.crash_limit:
+                raise _crash_loop(root, rec, problem, len(restarts), policy, emit)
+            delay = min(policy.backoff * (2 ** streak), policy.backoff_max)
+            emit("restart", f"{problem}; restarting in {delay:g} s "
+                            f"({len(restarts) + 1} of {policy.crash_limit} allowed in {policy.crash_window:g} s)")
+            if not pause(delay):
+                continue
+            restarts.append(clock())
+            streak += 1
+            outcome.restarts += 1
+            new = _restart_once(root, rec, policy, emit)
+            if new is None:  # the record vanished under the lock: stopped by the user
+                continue
+            watched, fails, healthy_since = new.pid, 0, None
+            oom = _OomWatch(new, fresh=new.pid != rec.pid)
+            pause(policy.interval)
+    except KeyboardInterrupt:
+        outcome.reason = "interrupted"
+        outcome.message = "interrupted: watch ends, a running server keeps running"
+        return outcome
+
+
+def _restart_once(root: Path, rec: service.Record, policy: WatchPolicy, emit) -> service.Record | None:
+    """Stop (if needed) and start again under the lock. Returns the record now in force, or None."""
+    with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30)):
+        cur = service.read_record(root)
+        if cur is None:
+            return None
+        alive = cur.verify().alive
+        if cur.pid != rec.pid and alive:
+            emit("adopted", f"pid {cur.pid} was started meanwhile by another command")
+            return cur
+        try:
+            if alive:
+                service._stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
+            res = service._start_locked(root, cur.spec(), timeout=policy.start_timeout,
+                                        progress=lambda m: None, replacing=cur.pid)
+        except H3kitError as e:
+            emit("start_failed", f"restart failed: {e.message}")
+            return service.read_record(root) or cur
+        emit("started", f"pid {res.record.pid} healthy after {res.seconds:.1f} s", pid=res.record.pid)
+        return res.record
+
+
+def _crash_loop(root: Path, rec: service.Record, problem: str, count: int, policy: WatchPolicy, emit
+                ) -> CrashLoop:
+    stopped = ""
+    with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30)):
+        cur = service.read_record(root)
+        if cur is not None and cur.verify().alive:
+            # a server that keeps failing its health checks still holds the devices: release them
+            service._stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
+            stopped = f"; stopped pid {cur.pid}"
+    blk = logscan.first_error(rec.log)
+    first = f"; first error in {rec.log}: {blk.summary}" + (" (out of memory)" if blk.oom else "") if blk else ""
+    message = (f"crash loop: {count} restarts within {policy.crash_window:g} s and the server failed again "
+               f"({problem}){stopped}{first}")
+    emit("crash_loop", message)
+    return CrashLoop(message, details={"restarts": count, "problem": problem,
+                                       "first_error": blk.to_dict() if blk else None},
+                     hint="read `h3kit logs --errors`, fix the cause, then `h3kit restart`")
