@@ -27,6 +27,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -193,6 +194,8 @@ class SequenceParallelDiT:
     def _pool(self):
         if self._threads is None or self._threads.broken:
             self._threads = comfy.multinpu.RankThreads(self.devices, set_device=comfy.multidevice.set_device)
+            # the workers outlive a forward, not the model: stop them when this wrapper goes away
+            weakref.finalize(self, self._threads.shutdown)
         return self._threads
 
     def _check_blocks(self, dm, transformer_options):
