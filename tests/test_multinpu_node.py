@@ -127,7 +127,7 @@ def test_stalled_rank_surfaces_within_the_bound(checks):
     assert v["error"]["type"] == "CollectiveTimeout"
     assert "rank(s) 1 (cpu) did not reach collective #1 within 1 s" in v["error"]["message"]
     assert v["seconds"] < 2 * v["timeout"] + 1.5
-    assert v["pool_broken"] and v["recovered"] and v["new_pool"]
+    assert v["pool_broken"] and v["recovered"] and v["new_pool"] and v["old_workers_exited"]
 
 
 # ---- the real server -------------------------------------------------------------------------

@@ -254,10 +254,12 @@ def stall():
     finally:
         comfy.multinpu.all_gather_v = real
     elapsed = time.monotonic() - t0
-    broken = w._threads.broken
+    old = w._threads
     recovered = _forward(m) is not None
-    return {"error": err, "seconds": elapsed, "timeout": timeout, "pool_broken": broken, "recovered": recovered,
-            "new_pool": not w._threads.broken}
+    # the abandoned worker wakes up, hits the broken group and exits: it must not outlive the process
+    old_exited = old.join(15.0)
+    return {"error": err, "seconds": elapsed, "timeout": timeout, "pool_broken": old.broken, "recovered": recovered,
+            "new_pool": w._threads is not old and not w._threads.broken, "old_workers_exited": old_exited}
 
 
 def main(argv=None):
@@ -284,4 +286,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown: with rank threads around, torch's static destructors occasionally abort
+    # ("terminate called without an active exception") after the report is already written
+    os._exit(code)

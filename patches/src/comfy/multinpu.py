@@ -423,11 +423,13 @@ class RankThreads:
         self._set_device = set_device or _set_device
         self._work = {}
         self._results = {}
+        self._threads = []
         for rank in range(1, self.world_size):
             self._work[rank] = queue.Queue()
             self._results[rank] = queue.Queue()
             t = threading.Thread(target=self._loop, args=(rank,), name=f"{name}-rank{rank}", daemon=True)
             t.start()
+            self._threads.append(t)
 
     def _loop(self, rank: int):
         work, results = self._work[rank], self._results[rank]
@@ -461,6 +463,13 @@ class RankThreads:
     def shutdown(self):
         for q in self._work.values():
             q.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """After shutdown: wait up to `timeout` seconds in all for the workers to exit; True when all did."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
 
 # ---- collectives: one function each, built on the transport primitives above --------------------

@@ -261,4 +261,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the report is written; skip interpreter teardown, where torch's static destructors occasionally
+    # abort ("terminate called without an active exception") once rank threads have run
+    os._exit(code)
