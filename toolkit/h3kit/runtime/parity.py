@@ -95,7 +95,8 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
         if error:
             if error.get("code") == "device_check":
                 raise UsageError(error["message"], code="device_mismatch",
-                                 hint="use an --npu-count the machine has, or expose more devices")
+                                 hint=f"run with exactly {npu_count} devices visible, as the server will "
+                                      "(ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or change --npu-count")
             raise H3kitError(f"parity worker: {error.get('message')}", code=error.get("code", "worker_failed"),
                              details={"log_tail": _tail(log)})
         return report
