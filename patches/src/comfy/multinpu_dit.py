@@ -128,7 +128,7 @@ class SequenceParallelAttention:
             qkv = comfy.multinpu.all_to_all_scatter_heads(qkv, comm, st.sizes)     # [3B, H/P, S, D]
             q, k, v = qkv.chunk(3)
             out = self._local(func, q, k, v, hp, *args, **kwargs)                  # [B, S, H/P*D]
-            out = out.view(b, -1, hp, d)                                           # [B, S, H/P, D]
+            out = out.reshape(b, -1, hp, d)                                        # [B, S, H/P, D]
             out = comfy.multinpu.all_to_all_gather_heads(out, comm, st.sizes)      # [B, s_r, H, D]
             return out.reshape(b, s, h * d)                                        # [B, s_r, H*D]
         kv = torch.cat([k, v])                                                     # [2B, H, s_r, D]
