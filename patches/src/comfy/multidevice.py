@@ -1,0 +1,105 @@
+"""Devices a multi-device run uses, and per-device helpers that also work on Ascend NPU.
+
+The device questions themselves stay in comfy.model_management (which this series patches with the
+NPU arms of set_torch_device, synchronize, current_stream and the device context); this module
+answers the multi-device ones: which kind of device the process computes on, which devices rank 0..N-1
+use, and how many devices a CPU-only host simulates.
+
+CPU simulation: with --cpu, the environment variable H3KIT_SIM_DEVICES (a count, "4", which
+`h3kit start --device-type cpu` sets) makes the process report that many "cpu" devices, so every multi-device path runs
+(threads, collectives, the MultiNPUParallelConfig checks) on a host without an accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+import comfy.model_management
+
+SIM_DEVICES_ENV = "H3KIT_SIM_DEVICES"
+
+
+def device_kind() -> str:
+    """"npu", "cuda" or "cpu": the kind of device this process computes on (another backend's type otherwise)."""
+    if comfy.model_management.cpu_mode():
+        return "cpu"
+    if comfy.model_management.is_ascend_npu():
+        return "npu"
+    return comfy.model_management.get_torch_device().type
+
+
+def sim_device_count(environ=None) -> int:
+    """The device count H3KIT_SIM_DEVICES asks for (h3kit start sets it); 0 when unset.
+
+    A value that is not a positive integer is logged and counts as 1, so a typo degrades to one device
+    instead of stopping the server.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(SIM_DEVICES_ENV, "").strip()
+    if not value:
+        return 0
+    if value.isascii() and value.isdigit() and int(value) > 0:
+        return int(value)
+    logging.warning(f"MultiDevice: ignoring {SIM_DEVICES_ENV}={value!r}: expected a positive device count such as 4")
+    return 1
+
+
+def get_devices() -> list[torch.device]:
+    """Every device this process can put a rank on, in index order.
+
+    NPU and CUDA: the devices torch sees (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES already
+    applied). CPU: one "cpu" entry per simulated device, at least one.
+    """
+    if device_kind() == "cpu":
+        return [torch.device("cpu")] * max(1, sim_device_count())
+    return comfy.model_management.get_all_torch_devices()
+
+
+def devices_for(primary: torch.device, count: int) -> list[torch.device]:
+    """The devices ranks 0..count-1 use: the primary (where the model already loads) first, then the
+    others in index order. Returns None when the process sees fewer than `count` devices."""
+    devices = get_devices()
+    if len(devices) < count:
+        return None
+    if primary.type == "cpu":
+        return devices[:count]
+    others = [d for d in devices if d != primary]
+    return ([primary] + others)[:count]
+
+
+def describe_devices(devices=None) -> str:
+    """Human wording for a device list, used in error messages: "2 npu devices (npu:0, npu:1)"."""
+    devices = get_devices() if devices is None else devices
+    kind = devices[0].type if devices else device_kind()
+    noun = "device" if len(devices) == 1 else "devices"
+    if kind == "cpu":
+        sim = sim_device_count()
+        how = f"{SIM_DEVICES_ENV}={os.environ.get(SIM_DEVICES_ENV)}" if sim else f"{SIM_DEVICES_ENV} unset"
+        return f"{len(devices)} simulated cpu {noun} ({how})"
+    return f"{len(devices)} {kind} {noun} ({', '.join(str(d) for d in devices)})"
+
+
+def set_device(device: torch.device):
+    """Make `device` current for this thread (kernels launched from it go there). No-op on CPU."""
+    comfy.model_management.set_torch_device(device)
+
+
+def synchronize(device: torch.device):
+    """Wait until every kernel queued on `device` has finished. No-op on CPU."""
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
+
+
+def current_stream(device: torch.device):
+    """The stream this thread queues work on for `device`; None on CPU."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device).current_stream(device)
+
+
+def device_context(device: torch.device):
+    """Context manager making `device` current inside it (CUDA and NPU), restoring the previous one after."""
+    return comfy.model_management.cuda_device_context(device)

@@ -1,0 +1,588 @@
+"""Collectives for running one model across several devices (sequence and tensor parallelism).
+
+Every function here is called SPMD-style: each rank runs the same code with its own communicator
+(`comm`), and a collective returns on every rank once all ranks have called it.
+
+Two transports sit behind one communicator interface:
+- ThreadComm: the ranks are threads of one process (ComfyUI is one server process). Data moves by
+  peer copies, tensor.to(other_device, copy=True); with every device "cpu" this is the CPU
+  simulation used by the tests, where every copy is a real clone so aliasing bugs show.
+- ProcessComm: the ranks are processes of a torch.distributed process group (hccl on Ascend, nccl on
+  CUDA, gloo on CPU); only the backend name differs between them.
+
+Symbols used in the shape comments: P ranks, r this rank, s_r the rows rank r holds, S = sum of s_r,
+B batch, H heads, D head dim. Shards may be uneven (s_r differ); nothing here pads a result.
+
+Nothing waits forever: every wait is bounded by the group's timeout, a rank that raises aborts the
+group so the others fail at once, and a rank that stalls makes the others raise CollectiveTimeout
+naming it. This module needs torch only (no comfy imports), so it can be tested on its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed
+
+# Long enough for the slowest rank to reach the next collective in a real 38k-token H3 forward
+# (a block is well under a second); short enough that a hung card surfaces as an error, not a hang.
+DEFAULT_TIMEOUT = 300.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete because another rank failed or the group was aborted."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A rank did not reach a collective (or finish its work) within the group's timeout."""
+
+
+def _stream_sync(device: torch.device):
+    # Peer copies read another rank's tensor outside that rank's stream order: the producer must have
+    # finished writing it before it is published, and the reader must have finished copying before the
+    # producer may reuse the memory.
+    if device.type != "cpu":
+        torch.get_device_module(device).current_stream(device).synchronize()
+
+
+def _set_device(device: torch.device):
+    if device.type != "cpu" and device.index is not None:
+        torch.get_device_module(device).set_device(device)
+
+
+class ThreadGroup:
+    """Rendezvous state shared by P ranks that are threads of one process.
+
+    devices[r] is rank r's device; the same device may appear several times (the CPU simulation is
+    ["cpu"] * P). One group serves one SPMD run: once a rank failed or timed out the group stays
+    broken and every later collective on it raises at once, so create a new group per run.
+    bytes_moved counts the bytes copied between ranks (a rank's own data is not counted).
+    """
+
+    def __init__(self, devices, timeout: float = DEFAULT_TIMEOUT):
+        if len(devices) == 0:
+            raise ValueError("ThreadGroup needs at least one device")
+        self.devices = [torch.device(d) for d in devices]
+        self.world_size = len(self.devices)
+        self.timeout = float(timeout)
+        self.bytes_moved = 0
+        self._lock = threading.Lock()
+        self._mail_cv = threading.Condition(self._lock)
+        self._barrier = threading.Barrier(self.world_size)
+        self._slots = [None] * self.world_size
+        self._progress = [0] * self.world_size
+        self._mailbox = collections.defaultdict(collections.deque)
+        self._failure = None  # (rank or None, exception): the first failure, which every rank reports
+
+    def comm(self, rank: int) -> ThreadComm:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a group of {self.world_size}")
+        return ThreadComm(self, rank)
+
+    def abort(self, rank, exc: BaseException):
+        """Break the group: ranks waiting in a collective raise CollectiveError naming `rank`."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = (rank, exc)
+            self._mail_cv.notify_all()
+        self._barrier.abort()
+
+    def failure(self):
+        with self._lock:
+            return self._failure
+
+    def run(self, fn, threads: RankThreads = None):
+        """Run fn(comm) on every rank and return the P results in rank order.
+
+        Rank 0 runs in the calling thread, ranks 1..P-1 on `threads` (one persistent thread per rank,
+        which has set its device). The workers inherit the caller's grad and inference mode, which are
+        thread-local in torch. When any rank raises, the others are aborted and the first failure is
+        re-raised here (the original exception, so an OOM on rank 2 still reads as an OOM), with a
+        note naming the rank. A worker that does not return within the timeout is abandoned and
+        reported as stalled.
+        """
+        if self.world_size == 1:
+            return [fn(self.comm(0))]
+        if threads is None or threads.world_size != self.world_size:
+            raise ValueError(f"ThreadGroup.run: {self.world_size} ranks need a RankThreads of the same size")
+        grad = torch.is_grad_enabled()
+        inference = torch.is_inference_mode_enabled()
+
+        def rank_main(rank):
+            def call():
+                try:
+                    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                        return fn(self.comm(rank))
+                except BaseException as e:
+                    self.abort(rank, e)
+                    raise
+            return call
+
+        for rank in range(1, self.world_size):
+            threads.submit(rank, rank_main(rank))
+        results = [None] * self.world_size
+        errors = {}
+        try:
+            results[0] = rank_main(0)()
+        except BaseException as e:
+            errors[0] = e
+        for rank in range(1, self.world_size):
+            # after rank 0 is done, a healthy worker only has its tail left; a failed group unblocks at once
+            try:
+                ok, value = threads.result(rank, timeout=self.timeout)
+            except queue.Empty:
+                stall = CollectiveTimeout(f"rank {rank} ({self.devices[rank]}) did not finish within {self.timeout:g} s")
+                self.abort(rank, stall)
+                threads.abandon()
+                errors[rank] = stall
+                continue
+            if ok:
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            failure = self.failure()
+            root = failure[1] if failure is not None else errors[min(errors)]
+            rank = failure[0] if failure is not None else min(errors)
+            if rank is not None and not isinstance(root, CollectiveError):
+                root.add_note(f"raised on rank {rank} ({self.devices[rank]}) of {self.world_size}")
+            raise root
+        return results
+
+    def _count(self, nbytes: int):
+        with self._lock:
+            self.bytes_moved += nbytes
+
+    def _wait(self, rank: int, op: str):
+        try:
+            self._barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            raise self._broken(rank, op) from None
+
+    def _broken(self, rank: int, op: str) -> CollectiveError:
+        with self._lock:
+            if self._failure is None:
+                # nobody aborted: the barrier timed out, so someone never arrived
+                mine = self._progress[rank]
+                late = [r for r, n in enumerate(self._progress) if n < mine]
+                who = ", ".join(f"{r} ({self.devices[r]})" for r in late) or "unknown"
+                self._failure = (None, CollectiveTimeout(
+                    f"{op}: rank(s) {who} did not reach collective #{mine} within {self.timeout:g} s "
+                    "(stalled or died)"))
+            failed_rank, exc = self._failure
+        if isinstance(exc, CollectiveError):
+            # a fresh exception per rank: one object raised in several threads would share a traceback
+            return type(exc)(str(exc)) if failed_rank is None else CollectiveError(f"{op} on rank {rank} aborted: {exc}")
+        return CollectiveError(f"{op} on rank {rank} aborted: rank {failed_rank} ({self.devices[failed_rank]}) "
+                               f"failed with {type(exc).__name__}: {exc}")
+
+
+class ThreadComm:
+    """Rank `rank` of a ThreadGroup: the transport primitives the collectives below are built on."""
+
+    transport = "threads"
+
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group = group
+        self.rank = rank
+        self.world_size = group.world_size
+        self.device = group.devices[rank]
+
+    def _enter(self, op: str):
+        g = self.group
+        with g._lock:
+            g._progress[self.rank] += 1
+        if g.failure() is not None:
+            raise g._broken(self.rank, op)
+
+    def _copy_in(self, t: torch.Tensor) -> torch.Tensor:
+        # copy=True: on the CPU simulation (and two ranks on one card) .to() would otherwise alias
+        self.group._count(t.numel() * t.element_size())
+        return t.to(self.device, non_blocking=True, copy=True)
+
+    def _rendezvous(self, op: str, value, take):
+        """Publish `value`, let take(slots) copy what this rank needs, and hold `value` until all have copied."""
+        g = self.group
+        self._enter(op)
+        _stream_sync(self.device)
+        g._slots[self.rank] = value
+        g._wait(self.rank, op)
+        out = take(g._slots)
+        _stream_sync(self.device)
+        g._wait(self.rank, op)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> list:
+        """P equal-shape tensors, [i] from rank i, all on this rank's device."""
+        return self._rendezvous("all_gather", x, lambda slots: [
+            x if i == self.rank else self._copy_in(slots[i]) for i in range(self.world_size)])
+
+    def all_to_all(self, chunks: list, recv_rows: list) -> list:
+        """chunks[j] goes to rank j; returns P tensors, [i] from rank i with recv_rows[i] rows in dim 0."""
+        got = self._rendezvous("all_to_all", chunks, lambda slots: [
+            chunks[self.rank] if i == self.rank else self._copy_in(slots[i][self.rank]) for i in range(self.world_size)])
+        for i, t in enumerate(got):
+            if t.shape[0] != recv_rows[i]:
+                raise CollectiveError(f"all_to_all: rank {self.rank} expected {recv_rows[i]} rows from rank {i}, "
+                                      f"got shape {tuple(t.shape)}")
+        return got
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        # sum in rank order on every rank, so all ranks hold bit-identical results
+        parts = self.all_gather(x)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def reduce(self, x: torch.Tensor, dst: int):
+        def take(slots):
+            if self.rank != dst:
+                return None
+            out = x.clone() if dst == 0 else self._copy_in(slots[0])
+            for i in range(1, self.world_size):
+                out += x if i == dst else self._copy_in(slots[i])
+            return out
+        return self._rendezvous("reduce", x, take)
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        return self._rendezvous("broadcast", x, lambda slots: x if self.rank == src else self._copy_in(slots[src]))
+
+    def barrier(self):
+        self._rendezvous("barrier", None, lambda slots: None)
+
+    def send(self, x: torch.Tensor, dst: int):
+        # synchronous send: returns once dst has copied x, so the caller may reuse x afterwards
+        g = self.group
+        self._enter("send")
+        _stream_sync(self.device)
+        done = threading.Event()
+        with g._lock:
+            g._mailbox[(self.rank, dst)].append((x, done))
+            g._mail_cv.notify_all()
+        deadline = time.monotonic() + g.timeout
+        while not done.wait(0.05):
+            if g.failure() is not None:
+                raise g._broken(self.rank, "send")
+            if time.monotonic() > deadline:
+                exc = CollectiveTimeout(f"send: rank {dst} ({g.devices[dst]}) did not receive from rank {self.rank} "
+                                        f"within {g.timeout:g} s (stalled or died)")
+                g.abort(None, exc)
+                raise exc
+
+    def recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        g = self.group
+        self._enter("recv")
+        key = (src, self.rank)
+        deadline = time.monotonic() + g.timeout
+        with g._lock:
+            while not g._mailbox[key]:
+                if g._failure is not None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    g._failure = (None, CollectiveTimeout(
+                        f"recv: rank {src} ({g.devices[src]}) did not send to rank {self.rank} within {g.timeout:g} s "
+                        "(stalled or died)"))
+                    g._mail_cv.notify_all()
+                    break
+                g._mail_cv.wait(left)
+            item = g._mailbox[key].popleft() if g._failure is None else None
+        if item is None:
+            g._barrier.abort()
+            raise g._broken(self.rank, "recv")
+        x, done = item
+        if tuple(x.shape) != tuple(buf.shape) or x.dtype != buf.dtype:
+            done.set()
+            raise CollectiveError(f"recv: rank {self.rank} expected {tuple(buf.shape)} {buf.dtype} from rank {src}, "
+                                  f"got {tuple(x.shape)} {x.dtype}")
+        g._count(x.numel() * x.element_size())
+        buf.copy_(x, non_blocking=True)
+        _stream_sync(self.device)
+        done.set()
+        return buf
+
+
+class ProcessComm:
+    """This process's rank in a torch.distributed process group (hccl, nccl or gloo).
+
+    `group` None means the default group. Ranks passed to send/recv/reduce/broadcast are group-local;
+    _global() is the one place they become global ranks. Timeouts come from the process group (set
+    them with init_process_comm); errors the backend raises are re-raised as CollectiveError.
+    bytes_moved counts the bytes this rank received from the others.
+    """
+
+    transport = "process_group"
+
+    def __init__(self, group=None, device=None):
+        if not torch.distributed.is_initialized():
+            raise CollectiveError("ProcessComm: torch.distributed is not initialised (call init_process_comm)")
+        self.pg = group
+        self.rank = torch.distributed.get_rank(group)
+        self.world_size = torch.distributed.get_world_size(group)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.bytes_moved = 0
+
+    def _global(self, rank: int) -> int:
+        return rank if self.pg is None else torch.distributed.get_global_rank(self.pg, rank)
+
+    def _call(self, op: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, group=self.pg, **kwargs)
+        except RuntimeError as e:
+            raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {e}") from e
+
+    def _count(self, nbytes: int):
+        self.bytes_moved += nbytes
+
+    def all_gather(self, x: torch.Tensor) -> list:
+        x = x.reshape((1,) + tuple(x.shape)) if x.dim() == 0 else x.contiguous()
+        # the concatenated form [P * n, ...]: gloo rejects the stacked one
+        out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+        self._call("all_gather", gather, out, x)
+        self._count((self.world_size - 1) * x.numel() * x.element_size())
+        return list(out.chunk(self.world_size))
+
+    def all_to_all(self, chunks: list, recv_rows: list) -> list:
+        send = torch.cat(chunks).contiguous()
+        recv = torch.empty((sum(recv_rows),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
+        self._call("all_to_all", torch.distributed.all_to_all_single, recv, send,
+                   output_split_sizes=list(recv_rows), input_split_sizes=[c.shape[0] for c in chunks])
+        row_bytes = recv[:1].numel() * recv.element_size()
+        self._count((sum(recv_rows) - recv_rows[self.rank]) * row_bytes)
+        return list(recv.split(list(recv_rows)))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        self._call("all_reduce", torch.distributed.all_reduce, out)
+        self._count((self.world_size - 1) * x.numel() * x.element_size())
+        return out
+
+    def reduce(self, x: torch.Tensor, dst: int):
+        out = x.clone()
+        self._call("reduce", torch.distributed.reduce, out, self._global(dst))
+        if self.rank != dst:
+            return None
+        self._count((self.world_size - 1) * x.numel() * x.element_size())
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        out = x.contiguous() if self.rank == src else torch.empty_like(x)
+        self._call("broadcast", torch.distributed.broadcast, out, self._global(src))
+        if self.rank != src:
+            self._count(x.numel() * x.element_size())
+        return out
+
+    def barrier(self):
+        self._call("barrier", torch.distributed.barrier)
+
+    def send(self, x: torch.Tensor, dst: int):
+        self._call("send", torch.distributed.send, x.contiguous(), self._global(dst))
+
+    def recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        self._call("recv", torch.distributed.recv, buf, self._global(src))
+        self._count(buf.numel() * buf.element_size())
+        return buf
+
+
+def init_process_comm(backend: str, init_method: str, rank: int, world_size: int, device=None,
+                      timeout: float = DEFAULT_TIMEOUT) -> ProcessComm:
+    """Join the default process group and return this rank's communicator.
+
+    backend is "hccl" on Ascend, "nccl" on CUDA, "gloo" on CPU; init_method e.g. "file:///tmp/rdv" or
+    "env://". timeout (seconds) bounds every collective: a peer that stalls or dies makes this rank
+    raise CollectiveError instead of waiting forever.
+    """
+    if device is not None:
+        _set_device(torch.device(device))
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                         timeout=datetime.timedelta(seconds=timeout))
+    return ProcessComm(device=device)
+
+
+class RankThreads:
+    """One persistent worker thread per rank 1..P-1 (rank 0 is the caller's thread).
+
+    Each worker sets its device once when it starts (set_device, default torch's device module), so
+    per-device kernel caches stay warm across forwards; work and results travel through queues as
+    (ok, value) pairs, never as exceptions crossing threads. After abandon() (a worker stalled) the
+    pool is `broken` and its owner should make a new one.
+    """
+
+    def __init__(self, devices, set_device=None, name="multinpu"):
+        self.devices = [torch.device(d) for d in devices]
+        self.world_size = len(self.devices)
+        self.broken = False
+        self._set_device = set_device or _set_device
+        self._work = {}
+        self._results = {}
+        self._threads = []
+        for rank in range(1, self.world_size):
+            self._work[rank] = queue.Queue()
+            self._results[rank] = queue.Queue()
+            t = threading.Thread(target=self._loop, args=(rank,), name=f"{name}-rank{rank}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _loop(self, rank: int):
+        work, results = self._work[rank], self._results[rank]
+        try:
+            self._set_device(self.devices[rank])
+        except Exception as e:
+            logging.error(f"MultiNPU: failed to set device {self.devices[rank]} for rank {rank}: {e}")
+            while (item := work.get()) is not None:
+                results.put((False, e))
+            return
+        while (item := work.get()) is not None:
+            try:
+                results.put((True, item()))
+            except BaseException as e:
+                results.put((False, e))
+
+    def submit(self, rank: int, fn):
+        if self.broken:
+            raise CollectiveError("RankThreads: a worker stalled earlier; create a new pool")
+        self._work[rank].put(fn)
+
+    def result(self, rank: int, timeout: float):
+        """(ok, value) of the oldest submitted call on `rank`; raises queue.Empty after `timeout` seconds."""
+        return self._results[rank].get(timeout=timeout)
+
+    def abandon(self):
+        # a stalled worker cannot be killed; it exits on its own once it hits the broken group
+        self.broken = True
+        self.shutdown()
+
+    def shutdown(self):
+        for q in self._work.values():
+            q.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """After shutdown: wait up to `timeout` seconds in all for the workers to exit; True when all did."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+
+# ---- collectives: one function each, built on the transport primitives above --------------------
+
+def shard_sizes(total: int, world_size: int) -> list:
+    """Rows per rank when `total` rows are split into contiguous shards: the first total % P ranks get one more."""
+    base, extra = divmod(total, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def _exchange_sizes(n: int, comm) -> list:
+    local = torch.tensor([n], dtype=torch.int64, device=comm.device)
+    return [int(t.item()) for t in comm.all_gather(local)]
+
+
+def all_gather_v(x: torch.Tensor, comm, sizes=None, dim: int = 0) -> torch.Tensor:
+    """Gather uneven shards along `dim`: [.., s_r, ..] on rank r -> [.., S, ..] on every rank, in rank order.
+
+    sizes: the P values s_r if the caller knows them (else they are exchanged first). Portable on every
+    backend: each rank pads its shard to max(s) rows, an equal-size all-gather moves P * max(s) rows,
+    and the padding is trimmed before concatenating. World size 1 returns x.
+    """
+    if comm.world_size == 1:
+        return x
+    dim = dim % x.dim()
+    if sizes is None:
+        sizes = _exchange_sizes(x.shape[dim], comm)
+    sizes = [int(n) for n in sizes]
+    assert len(sizes) == comm.world_size, f"all_gather_v: {len(sizes)} sizes for {comm.world_size} ranks"
+    assert x.shape[dim] == sizes[comm.rank], (
+        f"all_gather_v: rank {comm.rank} holds x {tuple(x.shape)}, {x.shape[dim]} rows in dim {dim}, "
+        f"but sizes[{comm.rank}] = {sizes[comm.rank]}")
+    rows = x.movedim(dim, 0)                                               # [s_r, ...]
+    pad = max(sizes) - sizes[comm.rank]
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros((pad,) + tuple(rows.shape[1:]))])  # [max s, ...]
+    parts = comm.all_gather(rows.contiguous())                             # P x [max s, ...]
+    out = torch.cat([p[:n] for p, n in zip(parts, sizes)])                 # [S, ...]
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def all_to_all_scatter_heads(x: torch.Tensor, comm, seq_sizes) -> torch.Tensor:
+    """Ulysses, before attention: [B, H, s_r, D] -> [B, H/P, S, D] (scatter heads, gather sequence).
+
+    Rank r ends up with heads r*H/P .. (r+1)*H/P - 1 over the whole sequence. seq_sizes are the P
+    values s_r (uneven shards are exact: the transport moves each shard at its own length).
+    """
+    if comm.world_size == 1:
+        return x
+    b, h, s, d = x.shape
+    p = comm.world_size
+    assert h % p == 0, f"all_to_all_scatter_heads: {h} heads do not split over {p} ranks (x {tuple(x.shape)})"
+    assert s == seq_sizes[comm.rank], (
+        f"all_to_all_scatter_heads: rank {comm.rank} holds x {tuple(x.shape)} but seq_sizes[{comm.rank}] = {seq_sizes[comm.rank]}")
+    hp = h // p
+    chunks = [x[:, j * hp:(j + 1) * hp].permute(2, 0, 1, 3).contiguous() for j in range(p)]  # P x [s_r, B, H/P, D]
+    parts = comm.all_to_all(chunks, list(seq_sizes))                       # P x [s_i, B, H/P, D]
+    return torch.cat(parts).permute(1, 2, 0, 3).contiguous()               # [S, B, H/P, D] -> [B, H/P, S, D]
+
+
+def all_to_all_gather_heads(x: torch.Tensor, comm, seq_sizes) -> torch.Tensor:
+    """Ulysses, after attention: [B, S, H/P, D] -> [B, s_r, H, D] (scatter sequence, gather heads).
+
+    The inverse of all_to_all_scatter_heads: heads come back in rank order, so head blocks land where
+    they started.
+    """
+    if comm.world_size == 1:
+        return x
+    b, s, hp, d = x.shape
+    assert s == sum(seq_sizes), f"all_to_all_gather_heads: x {tuple(x.shape)} has {s} rows, seq_sizes sum to {sum(seq_sizes)}"
+    starts = [sum(seq_sizes[:j]) for j in range(comm.world_size)]
+    chunks = [x[:, a:a + n].transpose(0, 1).contiguous() for a, n in zip(starts, seq_sizes)]  # P x [s_j, B, H/P, D]
+    parts = comm.all_to_all(chunks, [seq_sizes[comm.rank]] * comm.world_size)            # P x [s_r, B, H/P, D]
+    return torch.cat(parts, dim=2).transpose(0, 1).contiguous()            # [s_r, B, H, D] -> [B, s_r, H, D]
+
+
+def peer_copy(x: torch.Tensor, comm, src: int, dst: int):
+    """Move a tensor from rank src to rank dst.
+
+    On src, x is the data (returned unchanged once dst has it); on dst, x is the receive buffer (its
+    shape and dtype must match), filled and returned; other ranks return None without waiting.
+    """
+    if src == dst:
+        return x if comm.rank == src else None
+    if comm.rank == src:
+        comm.send(x, dst)
+        return x
+    if comm.rank == dst:
+        return comm.recv(x, src)
+    return None
+
+
+def all_reduce(x: torch.Tensor, comm) -> torch.Tensor:
+    """Sum over ranks: [...] on every rank -> [...] sum on every rank (a new tensor; x is unchanged)."""
+    if comm.world_size == 1:
+        return x
+    return comm.all_reduce(x)
+
+
+def reduce(x: torch.Tensor, comm, dst: int = 0):
+    """Sum over ranks onto rank dst: returns the [...] sum on dst, None on the other ranks."""
+    if comm.world_size == 1:
+        return x
+    return comm.reduce(x, dst)
+
+
+def broadcast(x: torch.Tensor, comm, src: int = 0) -> torch.Tensor:
+    """Rank src's x on every rank: src gets x back, the others a copy (their own x is ignored)."""
+    if comm.world_size == 1:
+        return x
+    return comm.broadcast(x, src)
+
+
+def barrier(comm):
+    if comm.world_size > 1:
+        comm.barrier()

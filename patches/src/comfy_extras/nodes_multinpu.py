@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import logging
+from inspect import cleandoc
+from typing import TYPE_CHECKING
+from typing_extensions import override
+
+from comfy_api.latest import ComfyExtension, io
+
+if TYPE_CHECKING:
+    from comfy.model_patcher import ModelPatcher
+    from comfy.sd import CLIP, VAE
+
+import comfy.multidevice
+import comfy.multinpu_dit
+
+NPU_COUNTS = [1, 2, 4]
+
+
+def check_npu_count(npu_count) -> str | None:
+    """None when this process can run `npu_count` devices, else the message naming both counts and the fix.
+
+    npu_count 1 always runs (on the model's own device). 2 and 4 must equal the number of devices the
+    process sees: the service exposes exactly the cards the workflow is meant for.
+    """
+    if npu_count not in NPU_COUNTS:
+        return f"MultiNPU Parallel Config: npu_count must be one of {NPU_COUNTS}, got {npu_count!r}."
+    devices = comfy.multidevice.get_devices()
+    if npu_count == 1 or npu_count == len(devices):
+        return None
+    if comfy.multidevice.device_kind() == "cpu":
+        fix = (f"set npu_count to {len(devices)}, or restart the server simulating {npu_count} devices "
+               f"(h3kit start --device-type cpu --devices {','.join(str(i) for i in range(npu_count))}, "
+               f"which sets {comfy.multidevice.SIM_DEVICES_ENV}={npu_count})")
+    else:
+        fix = (f"set npu_count to {len(devices) if len(devices) in NPU_COUNTS else 1}, or restart the server on "
+               f"{npu_count} devices (h3kit start --devices {','.join(str(i) for i in range(npu_count))})")
+    return (f"MultiNPU Parallel Config: npu_count is {npu_count} but this ComfyUI process sees "
+            f"{comfy.multidevice.describe_devices(devices)}. Fix: {fix}.")
+
+
+class MultiNPUParallelConfigNode(io.ComfyNode):
+    """
+    Run MiniMax H3 on 1, 2 or 4 devices (Ascend NPUs; CUDA GPUs work the same way).
+
+    - npu_count 1: everything passes through unchanged.
+    - npu_count 2 or 4: the diffusion model runs sequence-parallel. Each device holds the full DiT
+      weights and works on its share of the video/audio/text tokens; attention exchanges the shares
+      between devices, so the result matches one device.
+
+    npu_count must equal the number of devices this ComfyUI server sees (ASCEND_RT_VISIBLE_DEVICES);
+    on a machine with a different count the prompt is rejected before any work, with the fix.
+    Put this node last in the model chain, after LoRA and model-sampling nodes.
+
+    clip, vae and audio_vae pass through unchanged for now.
+    """
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="MultiNPUParallelConfig",
+            display_name="MultiNPU Parallel Config",
+            category="advanced/multigpu",
+            description=cleandoc(cls.__doc__),
+            inputs=[
+                io.Model.Input("model"),
+                io.Clip.Input("clip", optional=True),
+                io.Vae.Input("vae", optional=True),
+                io.Vae.Input("audio_vae", optional=True),
+                io.Combo.Input("npu_count", options=NPU_COUNTS, default=4,
+                               tooltip="Devices to run on: 1, 2 or 4, equal to the devices this server sees."),
+            ],
+            outputs=[
+                io.Model.Output(),
+                io.Clip.Output(),
+                io.Vae.Output(display_name="VAE"),
+                io.Vae.Output(display_name="AUDIO_VAE"),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, npu_count) -> bool | str:
+        return check_npu_count(npu_count) or True
+
+    @classmethod
+    def execute(cls, model: ModelPatcher, npu_count: int, clip: CLIP = None, vae: VAE = None,
+                audio_vae: VAE = None) -> io.NodeOutput:
+        problem = check_npu_count(npu_count)
+        if problem is not None:
+            raise ValueError(problem)
+        if npu_count > 1:
+            devices = comfy.multidevice.devices_for(model.load_device, npu_count)
+            model = comfy.multinpu_dit.apply_sequence_parallel(model, devices)
+        else:
+            logging.info("MultiNPU Parallel Config: npu_count 1, the model runs on one device.")
+        return io.NodeOutput(model, clip, vae, audio_vae)
+
+
+class MultiNPUExtension(ComfyExtension):
+    @override
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return [
+            MultiNPUParallelConfigNode,
+        ]
+
+
+async def comfy_entrypoint() -> MultiNPUExtension:
+    return MultiNPUExtension()

@@ -1,0 +1,144 @@
+"""SPMD test cases for patches/src/comfy/multinpu.py, shared by every transport.
+
+Each case is fn(comm, mn, **params) -> dict and runs on every rank with that rank's communicator:
+threads in one process (tests/test_multinpu_collectives.py) or gloo processes
+(tests/support/multinpu_gloo.py). Full tensors are built from a seed on every rank, each rank takes
+its shard with multinpu.shard_sizes (the split the DiT uses), and results must match the full tensor
+exactly: collectives only move data, so atol is 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MULTINPU_SRC = ROOT / "patches" / "src" / "comfy" / "multinpu.py"
+
+
+def load_multinpu(path=MULTINPU_SRC):
+    """Import patches/src/comfy/multinpu.py on its own (it needs torch only)."""
+    name = "h3kit_test_multinpu"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _full(shape, seed, integer=False):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    if integer:  # small integers: sums are exact in any order, so reductions compare with atol 0
+        return torch.randint(-50, 50, shape, generator=g).to(torch.float32)
+    return torch.randn(shape, generator=g)
+
+
+def _shard(full, sizes, rank, dim):
+    start = sum(sizes[:rank])
+    return full.narrow(dim, start, sizes[rank])
+
+
+def _check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def case_collectives(comm, mn, heads=56, head_dim=4):
+    """Every collective against a single-device reference, uneven shards included."""
+    import torch
+    p, r = comm.world_size, comm.rank
+    checked = []
+
+    # all_gather_v, dim 0, sizes known and exchanged; S = 3P + 1 is uneven for every P > 1
+    for total in (3 * p + 1, max(p - 1, 1)):  # the second leaves the last rank(s) empty when P > 1
+        sizes = mn.shard_sizes(total, p)
+        full = _full((total, 5), seed=total)
+        local = _shard(full, sizes, r, 0).clone()
+        got = mn.all_gather_v(local, comm, sizes=sizes)
+        _check(torch.equal(got, full), f"all_gather_v dim 0, S={total}, sizes {sizes}")
+        got = mn.all_gather_v(local, comm)
+        _check(torch.equal(got, full), f"all_gather_v dim 0 with exchanged sizes, S={total}")
+        checked.append(f"all_gather_v S={total}")
+
+    # all_gather_v along the sequence dim of packed K/V, [2, H, s_r, D] -> [2, H, S, D]
+    total = 5 * p + p // 2 + 1
+    sizes = mn.shard_sizes(total, p)
+    kv = _full((2, heads, total, head_dim), seed=11)
+    got = mn.all_gather_v(_shard(kv, sizes, r, 2).contiguous(), comm, sizes=sizes, dim=2)
+    _check(torch.equal(got, kv), "all_gather_v dim 2")
+    checked.append("all_gather_v dim 2")
+
+    # Ulysses: [1, H, s_r, D] -> [1, H/P, S, D] and back
+    q = _full((1, heads, total, head_dim), seed=12)
+    hp = heads // p
+    scattered = mn.all_to_all_scatter_heads(_shard(q, sizes, r, 2).contiguous(), comm, sizes)
+    _check(torch.equal(scattered, q[:, r * hp:(r + 1) * hp]), "all_to_all_scatter_heads")
+    out = _full((1, total, heads, head_dim), seed=13)
+    back = mn.all_to_all_gather_heads(out[:, :, r * hp:(r + 1) * hp].contiguous(), comm, sizes)
+    _check(torch.equal(back, _shard(out, sizes, r, 1)), "all_to_all_gather_heads")
+    round_trip = mn.all_to_all_gather_heads(scattered.transpose(1, 2).contiguous(), comm, sizes)
+    _check(torch.equal(round_trip, _shard(q, sizes, r, 2).transpose(1, 2)), "scatter then gather heads is the identity")
+    checked.append("all_to_all both directions")
+
+    # reductions and broadcast
+    parts = _full((p, 3, 7), seed=14, integer=True)
+    _check(torch.equal(mn.all_reduce(parts[r].clone(), comm), parts.sum(0)), "all_reduce")
+    red = mn.reduce(parts[r].clone(), comm, dst=p - 1)
+    if r == p - 1:
+        _check(red is not None and torch.equal(red, parts.sum(0)), "reduce onto the last rank")
+    else:
+        _check(red is None, "reduce returns None off dst")
+    src_data = _full((4, 6), seed=15)
+    mine = src_data.clone() if r == p - 1 else torch.zeros(4, 6)
+    _check(torch.equal(mn.broadcast(mine, comm, src=p - 1), src_data), "broadcast from the last rank")
+    checked.append("all_reduce, reduce, broadcast")
+
+    # peer copy 0 -> P-1; on dst the buffer is filled, and is not the sender's memory
+    payload = _full((3, 4), seed=16)
+    buf = payload.clone() if r == 0 else torch.zeros(3, 4)
+    got = mn.peer_copy(buf, comm, src=0, dst=p - 1)
+    if r == p - 1:
+        _check(torch.equal(got, payload), "peer_copy delivers the data")
+    elif r != 0:
+        _check(got is None, "peer_copy returns None on bystanders")
+    mn.barrier(comm)
+    checked.append("peer_copy, barrier")
+    return {"rank": r, "checked": checked}
+
+
+def case_rank_dies(comm, mn, mode="raise"):
+    """Rank 1 dies before a collective; the others must raise CollectiveError, quickly."""
+    import torch
+    if comm.rank == 1:
+        if mode == "exit":
+            os._exit(3)
+        raise RuntimeError("rank 1 injected failure")
+    t0 = time.monotonic()
+    try:
+        mn.all_gather_v(torch.ones(2, 3), comm, sizes=[2] * comm.world_size)
+    except mn.CollectiveError as e:
+        return {"rank": comm.rank, "raised": type(e).__name__, "message": str(e), "after_s": time.monotonic() - t0}
+    raise AssertionError("all_gather_v returned although rank 1 died")
+
+
+def case_stall(comm, mn, stall_s=6.0):
+    """Rank 1 sleeps past the group's timeout; the others must raise within the bound, naming it."""
+    import torch
+    if comm.rank == 1:
+        time.sleep(stall_s)
+        return {"rank": 1, "slept": stall_s}
+    t0 = time.monotonic()
+    try:
+        mn.all_to_all_scatter_heads(torch.ones(1, 2 * comm.world_size, 2, 3), comm, [2] * comm.world_size)
+    except mn.CollectiveError as e:
+        return {"rank": comm.rank, "raised": type(e).__name__, "message": str(e), "after_s": time.monotonic() - t0}
+    raise AssertionError("all_to_all returned although rank 1 stalled")
+
+
+CASES = {"collectives": case_collectives, "rank_dies": case_rank_dies, "stall": case_stall}

@@ -1,0 +1,294 @@
+"""Checks of the device layer, the DiT wrapper and the MultiNPUParallelConfig node, inside a patched tree.
+
+    H3KIT_SIM_DEVICES=3 python multinpu_node_checks.py --comfy-home TREE --out FILE
+
+Runs in the ComfyUI interpreter (comfy imports need the tree on sys.path and --cpu set first). Each
+check records what it observed, {"ok": true, "value": ...} or {"ok": false, "error", "traceback"};
+tests/test_multinpu_node.py asserts on the values. The process simulates 3 devices, so npu_count 4
+is a mismatch and 2 is not (npu_count must equal the device count) either: only 1 passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import types
+
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _tiny_patcher():
+    import torch
+    import comfy.sd
+    sys.path.insert(0, os.environ["H3KIT_RUNTIME_DIR"])
+    import parity_worker
+    path = os.path.join(os.environ["H3KIT_CHECK_TMP"], "tiny.safetensors")
+    if not os.path.exists(path):
+        parity_worker._tiny_checkpoint(path, 0)
+    return comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32}), parity_worker
+
+
+def _forward(patcher, seed=0):
+    """One direct DiT forward with the patcher's wrappers and block replacements, as the sampler passes them."""
+    import torch
+    import comfy.patcher_extension
+    _, pw = _tiny_patcher()
+    g = torch.Generator().manual_seed(seed)
+    x = [torch.randn(pw.VIDEO_SHAPE, generator=g), torch.randn(pw.AUDIO_SHAPE, generator=g)]
+    ctx = torch.randn(1, pw.TEXT_LEN, pw.TINY["text_dim"], generator=g)
+    to = comfy.patcher_extension.copy_nested_dicts(patcher.model_options["transformer_options"])
+    to["wrappers"] = comfy.patcher_extension.copy_nested_dicts(patcher.wrappers)
+    with torch.no_grad():
+        return patcher.model.diffusion_model(x, torch.tensor([500.0]), ctx, transformer_options=to, minimax_payload={})
+
+
+@check
+def multidevice():
+    import torch
+    import comfy.multidevice as md
+    env = {}
+    counts = {v: md.sim_device_count({md.SIM_DEVICES_ENV: v}) for v in ("", "1", "4", "0", "x", "0,1")}
+    counts["unset"] = md.sim_device_count(env)
+    return {"kind": md.device_kind(), "counts": counts, "devices": [str(d) for d in md.get_devices()],
+            "describe": md.describe_devices(), "devices_for_2": [str(d) for d in md.devices_for(torch.device("cpu"), 2)],
+            "devices_for_4": md.devices_for(torch.device("cpu"), 4),
+            "stream": md.current_stream(torch.device("cpu")), "sync": md.synchronize(torch.device("cpu"))}
+
+
+@check
+def npu_arms():
+    """The NPU branches of model_management and multidevice, against a recording stand-in for torch.npu."""
+    import torch
+    import comfy.model_management as mm
+    import comfy.multidevice as md
+    import comfy.multinpu as mn
+    calls = []
+
+    class FakeNpu(types.ModuleType):
+        current = 0
+
+        def set_device(self, device):
+            calls.append(("set_device", str(device)))
+            FakeNpu.current = torch.device(device).index
+
+        def current_device(self):
+            return FakeNpu.current
+
+        def synchronize(self, device=None):
+            calls.append(("synchronize", None if device is None else str(device)))
+
+        def current_stream(self, device=None):
+            calls.append(("current_stream", None if device is None else str(device)))
+            return types.SimpleNamespace(synchronize=lambda: calls.append(("stream_synchronize", None)))
+
+    torch.utils.rename_privateuse1_backend("npu")
+    torch._register_device_module("npu", FakeNpu("npu"))
+    npu1 = torch.device("npu", 1)
+    mm.set_torch_device(npu1)
+    with mm.cuda_device_context(torch.device("npu", 2)):
+        inside = FakeNpu.current
+    after = FakeNpu.current
+    saved = mm.cpu_state, mm.npu_available
+    mm.cpu_state, mm.npu_available = mm.CPUState.GPU, True
+    try:
+        mm.synchronize()
+        kind = md.device_kind()
+    finally:
+        mm.cpu_state, mm.npu_available = saved
+    stream = mm.current_stream(npu1) is not None
+    md.set_device(torch.device("npu", 3))
+    md.synchronize(npu1)
+    mn._stream_sync(npu1)
+    threads = mn.RankThreads(["cpu", "npu:0"])  # the worker sets npu:0 through torch's device module
+    time.sleep(0.2)
+    threads.shutdown()
+    return {"calls": calls, "inside": inside, "after": after, "kind": kind, "stream": stream}
+
+
+@check
+def schema():
+    import comfy_extras.nodes_multinpu as nm
+    node = nm.MultiNPUParallelConfigNode
+    info = node.INPUT_TYPES()
+    npu = info["required"]["npu_count"]
+    return {"required": list(info["required"]), "optional": list(info.get("optional", {})),
+            "npu_count": [npu[0], npu[1].get("options"), npu[1].get("default")], "return_types": list(node.RETURN_TYPES),
+            "category": node.CATEGORY, "node_id": node.GET_SCHEMA().node_id}
+
+
+@check
+def device_check():
+    import comfy.multinpu_dit
+    import comfy_extras.nodes_multinpu as nm
+    node = nm.MultiNPUParallelConfigNode
+    verdicts = {n: node.validate_inputs(npu_count=n) for n in (1, 2, 3, 4)}
+    patcher, _ = _tiny_patcher()
+    applied = []
+    real = comfy.multinpu_dit.apply_sequence_parallel
+    comfy.multinpu_dit.apply_sequence_parallel = lambda *a, **k: applied.append(a) or real(*a, **k)
+    try:
+        try:
+            node.execute(model=patcher, npu_count=4)
+            raised = None
+        except ValueError as e:
+            raised = str(e)
+        out_one = node.execute(model=patcher, npu_count=1).args
+    finally:
+        comfy.multinpu_dit.apply_sequence_parallel = real
+    return {"verdicts": verdicts, "raised": raised, "work_before_check": len(applied),
+            "one_passes_through": out_one[0] is patcher and out_one[1:] == (None, None, None)}
+
+
+@check
+def wrapper_paths():
+    """3 ranks (8 heads: auto picks the K/V gather) equal one device; replacements without the wrapper change nothing."""
+    import torch
+    import comfy.multinpu_dit
+    import comfy.patcher_extension
+    patcher, _ = _tiny_patcher()
+    ref = _forward(patcher)
+    m = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu"] * 3)
+    w = comfy.multinpu_dit.get_wrapper(m)
+    par = _forward(m)
+    replicas_share = all(r.diffusion_model is not patcher.model.diffusion_model and
+                         r.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr()
+                         == patcher.model.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr()
+                         for r in w.replicas[1:])
+    bare = m.clone()
+    bare.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, comfy.multinpu_dit.KEY)
+    no_wrapper = _forward(bare)
+    again = comfy.multinpu_dit.apply_sequence_parallel(m, w.devices)
+    return {"equal": all(torch.equal(a, b) for a, b in zip(ref, par)), "forwards": w.forwards,
+            "bytes": w.bytes_moved, "attention_heads": 8, "replicas_share_weights": replicas_share,
+            "replicas": len(w.replicas), "extra_models": len(m.get_additional_models_with_key(comfy.multinpu_dit.KEY)),
+            "blocks_without_wrapper_equal": all(torch.equal(a, b) for a, b in zip(ref, no_wrapper)),
+            "reapplied_wrappers": len(again.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, comfy.multinpu_dit.KEY)),
+            "reapplied_extra_models": len(again.get_additional_models_with_key(comfy.multinpu_dit.KEY))}
+
+
+@check
+def refusals():
+    import torch
+    import comfy.multinpu_dit
+    patcher, _ = _tiny_patcher()
+    out = {}
+    foreign = patcher.clone()
+    foreign.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", 1)
+    for name, p in (("foreign_block", foreign),
+                    ("not_h3", types.SimpleNamespace(model=types.SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2))))):
+        try:
+            comfy.multinpu_dit.apply_sequence_parallel(p, ["cpu", "cpu"])
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    later = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu", "cpu"])
+    later.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", "double_block", 2)
+    try:
+        _forward(later)
+        out["overridden_later"] = None
+    except RuntimeError as e:
+        out["overridden_later"] = str(e)
+    return out
+
+
+def _sp_model(timeout):
+    import comfy.multinpu_dit
+    patcher, _ = _tiny_patcher()
+    m = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu"] * 3, timeout=timeout)
+    return m, comfy.multinpu_dit.get_wrapper(m)
+
+
+@check
+def rank_failure():
+    import comfy.multinpu
+    m, w = _sp_model(timeout=30.0)
+    real = comfy.multinpu.all_gather_v
+
+    def failing(x, comm, sizes=None, dim=0):
+        if comm.rank == 2:
+            raise RuntimeError("injected failure on rank 2")
+        return real(x, comm, sizes=sizes, dim=dim)
+
+    comfy.multinpu.all_gather_v = failing
+    t0 = time.monotonic()
+    try:
+        _forward(m)
+        err = None
+    except RuntimeError as e:
+        err = {"type": type(e).__name__, "message": str(e), "notes": getattr(e, "__notes__", [])}
+    finally:
+        comfy.multinpu.all_gather_v = real
+    elapsed = time.monotonic() - t0
+    recovered = _forward(m) is not None
+    return {"error": err, "seconds": elapsed, "recovered": recovered}
+
+
+@check
+def stall():
+    import comfy.multinpu
+    timeout = 1.0
+    m, w = _sp_model(timeout=timeout)
+    real = comfy.multinpu.all_gather_v
+
+    def stalling(x, comm, sizes=None, dim=0):
+        if comm.rank == 1:
+            time.sleep(6.0)
+        return real(x, comm, sizes=sizes, dim=dim)
+
+    comfy.multinpu.all_gather_v = stalling
+    t0 = time.monotonic()
+    try:
+        _forward(m)
+        err = None
+    except comfy.multinpu.CollectiveError as e:
+        err = {"type": type(e).__name__, "message": str(e)}
+    finally:
+        comfy.multinpu.all_gather_v = real
+    elapsed = time.monotonic() - t0
+    old = w._threads
+    recovered = _forward(m) is not None
+    # the abandoned worker wakes up, hits the broken group and exits: it must not outlive the process
+    old_exited = old.join(15.0)
+    return {"error": err, "seconds": elapsed, "timeout": timeout, "pool_broken": old.broken, "recovered": recovered,
+            "new_pool": w._threads is not old and not w._threads.broken, "old_workers_exited": old_exited}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comfy-home", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, args.comfy_home)
+    os.chdir(args.comfy_home)
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401
+    results = {}
+    names = [n for n in args.only.split(",") if n] or list(CHECKS)
+    for name in names:
+        try:
+            results[name] = {"ok": True, "value": CHECKS[name]()}
+        except BaseException as e:
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2, default=repr)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown: with rank threads around, torch's static destructors occasionally abort
+    # ("terminate called without an active exception") after the report is already written
+    os._exit(code)

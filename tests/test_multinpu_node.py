@@ -1,0 +1,214 @@
+"""The device layer, the DiT wrapper and the MultiNPUParallelConfig node inside a patched tree.
+
+tests/support/multinpu_node_checks.py runs once in the ComfyUI interpreter with 3 simulated devices
+and reports what each check observed; the tests below assert on it. test_server_* boots the patched
+server (simulating 2 devices) and drives the node through /object_info and /prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from h3kit.runtime import costmodel
+from h3kit.runtime import parity_worker
+
+pytestmark = [pytest.mark.upstream, pytest.mark.slow]
+SUPPORT = Path(__file__).resolve().parent / "support"
+RUNTIME = Path(parity_worker.__file__).resolve().parent
+PORTS = range(8540, 8560)  # inside the runtime area's range 8500-8599
+
+
+@pytest.fixture(scope="module")
+def patched_tree(installed_tree):
+    return installed_tree
+
+
+@pytest.fixture(scope="module")
+def checks(patched_tree, comfy_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("node_checks")
+    env = dict(os.environ, H3KIT_SIM_DEVICES="3", H3KIT_RUNTIME_DIR=str(RUNTIME), H3KIT_CHECK_TMP=str(tmp))
+    out = tmp / "checks.json"
+    proc = subprocess.run([comfy_python, str(SUPPORT / "multinpu_node_checks.py"), "--comfy-home", str(patched_tree),
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text()), tmp
+
+
+def value(checks, name):
+    result = checks[0][name]
+    assert result["ok"], result.get("traceback")
+    return result["value"]
+
+
+def test_simulated_devices(checks):
+    v = value(checks, "multidevice")
+    assert v["kind"] == "cpu" and v["devices"] == ["cpu"] * 3
+    assert v["counts"] == {"": 0, "unset": 0, "1": 1, "4": 4, "0": 1, "x": 1, "0,1": 1}
+    assert v["describe"] == "3 simulated cpu devices (H3KIT_SIM_DEVICES=3)"
+    assert v["devices_for_2"] == ["cpu", "cpu"] and v["devices_for_4"] is None
+    assert v["stream"] is None
+
+
+def test_npu_arms_call_the_npu_runtime(checks):
+    v = value(checks, "npu_arms")
+    assert v["calls"][:5] == [
+        ["set_device", "npu:1"],   # model_management.set_torch_device
+        ["set_device", "npu:2"],   # cuda_device_context enters npu:2 ...
+        ["set_device", "npu:1"],   # ... and restores npu:1
+        ["synchronize", None],     # model_management.synchronize on an NPU host
+        ["current_stream", None],  # model_management.current_stream(npu)
+    ]
+    assert v["inside"] == 2 and v["after"] == 1 and v["kind"] == "npu" and v["stream"]
+    assert ["set_device", "npu:3"] in v["calls"] and ["synchronize", "npu:1"] in v["calls"]
+    assert ["stream_synchronize", None] in v["calls"], "peer copies must wait for the producer's stream"
+    assert v["calls"][-1] == ["set_device", "npu:0"], "a rank thread selects its NPU when it starts"
+
+
+def test_node_schema(checks):
+    v = value(checks, "schema")
+    assert v["node_id"] == "MultiNPUParallelConfig" and v["category"] == "advanced/multigpu"
+    assert v["required"] == ["model", "npu_count"] and v["optional"] == ["clip", "vae", "audio_vae"]
+    assert v["npu_count"] == ["COMBO", [1, 2, 4], 4]
+    assert v["return_types"] == ["MODEL", "CLIP", "VAE", "VAE"]
+
+
+def test_node_device_check(checks):
+    v = value(checks, "device_check")
+    assert v["verdicts"]["1"] is True
+    for n in ("2", "4"):
+        msg = v["verdicts"][n]
+        assert f"npu_count is {n} but this ComfyUI process sees 3 simulated cpu devices (H3KIT_SIM_DEVICES=3)" in msg
+        assert "Fix: set npu_count to 3" in msg and f"H3KIT_SIM_DEVICES={n}" in msg
+    assert "must be one of [1, 2, 4], got 3" in v["verdicts"]["3"]
+    assert v["raised"] == v["verdicts"]["4"], "execute must refuse with the same message"
+    assert v["work_before_check"] == 0, "the check runs before any model work"
+    assert v["one_passes_through"]
+
+
+def test_wrapper_matches_one_device_and_shares_host_weights(checks):
+    v = value(checks, "wrapper_paths")
+    assert v["equal"] and v["forwards"] == 1
+    tiny = parity_worker.TINY
+    ex = costmodel.exchange_elements(71, 3, hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
+                                     head_dim=tiny["attention_head_dim"], blocks=tiny["num_layers"])
+    assert ex["attention"] == "kv_gather" and v["bytes"] == ex["total"] * 4
+    assert v["replicas"] == 3 and v["extra_models"] == 2 and v["replicas_share_weights"]
+    assert v["blocks_without_wrapper_equal"]
+    assert v["reapplied_wrappers"] == 1 and v["reapplied_extra_models"] == 2
+
+
+def test_refusals_name_the_problem(checks):
+    v = value(checks, "refusals")
+    assert "DiT blocks [1] are already replaced" in v["foreign_block"]
+    assert "supports the MiniMax H3 DiT, not Linear" in v["not_h3"]
+    assert "block 2 is no longer replaced" in v["overridden_later"]
+
+
+def test_rank_failure_surfaces_at_once(checks):
+    v = value(checks, "rank_failure")
+    assert v["error"]["type"] == "RuntimeError" and v["error"]["message"] == "injected failure on rank 2"
+    assert v["error"]["notes"] == ["raised on rank 2 (cpu) of 3"]
+    assert v["seconds"] < 5.0 and v["recovered"]
+
+
+def test_stalled_rank_surfaces_within_the_bound(checks):
+    v = value(checks, "stall")
+    assert v["error"]["type"] == "CollectiveTimeout"
+    assert "rank(s) 1 (cpu) did not reach collective #1 within 1 s" in v["error"]["message"]
+    assert v["seconds"] < 2 * v["timeout"] + 1.5
+    assert v["pool_broken"] and v["recovered"] and v["new_pool"] and v["old_workers_exited"]
+
+
+# ---- the real server -------------------------------------------------------------------------
+
+def _free_port():
+    for port in PORTS:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    pytest.skip(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+@pytest.fixture(scope="module")
+def server(patched_tree, comfy_python, checks, tmp_path_factory):
+    requests = pytest.importorskip("requests")
+    tiny = checks[1] / "tiny.safetensors"
+    models = patched_tree / "models" / "diffusion_models"
+    models.mkdir(parents=True, exist_ok=True)
+    (models / "h3kit_tiny_h3.safetensors").write_bytes(tiny.read_bytes())
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "comfyui.log"
+    env = dict(os.environ, H3KIT_SIM_DEVICES="2")
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([comfy_python, "-B", "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
+                                cwd=patched_tree, env=env, stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(url + "/system_stats", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after 120 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url, requests, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _prompt(npu_count):
+    return {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3kit_tiny_h3.safetensors", "weight_dtype": "default"}},
+            "2": {"class_type": "MultiNPUParallelConfig", "inputs": {"model": ["1", 0], "npu_count": npu_count}},
+            "3": {"class_type": "ModelSave", "inputs": {"model": ["2", 0], "filename_prefix": "h3kit_multinpu/tiny"}}}
+
+
+def test_server_lists_the_node(server):
+    url, requests, _ = server
+    info = requests.get(url + "/object_info/MultiNPUParallelConfig", timeout=10).json()["MultiNPUParallelConfig"]
+    assert info["category"] == "advanced/multigpu"
+    assert info["input"]["required"]["npu_count"][1]["options"] == [1, 2, 4]
+    assert info["output"] == ["MODEL", "CLIP", "VAE", "VAE"]
+
+
+def test_server_rejects_a_count_the_process_lacks(server):
+    url, requests, _ = server
+    r = requests.post(url + "/prompt", json={"prompt": _prompt(4)}, timeout=30)
+    assert r.status_code == 400
+    errors = json.dumps(r.json()["node_errors"]["2"])
+    assert "npu_count is 4 but this ComfyUI process sees 2 simulated cpu devices" in errors
+
+
+def test_server_runs_the_node(server):
+    url, requests, log = server
+    r = requests.post(url + "/prompt", json={"prompt": _prompt(2)}, timeout=30)
+    assert r.status_code == 200, r.text
+    pid = r.json()["prompt_id"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        hist = requests.get(f"{url}/history/{pid}", timeout=10).json()
+        if pid in hist and hist[pid]["status"].get("completed") is not None:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"prompt did not finish:\n{log.read_text()[-3000:]}")
+    assert hist[pid]["status"]["status_str"] == "success", hist[pid]["status"]
+    assert "MultiNPU: MiniMax H3 DiT sequence-parallel on 2 simulated cpu devices" in log.read_text()

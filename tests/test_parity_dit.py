@@ -1,0 +1,93 @@
+"""`h3kit parity --component dit` on the CPU simulation, in a tree patched with patches/series.
+
+The worker samples a tiny random-weight H3 DiT on one device and through the MultiNPUParallelConfig
+node on N simulated devices (real node, wrapper, block replacements and attention override; real
+sampler), for t2va, fl2va and ref2va, with Ulysses and K/V-gather attention. Every row must pass the
+gate, the injected fault must fail it, and the bytes the threads moved must equal the cost model's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from h3kit.runtime import costmodel
+from h3kit.runtime import parity as parity_lib
+from h3kit.runtime import parity_worker
+
+pytestmark = [pytest.mark.upstream, pytest.mark.slow]
+LAYOUTS = {"t2va", "fl2va", "ref2va"}
+
+
+@pytest.fixture(scope="module")
+def patched_tree(installed_tree):
+    return installed_tree
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "h3kit", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _expected_bytes(row):
+    tiny = parity_worker.TINY
+    ex = costmodel.exchange_elements(row["seq_len"], row["npu_count"], hidden=tiny["hidden_size"],
+                                     heads=tiny["num_attention_heads"], head_dim=tiny["attention_head_dim"],
+                                     blocks=tiny["num_layers"], attention=row["attention"])
+    return ex["total"] * 4 * row["forwards"]  # fp32
+
+
+def _check_rows(rows, n):
+    assert {r["layout"] for r in rows} == LAYOUTS
+    assert {(r["layout"], r["attention"]) for r in rows} == {(lay, a) for lay in LAYOUTS for a in ("ulysses", "kv_gather")}
+    for r in rows:
+        assert r["seq_len"] % n != 0, f"{r['layout']}: S={r['seq_len']} divides by {n}; the test must cover uneven shards"
+        assert r["forwards"] == 4 and r["parallel_forwards"] == 4, r  # 2 steps x (cond, uncond)
+        assert r["max_rel"] <= 1e-5 and r["pass"], r
+        assert r["cos"] > 0.999999 and r["rel_rms"] <= 1e-5, r
+        assert r["bytes_moved"] > 0
+        assert r["bytes_moved"] == _expected_bytes(r), f"{r['layout']}/{r['attention']}: moved vs cost model"
+
+
+def test_parity_two_devices_and_cost_model(patched_tree, comfy_python):
+    report = parity_lib.run(patched_tree, "dit", "cpu", 2, python=comfy_python, timeout=600)
+    assert report["ok"]
+    _check_rows(report["rows"], 2)
+    cfg = report["config"]
+    assert cfg["devices"] == ["cpu", "cpu"] and cfg["dtype"] == "float32"
+    # the cost model's parameter formula, on the tiny config, counts the loaded checkpoint exactly
+    tiny = parity_worker.TINY
+    model = dict(costmodel.H3, blocks=tiny["num_layers"], hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
+                 head_dim=tiny["attention_head_dim"], ffn=tiny["ffn_hidden_size"], text_dim=tiny["text_dim"],
+                 refiner_blocks=tiny["token_refiner_num_layers"], t_in=tiny["timestep_input_dim"],
+                 t_hidden=tiny["time_embed_hidden_size"], t_dim=tiny["time_embed_dim"],
+                 rope_inv_freq=tiny["rope_inv_freq_len"])
+    assert costmodel.parameter_counts(model)["total"] == cfg["params"]
+
+
+def test_parity_four_devices_cli(patched_tree, comfy_python):
+    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "dit", "--device-type", "cpu",
+                "--npu-count", "4", "--python", comfy_python, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    _check_rows(rows, 4)
+    assert "parity passed: 6 row(s)" in proc.stderr
+
+
+def test_injected_fault_fails_the_gate(patched_tree, comfy_python):
+    proc = _cli("parity", "--comfy-home", str(patched_tree), "--device-type", "cpu", "--npu-count", "4",
+                "--python", comfy_python, "--inject-fault")
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "parity FAILED: 6 of 6 row(s)" in proc.stderr
+    assert proc.stdout.count("FAIL") == 6
+
+
+def test_parity_refuses_an_unpatched_tree(pin_tree, comfy_python):
+    proc = _cli("parity", "--comfy-home", str(pin_tree), "--device-type", "cpu", "--npu-count", "2",
+                "--python", comfy_python, "--json")
+    assert proc.returncode == 1
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == "not_patched" and "h3kit install" in error["hint"]

@@ -1,0 +1,151 @@
+"""parity and plan: the click layer over h3kit.runtime.parity and h3kit.runtime.costmodel.
+
+Exit codes: 0 parity within the gate / plan printed, 1 a parity row missed its gate or the run failed,
+2 bad input (including an --npu-count the machine does not have).
+"""
+
+from __future__ import annotations
+
+import click
+
+from h3kit import devices as h3devices
+from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+from h3kit.errors import UsageError
+from h3kit.runtime import costmodel
+from h3kit.runtime import parity as parity_lib
+
+COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
+
+
+@click.command()
+@comfy_home_option()
+@click.option("--component", type=click.Choice(parity_lib.COMPONENTS), default="dit", show_default=True,
+              help="What to compare: dit = the MiniMax H3 diffusion transformer, sequence-parallel.")
+@click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
+              show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
+@click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
+@click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
+@click.option("--inject-fault", is_flag=True,
+              help="Make the parallel path wrong on purpose (one device's shard left out of the gathers): "
+                   "the command must then exit 1.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=parity_lib.DEFAULT_TIMEOUT, show_default=True,
+              metavar="S", help="Seconds before the worker is killed.")
+@json_option
+@handle_errors
+def parity(comfy_home, component, device_type, npu_count, python, inject_fault, timeout, as_json):
+    """Compare a multi-device forward with one device (tiny random weights).
+
+    Builds a tiny random-weight H3 DiT with the installed tree's own code, samples two steps with CFG on
+    one device and through the MultiNPUParallelConfig node on --npu-count devices, for the t2va, fl2va
+    and ref2va layouts (Ulysses and K/V-gather attention each), and compares every DiT output. Gate:
+    max_rel = max|parallel - single| / max|single| <= 1e-5 (fp32). On a new NPU machine this is the
+    acceptance check: h3kit parity --component dit --device-type npu --npu-count 4.
+    """
+    kind = h3devices.resolve_device_type(device_type)
+    n = int(npu_count)
+    err(f"h3kit: parity of {component} on {n} {kind} device(s){' with an injected fault' if inject_fault else ''}")
+    report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout)
+    rows = report["rows"]
+    if as_json:
+        emit_json(rows)
+    else:
+        _print_rows(rows, report["config"], component)
+    failed = [r for r in rows if not r["pass"]]
+    if failed:
+        err(f"h3kit: parity FAILED: {len(failed)} of {len(rows)} row(s) miss {parity_lib.GATES[component]}")
+        raise SystemExit(1)
+    err(f"h3kit: parity passed: {len(rows)} row(s) within {parity_lib.GATES[component]}")
+
+
+def _print_rows(rows, config, component):
+    click.echo(f"{component}: {config.get('dtype')}, {config.get('steps')} steps, cfg {config.get('cfg')}, "
+               f"devices {', '.join(config.get('devices', []))}")
+    head = f"{'layout':8} {'attention':10} {'S':>5} {'fwd':>4} {'max_abs':>10} {'max_rel':>10} {'cos':>12} " \
+           f"{'rel_rms':>10} {'bytes':>10}  gate"
+    click.echo(head)
+    for r in rows:
+        click.echo(f"{r['layout']:8} {r['attention']:10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
+                   f"{r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} {r['bytes_moved']:>10}  "
+                   f"{'pass' if r['pass'] else 'FAIL'}")
+
+
+@click.command()
+@click.option("--width", type=int, required=True, help="Video width in pixels (a multiple of 32).")
+@click.option("--height", type=int, required=True, help="Video height in pixels (a multiple of 32).")
+@click.option("--frames", type=click.IntRange(min=1), required=True, help="Frame count at 24 fps (snapped up to 17k+5).")
+@click.option("--npu-count", type=click.Choice(COUNTS), required=True, multiple=True,
+              help="Devices; repeat the option to compare (--npu-count 1 --npu-count 2 --npu-count 4).")
+@click.option("--text-tokens", type=click.IntRange(min=1), default=costmodel.DEFAULT_TEXT_TOKENS, show_default=True,
+              help="Prompt length in Qwen tokens (an assumption: it shifts the sequence by that much).")
+@click.option("--keyframes", type=click.Choice(["0", "1", "2"]), default="0", show_default=True,
+              help="fl2va keyframes (first and/or last frame), each adding one latent frame of tokens.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--tflops", type=click.FloatRange(min=0, min_open=True), metavar="T",
+              help="Effective TFLOP/s per device (from a calibration run) to predict compute seconds per step.")
+@click.option("--link-gbs", type=click.FloatRange(min=0, min_open=True), metavar="B",
+              help="Effective exchange GB/s per device to predict exchange seconds per step.")
+@json_option
+@handle_errors
+def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, tflops, link_gbs, as_json):
+    """Print the sequence-parallel cost model for a resolution and device count.
+
+    For the real H3 DiT (50 blocks, hidden 5376, 56x128 heads, ffn 14336): the packed sequence, tokens
+    per device, FLOPs per device, bytes exchanged per block and per step (CFG: two forwards), and memory
+    per device (the full DiT weights plus estimated activations).
+    """
+    counts = sorted({int(c) for c in npu_count})
+    try:
+        plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
+                                dtype=dtype, tflops=tflops, link_gbs=link_gbs) for n in counts]
+    except ValueError as e:
+        raise UsageError(str(e), hint="H3 needs width and height in multiples of 32 (e.g. 1344x768, 736 not 720)")
+    if as_json:
+        emit_json({"model": costmodel.H3, "plans": plans})
+        return
+    for line in format_plans(plans):
+        click.echo(line)
+
+
+def _si(x, unit):
+    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def format_plans(plans) -> list:
+    p0 = plans[0]
+    seg = p0["segments"]
+    lt, lh, lw = p0["latent"]
+    lines = [
+        f"MiniMax H3 DiT, {p0['width']}x{p0['height']}, {p0['frames']} frames, {p0['dtype']}, "
+        f"{'fl2va, %d keyframe(s)' % p0['keyframes'] if p0['keyframes'] else 't2va'}",
+        f"latents: video {lt}x{lh}x{lw} (T x H x W), audio {p0['audio_latents']} x 2 channels; "
+        f"text {p0['text_tokens']} tokens (assumed)",
+        f"packed sequence S = {p0['seq_len']} tokens: text {seg['text']}, cond {seg['cond']}, "
+        f"audio {seg['audio']}, video {seg['video']}",
+        "",
+    ]
+
+    def row(label, fn):
+        lines.append(f"{label:38}" + "".join(f"{fn(p):>16}" for p in plans))
+
+    row("", lambda p: f"{p['npu_count']} device{'s' if p['npu_count'] > 1 else ''}")
+    row("tokens per device (largest shard)", lambda p: str(max(p["tokens_per_device"])))
+    row("attention exchange", lambda p: p["attention"])
+    row("FLOPs per device per step", lambda p: _si(p["flops_per_device_step"], "FLOP"))
+    row("  of which attention", lambda p: _si(p["flops_per_device_forward"]["attention"] * 2, "FLOP"))
+    row("  of which MLP", lambda p: _si(p["flops_per_device_forward"]["mlp"] * 2, "FLOP"))
+    row("exchanged per block (all devices)", lambda p: _si(p["bytes_per_block"], "B"))
+    row("exchanged per step (all devices)", lambda p: _si(p["bytes_per_step"], "B"))
+    row("exchanged per step (busiest device)", lambda p: _si(p["bytes_per_device_step"], "B"))
+    row("weights per device", lambda p: _si(p["memory_per_device"]["weights"], "B"))
+    row("activations per device (estimate)", lambda p: _si(p["memory_per_device"]["activations"], "B"))
+    row("memory per device", lambda p: _si(p["memory_per_device"]["total"], "B"))
+    if "seconds_compute_step" in p0:
+        row("compute per step (at --tflops)", lambda p: f"{p['seconds_compute_step']:.2f} s")
+    if "seconds_exchange_step" in p0:
+        row("exchange per step (at --link-gbs)", lambda p: f"{p['seconds_exchange_step']:.2f} s")
+    lines.append("")
+    lines.append("A step is two forwards (CFG). Every device holds the full DiT weights in sequence parallelism.")
+    return lines

@@ -1,0 +1,187 @@
+"""Cost model of the sequence-parallel MiniMax H3 DiT: tokens, FLOPs, bytes exchanged and memory per device.
+
+Pure arithmetic (no torch), read from the pinned upstream:
+- DiT (comfy/ldm/minimax/model.py MiniMaxH3Model defaults): 50 blocks, hidden 5376, 56 heads x 128,
+  SwiGLU ffn 14336, text_dim 5120, 2 token-refiner blocks, time embedding 256 -> 5376 -> 2688, adaLN
+  projections of 6 x 3 rows per block; the patch projections, time embedder and output heads are fp32.
+- Video latent (comfy/ldm/minimax/vae.py): spatial stride prod(space_down) = 16, temporal chunks of 17
+  frames -> 5 latents (nodes_minimax_h3.video_latent_t); frames snap up to 17k + 5; patch 1x2x2.
+- Audio latent (audio_vae.py, nodes_minimax_h3.temporal_shape): 40 per second, stereo packed as two rows.
+- Text: Qwen3-VL hidden states of the prompt (no chat template); the length is an assumption
+  (DEFAULT_TEXT_TOKENS, --text-tokens), it moves S by that much.
+
+The exchange model matches comfy/multinpu_dit.py exactly (the parity test checks it byte for byte):
+Ulysses moves q, k, v (one packed all-to-all) and the output back, S (P-1)/P x 4 x H D elements per
+block in total; the K/V fallback all-gathers K and V padded to the largest shard; after the last block
+the hidden states are all-gathered, padded likewise.
+"""
+
+from __future__ import annotations
+
+import math
+
+H3 = {
+    "blocks": 50, "hidden": 5376, "heads": 56, "head_dim": 128, "ffn": 14336, "text_dim": 5120,
+    "refiner_blocks": 2, "t_in": 256, "t_hidden": 5376, "t_dim": 2688, "rope_inv_freq": 16,
+    "latent_channels": 24, "audio_channels": 32, "patch": (1, 2, 2),
+}
+VAE_STRIDE = 16            # comfy/ldm/minimax/vae.py: prod(space_down=(2, 2, 2, 2, 1, 1))
+CLIP_FRAMES, CLIP_LATENTS = 17, 5   # 17-frame clips -> ceil(17 / prod(time_down=(1, 2, 2, 1, 1, 1))) latents
+FPS = 24
+AUDIO_LATENTS_PER_S = 40
+DEFAULT_TEXT_TOKENS = 300
+CFG_FORWARDS = 2           # cond and uncond are separate forwards
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def align_frame_count(frames: int) -> int:
+    """Frames snapped up to the 17k + 5 grid, as MiniMax H3's latent nodes do (at least 5)."""
+    n = max(5, frames)
+    while n % 17 != 5:
+        n += 1
+    return n
+
+
+def video_latent_t(frames: int) -> int:
+    return 2 if frames <= 5 else ((frames - 5) // CLIP_FRAMES) * CLIP_LATENTS + 2
+
+
+def packed_sequence(width: int, height: int, frames: int, text_tokens: int = DEFAULT_TEXT_TOKENS,
+                    keyframes: int = 0) -> dict:
+    """The packed token counts [text | keyframe cond | audio | video] for one generation (t2va, or fl2va with keyframes)."""
+    if width % 32 or height % 32:
+        raise ValueError(f"width and height must be multiples of 32 (got {width}x{height})")
+    if keyframes not in (0, 1, 2):
+        raise ValueError("keyframes must be 0, 1 or 2 (first and/or last frame)")
+    frames = align_frame_count(frames)
+    lt, lh, lw = video_latent_t(frames), height // VAE_STRIDE, width // VAE_STRIDE
+    pt, ph, pw = H3["patch"]
+    per_frame = (lh // ph) * (lw // pw)
+    audio_t = round(frames / FPS * AUDIO_LATENTS_PER_S)
+    seg = {"text": text_tokens, "cond": keyframes * per_frame, "audio": 2 * audio_t, "video": (lt // pt) * per_frame}
+    return {"frames": frames, "latent": [lt, lh, lw], "audio_latents": audio_t, "segments": seg,
+            "seq_len": sum(seg.values())}
+
+
+def shard_sizes(total: int, world: int) -> list:
+    """Rows per device: contiguous shards, the first total % P one longer (comfy.multinpu.shard_sizes)."""
+    base, extra = divmod(total, world)
+    return [base + (1 if r < extra else 0) for r in range(world)]
+
+
+def attention_mode(heads: int, world: int) -> str:
+    if world == 1:
+        return "none"
+    return "ulysses" if heads % world == 0 else "kv_gather"
+
+
+def exchange_elements(seq_len: int, world: int, *, hidden: int, heads: int, head_dim: int, blocks: int,
+                      attention: str = None) -> dict:
+    """Elements moved between devices in one DiT forward, summed over devices (a device's own data excluded)."""
+    attention = attention or attention_mode(heads, world)
+    if world == 1:
+        return {"attention": attention, "per_block": 0, "final_gather": 0, "total": 0, "per_device_max": 0}
+    p = world
+    sizes = shard_sizes(seq_len, p)
+    s_max = max(sizes)
+    inner = heads * head_dim
+    if attention == "ulysses":
+        if heads % p:
+            raise ValueError(f"Ulysses needs heads ({heads}) divisible by the device count ({p})")
+        per_block = 4 * seq_len * (p - 1) * (inner // p)
+        per_device_block = max(3 * (seq_len - s) * (inner // p) + (p - 1) * s * (inner // p) for s in sizes)
+    elif attention == "kv_gather":
+        per_block = p * (p - 1) * s_max * 2 * inner
+        per_device_block = (p - 1) * s_max * 2 * inner
+    else:
+        raise ValueError(f"unknown attention mode {attention!r}")
+    final = p * (p - 1) * s_max * hidden
+    return {"attention": attention, "per_block": per_block, "final_gather": final,
+            "total": blocks * per_block + final,
+            "per_device_max": blocks * per_device_block + (p - 1) * s_max * hidden}
+
+
+def parameter_counts(cfg: dict = H3) -> dict:
+    """Parameters of the DiT, split into those stored at the model dtype and the fp32 island."""
+    h, inner, ffn, d = cfg["hidden"], cfg["heads"] * cfg["head_dim"], cfg["ffn"], cfg["head_dim"]
+    video_dim = cfg["latent_channels"] * math.prod(cfg["patch"])
+    attn = h * 3 * inner + 2 * d + inner * h
+    mlp = h * 2 * ffn + ffn * h
+    block = 2 * h + attn + mlp + cfg["t_dim"] * 18 * h + 18 * h
+    refiner = cfg["refiner_blocks"] * (2 * h + attn + mlp) + h
+    final = h + cfg["t_dim"] * 2 * h + 2 * h
+    model_dtype = cfg["blocks"] * block + refiner + final + cfg["text_dim"] * h + h
+    fp32 = (video_dim * h + h + cfg["audio_channels"] * h + h
+            + cfg["t_in"] * cfg["t_hidden"] + cfg["t_hidden"] + cfg["t_hidden"] * cfg["t_dim"] + cfg["t_dim"]
+            + h * video_dim + video_dim + h * cfg["audio_channels"] + cfg["audio_channels"] + cfg["rope_inv_freq"])
+    return {"model_dtype": model_dtype, "fp32": fp32, "total": model_dtype + fp32}
+
+
+def flops_per_device(seq_len: int, world: int, cfg: dict = H3) -> dict:
+    """FLOPs of one forward on the busiest device (2 per multiply-add), blocks and final layer."""
+    s = max(shard_sizes(seq_len, world))
+    h, inner, ffn = cfg["hidden"], cfg["heads"] * cfg["head_dim"], cfg["ffn"]
+    # each device computes attention for all S queries of H/P heads (Ulysses) or its s queries over all
+    # S keys of H heads (K/V gather): the same S * S * H * D / P up to the shard rounding
+    attention = cfg["blocks"] * 4 * s * seq_len * inner
+    projections = cfg["blocks"] * 2 * s * h * 4 * inner
+    mlp = cfg["blocks"] * 2 * s * h * 3 * ffn
+    final = 2 * seq_len * h * cfg["latent_channels"] * math.prod(cfg["patch"])
+    return {"attention": attention, "projections": projections, "mlp": mlp, "final_layer": final,
+            "total": attention + projections + mlp + final}
+
+
+def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict = H3) -> dict:
+    """Bytes on each device: the full DiT weights plus an estimate of the peak activations of one forward.
+
+    Activation phases (the largest one counts): the full sequence every device embeds before block 0;
+    attention on the shard with the Ulysses buffers (or the gathered K/V); the SwiGLU MLP on the shard;
+    the final all-gather (padded parts plus the result). Backend workspaces are not included.
+    """
+    e = DTYPE_BYTES[dtype]
+    params = parameter_counts(cfg)
+    weights = params["model_dtype"] * e + params["fp32"] * 4
+    sizes = shard_sizes(seq_len, world)
+    s, p = max(sizes), world
+    h, inner, ffn = cfg["hidden"], cfg["heads"] * cfg["head_dim"], cfg["ffn"]
+    embed = 2 * seq_len * h
+    mode = attention_mode(cfg["heads"], world)
+    if mode == "kv_gather":
+        exchange = 2 * 2 * seq_len * inner                   # gathered K/V parts and their concatenation
+    elif mode == "ulysses":                                  # send chunks, received parts + their permute, output
+        exchange = 3 * s * inner + 2 * 3 * seq_len * inner // p + seq_len * inner // p
+    else:
+        exchange = 0
+    attention = s * (2 * h + 3 * inner + inner) + exchange + s * inner
+    mlp = s * (2 * h + 3 * ffn)
+    gather = (p * s + seq_len) * h if world > 1 else 0
+    activations = (max(embed, attention, mlp, gather) + s * h) * e
+    return {"weights": weights, "activations": activations, "total": weights + activations}
+
+
+def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS,
+         keyframes: int = 0, dtype: str = "bf16", tflops: float = None, link_gbs: float = None) -> dict:
+    """The whole model for one configuration. tflops (effective per device) and link_gbs (exchange GB/s per
+    device) are optional calibrations; with them the plan predicts seconds per step."""
+    seq = packed_sequence(width, height, frames, text_tokens, keyframes)
+    s_len = seq["seq_len"]
+    e = DTYPE_BYTES[dtype]
+    ex = exchange_elements(s_len, world, hidden=H3["hidden"], heads=H3["heads"], head_dim=H3["head_dim"],
+                           blocks=H3["blocks"])
+    flops = flops_per_device(s_len, world)
+    out = {
+        "width": width, "height": height, "frames": seq["frames"], "npu_count": world, "dtype": dtype,
+        "text_tokens": text_tokens, "keyframes": keyframes, "latent": seq["latent"],
+        "audio_latents": seq["audio_latents"], "segments": seq["segments"], "seq_len": s_len,
+        "tokens_per_device": shard_sizes(s_len, world), "attention": ex["attention"],
+        "flops_per_device_forward": flops, "flops_per_device_step": flops["total"] * CFG_FORWARDS,
+        "bytes_per_block": ex["per_block"] * e, "bytes_final_gather": ex["final_gather"] * e,
+        "bytes_per_forward": ex["total"] * e, "bytes_per_step": ex["total"] * e * CFG_FORWARDS,
+        "bytes_per_device_step": ex["per_device_max"] * e * CFG_FORWARDS,
+        "memory_per_device": memory_per_device(s_len, world, dtype),
+    }
+    if tflops:
+        out["seconds_compute_step"] = out["flops_per_device_step"] / (tflops * 1e12)
+    if link_gbs:
+        out["seconds_exchange_step"] = out["bytes_per_device_step"] / (link_gbs * 1e9)
+    return out

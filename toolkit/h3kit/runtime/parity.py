@@ -1,0 +1,116 @@
+"""Run the parity worker inside the ComfyUI interpreter and judge what it reports.
+
+The worker (parity_worker.py, beside this module) builds a tiny random-weight model with the patched
+tree's own code, runs it on one device and through the MultiNPUParallelConfig node on N, and writes
+one row per (layout, attention mode) with max_abs, max_rel, cos, rel_rms and the bytes moved. This
+module finds the interpreter, starts the worker in its own session with a deadline (killing only that
+session on expiry), and turns its failures into H3kitErrors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from h3kit.errors import H3kitError, UsageError
+
+WORKER = Path(__file__).with_name("parity_worker.py")
+COMPONENTS = ("dit",)
+GATES = {"dit": "max_rel <= 1e-05 (fp32)"}
+DEFAULT_TIMEOUT = 900.0
+PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy_extras/nodes_multinpu.py")
+
+
+class ParityFailed(H3kitError):
+    code = "parity_failed"
+
+
+def resolve_python(comfy_home: Path, python: str = None) -> str:
+    """--python, else the interpreter `h3kit install` recorded in <comfy-home>/.h3kit/state.json, else this one."""
+    if python:
+        return python
+    state = Path(comfy_home) / ".h3kit" / "state.json"
+    if state.is_file():
+        try:
+            recorded = json.loads(state.read_text()).get("python")
+        except (OSError, ValueError) as e:
+            raise H3kitError(f"cannot read {state}: {e}", code="bad_state",
+                             hint="rerun h3kit install, or pass --python") from e
+        if recorded:
+            return recorded
+    return sys.executable
+
+
+def check_tree(comfy_home: Path) -> None:
+    home = Path(comfy_home)
+    if not (home / "comfy" / "model_management.py").is_file():
+        raise UsageError(f"{home} is not a ComfyUI checkout (no comfy/model_management.py)",
+                         code="not_comfy", hint="pass the directory h3kit install created as --comfy-home")
+    missing = [p for p in PATCHED_FILES if not (home / p).is_file()]
+    if missing:
+        raise H3kitError(f"{home} lacks the multi-device patches ({', '.join(missing)} missing)",
+                         code="not_patched", hint=f"run h3kit install --comfy-home {home}")
+
+
+def run(comfy_home, component: str, device_type: str, npu_count: int, *, python: str = None,
+        inject_fault: bool = False, timeout: float = DEFAULT_TIMEOUT, extra_args=()) -> dict:
+    """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows."""
+    if component not in COMPONENTS:
+        raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
+    home = Path(comfy_home).resolve()
+    check_tree(home)
+    py = resolve_python(home, python)
+    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
+        out = Path(tmp) / "report.json"
+        log = Path(tmp) / "worker.log"
+        cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
+               "--npu-count", str(npu_count), "--out", str(out), *extra_args]
+        if inject_fault:
+            cmd.append("--inject-fault")
+        with open(log, "wb") as logf:
+            try:
+                proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
+            except OSError as e:
+                raise UsageError(f"cannot run {py}: {e}", code="bad_python",
+                                 hint="pass --python with the interpreter that runs ComfyUI") from e
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # our own session: the worker and its rank threads
+                proc.wait()
+                raise H3kitError(f"the parity worker did not finish within {timeout:g} s and was killed",
+                                 code="parity_timeout", details={"log_tail": _tail(log)},
+                                 hint="a device or collective hung: run with a larger --timeout only if it was merely slow")
+        report = _read(out)
+        if report is None:
+            raise H3kitError(f"the parity worker exited with {rc} without a report", code="worker_failed",
+                             details={"log_tail": _tail(log)}, hint=f"read the log above; the interpreter was {py}")
+        error = report.get("error")
+        if error:
+            if error.get("code") == "device_check":
+                raise UsageError(error["message"], code="device_mismatch",
+                                 hint=f"run with exactly {npu_count} devices visible, as the server will "
+                                      "(ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or change --npu-count")
+            raise H3kitError(f"parity worker: {error.get('message')}", code=error.get("code", "worker_failed"),
+                             details={"log_tail": _tail(log)})
+        return report
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _tail(path: Path, lines: int = 40) -> list:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
