@@ -20,7 +20,16 @@ OOM_MESSAGES = ("out of memory", "can't allocate memory")
 
 
 class HttpError(Exception):
-    """The server did not answer, or answered with an error status or a body that is not JSON."""
+    """The server did not answer, or answered with an error status or a body that is not JSON.
+
+    `status` is the HTTP status when there was one; `body` the decoded JSON of an error answer (ComfyUI's
+    400 from POST /prompt carries the validation errors per node there), else None.
+    """
+
+    def __init__(self, message: str, status: int | None = None, body=None):
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 def base_url(host: str, port: int) -> str:
@@ -35,7 +44,11 @@ def request_json(url: str, *, method: str = "GET", body=None, timeout: float = 3
         with _OPENER.open(req, timeout=timeout) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as e:
-        raise HttpError(f"{method} {url}: HTTP {e.code}") from None
+        try:
+            body = json.loads(e.read() or b"null")
+        except (ValueError, OSError):
+            body = None
+        raise HttpError(f"{method} {url}: HTTP {e.code}", status=e.code, body=body) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise HttpError(f"{method} {url}: {reason}") from None

@@ -1,0 +1,300 @@
+"""h3kit demo: the whole deployment end to end, on tiny random weights, in minutes, on CPU or devices.
+
+Stages: install (if the tree is not installed and verified), checkpoints (four tiny H3 components written
+with the real upstream classes, h3kit.tiny_models), start (the service on N devices, simulated on CPU),
+check-workflow (the shipped demo workflow, statically), prompt (POST /prompt, followed on /ws), parity
+(N > 1: the same prompt with npu_count 1, latents compared), stop (unless kept running or not ours).
+Every failure names its stage and, where the server was involved, the log line that explains it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from h3kit import comfyws, devices as h3devices, health, logscan, outputs, proc, service
+from h3kit.errors import H3kitError, UsageError
+from h3kit.paths import repo_root
+
+DEMO_WORKFLOW = Path("workflows/api/demo_t2va_tiny.json")
+CONFIG_NODE = "MultiNPUParallelConfig"
+# component: (models subfolder and file name, seed); the names the demo workflow's loaders use
+TINY = {"dit": ("diffusion_models/h3kit_tiny_dit.safetensors", 1),
+        "te": ("text_encoders/h3kit_tiny_te.safetensors", 2),
+        "video_vae": ("vae/h3kit_tiny_video_vae.safetensors", 3),
+        "audio_vae": ("vae/h3kit_tiny_audio_vae.safetensors", 4)}
+PARITY_GATE = 1e-5  # the DiT parity gate (fp32), applied to the whole pipeline's latents
+PROMPT_TIMEOUT = 900.0
+HISTORY_WAIT = 30.0
+
+# node class -> the stage a user thinks in
+STAGES = (("load", ("Loader", CONFIG_NODE)), ("text encode", ("TextEncode", "ToVideo", "ImageToVideo")),
+          ("sample", ("Sampler", "Guider", "Scheduler", "RandomNoise", "KSampler")),
+          ("decode", ("VAEDecode",)), ("save", ("Save", "CreateVideo", "SeparateAVLatent")))
+
+
+class DemoFailed(H3kitError):
+    code = "demo_failed"
+
+
+def stage_of(class_type: str) -> str:
+    for name, needles in STAGES:
+        if any(n in class_type for n in needles):
+            return name
+    return "other"
+
+
+def stage_seconds(trace: comfyws.PromptTrace) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for n in trace.nodes:
+        out[stage_of(n.class_type)] = round(out.get(stage_of(n.class_type), 0.0) + n.seconds, 3)
+    return out
+
+
+@dataclass
+class DemoOptions:
+    comfy_home: Path
+    device_type: str = "auto"
+    npu_count: int = 2
+    keep_running: bool = False
+    source: str | None = None
+    python: str | None = None
+    port: int = service.DEFAULT_PORT
+    timeout: float = PROMPT_TIMEOUT
+
+
+class _Stages:
+    def __init__(self, log):
+        self.log = log
+        self.done: list[dict] = []
+        self.server_log: str | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        entry = {"stage": name, "seconds": None, "detail": ""}
+        self.log(f"{name} ...")
+        try:
+            yield entry
+        except H3kitError as e:
+            if e.details and "stage" in e.details:  # already named by an inner stage
+                raise
+            raise self._failed(name, e.message, hint=e.hint, cause=e.code, extra=e.details) from None
+        except (OSError, ValueError, KeyError, subprocess.SubprocessError, health.HttpError,
+                comfyws.WebSocketError) as e:
+            raise self._failed(name, f"{type(e).__name__}: {e}") from None
+        entry["seconds"] = round(time.perf_counter() - t0, 2)
+        self.done.append(entry)
+        self.log(f"{name}: {entry['seconds']} s {entry['detail']}".rstrip())
+
+    def _failed(self, name, message, hint=None, cause=None, extra=None) -> DemoFailed:
+        line = None
+        if self.server_log:
+            blk = logscan.first_error(self.server_log)
+            line = blk.summary if blk else None
+        text = f"stage {name!r} failed: {message}" + (f"\n  server log: {line}" if line else "")
+        if hint is None and self.server_log:
+            hint = f"the whole server log: {self.server_log}"
+        return DemoFailed(text, hint=hint, details={"stage": name, "cause": cause, "log_line": line,
+                                                   "log": self.server_log, "stages": self.done, "error": extra})
+
+
+def write_tiny_checkpoints(home: Path, python: str) -> dict:
+    """Write whichever tiny components are missing under <home>/models, in one ComfyUI interpreter."""
+    models = home / "models"
+    missing = {c: (models / rel, seed) for c, (rel, seed) in TINY.items() if not (models / rel).is_file()}
+    if not missing:
+        return {"written": [], "present": sorted(TINY)}
+    for path, _ in missing.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    script = ("import sys, json\nfrom h3kit import tiny_models\n"
+              "for comp, path, seed in json.loads(sys.argv[1]):\n"
+              "    tmp = path + '.tmp'\n"
+              "    tiny_models.write(comp, tmp, seed)\n"
+              "    __import__('os').replace(tmp, path)\n")
+    todo = json.dumps([[c, str(p), s] for c, (p, s) in missing.items()])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(home), str(repo_root() / "toolkit")]))
+    proc_ = subprocess.run([python, "-c", script, todo], cwd=home, env=env, capture_output=True, text=True,
+                           timeout=900)
+    if proc_.returncode != 0:
+        raise DemoFailed("writing the tiny checkpoints failed: " + (proc_.stderr.strip().splitlines() or ["?"])[-1],
+                         hint=f"run {python} -m h3kit.tiny_models dit /tmp/x.safetensors from {home} to see why")
+    return {"written": sorted(missing), "present": sorted(set(TINY) - set(missing))}
+
+
+def demo_prompt(npu_count: int, tag: str) -> dict:
+    """The shipped demo workflow (API format) with `npu_count` set and outputs named by `tag`."""
+    prompt = json.loads((repo_root() / DEMO_WORKFLOW).read_text())
+    for node in prompt.values():
+        node.pop("_meta", None)
+        if node["class_type"] == CONFIG_NODE:
+            node["inputs"]["npu_count"] = npu_count
+        prefix = node["inputs"].get("filename_prefix")
+        if isinstance(prefix, str):
+            folder, _, name = prefix.rpartition("/")
+            node["inputs"]["filename_prefix"] = f"{folder}/{tag}_{name}" if folder else f"{tag}_{name}"
+    return prompt
+
+
+def run_prompt(rec: service.Record, prompt: dict, timeout: float, log=None) -> tuple[comfyws.PromptTrace, dict]:
+    """Submit `prompt` to the recorded server, follow it on /ws; (trace, history outputs)."""
+    host = proc.probe_host(rec.listen)
+    client_id = uuid.uuid4().hex
+    ws = comfyws.WebSocket(host, rec.port, client_id)
+    try:
+        t0 = time.monotonic()
+        try:
+            answer = health.request_json(rec.url + "/prompt", method="POST",
+                                         body={"prompt": prompt, "client_id": client_id}, timeout=60)
+        except health.HttpError as e:
+            body = e.body or {}
+            errors = [f"node {nid} ({ne.get('class_type')}): " + "; ".join(x.get("message", "") + " " + x.get("details", "")
+                                                                            for x in ne.get("errors", []))
+                      for nid, ne in (body.get("node_errors") or {}).items()]
+            msg = (body.get("error") or {}).get("message", str(e))
+            raise DemoFailed(f"the server refused the prompt: {msg}" + ("; " + " | ".join(errors) if errors else ""),
+                             details=body) from None
+        classes = {k: v["class_type"] for k, v in prompt.items()}
+        trace = comfyws.follow(ws, answer["prompt_id"], classes, t0, timeout,
+                               on_event=(lambda k, d: log(f"  running {classes.get(str(d.get('node')), '')}")
+                                         if log and k == "executing" and d.get("node") else None))
+    finally:
+        ws.close()
+    if trace.status != "success":
+        err = trace.error or {}
+        raise DemoFailed(f"the prompt ended with {trace.status}: node {err.get('node_id')} "
+                         f"({err.get('node_type')}): {str(err.get('exception_message', '')).strip()}")
+    # execution_success is sent from inside the executor; the worker files the history entry just after
+    deadline = time.monotonic() + HISTORY_WAIT
+    while True:
+        history = health.request_json(f"{rec.url}/history/{trace.prompt_id}", timeout=30) or {}
+        if trace.prompt_id in history:
+            return trace, history[trace.prompt_id].get("outputs", {})
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"prompt {trace.prompt_id} finished but is not in /history after {HISTORY_WAIT:g} s")
+        time.sleep(0.05)
+
+
+def _output_file(home: Path, outputs_: dict, node_id: str, key: str) -> Path:
+    items = (outputs_.get(node_id) or {}).get(key) or []
+    if not items:
+        raise DemoFailed(f"node {node_id} reported no {key} output")
+    item = items[0]
+    return home / item.get("type", "output") / item.get("subfolder", "") / item["filename"]
+
+
+def _node_id(prompt: dict, class_type: str, contains: str = "") -> str:
+    for nid, node in prompt.items():
+        if node["class_type"] == class_type and contains in str(node["inputs"].get("filename_prefix", "")):
+            return nid
+    raise DemoFailed(f"the demo workflow has no {class_type} node {contains}".strip())
+
+
+def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
+    from h3kit import install as installer
+    from h3kit import workflow
+
+    home = Path(opts.comfy_home).expanduser().absolute()
+    if opts.npu_count not in h3devices.ALLOWED_COUNTS:
+        raise UsageError(f"--npu-count {opts.npu_count}: H3 runs on 1, 2 or 4 devices")
+    device_type = h3devices.resolve_device_type(opts.device_type)
+    devices = list(range(opts.npu_count))
+    report: dict = {"ok": False, "comfy_home": str(home), "device_type": device_type,
+                    "npu_count": opts.npu_count, "devices": devices}
+    st = _Stages(log)
+
+    with st("install") as s:
+        state = installer.load_state(home) if home.is_dir() else None
+        healthy = state is not None and installer.verify(home)["ok"]
+        if not healthy:
+            installer.install(installer.InstallOptions(comfy_home=home, source=opts.source, python=opts.python,
+                                                       progress=sys.stderr.isatty()), log=log)
+        s["detail"] = "already installed and verified" if healthy else "installed"
+    python = service.resolve_python(home, opts.python)
+
+    with st("checkpoints") as s:
+        wrote = write_tiny_checkpoints(home, python)
+        s["detail"] = f"wrote {', '.join(wrote['written'])}" if wrote["written"] else "all four present"
+
+    root = service.runtime_root(home)
+    with st("start") as s:
+        spec = service.StartSpec(comfy_home=str(home), devices=devices, device_type=device_type, port=opts.port,
+                                 python=python)
+        started = service.start(root, spec, progress=log)
+        rec = started.record
+        st.server_log = rec.log
+        if started.already_running and (list(rec.devices) != devices or rec.device_type != device_type):
+            raise DemoFailed(f"h3kit's server already runs here on {rec.device_type} devices {rec.devices}, "
+                             f"not the {opts.npu_count} {device_type} devices the demo asked for",
+                             hint=f"h3kit stop --comfy-home {home}, or run the demo with --npu-count "
+                                  f"{len(rec.devices)}")
+        s["detail"] = f"{rec.url} ({'already running' if started.already_running else 'started'})"
+    report["service"] = {"url": rec.url, "log": rec.log, "started_by_demo": not started.already_running}
+
+    try:
+        prompt = demo_prompt(opts.npu_count, f"npu{opts.npu_count}")
+        with st("check-workflow") as s:
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(prompt, f)
+            try:
+                result = workflow.check_paths([f.name], devices=h3devices.format_device_list(devices),
+                                              comfy_home=str(home))
+            finally:
+                os.unlink(f.name)
+            errors = [x for x in result.findings if x.severity == "error"]
+            if errors:
+                raise DemoFailed("the demo workflow does not pass check-workflow: "
+                                 + "; ".join(f"{x.code} node {x.node}: {x.message}" for x in errors))
+            s["detail"] = f"{len(result.findings)} finding(s), no error"
+
+        with st("prompt") as s:
+            trace, outs = run_prompt(rec, prompt, opts.timeout, log)
+            video = _output_file(home, outs, _node_id(prompt, "SaveVideo"), "images")
+            tracks = outputs.mp4_tracks(video)
+            if "soun" not in tracks or "vide" not in tracks:
+                raise DemoFailed(f"{video} lacks a video or an audio track (tracks: {tracks})")
+            s["detail"] = ", ".join(f"{k} {v} s" for k, v in stage_seconds(trace).items())
+        report["run"] = trace.to_dict()
+        report["prompt_stages"] = stage_seconds(trace)
+        report["video"] = {"path": str(video), "tracks": tracks, "bytes": video.stat().st_size}
+
+        if opts.npu_count > 1:
+            with st("parity") as s:
+                single = demo_prompt(1, "npu1")
+                _, outs1 = run_prompt(rec, single, opts.timeout, log)
+                rows = {}
+                for kind in ("video", "audio"):
+                    par = _output_file(home, outs, _node_id(prompt, "SaveLatent", f"{kind}_latent"), "latents")
+                    one = _output_file(home, outs1, _node_id(single, "SaveLatent", f"{kind}_latent"), "latents")
+                    (shape_p, vp), (shape_1, v1) = outputs.read_latent(par), outputs.read_latent(one)
+                    if shape_p != shape_1:
+                        raise DemoFailed(f"{kind} latents differ in shape: {shape_p} on {opts.npu_count} devices, "
+                                         f"{shape_1} on one")
+                    rows[kind] = {**outputs.compare(v1, vp), "shape": shape_p}
+                worst = max(r["max_rel"] for r in rows.values())
+                report["parity"] = {"npu_count": opts.npu_count, "against": 1, "gate_max_rel": PARITY_GATE,
+                                    "rows": rows, "max_rel": worst, "ok": worst <= PARITY_GATE}
+                s["detail"] = (f"npu_count 1 vs {opts.npu_count}: " + ", ".join(
+                    f"{k} max_abs {r['max_abs']:.2e} max_rel {r['max_rel']:.2e}" for k, r in rows.items()))
+                if worst > PARITY_GATE:
+                    raise DemoFailed(f"the {opts.npu_count}-device latents differ from one device by max_rel "
+                                     f"{worst:.3e} > {PARITY_GATE:g}", hint="run h3kit parity for each component "
+                                     "to find the one that drifts", details=report["parity"])
+    finally:
+        report["stages"] = st.done
+        if not started.already_running and not opts.keep_running:
+            with st("stop") as s:
+                service.stop(root, progress=log)
+                s["detail"] = "stopped the server the demo started"
+    report["stages"] = st.done
+    report["ok"] = True
+    return report

@@ -1,0 +1,78 @@
+"""Reading what a prompt wrote, without torch: ComfyUI's .latent files and the tracks of an MP4.
+
+The toolkit may run in an environment without torch (the ComfyUI interpreter is a separate one on an NPU
+host), and the files involved in the demo are small, so both readers are plain Python.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import struct
+import sys
+from pathlib import Path
+
+from h3kit.errors import H3kitError
+
+_DTYPES = {"F32": ("f", 4), "F64": ("d", 8)}
+
+
+class OutputFormatError(H3kitError):
+    code = "bad_output_file"
+
+
+def read_latent(path: Path, key: str = "latent_tensor") -> tuple[list[int], array.array]:
+    """(shape, values) of the tensor `key` in a safetensors file such as SaveLatent's .latent."""
+    data = Path(path).read_bytes()
+    if len(data) < 8:
+        raise OutputFormatError(f"{path}: too short for a safetensors file")
+    n = struct.unpack("<Q", data[:8])[0]
+    try:
+        header = json.loads(data[8:8 + n])
+        entry = header[key]
+    except (ValueError, KeyError) as e:
+        raise OutputFormatError(f"{path}: no {key!r} tensor ({e})") from None
+    if entry["dtype"] not in _DTYPES:
+        raise OutputFormatError(f"{path}: {key} is {entry['dtype']}, only {sorted(_DTYPES)} are read")
+    code, size = _DTYPES[entry["dtype"]]
+    a, b = entry["data_offsets"]
+    values = array.array(code)
+    values.frombytes(data[8 + n + a:8 + n + b])
+    if sys.byteorder != "little":
+        values.byteswap()
+    return list(entry["shape"]), values
+
+
+def compare(ref: array.array, other: array.array) -> dict:
+    """max_abs and max_rel (max |other - ref| / max |ref|) of two equally long value arrays."""
+    if len(ref) != len(other):
+        raise OutputFormatError(f"cannot compare {len(ref)} values with {len(other)}")
+    max_abs = max((abs(x - y) for x, y in zip(ref, other)), default=0.0)
+    scale = max((abs(x) for x in ref), default=0.0)
+    return {"max_abs": max_abs, "max_rel": (max_abs / scale) if scale else max_abs, "values": len(ref)}
+
+
+def mp4_tracks(path: Path) -> list[str]:
+    """Handler types of an MP4's tracks ('vide', 'soun', ...), read from its moov/trak/mdia/hdlr boxes."""
+    data = Path(path).read_bytes()
+    found: list[str] = []
+
+    def walk(start: int, end: int, depth: int) -> None:
+        pos = start
+        while pos + 8 <= end and depth < 8:
+            size, kind = struct.unpack(">I4s", data[pos:pos + 8])
+            header = 8
+            if size == 1 and pos + 16 <= end:
+                size, header = struct.unpack(">Q", data[pos + 8:pos + 16])[0], 16
+            elif size == 0:
+                size = end - pos
+            if size < header or pos + size > end:
+                return
+            if kind in (b"moov", b"trak", b"mdia"):
+                walk(pos + header, pos + size, depth + 1)
+            elif kind == b"hdlr" and pos + header + 12 <= end:
+                found.append(data[pos + header + 8:pos + header + 12].decode("ascii", "replace"))
+            pos += size
+
+    walk(0, len(data), 0)
+    return found
