@@ -10,6 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import psutil
 import pytest
 
 from h3kit.cli import main
@@ -477,14 +478,19 @@ def fake_service():
 
 
 def _home(tmp_path, record, node_types=None):
+    """A fake comfy home; `record` (port, listen, device_type, devices) is completed into a server record
+    naming this test process, which serves the fake port from a thread: a live, verifiable h3kit server."""
     home = tmp_path / "ComfyUI"
     (home / "models").mkdir(parents=True)
     (home / "main.py").write_text("")
     types = node_types if node_types is not None else sorted({n["class_type"] for n in API.values()})
     (home / "nodes.py").write_text("NODE_CLASS_MAPPINGS = {\n" + "".join(f'    "{t}": {t},\n' for t in types) + "}\n")
     if record is not None:
+        me = psutil.Process()
+        full = {"pid": me.pid, "create_time": me.create_time(), "cmdline": me.cmdline(), "python": sys.executable,
+                "comfy_home": str(home), "log": str(home / "server.log"), "extra_args": [], **record}
         (home / ".h3kit" / "run").mkdir(parents=True)
-        (home / ".h3kit" / "run" / "server.json").write_text(json.dumps(record))
+        (home / ".h3kit" / "run" / "server.json").write_text(json.dumps(full))
     return home
 
 
@@ -501,6 +507,26 @@ def test_devices_from_the_running_service(tmp_path, fake_service):
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert result.summary["device_count"] == 4
     assert found(result, "H3102") == [] and found(result, "H3305") == [("H3305", None)]
+
+
+def test_a_proxy_in_the_environment_does_not_hide_the_local_service(tmp_path, fake_service, monkeypatch):
+    """Firewalled hosts set http_proxy; the local server must still be asked directly."""
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
+    home = _home(tmp_path, {"port": 8607, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
+    result = check_doc(tmp_path, API, comfy_home=str(home))
+    assert found(result, "H3102") == [("H3102", "6")]
+
+
+def test_a_record_whose_process_is_gone_says_nothing(tmp_path, fake_service):
+    _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    home = _home(tmp_path, {"port": 8607, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1],
+                            "pid": int(dead.stdout), "create_time": 1.0})
+    result = check_doc(tmp_path, API, comfy_home=str(home))
+    assert found(result, "H3102") == [] and found(result, "H3105") == [("H3105", "6")]
+    assert "not running" in result.summary["device_source"]
 
 
 def test_no_device_source_is_a_note(tmp_path):

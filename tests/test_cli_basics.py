@@ -12,8 +12,18 @@ from h3kit.errors import DeviceListError
 def test_help_lists_every_command(runner):
     result = runner.invoke(main, ["--help"])
     assert result.exit_code == 0
+    rows = {ln.split()[0]: " ".join(ln.split()[1:]) for ln in result.output.splitlines()
+            if ln.startswith("  ") and ln.split() and ln.split()[0] in COMMANDS}
+    assert sorted(rows) == sorted(COMMANDS)
+    for name, (_, _, summary) in COMMANDS.items():
+        assert summary.startswith(rows[name]), (name, rows[name])
+
+
+def test_every_registered_command_resolves_and_has_help(runner):
     for name in COMMANDS:
-        assert name in result.output
+        result = runner.invoke(main, [name, "--help"])
+        assert result.exit_code == 0, (name, result.output)
+        assert "Usage: " in result.output and name in result.output
 
 
 def test_help_imports_no_heavy_module():

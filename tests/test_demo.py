@@ -1,21 +1,24 @@
-"""h3kit demo end to end on CPU (N = 2 with its parity run, then N = 1), h3kit bench on the demo workflow,
-and a demo failure that names its stage and the server's log line. Needs the upstream mirror."""
+"""h3kit demo end to end on CPU (N = 2 with its parity run, then N = 1), h3kit bench on the demo workflow
+(cold, warm, and with a model switch between runs), and demo failures that name their stage. Needs the
+upstream mirror."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from h3kit.demo import PARITY_GATE, demo_prompt
+from h3kit.demo import PARITY_GATE, TINY, demo_prompt
 from tests.support.comfy_server import free_port
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
-STAGES_N2 = ["install", "checkpoints", "start", "check-workflow", "prompt", "parity"]
+WROTE_ALL = "wrote audio_vae, dit, te, video_vae"
 
 
 def h3kit(*args, timeout=900):
@@ -25,8 +28,11 @@ def h3kit(*args, timeout=900):
 
 @pytest.fixture(scope="module")
 def demo_home(tmp_path_factory, comfy_source, comfy_python):
-    os.environ.setdefault("H3KIT_COMFY_SOURCE", comfy_source)
-    return tmp_path_factory.mktemp("demo") / "ComfyUI", comfy_python
+    """An installed tree without tiny checkpoints: the first demo here writes them."""
+    home = tmp_path_factory.mktemp("demo") / "ComfyUI"
+    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python)
+    assert r.returncode == 0, r.stderr
+    return home, comfy_python
 
 
 def audio_streams(python, video):
@@ -36,7 +42,7 @@ def audio_streams(python, video):
     return tuple(int(x) for x in out.split())
 
 
-def test_demo_on_two_devices_then_bench_cold_and_warm(demo_home, tmp_path):
+def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path):
     home, python = demo_home
     port = free_port(8320, 8330)
     r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "2", "--port", port,
@@ -44,9 +50,11 @@ def test_demo_on_two_devices_then_bench_cold_and_warm(demo_home, tmp_path):
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         rep = json.loads(r.stdout)
-        assert rep["ok"] and [s["stage"] for s in rep["stages"]] == STAGES_N2
+        assert rep["ok"] and [s["stage"] for s in rep["stages"]] == \
+            ["install", "checkpoints", "start", "check-workflow", "prompt", "parity"]
         assert all(s["seconds"] is not None for s in rep["stages"])
-        assert rep["stages"][0]["detail"] == "installed"  # a fresh folder: the demo installed it
+        assert rep["stages"][0]["detail"] == "already installed and verified"
+        assert rep["stages"][1]["detail"] == WROTE_ALL
         video = Path(rep["video"]["path"])
         assert video.is_file() and video.name.startswith("npu2_video")
         assert audio_streams(python, video) == (1, 1)  # a video file with an audio track
@@ -54,21 +62,33 @@ def test_demo_on_two_devices_then_bench_cold_and_warm(demo_home, tmp_path):
         parity = rep["parity"]
         assert parity["ok"] and parity["max_rel"] <= PARITY_GATE
         assert parity["rows"]["video"]["shape"][:2] == [1, 24] and parity["rows"]["audio"]["shape"][:3] == [1, 32, 2]
+        assert parity["rows"]["video"]["non_finite"] == 0
         assert "MultiNPU: MiniMax H3 DiT sequence-parallel on 2 simulated cpu devices" in Path(rep["service"]["log"]).read_text()
 
-        # bench the demo workflow on the server the demo kept running: one cold run with loads, warm ones without
-        wf = tmp_path / "demo_api.json"
-        wf.write_text(json.dumps(demo_prompt(2, "bench")))
-        b = h3kit("bench", wf, "--comfy-home", home, "--runs", "3", "--json")
+        # bench the shipped demo workflow on the server the demo kept running, with a second DiT file as the
+        # model switch: one cold run reads the four files, the switch reads its one, then nothing is read
+        dit = home / "models" / TINY["dit"][0]
+        shutil.copy(dit, dit.with_name("h3kit_tiny_dit_b.safetensors"))
+        other = demo_prompt(2, "switch")
+        next(n for n in other.values() if n["class_type"] == "UNETLoader")["inputs"]["unet_name"] = \
+            "h3kit_tiny_dit_b.safetensors"
+        wf_b = tmp_path / "switch_api.json"
+        wf_b.write_text(json.dumps(other))
+        shipped = Path(__file__).resolve().parents[1] / "workflows" / "api" / "demo_t2va_tiny.json"
+        b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "3", "--switch", wf_b, "--json")
         assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
         bench = json.loads(b.stdout)
-        kinds = [(x["kind"], x["models_loaded"]) for x in bench["runs"]]
-        assert kinds[0][0] == "cold" and kinds[0][1] == 4  # the four tiny files are read again after /free
-        assert [k for k in kinds[1:]] == [("warm", 0), ("warm", 0)]
-        assert bench["summary"]["warm_models_loaded"] == 0
-        assert all(x["end_to_end_s"] > 0 and x["executed_nodes"] > 0 for x in bench["runs"])
-        assert all(x["peak_device_memory"] for x in bench["runs"])
-        assert bench["varied_inputs"] == ["8.noise_seed"]
+        assert [(x["kind"], x["models_loaded"]) for x in bench["runs"]] == \
+            [("cold", 4), ("switch", 1), ("warm", 0), ("switch", 0), ("warm", 0)]
+        assert bench["summary"]["warm_models_loaded"] == 0 and bench["varied_inputs"] == ["8.noise_seed"]
+        assert all(x["end_to_end_s"] > 0 and x["executed_nodes"] > 0 and x["peak_device_memory"]
+                   for x in bench["runs"])
+        # after a switch the model is moved onto the device again (a device load), but not read from disk
+        assert bench["runs"][0]["device_loads"] > 0
+
+        b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "1", "--no-cold", "--json")
+        assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in json.loads(b.stdout)["runs"]] == \
+            [("warm", 0, 0)]  # same workflow again, no switch: nothing read, nothing moved
     finally:
         h3kit("stop", "--comfy-home", home)
     assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
@@ -77,30 +97,47 @@ def test_demo_on_two_devices_then_bench_cold_and_warm(demo_home, tmp_path):
 def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
     home, python = demo_home
     port = free_port(8320, 8330)
-    installed_before = (home / ".h3kit" / "state.json").is_file()  # by the two-device test, when it ran first
     r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads(r.stdout)
     assert [s["stage"] for s in rep["stages"]] == ["install", "checkpoints", "start", "check-workflow", "prompt", "stop"]
-    if installed_before:
-        assert rep["stages"][0]["detail"] == "already installed and verified"
-        assert rep["stages"][1]["detail"] == "all four present"
-    assert "parity" not in rep
-    assert Path(rep["video"]["path"]).name.startswith("npu1_video")
+    assert rep["stages"][0]["detail"] == "already installed and verified"
+    assert rep["stages"][1]["detail"] in ("all four present", WROTE_ALL)  # the two-device test may have run
+    assert "parity" not in rep and Path(rep["video"]["path"]).name.startswith("npu1_video")
     assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
 
     # a damaged checkpoint: the demo fails in the prompt stage and quotes the server's error line
-    te = home / "models" / "text_encoders" / "h3kit_tiny_te.safetensors"
+    te = home / "models" / TINY["te"][0]
     te.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  " + b"\x00" * 64)
     r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     err = json.loads(r.stdout)["error"]
     assert err["code"] == "demo_failed" and err["details"]["stage"] == "prompt"
     assert "stage 'prompt' failed" in err["message"] and "CLIPLoader" in err["message"]
-    assert err["details"]["log_line"], err
+    assert err["details"]["log_line"] and "server log" in err["hint"]
     assert "Traceback" not in r.stderr
     assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
     te.unlink()  # the next demo writes it again
+
+
+def test_demo_installs_a_fresh_folder_and_names_a_failed_start(tmp_path, comfy_source, comfy_python):
+    """A fresh folder is installed and given checkpoints; a foreign process on the port stops the demo at
+    'start', named, and is left alone."""
+    home = tmp_path / "ComfyUI"
+    port = free_port(8320, 8330)
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", port))
+        foreign.listen()
+        r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port,
+                  "--source", comfy_source, "--python", comfy_python, "--json")
+        assert r.returncode == 1
+        err = json.loads(r.stdout)["error"]
+        done = [(s["stage"], s["detail"]) for s in err["details"]["stages"]]
+        assert done == [("install", "installed"), ("checkpoints", WROTE_ALL)]
+        assert err["details"]["stage"] == "start" and err["details"]["cause"] == "port_in_use"
+        assert str(os.getpid()) in err["message"]  # the holder is named: this test process
+        foreign.getsockname()  # still ours, still open
+    assert all((home / "models" / rel).is_file() for rel, _ in TINY.values())
 
 
 def test_demo_refuses_a_bad_count_and_bench_needs_a_server(tmp_path):
@@ -114,3 +151,7 @@ def test_demo_refuses_a_bad_count_and_bench_needs_a_server(tmp_path):
     ui.write_text(json.dumps({"nodes": [], "links": []}))
     r = h3kit("bench", ui, "--comfy-home", tmp_path / "x")
     assert r.returncode == 2 and "UI-format" in r.stderr
+    no_node = tmp_path / "plain.json"
+    no_node.write_text(json.dumps({"1": {"class_type": "EmptyImage", "inputs": {}}}))
+    r = h3kit("bench", no_node, "--comfy-home", tmp_path / "x", "--npu-count", "2")
+    assert r.returncode == 2 and "no MultiNPUParallelConfig" in r.stderr

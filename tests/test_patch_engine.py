@@ -216,6 +216,34 @@ def test_clean_install_then_rerun_changes_nothing(refreshed, upstream, runner, t
            {k: v for k, v in before.items() if not k.startswith(".h3kit/")}
 
 
+def test_a_write_that_fails_midway_restores_every_file(refreshed, upstream, runner, tmp_path):
+    """All or nothing also when the disk says no: comfy/a.py is written first, then comfy/new.py cannot be
+    (a folder stands in its way), and a.py must be back as it was."""
+    up, _ = upstream
+    home = tmp_path / "home"
+    git("clone", "-q", str(up), str(home), cwd=tmp_path)
+    (home / "comfy" / "new.py").mkdir()
+    (home / "comfy" / "new.py" / "keep").write_text("in the way\n")
+    before = snapshot(home)
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 1
+    err = payload(r)["error"]
+    assert err["code"] == "write_failed" and "every file was restored" in err["message"]
+    assert snapshot(home) == before
+    assert not (home / ".h3kit" / "state.json").exists()
+
+
+def test_install_purges_bytecode_under_the_patched_folders(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "home"
+    git("clone", "-q", str(up), str(home), cwd=tmp_path)
+    stale = home / "comfy" / "__pycache__" / "a.cpython-311.pyc"
+    stale.parent.mkdir()
+    stale.write_bytes(b"old bytecode")
+    rep = payload(install(runner, home, "--source", up))
+    assert "comfy/__pycache__" in rep["purged_bytecode"] and not stale.exists()
+
+
 def test_verify_passes_then_reports_each_problem(refreshed, upstream, runner, tmp_path):
     up, _ = upstream
     home = tmp_path / "home"

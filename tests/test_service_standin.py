@@ -437,3 +437,48 @@ def test_launch_scripts_start_four_devices_and_restart(home):
     assert r.returncode == 0, r.stderr
     assert started_pid(home) != pid and home.status()["healthy"]
     assert home.boots()[1]["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+# ------------------------------------------------------------------- review fixes: identity and settings
+
+
+def test_a_wrapper_interpreter_is_still_recognised_and_stopped(home, tmp_path):
+    """--python may be a script that sets the environment up and execs Python (CANN's set_env.sh, a shim):
+    the server must stay recognisable as ours, and stop must really stop it."""
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/bin/bash\nsleep 0.3\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    r = home.start("--python", str(wrapper))
+    assert r.returncode == 0, r.stderr
+    rec = home.record()
+    assert rec["cmdline"][0] != "/bin/bash"  # rewritten once the wrapper had exec'd Python
+    st = home.status()
+    assert st["running"] is True, st
+    pid = rec["pid"]
+    r = h3kit("stop", "--comfy-home", home.path)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: not pid_running(pid), 10, "the wrapped server to exit")
+    assert port_is_free(home.port)
+
+
+def test_start_refuses_our_server_running_with_other_settings(home):
+    assert home.start(devices="0").returncode == 0
+    pid = started_pid(home)
+    r = home.start("--json", devices="0,1,2,3")
+    assert r.returncode == 1
+    err = json.loads(r.stdout)["error"]
+    assert err["code"] == "already_running_other_settings" and "h3kit stop" in err["hint"]
+    assert pid_running(pid) and started_pid(home) == pid  # left exactly as it was
+
+
+def test_a_bad_comfy_home_changes_nothing(tmp_path):
+    typo = tmp_path / "typo"
+    r = h3kit("start", "--comfy-home", typo, "--devices", "0", "--device-type", "cpu")
+    assert r.returncode == 2 and "no main.py" in r.stderr
+    assert not typo.exists()  # no runtime root, lock or log left behind
+
+
+def test_listen_on_an_address_of_another_machine_is_bad_input(home):
+    r = home.start("--listen", "192.0.2.1")  # TEST-NET-1: never assigned to this machine
+    assert r.returncode == 2 and "not an address of this machine" in r.stderr and "Traceback" not in r.stderr
+    assert home.record() is None

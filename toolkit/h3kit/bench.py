@@ -2,8 +2,8 @@
 
 End to end is measured by this client, from POST /prompt to the execution_success event (not the server's
 "Prompt executed" figure); stage times come from the server's node events on /ws; models loaded are read
-from the server log written during the run (`Model cache: loaded ...`, one per weight file read, and
-upstream's `Requested to load ...`, one per move onto a device); peak device memory comes from polling
+from the server log written during the run (`Model cache: reading ...`, one per weight file read, which
+global-model-cache.patch logs, and upstream's `Requested to load ...`, one per move onto a device); peak device memory comes from polling
 /system_stats while the run lasts. The first run is cold: POST /free empties the models (and the node
 cache) before it.
 """
@@ -99,6 +99,9 @@ def _one_run(rec: service.Record, prompt: dict, timeout: float, log) -> dict:
     poller.start()
     try:
         trace, _ = run_prompt(rec, prompt, timeout)
+    except OSError as e:
+        raise BenchError(f"lost the server at {rec.url}: {e}", code="server_unreachable",
+                         hint="h3kit status shows whether it still runs, and its log's first error") from None
     finally:
         poller.stop_event.set()
         poller.join(5)
@@ -106,25 +109,40 @@ def _one_run(rec: service.Record, prompt: dict, timeout: float, log) -> dict:
     lines, _ = _log_lines_since(rec.log, offset)
     return {"end_to_end_s": round(trace.finished - trace.submitted, 3),
             "stages": stage_seconds(trace),
-            "models_loaded": sum("Model cache: loaded" in ln for ln in lines),
+            "models_loaded": sum("Model cache: reading" in ln for ln in lines),
             "device_loads": sum("Requested to load" in ln for ln in lines),
             "cached_nodes": len(trace.cached), "executed_nodes": len(trace.nodes),
             "peak_device_memory": poller.peak}
 
 
+def set_npu_count(prompt: dict, npu_count: int) -> int:
+    """Set every MultiNPUParallelConfig's npu_count; returns how many nodes were set."""
+    n = 0
+    for node in prompt.values():
+        if node.get("class_type") == "MultiNPUParallelConfig":
+            node.setdefault("inputs", {})["npu_count"] = npu_count
+            n += 1
+    return n
+
+
 def run_bench(comfy_home: str | None, runtime_root: str | None, workflow: Path, runs: int = 3,
-              switch: Path | None = None, cold: bool = True, timeout: float = 3600.0, log=lambda m: None) -> dict:
+              switch: Path | None = None, cold: bool = True, timeout: float = 3600.0, npu_count: int | None = None,
+              log=lambda m: None) -> dict:
     if runs < 1:
         raise UsageError("--runs must be at least 1")
     prompt = load_api_workflow(workflow)
     other = load_api_workflow(switch) if switch else None
+    if npu_count is not None:
+        for p in (prompt, other):
+            if p is not None and not set_npu_count(p, npu_count):
+                raise UsageError("--npu-count: the workflow has no MultiNPUParallelConfig node to set")
     root = service.runtime_root(comfy_home, runtime_root)
     rec = service.read_record(root)
     if rec is None or not rec.verify().alive:
         raise BenchError(f"no running h3kit server under {root}", code="not_running",
                          hint="start one: h3kit start --comfy-home DIR --devices 0,1,2,3")
     if cold:
-        health.request_json(rec.url + "/free", method="POST", body={"unload_models": True, "free_memory": True})
+        health.free_memory(rec.url)
         time.sleep(FREE_SETTLE)
     results = []
     _, seeds = vary_seed(prompt, 0)

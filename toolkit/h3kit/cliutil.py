@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import traceback
@@ -28,8 +29,19 @@ def comfy_home_option(required: bool = True):
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 
 
+def _finite(value):
+    """JSON has no NaN or Infinity: such floats are written as the strings "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def emit_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    click.echo(json.dumps(_finite(data), indent=2, sort_keys=False, default=str, allow_nan=False))
 
 
 def err(message: str) -> None:
@@ -54,11 +66,19 @@ def handle_errors(fn):
         except KeyboardInterrupt:
             err("h3kit: interrupted")
             sys.exit(130)
+        except BrokenPipeError:  # `h3kit ... | head`: the reader left; nothing more to say
+            try:
+                sys.stdout = open(os.devnull, "w")
+            except OSError:
+                pass
+            sys.exit(1)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
             raise
         except Exception as e:  # a bug in h3kit, not bad input: say so plainly
             if os.environ.get("H3KIT_DEBUG"):
                 traceback.print_exc()
+            if as_json:
+                emit_json({"ok": False, "error": {"code": "internal", "message": f"{type(e).__name__}: {e}"}})
             err(f"h3kit: internal error: {type(e).__name__}: {e}")
             err("  rerun with H3KIT_DEBUG=1 for the traceback, and report it")
             sys.exit(3)

@@ -17,14 +17,20 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from h3kit.errors import H3kitError
 
-class WebSocketError(OSError):
-    pass
+
+class WebSocketError(H3kitError):
+    code = "websocket"
 
 
 class WebSocket:
     def __init__(self, host: str, port: int, client_id: str, timeout: float = 10.0):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise WebSocketError(f"cannot connect to ws://{host}:{port}/ws: {e}",
+                                 hint="is the server running? h3kit status shows it") from None
         key = base64.b64encode(os.urandom(16)).decode()
         request = (f"GET /ws?clientId={client_id} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
                    f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n")
@@ -75,6 +81,8 @@ class WebSocket:
                 b1, b2 = self._read(2)
             except socket.timeout:
                 return None
+            except OSError as e:
+                raise WebSocketError(f"the websocket broke: {e}") from None
             opcode, length = b1 & 0x0F, b2 & 0x7F
             if length == 126:
                 length = struct.unpack(">H", self._read(2))[0]

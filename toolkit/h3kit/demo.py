@@ -10,7 +10,6 @@ Every failure names its stage and, where the server was involved, the log line t
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import subprocess
@@ -89,8 +88,7 @@ class _Stages:
             if e.details and "stage" in e.details:  # already named by an inner stage
                 raise
             raise self._failed(name, e.message, hint=e.hint, cause=e.code, extra=e.details) from None
-        except (OSError, ValueError, KeyError, subprocess.SubprocessError, health.HttpError,
-                comfyws.WebSocketError) as e:
+        except (OSError, ValueError, KeyError, subprocess.SubprocessError) as e:
             raise self._failed(name, f"{type(e).__name__}: {e}") from None
         entry["seconds"] = round(time.perf_counter() - t0, 2)
         self.done.append(entry)
@@ -169,6 +167,10 @@ def run_prompt(rec: service.Record, prompt: dict, timeout: float, log=None) -> t
                                          if log and k == "executing" and d.get("node") else None))
     finally:
         ws.close()
+    if trace.status == "timeout":
+        health.cancel_prompt(rec.url, trace.prompt_id)  # never leave it running on a shared server
+        raise DemoFailed(f"prompt {trace.prompt_id} did not finish within {timeout:g} s; it was cancelled",
+                         hint="raise --timeout (the first load of real H3 weights takes minutes)")
     if trace.status != "success":
         err = trace.error or {}
         raise DemoFailed(f"the prompt ended with {trace.status}: node {err.get('node_id')} "
@@ -281,11 +283,12 @@ def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
                                          f"{shape_1} on one")
                     rows[kind] = {**outputs.compare(v1, vp), "shape": shape_p}
                 worst = max(r["max_rel"] for r in rows.values())
+                passed = worst <= PARITY_GATE  # False for NaN as for a figure over the gate
                 report["parity"] = {"npu_count": opts.npu_count, "against": 1, "gate_max_rel": PARITY_GATE,
-                                    "rows": rows, "max_rel": worst, "ok": worst <= PARITY_GATE}
+                                    "rows": rows, "max_rel": worst, "ok": passed}
                 s["detail"] = (f"npu_count 1 vs {opts.npu_count}: " + ", ".join(
                     f"{k} max_abs {r['max_abs']:.2e} max_rel {r['max_rel']:.2e}" for k, r in rows.items()))
-                if worst > PARITY_GATE:
+                if not passed:
                     raise DemoFailed(f"the {opts.npu_count}-device latents differ from one device by max_rel "
                                      f"{worst:.3e} > {PARITY_GATE:g}", hint="run h3kit parity for each component "
                                      "to find the one that drifts", details=report["parity"])

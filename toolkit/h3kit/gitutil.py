@@ -123,6 +123,8 @@ def clone_no_checkout(source: str, dest: Path, *, progress: bool) -> None:
     """Clone without checking anything out (the offline mirror lacks blobs that master's checkout needs)."""
     import git
 
+    if source.startswith("-"):
+        raise UsageError(f"source {source!r} would read as a git option", hint="give a URL or a path")
     if is_local_source(source) and not Path(source).exists():
         raise GitError(f"source {source} does not exist", code="no_source",
                        hint="give --source (or H3KIT_COMFY_SOURCE) a git URL or a local mirror holding the pin")
@@ -137,7 +139,9 @@ def clone_no_checkout(source: str, dest: Path, *, progress: bool) -> None:
 
 
 def fetch_commit(tree: Path, source: str, commit: str) -> None:
-    run(["fetch", "--quiet", "--no-tags", source, commit], tree, timeout=CLONE_TIMEOUT)
+    if source.startswith("-") or commit.startswith("-"):
+        raise UsageError(f"refusing to pass {source!r} {commit!r} to git fetch: it would read as an option")
+    run(["fetch", "--quiet", "--no-tags", "--", source, commit], tree, timeout=CLONE_TIMEOUT)
 
 
 def checkout_detached(tree: Path, commit: str, *, force=False) -> list[str]:

@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from h3kit.errors import H3kitError
+
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 # Signatures of an out-of-memory error in an execution_error (exception_type / exception_message).
@@ -19,15 +21,17 @@ OOM_TYPES = ("OutOfMemoryError",)
 OOM_MESSAGES = ("out of memory", "can't allocate memory")
 
 
-class HttpError(Exception):
+class HttpError(H3kitError):
     """The server did not answer, or answered with an error status or a body that is not JSON.
 
     `status` is the HTTP status when there was one; `body` the decoded JSON of an error answer (ComfyUI's
     400 from POST /prompt carries the validation errors per node there), else None.
     """
 
+    code = "server_http"
+
     def __init__(self, message: str, status: int | None = None, body=None):
-        super().__init__(message)
+        super().__init__(message, hint="is the server running? h3kit status shows it and its log")
         self.status = status
         self.body = body
 
@@ -126,3 +130,9 @@ def history_errors(url: str, max_items: int = 64, timeout: float = 3.0) -> dict[
             if isinstance(message, (list, tuple)) and len(message) == 2 and message[0] == "execution_error":
                 out[prompt_id] = message[1] if isinstance(message[1], dict) else {}
     return out
+
+
+def cancel_prompt(url: str, prompt_id: str, timeout: float = 5.0) -> None:
+    """Take `prompt_id` out of the queue and interrupt it if it runs (never another prompt)."""
+    request_json(url + "/queue", method="POST", body={"delete": [prompt_id]}, timeout=timeout)
+    request_json(url + "/interrupt", method="POST", body={"prompt_id": prompt_id}, timeout=timeout)

@@ -430,7 +430,12 @@ def _install(opts: InstallOptions, log) -> InstallReport:
     if report.changed:
         log(f"applying {sum(s['state'] == 'apply' for s in report.patches)} of {len(series.patches)} patches, "
             f"writing {len(report.changed)} files ...")
-    write_tree_files(home, before, after, modes)
+    try:
+        write_tree_files(home, before, after, modes)
+    except OSError as e:  # write_tree_files has restored every file it wrote
+        raise InstallError(f"could not write {e.filename or 'the tree'}: {e.strerror or e}; every file was "
+                           "restored", code="write_failed", hint="check the folder's permissions and free space"
+                           ) from None
     report.purged_bytecode = purge_bytecode(home, touched + list(f_after))
 
     # a kept (user-edited) file stays recorded with the checksum of what h3kit installed, so that it keeps

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import json
+import math
 import struct
 import sys
 from pathlib import Path
@@ -44,12 +45,20 @@ def read_latent(path: Path, key: str = "latent_tensor") -> tuple[list[int], arra
 
 
 def compare(ref: array.array, other: array.array) -> dict:
-    """max_abs and max_rel (max |other - ref| / max |ref|) of two equally long value arrays."""
+    """max_abs and max_rel (max |other - ref| / max |ref|) of two equally long value arrays.
+
+    A NaN or an infinity in either makes both figures infinite (and counts them in `non_finite`): max()
+    over floats skips a NaN unless it comes first, and a gate must never pass on one.
+    """
     if len(ref) != len(other):
         raise OutputFormatError(f"cannot compare {len(ref)} values with {len(other)}")
+    bad = sum(not math.isfinite(x) for x in ref) + sum(not math.isfinite(y) for y in other)
+    if bad:
+        return {"max_abs": math.inf, "max_rel": math.inf, "values": len(ref), "non_finite": bad}
     max_abs = max((abs(x - y) for x, y in zip(ref, other)), default=0.0)
     scale = max((abs(x) for x in ref), default=0.0)
-    return {"max_abs": max_abs, "max_rel": (max_abs / scale) if scale else max_abs, "values": len(ref)}
+    return {"max_abs": max_abs, "max_rel": (max_abs / scale) if scale else max_abs, "values": len(ref),
+            "non_finite": 0}
 
 
 def mp4_tracks(path: Path) -> list[str]:

@@ -255,10 +255,13 @@ def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[st
     changed = sorted(p for p in after if after[p] != before.get(p))
     done: list[str] = []
     created_dirs: list[Path] = []
+    stats: dict[str, os.stat_result] = {}
     try:
         for rel in changed:
             dest = tree / rel
             data = after[rel]
+            if dest.is_file():
+                stats[rel] = dest.stat()
             if data is None:
                 if dest.exists():
                     dest.unlink()
@@ -285,6 +288,9 @@ def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[st
                 dest.unlink(missing_ok=True)
             else:
                 dest.write_bytes(old)
+                if rel in stats:  # as it was: mode and times too
+                    os.chmod(dest, stats[rel].st_mode & 0o7777)
+                    os.utime(dest, ns=(stats[rel].st_atime_ns, stats[rel].st_mtime_ns))
         for d in reversed(created_dirs):
             try:
                 d.rmdir()

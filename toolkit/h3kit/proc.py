@@ -101,6 +101,21 @@ def _reap(pid: int) -> None:
         pass
 
 
+def server_args(cmdline) -> list[str]:
+    """The part of a command line that names the server: from its `main.py` on, else all of it.
+
+    An interpreter given as a wrapper (a script sourcing CANN's set_env.sh, a pyenv shim) execs Python: the
+    pid and start time stay, the executable part of the command line changes, the server's own arguments
+    do not. Comparing from main.py on keeps such a server recognisable as ours without accepting a
+    different program.
+    """
+    cmd = list(cmdline)
+    for i, arg in enumerate(cmd):
+        if os.path.basename(arg) == "main.py":
+            return cmd[i:]
+    return cmd
+
+
 def verify(pid: int, create_time: float, cmdline) -> Verdict:
     """Is `pid` still the process that was recorded with this start time and command line?"""
     try:
@@ -120,7 +135,7 @@ def verify(pid: int, create_time: float, cmdline) -> Verdict:
     if abs(now_ct - float(create_time)) > CREATE_TIME_TOLERANCE:
         return Verdict(RECYCLED, f"pid {pid} now belongs to another process (started at {now_ct:.2f}, "
                                  f"the record says {float(create_time):.2f})", describe(pid))
-    if list(now_cmd) != list(cmdline):
+    if server_args(now_cmd) != server_args(cmdline):
         return Verdict(RECYCLED, f"pid {pid} now runs a different command line", describe(pid))
     if zombie:
         _reap(pid)

@@ -220,10 +220,22 @@ class StartResult:
 
 def validate_listen(listen: str) -> str:
     try:
-        return str(ipaddress.ip_address(listen))
+        addr = ipaddress.ip_address(listen)
     except ValueError:
         raise UsageError(f"--listen {listen!r} is not an IP address", code="bad_listen",
                          hint="give one address, such as 127.0.0.1 (default) or 0.0.0.0") from None
+    import errno
+    import socket
+
+    # an address of another machine cannot be listened on: say so now, not as a failed server later
+    with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((str(addr), 0))
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise UsageError(f"--listen {listen}: not an address of this machine", code="bad_listen",
+                                 hint="use 127.0.0.1 (default), 0.0.0.0 or one of this host's addresses") from None
+    return str(addr)
 
 
 def is_public(listen: str) -> bool:
@@ -341,21 +353,32 @@ def start(root: Path, spec: StartSpec, *, timeout: float = DEFAULT_START_TIMEOUT
     Raises PortInUse when anything else holds the port, StartFailed when the child exits or the deadline
     passes (the child is stopped first; the log's last lines are in the error's details).
     """
+    spec = validated(spec)  # before the lock creates anything under the runtime root
     with service_lock(root):
-        return _start_locked(root, spec, timeout=timeout, progress=progress)
+        return start_locked(root, spec, timeout=timeout, progress=progress)
 
 
-def _start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progress,
-                  replacing: int | None = None) -> StartResult:
+def validated(spec: StartSpec) -> StartSpec:
+    """The spec with its tree, address, interpreter and extra arguments checked (UsageError otherwise)."""
     home = Path(spec.comfy_home).expanduser().resolve()
     if not (home / "main.py").is_file():
         raise UsageError(f"{home} is not a ComfyUI tree (no main.py)", code="no_comfy_tree",
                          hint="pass the --comfy-home that h3kit install created")
-    listen = validate_listen(spec.listen)
-    python = resolve_python(home, spec.python)
-    spec = StartSpec(comfy_home=str(home), devices=list(spec.devices), device_type=spec.device_type,
-                     port=spec.port, listen=listen, python=python,
+    return StartSpec(comfy_home=str(home), devices=list(spec.devices), device_type=spec.device_type,
+                     port=spec.port, listen=validate_listen(spec.listen), python=resolve_python(home, spec.python),
                      extra_args=validate_extra_args(spec.extra_args))
+
+
+def _settings(spec_or_record) -> dict:
+    return {"devices": list(spec_or_record.devices), "device_type": spec_or_record.device_type,
+            "listen": spec_or_record.listen, "extra_args": list(spec_or_record.extra_args)}
+
+
+def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progress,
+                 replacing: int | None = None) -> StartResult:
+    """start() with the service lock already held (restart and watch hold it across stop and start)."""
+    spec = validated(spec)
+    home, listen, python = Path(spec.comfy_home), spec.listen, spec.python
 
     stale = None
     rec = read_record(root)
@@ -366,6 +389,11 @@ def _start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Prog
                 raise ServiceError(f"h3kit already runs a server from {root} on port {rec.port} (pid {rec.pid})",
                                    code="already_running",
                                    hint="stop it first (h3kit stop), or use h3kit restart")
+            if _settings(rec) != _settings(spec):
+                raise ServiceError(f"h3kit's server on port {rec.port} (pid {rec.pid}) runs with {_settings(rec)}, "
+                                   f"not the requested {_settings(spec)}", code="already_running_other_settings",
+                                   hint="h3kit stop, then start with the new settings (a running server is never "
+                                        "reconfigured behind a user's back)")
             got = health.check_health(rec.url)
             return StartResult(rec, True, 0.0, got.devices, health=got.reason)
         # The stale record is replaced below, once the new server is spawned: until then it keeps the
@@ -406,6 +434,10 @@ def _start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Prog
     expected = None if spec.device_type == "cpu" else len(spec.devices)
     try:
         got = _wait_healthy(child, rec, expected, t0, timeout, progress)
+        final = proc.identify(child.pid).cmdline  # a wrapper interpreter has exec'd Python by now
+        if final and list(final) != rec.cmdline:
+            rec.cmdline = list(final)
+            write_record(root, rec)
     except BaseException as e:
         # A failed (or interrupted) start leaves no server behind; the record stays, naming the dead
         # process, so `status` shows why and `restart` can try the same settings again. The child is
@@ -474,10 +506,10 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
         rec = read_record(root)
         if rec is None:
             return StopResult(False, note="no server recorded; nothing to stop")
-        return _stop_locked(root, rec, grace=grace, progress=progress)
+        return stop_locked(root, rec, grace=grace, progress=progress)
 
 
-def _stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
+def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
                  ) -> StopResult:
     verdict = rec.verify()
     if not verdict.alive:
@@ -552,14 +584,14 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
         stopped = None
         if alive:
             t0 = time.monotonic()
-            stopped = _stop_locked(root, rec, grace=grace, progress=progress, keep_record=True)
+            stopped = stop_locked(root, rec, grace=grace, progress=progress, keep_record=True)
             phases["stop"] = time.monotonic() - t0
         t0 = time.monotonic()
         if not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
             _check_port(rec.listen, rec.port)  # names the holder
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
-        started = _start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
+        started = start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
         phases["start"] = time.monotonic() - t0
     phases["total"] = time.monotonic() - t_all
     return RestartResult(rec.pid, alive, previous_error, queue, stopped, started, phases)

@@ -251,8 +251,8 @@ def _restart_once(root: Path, rec: service.Record, policy: WatchPolicy, emit) ->
             return cur
         try:
             if alive:
-                service._stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
-            res = service._start_locked(root, cur.spec(), timeout=policy.start_timeout,
+                service.stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
+            res = service.start_locked(root, cur.spec(), timeout=policy.start_timeout,
                                         progress=lambda m: None, replacing=cur.pid)
         except H3kitError as e:
             emit("start_failed", f"restart failed: {e.message}")
@@ -268,7 +268,7 @@ def _crash_loop(root: Path, rec: service.Record, problem: str, count: int, polic
         cur = service.read_record(root)
         if cur is not None and cur.verify().alive:
             # a server that keeps failing its health checks still holds the devices: release them
-            service._stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
+            service.stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
             stopped = f"; stopped pid {cur.pid}"
     blk = logscan.first_error(rec.log)
     first = f"; first error in {rec.log}: {blk.summary}" + (" (out of memory)" if blk.oom else "") if blk else ""

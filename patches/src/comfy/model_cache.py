@@ -106,6 +106,8 @@ def load(kind, paths, loader, *args, **kwargs):
             logging.info(f"Model cache: reusing {kind} {os.path.basename(paths[0]) if paths else ''}")
             return entry.value
         _stats["misses"] += 1
+    # one line per file read, cached or not (a model over the budget is read and returned uncached)
+    logging.info(f"Model cache: reading {kind} {os.path.basename(paths[0]) if paths else ''}")
     value = loader(*args, **kwargs)
     size = _size(value)
     with _lock:

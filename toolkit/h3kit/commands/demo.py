@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import click
 
+from h3kit import devices as h3devices
+from h3kit import service
 from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+from h3kit.demo import PROMPT_TIMEOUT
+
+COUNTS = [str(n) for n in h3devices.ALLOWED_COUNTS]
 
 
 def _log(msg: str) -> None:
@@ -13,15 +18,16 @@ def _log(msg: str) -> None:
 
 @click.command()
 @comfy_home_option()
-@click.option("--device-type", type=click.Choice(["auto", "npu", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--npu-count", type=click.Choice(["1", "2", "4"]), default="2", show_default=True,
+@click.option("--device-type", type=click.Choice(["auto", *h3devices.DEVICE_TYPES]), default="auto", show_default=True)
+@click.option("--npu-count", type=click.Choice(COUNTS), default="2", show_default=True,
               help="Devices to run on (ids 0..N-1); simulated on cpu. With 2 or 4 the prompt also runs with "
                    "npu_count 1 and the latents are compared.")
 @click.option("--keep-running", is_flag=True, help="Leave the server running afterwards.")
 @click.option("--source", metavar="URL_OR_PATH", help="Where install clones ComfyUI from, if it must (as for install).")
 @click.option("--python", metavar="PY", help="The interpreter that runs ComfyUI (default: install's record).")
-@click.option("--port", type=click.IntRange(1, 65535), default=8189, show_default=True)
-@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds one prompt may take.")
+@click.option("--port", type=click.IntRange(1, 65535), default=service.DEFAULT_PORT, show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=1), default=PROMPT_TIMEOUT, show_default=True,
+              help="Seconds one prompt may take.")
 @json_option
 @handle_errors
 def demo(comfy_home, device_type, npu_count, keep_running, source, python, port, timeout, as_json):
@@ -65,10 +71,13 @@ def demo(comfy_home, device_type, npu_count, keep_running, source, python, port,
 @click.option("--switch", "switch", type=click.Path(exists=True, dir_okay=False), metavar="WORKFLOW2",
               help="Run this other workflow between runs (a model switch).")
 @click.option("--no-cold", is_flag=True, help="Do not empty the server's models before the first run.")
-@click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds one run may take.")
+@click.option("--npu-count", type=click.Choice(COUNTS), default=None,
+              help="Set every MultiNPUParallelConfig's npu_count before submitting (default: as in the file).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=3600.0, show_default=True,
+              help="Seconds one run may take.")
 @json_option
 @handle_errors
-def bench(workflow, comfy_home, runtime_root, runs, switch, no_cold, timeout, as_json):
+def bench(workflow, comfy_home, runtime_root, runs, switch, no_cold, npu_count, timeout, as_json):
     """Time an API-format workflow on the running server: the first run cold, then warm.
 
     Per run: end-to-end time (submission to completion, measured here), per-stage times from the server's
@@ -83,6 +92,7 @@ def bench(workflow, comfy_home, runtime_root, runs, switch, no_cold, timeout, as
         raise click.UsageError("give --comfy-home (or H3KIT_COMFY_HOME) or --runtime-root")
     result = run_bench(comfy_home, runtime_root, Path(workflow), runs=runs,
                        switch=Path(switch) if switch else None, cold=not no_cold, timeout=timeout,
+                       npu_count=int(npu_count) if npu_count else None,
                        log=_log if not as_json else (lambda m: None))
     if as_json:
         emit_json(result)

@@ -14,12 +14,17 @@ source_option = click.option("--source", metavar="PATH", envvar="H3KIT_COMFY_SOU
                              help="A local mirror or checkout holding the pin (env H3KIT_COMFY_SOURCE).")
 
 
-def _local_source(source):
+def _local_source(source, required=False):
+    """The local mirror to read the pin from. A URL (valid for install, which clones it) cannot be read
+    here: an error when the command needs the pin, else None with a note."""
     from h3kit import gitutil
 
     if not source:
         return None
     if not gitutil.is_local_source(source) or not os.path.exists(source):
+        if not required:
+            err(f"h3kit: {source} is not a local mirror: the series is not applied to the pin")
+            return None
         raise UsageError(f"--source {source!r} is not a local mirror or checkout",
                          hint="clone the mirror locally (git clone --mirror URL) and pass its path")
     return source
@@ -92,26 +97,42 @@ def refresh(source, additions):
     from h3kit.patches import Series, add_source_sections, manifest_entries, regenerate, series_result
     from h3kit.paths import repo_root
 
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     root = repo_root()
-    src = _local_source(source)
+    src = _local_source(source, required=True)
     if not src:
         raise UsageError("refresh needs the pin's files", hint="pass --source or set H3KIT_COMFY_SOURCE to a local mirror")
-    series = Series.load(root)
-    for spec in additions:
-        name, _, rel = spec.partition(":")
-        if name not in series.names or not rel:
-            raise UsageError(f"--add {spec!r}: give PATCH:PATH with PATCH listed in patches/series")
-        (root / "patches" / name).write_text(add_source_sections(series, name, [rel]))
-        series = Series.load(root)
-    for name, text in regenerate(series).items():
-        (root / "patches" / name).write_text(text)
-        click.echo(f"regenerated {name}")
-    series = Series.load(root)
-    data = manifest.load(root)
-    base = gitutil.read_blobs(src, manifest.pin(data), series.touched_files())
-    series_result(series, base)  # refuse to record a series that does not apply
-    data["patches"] = manifest_entries(series, base)
-    manifest.save(data, root)
+    # Everything is computed in a scratch copy of patches/ first; the real patches and the manifest are
+    # written only once the new series is known to apply to the pin (all or nothing).
+    scratch = Path(tempfile.mkdtemp(prefix="h3kit-refresh-"))
+    try:
+        shutil.copytree(root / "patches", scratch / "patches")
+        series = Series.load(scratch)
+        for spec in additions:
+            name, _, rel = spec.partition(":")
+            if name not in series.names or not rel:
+                raise UsageError(f"--add {spec!r}: give PATCH:PATH with PATCH listed in patches/series")
+            (scratch / "patches" / name).write_text(add_source_sections(series, name, [rel]))
+            series = Series.load(scratch)
+        changed = regenerate(series)
+        for name, text in changed.items():
+            (scratch / "patches" / name).write_text(text)
+        series = Series.load(scratch)
+        data = manifest.load(root)
+        base = gitutil.read_blobs(src, manifest.pin(data), series.touched_files())
+        series_result(series, base)  # refuse to record a series that does not apply
+        data["patches"] = manifest_entries(series, base)
+        for p in series.patches:
+            target = root / "patches" / p.name
+            if not target.is_file() or target.read_bytes() != p.raw:
+                target.write_bytes(p.raw)
+                click.echo(f"regenerated {p.name}")
+        manifest.save(data, root)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     click.echo(f"source_deps_info.json: {len(series.names)} patches recorded")
 
 
@@ -133,7 +154,8 @@ def diff(old, new, paths):
 @json_option
 @handle_errors
 def status(comfy_home, as_json):
-    """Per patch: applied, applies cleanly, or conflicts (with the failing hunk) in a ComfyUI tree."""
+    """Per patch: applied, applies cleanly, or conflicts (with the failing hunk) in a ComfyUI tree.
+    Exit 0 only when every patch is applied."""
     from pathlib import Path
 
     from h3kit.patches import Series, plan_forward, read_tree_files
@@ -141,11 +163,15 @@ def status(comfy_home, as_json):
 
     series = Series.load(repo_root())
     tree = Path(comfy_home)
+    if not (tree / "main.py").is_file():
+        raise UsageError(f"{tree} is not a ComfyUI tree (no main.py)")
     plan = plan_forward(series, read_tree_files(tree, series.touched_files()))
     if as_json:
         emit_json({"patches": [s.to_dict() for s in plan.states]})
-        return
-    for s in plan.states:
-        click.echo(f"{s.state:9} {s.name}")
-        for f in s.failures:
-            click.echo(f"          {f}")
+    else:
+        for s in plan.states:
+            click.echo(f"{s.state:9} {s.name}")
+            for f in s.failures:
+                click.echo(f"          {f}")
+    # 0: every patch applied; 1: some would still apply; 2 is bad input; conflicts are 1 as well
+    sys.exit(0 if all(s.state == "applied" for s in plan.states) else 1)
