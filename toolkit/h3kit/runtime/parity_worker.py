@@ -272,11 +272,11 @@ def _count_reads():
     return counts
 
 
-def _load_through_nodes(tmp, seed, vae_dims=None):
-    """Tiny DiT, text encoder, video and audio VAE written to tmp and loaded by the loader nodes; reads counted."""
+def _load_through_nodes(tmp, seed, components, vae_dims=None):
+    """Tiny checkpoints of `components` (dit, te, video_vae, audio_vae) written to tmp and loaded by the loader
+    nodes, with every weight-file read counted: (loaded, reads, paths, tiny_models)."""
     tiny = _tiny_models()
-    files = {"dit": "h3kit_parity_dit.safetensors", "te": "h3kit_parity_te.safetensors",
-             "video_vae": "h3kit_parity_video_vae.safetensors", "audio_vae": "h3kit_parity_audio_vae.safetensors"}
+    files = {c: f"h3kit_parity_{c}.safetensors" for c in components}
     for component, name in files.items():
         tiny.write(component, os.path.join(tmp, name), seed, dims=vae_dims if component == "video_vae" else None)
     import folder_paths
@@ -284,10 +284,11 @@ def _load_through_nodes(tmp, seed, vae_dims=None):
     for folder in ("diffusion_models", "text_encoders", "vae"):
         folder_paths.add_model_folder_path(folder, tmp, is_default=True)
     reads = _count_reads()
-    loaded = {"dit": nodes.UNETLoader().load_unet(files["dit"], "default")[0],
-              "te": nodes.CLIPLoader().load_clip(files["te"], type="minimax")[0],
-              "video_vae": nodes.VAELoader().load_vae(files["video_vae"])[0],
-              "audio_vae": nodes.VAELoader().load_vae(files["audio_vae"])[0]}
+    load = {"dit": lambda name: nodes.UNETLoader().load_unet(name, "default")[0],
+            "te": lambda name: nodes.CLIPLoader().load_clip(name, type="minimax")[0],
+            "video_vae": lambda name: nodes.VAELoader().load_vae(name)[0],
+            "audio_vae": lambda name: nodes.VAELoader().load_vae(name)[0]}
+    loaded = {c: load[c](name) for c, name in files.items()}
     paths = {c: os.path.realpath(os.path.join(tmp, n)) for c, n in files.items()}
     return loaded, reads, paths, tiny
 
@@ -363,7 +364,7 @@ def run_te(args):
     if args.inject_fault:
         _inject_te_fault(args.npu_count)
     with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
-        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed)
+        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "te"))
     clip = loaded["te"]
     layouts = [x for x in args.layouts if x in TE_LAYOUTS] or list(TE_LAYOUTS)
     single = {}
@@ -419,7 +420,8 @@ def run_vae(args):
     if args.inject_fault:
         _inject_vae_fault()
     with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
-        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, vae_dims=VAE_TILES)
+        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "video_vae", "audio_vae"),
+                                                       vae_dims=VAE_TILES)
     vae, audio_vae = loaded["video_vae"], loaded["audio_vae"]
     out = node.execute(model=loaded["dit"], npu_count=args.npu_count, vae=vae, audio_vae=audio_vae).args
     par_vae, par_audio = out[2], out[3]
