@@ -31,6 +31,7 @@ of the one host copy (comfy.multinpu_weights), anchored so that unloading return
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -278,6 +279,8 @@ class TextEncoderParallel:
                 ctx.comm = None
 
         t0 = time.perf_counter()
+        # the other ranks copy rank 0's inputs from their own threads: rank 0's kernels must have written them
+        comfy.multidevice.synchronize(self.devices[0])
         with self._lock:
             outs = group.run(rank_forward, self._pool())
         self.forwards += 1
@@ -295,10 +298,15 @@ class TextEncoderParallel:
         return out
 
 
+# Llama2_.forward's arguments after x, for callers that pass some positionally
+_FORWARD_ARGS = list(inspect.signature(comfy.text_encoders.llama.Llama2_.forward).parameters)[2:]
+
+
 class ParallelLlama(comfy.text_encoders.llama.Llama2_):
     """Rank 0's decoder in a parallel text encoder: a forward runs all ranks (TextEncoderParallel)."""
 
-    def forward(self, x, **kwargs):
+    def forward(self, x, *args, **kwargs):
+        kwargs.update(zip(_FORWARD_ARGS, args))
         return self.multinpu(self, x, **kwargs)
 
 

@@ -123,6 +123,8 @@ class VideoDecodeParallel:
             comfy.multidevice.synchronize(comm.device)
             return out
 
+        # the other ranks copy their latents from rank 0's device in their own threads
+        comfy.multidevice.synchronize(self.devices[0])
         outs = group.run(rank_decode, self._pool())
         self.chunks += sum(o is not None for o in outs)
         self.chunk_ranks += [r for r, o in enumerate(outs) if o is not None]

@@ -41,6 +41,19 @@ def check_npu_count(npu_count) -> str | None:
             f"{comfy.multidevice.describe_devices(devices)}. Fix: {fix}.")
 
 
+def _spread(what, apply, obj, primary, npu_count):
+    """apply(obj, devices) with rank 0 on obj's own device; obj unchanged (logged) where it cannot be split."""
+    devices = comfy.multidevice.devices_for(primary, npu_count)
+    if primary.type == "cpu" and comfy.multidevice.device_kind() != "cpu":
+        logging.warning(f"MultiNPU Parallel Config: the {what} is set to run on the CPU; it stays there.")
+        return obj
+    try:
+        return apply(obj, devices)
+    except ValueError as e:
+        logging.warning(f"MultiNPU Parallel Config: {str(e).removeprefix('MultiNPU: ')}; the {what} runs on one device.")
+        return obj
+
+
 class MultiNPUParallelConfigNode(io.ComfyNode):
     """
     Run MiniMax H3 on 1, 2 or 4 devices (Ascend NPUs; CUDA GPUs work the same way).
@@ -109,19 +122,6 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
         else:
             logging.info("MultiNPU Parallel Config: npu_count 1, the model runs on one device.")
         return io.NodeOutput(model, clip, vae, audio_vae)
-
-
-def _spread(what, apply, obj, primary, npu_count):
-    """apply(obj, devices) with rank 0 on obj's own device; obj unchanged (logged) where it cannot be split."""
-    devices = comfy.multidevice.devices_for(primary, npu_count)
-    if primary.type == "cpu" and comfy.multidevice.device_kind() != "cpu":
-        logging.warning(f"MultiNPU Parallel Config: the {what} is set to run on the CPU; it stays there.")
-        return obj
-    try:
-        return apply(obj, devices)
-    except ValueError as e:
-        logging.warning(f"MultiNPU Parallel Config: {e}; the {what} runs on one device.")
-        return obj
 
 
 class MultiNPUExtension(ComfyExtension):
