@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_PATCHES = {
     "multidevice-npu-device-layer.patch": ["comfy/multidevice.py", "comfy/model_management.py"],
     "multinpu-collectives.patch": ["comfy/multinpu.py"],
+    "multinpu-weights-read-once.patch": ["comfy/multinpu_weights.py"],
     "h3-dit-sequence-parallel.patch": ["comfy/multinpu_dit.py"],
+    "h3-text-encoder-tensor-parallel.patch": ["comfy/multinpu_te.py"],
+    "h3-video-vae-decode-parallel.patch": ["comfy/multinpu_vae.py"],
     "multinpu-parallel-config-node.patch": ["comfy_extras/nodes_multinpu.py", "nodes.py"],
 }
 
@@ -27,7 +30,7 @@ def series():
 
 def test_series_order(series):
     mine = [n for n in series.names if n in RUNTIME_PATCHES]
-    # collectives before the DiT code that calls them, the node last; each listed once
+    # collectives and the weight copies before the model code that uses them, the node last; each listed once
     assert mine == list(RUNTIME_PATCHES)
 
 
@@ -48,7 +51,8 @@ def test_new_files_match_their_sources(series):
 @pytest.mark.upstream
 def test_series_applied_to_the_pin(installed_tree):
     tree = installed_tree
-    for rel in ("comfy/multidevice.py", "comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy_extras/nodes_multinpu.py"):
+    for rel in ("comfy/multidevice.py", "comfy/multinpu.py", "comfy/multinpu_weights.py", "comfy/multinpu_dit.py",
+                "comfy/multinpu_te.py", "comfy/multinpu_vae.py", "comfy_extras/nodes_multinpu.py"):
         assert (tree / rel).read_text() == (ROOT / "patches" / "src" / rel).read_text()
     mm = (tree / "comfy" / "model_management.py").read_text()
     assert "torch.npu.set_device(device)" in mm and "torch.npu.synchronize()" in mm

@@ -128,12 +128,16 @@ COMPONENTS = {
 }
 
 
-def write(component: str, path: str, seed: int = 0) -> int:
-    """Write one tiny checkpoint; returns its size in bytes."""
+def write(component: str, path: str, seed: int = 0, dims: dict | None = None) -> int:
+    """Write one tiny checkpoint; returns its size in bytes. dims override the default dimensions (te,
+    video_vae, audio_vae: they are declared in the metadata, so the loaders build the same model)."""
     import safetensors.torch
 
-    build, key, dims = COMPONENTS[component]
-    sd = build(seed)
+    build, key, dims0 = COMPONENTS[component]
+    if dims and component == "dit":
+        raise ValueError("the DiT loader reads its dimensions from the weights: use dit_state_dict(dims=...)")
+    dims = dict(dims0, **(dims or {}))
+    sd = build(seed, dims)
     config = {"minimax_h3_text_encoder": {"qwen3vl_32b_model_config": dims}} if component == "te" else {key: dims}
     metadata = {"config": json.dumps(config) if component != "dit" else json.dumps({}),
                 "h3kit_tiny": json.dumps({"component": component, "seed": seed})}

@@ -22,8 +22,6 @@ activations and the attention work, not the weights.
 
 from __future__ import annotations
 
-import copy
-import itertools
 import logging
 import threading
 import time
@@ -36,6 +34,7 @@ import comfy.ldm.minimax.model
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.multinpu_weights
 import comfy.patcher_extension
 
 if TYPE_CHECKING:
@@ -241,23 +240,15 @@ def _replica_model(model):
 
     No file is read and no weight is copied here: the replica's weights become its own only when
     ModelPatcher loads it onto its device (which writes new tensors into the replica's own Parameter
-    objects, never into the shared storage).
+    objects, never into the shared storage). The source's host anchors carry over, so unloading the
+    replica returns its weights to the one host copy (comfy.multinpu_weights).
     """
-    memo = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        memo[id(t)] = torch.nn.Parameter(t.data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else t
-    # shared, not copied: the config answers every unknown attribute (deepcopy's probes included) with None
-    memo[id(model.model_config)] = model.model_config
     patcher = getattr(model, "current_patcher", None)
-    if patcher is not None:
-        memo[id(patcher)] = None
-    replica = copy.deepcopy(model, memo)
+    # shared, not copied: the config answers every unknown attribute (deepcopy's probes included) with None
+    replica = comfy.multinpu_weights.share_module(model, shared=[model.model_config],
+                                                  dropped=[patcher] if patcher is not None else [])
     # the source's load bookkeeping (ModelPatcher keeps it on the model) does not describe the replica
-    replica.model_loaded_weight_memory = 0
-    replica.lowvram_patch_counter = 0
-    replica.model_lowvram = False
-    replica.current_weight_patches_uuid = None
-    replica.model_offload_buffer_memory = 0
+    comfy.multinpu_weights.reset_load_state(replica)
     return replica
 
 
@@ -294,6 +285,8 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "au
         raise ValueError(f"MultiNPU: rank 0 must be the model's load device {patcher.load_device}, got {devices[0]}")
     # a loaded model's modules carry per-load state (cast flags, lowvram hooks) a replica must not copy
     comfy.model_management.unload_model_and_clones(patcher)
+    # the loaded weights, now on the host, are the one host copy every device loads from and returns to
+    comfy.multinpu_weights.anchor_host_copy(patcher.model)
     m = patcher.clone()
     m.remove_additional_models(KEY)
     replicas = [_replica_patcher(patcher, d) for d in devices[1:]]

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 import comfy.multidevice
 import comfy.multinpu_dit
+import comfy.multinpu_te
+import comfy.multinpu_vae
 
 NPU_COUNTS = [1, 2, 4]
 
@@ -39,20 +41,40 @@ def check_npu_count(npu_count) -> str | None:
             f"{comfy.multidevice.describe_devices(devices)}. Fix: {fix}.")
 
 
+def _spread(what, apply, obj, primary, npu_count):
+    """apply(obj, devices) with rank 0 on obj's own device; obj unchanged (logged) where it cannot be split."""
+    devices = comfy.multidevice.devices_for(primary, npu_count)
+    if primary.type == "cpu" and comfy.multidevice.device_kind() != "cpu":
+        logging.warning(f"MultiNPU Parallel Config: the {what} is set to run on the CPU; it stays there.")
+        return obj
+    try:
+        return apply(obj, devices)
+    except ValueError as e:
+        logging.warning(f"MultiNPU Parallel Config: {str(e).removeprefix('MultiNPU: ')}; the {what} runs on one device.")
+        return obj
+
+
 class MultiNPUParallelConfigNode(io.ComfyNode):
     """
     Run MiniMax H3 on 1, 2 or 4 devices (Ascend NPUs; CUDA GPUs work the same way).
 
     - npu_count 1: everything passes through unchanged.
-    - npu_count 2 or 4: the diffusion model runs sequence-parallel. Each device holds the full DiT
-      weights and works on its share of the video/audio/text tokens; attention exchanges the shares
-      between devices, so the result matches one device.
+    - npu_count 2 or 4:
+      - model: the diffusion model runs sequence-parallel. Each device holds the full DiT weights and
+        works on its share of the video/audio/text tokens; attention exchanges the shares between
+        devices, so the result matches one device.
+      - clip: the text encoder runs tensor-parallel, each device holding its share of every layer
+        (where the device count does not divide the attention heads, a range of layers instead).
+      - vae: the video VAE decodes its temporal chunks on all devices and blends them in order; the
+        video is identical to a one-device decode. Encoding stays on the first device.
+      - audio_vae: stays on the first device, in fp32.
+      Every device's weights come from the one copy the loaders read: nothing is read twice.
 
     npu_count must equal the number of devices this ComfyUI server sees (ASCEND_RT_VISIBLE_DEVICES);
     on a machine with a different count the prompt is rejected before any work, with the fix.
-    Put this node last in the model chain, after LoRA and model-sampling nodes.
-
-    clip, vae and audio_vae pass through unchanged for now.
+    Put this node last in the model chain, after LoRA and model-sampling nodes, and use its outputs
+    everywhere the workflow needs the model, text encoder and VAEs. A text encoder with a LoRA, or a
+    VAE that is not the H3 video VAE, passes through on one device (logged).
     """
 
     @classmethod
@@ -91,6 +113,12 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
         if npu_count > 1:
             devices = comfy.multidevice.devices_for(model.load_device, npu_count)
             model = comfy.multinpu_dit.apply_sequence_parallel(model, devices)
+            if clip is not None:
+                clip = _spread("text encoder", comfy.multinpu_te.apply_tensor_parallel, clip, clip.patcher.load_device, npu_count)
+            if vae is not None:
+                vae = _spread("VAE", comfy.multinpu_vae.apply_decode_parallel, vae, vae.device, npu_count)
+            if audio_vae is not None:
+                logging.info("MultiNPU Parallel Config: the audio VAE stays on one device, in fp32.")
         else:
             logging.info("MultiNPU Parallel Config: npu_count 1, the model runs on one device.")
         return io.NodeOutput(model, clip, vae, audio_vae)

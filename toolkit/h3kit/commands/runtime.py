@@ -20,26 +20,38 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.command()
 @comfy_home_option()
 @click.option("--component", type=click.Choice(parity_lib.COMPONENTS), default="dit", show_default=True,
-              help="What to compare: dit = the MiniMax H3 diffusion transformer, sequence-parallel.")
+              help="What to compare: dit = the diffusion transformer (sequence parallel), te = the text "
+                   "encoder (tensor parallel, and the layer split), vae = the video VAE decode (chunks across "
+                   "devices) and the audio VAE (one device).")
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
 @click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--inject-fault", is_flag=True,
-              help="Make the parallel path wrong on purpose (one device's shard left out of the gathers): "
-                   "the command must then exit 1.")
+              help="Make the parallel path wrong on purpose (dit: one device's shard left out of the gathers; "
+                   "te: out of the reductions and hand-overs; vae: other devices' chunks zeroed): the command "
+                   "must then exit 1.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=parity_lib.DEFAULT_TIMEOUT, show_default=True,
               metavar="S", help="Seconds before the worker is killed.")
 @json_option
 @handle_errors
 def parity(comfy_home, component, device_type, npu_count, python, inject_fault, timeout, as_json):
-    """Compare a multi-device forward with one device (tiny random weights).
+    """Compare a multi-device run with one device (tiny random weights).
 
-    Builds a tiny random-weight H3 DiT with the installed tree's own code, samples two steps with CFG on
-    one device and through the MultiNPUParallelConfig node on --npu-count devices, for the t2va, fl2va
-    and ref2va layouts (Ulysses and K/V-gather attention each), and compares every DiT output. Gate:
-    max_rel = max|parallel - single| / max|single| <= 1e-5 (fp32). On a new NPU machine this is the
-    acceptance check: h3kit parity --component dit --device-type npu --npu-count 4.
+    dit: samples a tiny random-weight H3 DiT two steps with CFG on one device and through the
+    MultiNPUParallelConfig node on --npu-count devices, for the t2va, fl2va and ref2va layouts (Ulysses
+    and K/V-gather attention each), and compares every DiT output. Gate: max_rel = max|parallel -
+    single| / max|single| <= 1e-5 (fp32).
+
+    te: encodes a prompt alone, with a first-frame image and with image/video/audio references through
+    a tiny Qwen3-VL text encoder loaded by CLIPLoader, tensor-parallel through the node and split by
+    layers. Gate: cos >= 0.99999 and rel_rms <= 1e-4 (fp32), every rank's hidden states identical.
+
+    vae: decodes latents of 1 to 27 frames (1 to 5 temporal chunks) with a tiny video VAE loaded by
+    VAELoader, and an audio latent. Gate: max_abs == 0 (bit-identical).
+
+    te and vae rows also count the weight-file reads (weight_reads, must be 1). On a new NPU machine
+    these are the acceptance checks: h3kit parity --component dit|te|vae --device-type npu --npu-count 4.
     """
     kind = h3devices.resolve_device_type(device_type)
     n = int(npu_count)
@@ -58,15 +70,28 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
 
 
 def _print_rows(rows, config, component):
-    click.echo(f"{component}: {config.get('dtype')}, {config.get('steps')} steps, cfg {config.get('cfg')}, "
-               f"devices {', '.join(config.get('devices', []))}")
-    head = f"{'layout':8} {'attention':10} {'S':>5} {'fwd':>4} {'max_abs':>10} {'max_rel':>10} {'cos':>12} " \
-           f"{'rel_rms':>10} {'bytes':>10}  gate"
-    click.echo(head)
+    devices = ", ".join(config.get("devices", []))
+    if component == "dit":
+        click.echo(f"{component}: {config.get('dtype')}, {config.get('steps')} steps, cfg {config.get('cfg')}, "
+                   f"devices {devices}")
+        click.echo(f"{'layout':8} {'attention':10} {'S':>5} {'fwd':>4} {'max_abs':>10} {'max_rel':>10} {'cos':>12} "
+                   f"{'rel_rms':>10} {'bytes':>10}  gate")
+        for r in rows:
+            click.echo(f"{r['layout']:8} {r['attention']:10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
+                       f"{r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} {r['bytes_moved']:>10}  "
+                       f"{'pass' if r['pass'] else 'FAIL'}")
+        return
+    click.echo(f"{component}: {config.get('dtype')}, devices {devices}, weight files read: "
+               f"{', '.join(f'{k} {v}' for k, v in config.get('reads', {}).items())}")
+    if component == "te":
+        head, cells = f"{'layout':8} {'split':7} {'S':>4}", lambda r: f"{r['layout']:8} {r['mode']:7} {r['tokens']:>4}"
+    else:
+        head = f"{'layout':8} {'frames':>6} {'chunks':>6}"
+        cells = lambda r: f"{r['layout']:8} {r['frames']:>6} {r['chunks']:>6}"  # noqa: E731
+    click.echo(f"{head} {'max_abs':>10} {'max_rel':>10} {'cos':>12} {'rel_rms':>10} {'reads':>5} {'bytes':>9}  gate")
     for r in rows:
-        click.echo(f"{r['layout']:8} {r['attention']:10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
-                   f"{r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} {r['bytes_moved']:>10}  "
-                   f"{'pass' if r['pass'] else 'FAIL'}")
+        click.echo(f"{cells(r)} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} "
+                   f"{r['weight_reads']:>5} {r['bytes_moved']:>9}  {'pass' if r['pass'] else 'FAIL'}")
 
 
 @click.command()

@@ -2,7 +2,8 @@
 
 The worker (parity_worker.py, beside this module) builds a tiny random-weight model with the patched
 tree's own code, runs it on one device and through the MultiNPUParallelConfig node on N, and writes
-one row per (layout, attention mode) with max_abs, max_rel, cos, rel_rms and the bytes moved. This
+one row per case (dit: layout and attention mode; te: layout and split; vae: latent length) with
+max_abs, max_rel, cos, rel_rms, the bytes moved and (te, vae) how often the weight file was read. This
 module finds the interpreter, starts the worker in its own session with a deadline (killing only that
 session on expiry), and turns its failures into H3kitErrors.
 """
@@ -20,10 +21,13 @@ from pathlib import Path
 from h3kit.errors import H3kitError, UsageError
 
 WORKER = Path(__file__).with_name("parity_worker.py")
-COMPONENTS = ("dit",)
-GATES = {"dit": "max_rel <= 1e-05 (fp32)"}
+COMPONENTS = ("dit", "te", "vae")
+GATES = {"dit": "max_rel <= 1e-05 (fp32)",
+         "te": "cos >= 0.99999 and rel_rms <= 1e-04 (fp32), identical on every rank, weight_reads == 1",
+         "vae": "max_abs == 0, weight_reads == 1"}
 DEFAULT_TIMEOUT = 900.0
-PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy_extras/nodes_multinpu.py")
+PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
+                 "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py")
 
 
 class ParityFailed(H3kitError):

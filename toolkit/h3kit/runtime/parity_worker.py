@@ -1,24 +1,39 @@
-"""Parity of the sequence-parallel H3 DiT against one device, run inside the ComfyUI interpreter.
+"""Parity of the multi-device H3 components against one device, run inside the ComfyUI interpreter.
 
-    python parity_worker.py --comfy-home DIR [--component dit] --device-type cpu|npu|cuda --npu-count N
-                            --out FILE [--inject-fault] [--layouts t2va,fl2va,ref2va] [--steps K] [--timeout S]
+    python parity_worker.py --comfy-home DIR --component dit|te|vae --device-type cpu|npu|cuda --npu-count N
+                            --out FILE [--inject-fault] [--layouts ...] [--steps K] [--timeout S]
 
 `h3kit parity` starts this script with the interpreter that runs ComfyUI; it imports nothing from
-h3kit (that interpreter may not have it). It uses the patched tree's own code end to end:
-- a tiny MiniMax H3 DiT built with the upstream class, random weights, saved with safetensors and
-  loaded back through comfy.sd.load_diffusion_model (model detection reads every dimension);
-- the MultiNPUParallelConfig node (validate_inputs, then execute) for the parallel model;
-- real sampling (comfy.sample.sample: prepare_sampling loads the replicas, extra_conds builds the
-  packed layout, CFG runs cond and uncond as separate forwards).
-A capture wrapper, outermost in the DIFFUSION_MODEL chain, records the DiT's [video, audio] output of
-every forward; the rows compare them forward by forward. Tiny dims are chosen so no layout's packed
-length divides by 2 or 4. --inject-fault drops the last rank's shard from the all-gathers, which must
-fail the gate. The JSON written to --out: {"ok", "rows": [...], "config": {...}} or {"ok": false, "error"}.
+h3kit's package (that interpreter may not have it; the tiny model builders are loaded from their file).
+It uses the patched tree's own code end to end, and the MultiNPUParallelConfig node (validate_inputs,
+then execute) for the parallel side.
+
+dit: a tiny MiniMax H3 DiT built with the upstream class, random weights, saved with safetensors and
+loaded back through comfy.sd.load_diffusion_model (model detection reads every dimension), sampled for
+real (comfy.sample.sample: prepare_sampling loads the replicas, extra_conds builds the packed layout,
+CFG runs cond and uncond as separate forwards). A capture wrapper, outermost in the DIFFUSION_MODEL
+chain, records the DiT's [video, audio] output of every forward; the rows compare them forward by
+forward. Tiny dims are chosen so no layout's packed length divides by 2 or 4. --inject-fault drops the
+last rank's shard from the all-gathers, which must fail the gate.
+
+te and vae: tiny random-weight checkpoints of the Qwen3-VL text encoder and the video and audio VAEs
+(h3kit's tiny_models.py) loaded through the loader nodes (CLIPLoader type minimax, VAELoader), with every
+weight-file read counted (weight_reads, which must be 1 per file). te encodes a prompt alone (t2va), with
+a first-frame image (fl2va: the vision tower and DeepStack) and with image, video and audio references
+(ref2va), through the node (tensor parallel) and forced to the layer split; gate cos >= 0.99999 and
+rel_rms <= 1e-4 in fp32, every rank's final hidden states identical and the same token tags.
+--inject-fault drops the last rank's share of every reduction and corrupts the layer hand-overs. vae
+decodes latents of 1 to 27 frames (1 to 5 temporal chunks, 2x2 spatial tiles in one) and an audio
+latent; gate max_abs == 0. --inject-fault zeroes every chunk another device decoded.
+
+The JSON written to --out: {"ok", "rows": [...], "config": {...}} or {"ok": false, "error"}.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib.util
 import json
 import math
 import os
@@ -26,6 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 # tiny H3: 8 heads (Ulysses for N = 2 and 4, K/V gather forced per row), rotary 6 * 2 = 12 of 16 dims
 TINY = dict(hidden_size=64, num_layers=3, token_refiner_num_layers=1, num_attention_heads=8,
@@ -38,6 +54,17 @@ FRAME_COUNT = 5
 LAYOUTS = ("t2va", "fl2va", "ref2va")
 GATE_MAX_REL = 1e-5
 FAULT_NOTE = "last rank's shard left out of every all_gather_v"
+
+TE_LAYOUTS = LAYOUTS
+TE_PROMPT = "A red fox trots through fresh snow at dawn, wind hissing through the pines."
+TE_GATE_COS = 0.99999
+TE_GATE_REL_RMS = 1e-4
+TE_FAULT_NOTE = "last rank's share left out of every all_reduce; layer hand-overs and the final broadcast zeroed"
+# latent (T, h, w) per row: 1 frame (no chunks), then 1, 2, 4 and 5 temporal chunks; 73f has 2x2 spatial tiles
+VAE_LAYOUTS = {"image": (1, 3, 4), "5f": (2, 3, 4), "39f": (12, 3, 4), "73f": (22, 5, 6), "90f": (27, 3, 4)}
+VAE_TILES = dict(tile_size=64, tile_overlap_min=32)  # 64 px spatial tiles, so the 80x96 px row is tiled
+VAE_FAULT_NOTE = "every chunk decoded on a device other than rank 0's zeroed on its way back"
+AUDIO_LATENT_T = 10
 
 
 def _setup_comfy(comfy_home, device_type, npu_count):
@@ -222,7 +249,230 @@ def run_dit(args):
     return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
 
 
-COMPONENTS = {"dit": run_dit}
+def _tiny_models():
+    """h3kit's tiny_models.py, loaded from its file (this interpreter may not have h3kit installed)."""
+    path = Path(__file__).resolve().parents[1] / "tiny_models.py"
+    spec = importlib.util.spec_from_file_location("h3kit_tiny_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _count_reads():
+    """Count every weight-file read from now on: {real path: reads} (the loaders all read through load_torch_file)."""
+    import comfy.utils
+    counts = collections.Counter()
+    real = comfy.utils.load_torch_file
+
+    def counted(ckpt, *args, **kwargs):
+        counts[os.path.realpath(ckpt)] += 1
+        return real(ckpt, *args, **kwargs)
+
+    comfy.utils.load_torch_file = counted
+    return counts
+
+
+def _load_through_nodes(tmp, seed, components, vae_dims=None):
+    """Tiny checkpoints of `components` (dit, te, video_vae, audio_vae) written to tmp and loaded by the loader
+    nodes, with every weight-file read counted: (loaded, reads, paths, tiny_models)."""
+    tiny = _tiny_models()
+    files = {c: f"h3kit_parity_{c}.safetensors" for c in components}
+    for component, name in files.items():
+        tiny.write(component, os.path.join(tmp, name), seed, dims=vae_dims if component == "video_vae" else None)
+    import folder_paths
+    import nodes
+    for folder in ("diffusion_models", "text_encoders", "vae"):
+        folder_paths.add_model_folder_path(folder, tmp, is_default=True)
+    reads = _count_reads()
+    load = {"dit": lambda name: nodes.UNETLoader().load_unet(name, "default")[0],
+            "te": lambda name: nodes.CLIPLoader().load_clip(name, type="minimax")[0],
+            "video_vae": lambda name: nodes.VAELoader().load_vae(name)[0],
+            "audio_vae": lambda name: nodes.VAELoader().load_vae(name)[0]}
+    loaded = {c: load[c](name) for c, name in files.items()}
+    paths = {c: os.path.realpath(os.path.join(tmp, n)) for c, n in files.items()}
+    return loaded, reads, paths, tiny
+
+
+def _node_or_error(args):
+    import comfy_extras.nodes_multinpu as nodes_multinpu
+    node = nodes_multinpu.MultiNPUParallelConfigNode
+    problem = node.validate_inputs(npu_count=args.npu_count)
+    return node, (None if problem is True else {"ok": False, "error": {"code": "device_check", "message": problem}})
+
+
+def _te_tokens(clip, layout, seed):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    image = torch.rand(1, 64, 64, 3, generator=g)
+    if layout == "t2va":
+        return clip.tokenize(TE_PROMPT)
+    if layout == "fl2va":
+        return clip.tokenize(TE_PROMPT, images=[image])
+    frames = torch.rand(3, 64, 64, 3, generator=g)  # 3 frames at 2 fps: padded to two 2-frame video blocks
+    return clip.tokenize(TE_PROMPT, minimax_ref_items=[{"type": "image", "data": image},
+                                                      {"type": "video", "data": frames}, {"type": "audio"}])
+
+
+def _encode(clip, layout, seed):
+    out = clip.encode_from_tokens_scheduled(_te_tokens(clip, layout, seed))
+    return out[0][0].detach().float().cpu(), out[0][1]["minimax_token_tags"]
+
+
+def _inject_te_fault(npu_count):
+    import comfy.multinpu
+    all_reduce, broadcast, peer_copy = comfy.multinpu.all_reduce, comfy.multinpu.broadcast, comfy.multinpu.peer_copy
+
+    def dropped_reduce(x, comm):
+        return all_reduce(x * 0 if comm.rank == comm.world_size - 1 else x, comm)
+
+    def zeroed_broadcast(x, comm, src=0):
+        out = broadcast(x, comm, src)
+        return out if comm.rank == src else out * 0
+
+    def zeroed_copy(x, comm, src, dst):
+        out = peer_copy(x, comm, src, dst)
+        return out * 0 if comm.rank == dst and dst != src else out
+
+    comfy.multinpu.all_reduce, comfy.multinpu.broadcast, comfy.multinpu.peer_copy = dropped_reduce, zeroed_broadcast, zeroed_copy
+
+
+def _inject_vae_fault():
+    import comfy.multinpu_vae
+    fetch = comfy.multinpu_vae.fetch_chunk
+
+    def zeroed(chunk, device, src_rank):
+        out = fetch(chunk, device, src_rank)
+        return out * 0 if src_rank != 0 else out
+
+    comfy.multinpu_vae.fetch_chunk = zeroed
+
+
+def _config(args, tiny, extra):
+    import comfy.multidevice
+    return {"dtype": "float32", "seed": args.seed,
+            "devices": [str(d) for d in comfy.multidevice.get_devices()[:args.npu_count]], **extra}
+
+
+def run_te(args):
+    _setup_comfy(args.comfy_home, args.device_type, args.npu_count)
+    import torch
+    import comfy.multidevice
+    import comfy.multinpu_te
+    node, error = _node_or_error(args)
+    if error:
+        return error
+    if args.inject_fault:
+        _inject_te_fault(args.npu_count)
+    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
+        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "te"))
+    clip = loaded["te"]
+    layouts = [x for x in args.layouts if x in TE_LAYOUTS] or list(TE_LAYOUTS)
+    single = {}
+    for layout in layouts:
+        t0 = time.perf_counter()
+        single[layout] = _encode(clip, layout, args.seed) + (time.perf_counter() - t0,)
+    variants = [("node", node.execute(model=loaded["dit"], npu_count=args.npu_count, clip=clip).args[1])]
+    if args.npu_count > 1:
+        devices = comfy.multidevice.devices_for(clip.patcher.load_device, args.npu_count)
+        variants.append(("layers", comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers")))
+    rows = []
+    for via, par in variants:
+        runner = comfy.multinpu_te.get_runner(par)
+        if runner is not None:
+            runner.timeout = args.timeout
+            runner.keep_rank_outputs = True
+        for layout in layouts:
+            before = runner.bytes_moved if runner else 0
+            t0 = time.perf_counter()
+            out, tags = _encode(par, layout, args.seed)
+            seconds = time.perf_counter() - t0
+            ref, ref_tags, t_single = single[layout]
+            spread = 0.0
+            if runner is not None:
+                spread = max((o.float() - runner.rank_outputs[0].float()).abs().max().item() for o in runner.rank_outputs)
+            row = {"component": "te", "layout": layout, "mode": runner.mode if runner else "none",
+                   "npu_count": args.npu_count, "device_type": args.device_type, "tokens": int(ref.shape[1]),
+                   **_metrics([[ref]], [[out]]), "rank_spread": spread, "tags_equal": bool(torch.equal(tags, ref_tags)),
+                   "weight_reads": reads[paths["te"]], "bytes_moved": (runner.bytes_moved - before) if runner else 0,
+                   "seconds_single": round(t_single, 4), "seconds_parallel": round(seconds, 4)}
+            row["pass"] = (row["cos"] >= TE_GATE_COS and row["rel_rms"] <= TE_GATE_REL_RMS and row["rank_spread"] == 0
+                           and row["tags_equal"] and row["weight_reads"] == 1)
+            rows.append(row)
+        if runner is not None and runner._threads is not None:
+            runner._threads.shutdown()
+    te = tiny.TINY_TE
+    config = _config(args, tiny, {"te": {k: te[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                             "num_attention_heads", "num_key_value_heads")},
+                                  "gate": f"cos >= {TE_GATE_COS}, rel_rms <= {TE_GATE_REL_RMS}, rank_spread == 0, "
+                                          "same token tags, weight_reads == 1",
+                                  "reads": {c: reads[p] for c, p in paths.items()},
+                                  "inject_fault": TE_FAULT_NOTE if args.inject_fault else None})
+    return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+
+
+def run_vae(args):
+    _setup_comfy(args.comfy_home, args.device_type, args.npu_count)
+    import torch
+    import comfy.multinpu_vae
+    node, error = _node_or_error(args)
+    if error:
+        return error
+    if args.inject_fault:
+        _inject_vae_fault()
+    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
+        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "video_vae", "audio_vae"),
+                                                       vae_dims=VAE_TILES)
+    vae, audio_vae = loaded["video_vae"], loaded["audio_vae"]
+    out = node.execute(model=loaded["dit"], npu_count=args.npu_count, vae=vae, audio_vae=audio_vae).args
+    par_vae, par_audio = out[2], out[3]
+    runner = comfy.multinpu_vae.get_runner(par_vae)
+    if runner is not None:
+        runner.timeout = args.timeout
+    g = torch.Generator().manual_seed(args.seed)
+    layouts = [x for x in args.layouts if x in VAE_LAYOUTS] or list(VAE_LAYOUTS)
+    rows = []
+    for layout in layouts:
+        t, h, w = VAE_LAYOUTS[layout]
+        z = torch.randn(1, 24, t, h, w, generator=g)
+        t0 = time.perf_counter()
+        single = vae.decode(z)
+        t1 = time.perf_counter()
+        before = (runner.bytes_moved, runner.chunks) if runner else (0, 0)
+        parallel = par_vae.decode(z)
+        t2 = time.perf_counter()
+        row = {"component": "vae", "layout": layout, "latent": [t, h, w], "npu_count": args.npu_count,
+               "device_type": args.device_type, "frames": int(single.shape[1]),
+               "chunks": (runner.chunks - before[1]) if runner else 0,
+               "chunk_ranks": list(runner.chunk_ranks) if runner and t > 1 else [],
+               **_metrics([[single]], [[parallel]]), "weight_reads": reads[paths["video_vae"]],
+               "bytes_moved": (runner.bytes_moved - before[0]) if runner else 0,
+               "seconds_single": round(t1 - t0, 4), "seconds_parallel": round(t2 - t1, 4)}
+        row["pass"] = row["max_abs"] == 0 and tuple(single.shape) == tuple(parallel.shape) and row["weight_reads"] == 1
+        rows.append(row)
+    # the audio VAE stays on one device in fp32: the node must hand back the one it got
+    za = torch.randn(1, 32, 2, AUDIO_LATENT_T, generator=g)
+    t0 = time.perf_counter()
+    a_single = audio_vae.decode(za)
+    t1 = time.perf_counter()
+    a_par = par_audio.decode(za)
+    t2 = time.perf_counter()
+    row = {"component": "vae", "layout": "audio", "latent": [2, AUDIO_LATENT_T], "npu_count": args.npu_count,
+           "device_type": args.device_type, "frames": int(a_single.shape[1]), "chunks": 0, "chunk_ranks": [],
+           **_metrics([[a_single]], [[a_par]]), "weight_reads": reads[paths["audio_vae"]], "bytes_moved": 0,
+           "dtype": str(par_audio.vae_dtype).replace("torch.", ""),
+           "seconds_single": round(t1 - t0, 4), "seconds_parallel": round(t2 - t1, 4)}
+    row["pass"] = (row["max_abs"] == 0 and row["weight_reads"] == 1 and par_audio.vae_dtype == torch.float32
+                   and comfy.multinpu_vae.get_runner(par_audio) is None)
+    rows.append(row)
+    if runner is not None and runner._threads is not None:
+        runner._threads.shutdown()
+    config = _config(args, tiny, {"video_vae": dict(tiny.TINY_VIDEO_VAE, **VAE_TILES), "gate": "max_abs == 0, weight_reads == 1",
+                                  "reads": {c: reads[p] for c, p in paths.items()},
+                                  "inject_fault": VAE_FAULT_NOTE if args.inject_fault else None})
+    return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+
+
+COMPONENTS = {"dit": run_dit, "te": run_te, "vae": run_vae}
 
 
 def _seq_len(layout, seed):
@@ -241,13 +491,15 @@ def main(argv=None):
     ap.add_argument("--device-type", choices=("cpu", "npu", "cuda"), default="cpu")
     ap.add_argument("--npu-count", type=int, required=True)
     ap.add_argument("--inject-fault", action="store_true")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default="", help="comma-separated rows to run (default: all of the component's)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
+    if args.component == "dit":
+        args.layouts = args.layouts or list(LAYOUTS)
     try:
         result = COMPONENTS[args.component](args)
         code = 0 if result["ok"] else (2 if "error" in result else 1)

@@ -1,0 +1,383 @@
+"""Tensor parallelism for the MiniMax H3 text encoder (Qwen3-VL) across devices, built from the loaded model.
+
+The H3 conditioning encoder is upstream's Llama2_ decoder stack (comfy/text_encoders/llama.py) inside
+MiniMaxQwen3VL (comfy/text_encoders/minimax.py): 50 layers of attention (64 query heads over 8 key/value
+heads of 128) and a SwiGLU MLP (25600), no final norm. CLIP.encode_from_tokens runs the tokenizer output
+through the embeddings and the vision tower (images and video blocks become embeddings plus DeepStack
+features), then Llama2_.forward. No upstream file is edited: apply_tensor_parallel(clip, devices) returns
+a CLIP whose Llama2_ runs on every device, one rank per device (threads of this process, SPMD, the
+collectives of comfy.multinpu), and every rank runs upstream's Llama2_.forward on its own shard.
+
+Tensor parallel (the device count P divides the query heads; H3's 64: P = 2, 4, 8):
+- q, k and v projections are column-parallel by heads: rank r holds query heads r*H/P .. (r+1)*H/P - 1
+  and the key/value heads those queries read (grouped-query attention: H/KV query heads share one
+  key/value head; when a rank's queries cover only part of a group, the rank holds that key/value head
+  too, so one head can sit on several ranks). Attention runs locally on the rank's heads.
+- the o projection is row-parallel (the matching input columns): each rank's output is a partial sum,
+  and one all-reduce per attention sub-layer adds them.
+- MLP gate and up are column-parallel (the intermediate split), down is row-parallel: one all-reduce per
+  MLP sub-layer.
+- norms, residuals, RoPE, the causal mask and the DeepStack injection run on the full hidden states on
+  every rank; the all-reduce sums in rank order, so the hidden states stay bit-identical on every rank.
+  Embeddings and the vision tower run once, on rank 0 (which alone holds them), and every rank starts
+  from the same embeddings.
+Layer split (any other P): rank r holds a contiguous range of layers, the hidden states go from each rank
+to the next and the last rank broadcasts the final ones. Every layer runs unchanged on one device, so the
+result is exactly the one-device result; it splits the weights, not the time.
+
+Weights: each rank's modules are structural copies of the loaded ones whose weights are views (slices)
+of the one host copy (comfy.multinpu_weights), anchored so that unloading returns them to it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+import comfy.model_management
+import comfy.multidevice
+import comfy.multinpu
+import comfy.multinpu_weights
+import comfy.text_encoders.llama
+
+if TYPE_CHECKING:
+    from comfy.sd import CLIP
+
+KEY = "multinpu_text_encoder"  # the CLIP patcher's transformer_options["patches"] entry that brings the shards
+MODES = ("auto", "tensor", "layers")
+
+
+class _RankContext:
+    """What one rank's modules need during a parallel forward: the communicator (None outside one)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+        self.comm = None
+
+    def get(self):
+        if self.comm is None:
+            raise RuntimeError("MultiNPU: a text-encoder shard ran outside its parallel forward")
+        return self.comm
+
+
+class _AllReduceOutput:
+    """Forward hook of a row-parallel projection: its output is this rank's partial sum; return the total."""
+
+    def __init__(self, ctx: _RankContext):
+        self.ctx = ctx
+
+    def __call__(self, module, args, output):
+        return comfy.multinpu.all_reduce(output, self.ctx.get())
+
+
+def head_split(heads: int, kv_heads: int, world_size: int, rank: int):
+    """(query heads, key/value heads) that rank `rank` of `world_size` holds, as lists of head indices.
+
+    Query heads are a contiguous block of heads / world_size. Key/value heads are the ones those queries
+    read, in the order grouped-query attention pairs them (local query i reads local key/value head
+    i // (local queries / local key/value heads)); where the block covers groups unevenly, each query
+    gets its own copy of its key/value head, which is still exact.
+    """
+    if heads % world_size:
+        raise ValueError(f"MultiNPU: {heads} query heads do not split over {world_size} devices")
+    per = heads // world_size
+    group = heads // kv_heads
+    queries = list(range(rank * per, (rank + 1) * per))
+    used = [q // group for q in queries]
+    kv = sorted(set(used))
+    if per % len(kv) == 0 and all(used[i] == kv[i // (per // len(kv))] for i in range(per)):
+        return queries, kv
+    return queries, used
+
+
+def _rows(heads, head_dim):
+    return [h * head_dim + i for h in heads for i in range(head_dim)]
+
+
+def _column(linear, rows):
+    linear.weight = comfy.multinpu_weights.select_rows(linear.weight, rows)
+    if linear.bias is not None:
+        linear.bias = comfy.multinpu_weights.select_rows(linear.bias, rows)
+    linear.out_features = len(rows)
+
+
+def _row(linear, start: int, stop: int, ctx: _RankContext):
+    linear.weight = comfy.multinpu_weights.slice_parameter(linear.weight, 1, start, stop)
+    linear.in_features = stop - start
+    if linear.bias is not None and ctx.rank != 0:
+        linear.bias = None  # added once, by rank 0, before the sum
+    linear.register_forward_hook(_AllReduceOutput(ctx))
+
+
+def _shard_attention(attn, ctx: _RankContext):
+    a = comfy.multinpu_weights.share_module(attn)
+    queries, kv = head_split(attn.num_heads, attn.num_kv_heads, ctx.world_size, ctx.rank)
+    d = attn.head_dim
+    _column(a.q_proj, _rows(queries, d))
+    _column(a.k_proj, _rows(kv, d))
+    _column(a.v_proj, _rows(kv, d))
+    _row(a.o_proj, queries[0] * d, (queries[-1] + 1) * d, ctx)
+    a.num_heads = len(queries)
+    a.num_kv_heads = len(kv)
+    a.inner_size = len(queries) * d
+    return a
+
+
+def _shard_mlp(mlp, ctx: _RankContext):
+    m = comfy.multinpu_weights.share_module(mlp)
+    sizes = comfy.multinpu.shard_sizes(mlp.gate_proj.weight.shape[0], ctx.world_size)
+    start = sum(sizes[:ctx.rank])
+    stop = start + sizes[ctx.rank]
+    _column(m.gate_proj, range(start, stop))
+    _column(m.up_proj, range(start, stop))
+    _row(m.down_proj, start, stop, ctx)
+    return m
+
+
+class _Relay(torch.nn.Module):
+    """In a layer split, a layer another rank holds: the hidden states pass through, except at the two
+    places this rank takes them over (from the previous rank before its first layer, from the last rank
+    after the last layer)."""
+
+    def __init__(self, ctx: _RankContext, source=None):
+        super().__init__()
+        self.ctx = ctx
+        self.source = source  # None: pass through; a rank: receive from it; "broadcast": the final states
+
+    def forward(self, x, attention_mask=None, freqs_cis=None, optimized_attention=None, past_key_value=None, **kwargs):
+        if self.source is None:
+            return x, None
+        comm = self.ctx.get()
+        if self.source == "broadcast":
+            return comfy.multinpu.broadcast(x, comm, src=comm.world_size - 1), None
+        return comfy.multinpu.peer_copy(torch.empty_like(x), comm, src=self.source, dst=comm.rank), None
+
+
+class _HandOver:
+    """Forward hook on the last layer a rank holds in a layer split: pass its output on (the last rank
+    broadcasts the final hidden states to every rank)."""
+
+    def __init__(self, ctx: _RankContext, dst):
+        self.ctx = ctx
+        self.dst = dst
+
+    def __call__(self, module, args, output):
+        comm = self.ctx.get()
+        if self.dst == "broadcast":
+            return (comfy.multinpu.broadcast(output[0], comm, src=comm.rank),) + tuple(output[1:])
+        comfy.multinpu.peer_copy(output[0], comm, src=comm.rank, dst=self.dst)
+        return output
+
+
+def layer_ranges(layers: int, world_size: int) -> list:
+    """[(start, stop)] of the layers each rank holds in a layer split (sizes differ by at most one)."""
+    sizes = comfy.multinpu.shard_sizes(layers, world_size)
+    return [(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(world_size)]
+
+
+def _shard_decoder(llama, ctx: _RankContext, mode: str):
+    """Rank ctx.rank's copy of a Llama2_: its shard of every layer (tensor) or its layers (layers)."""
+    dec = comfy.multinpu_weights.share_module(llama)
+    if mode == "tensor":
+        for layer, source in zip(dec.layers, llama.layers):
+            layer.self_attn = _shard_attention(source.self_attn, ctx)
+            layer.mlp = _shard_mlp(source.mlp, ctx)
+    else:
+        count = len(llama.layers)
+        start, stop = layer_ranges(count, ctx.world_size)[ctx.rank]
+        last = ctx.rank == ctx.world_size - 1
+        relays = []
+        for i in range(count):
+            if start <= i < stop:
+                relays.append(dec.layers[i])
+            elif i == start - 1:
+                relays.append(_Relay(ctx, source=ctx.rank - 1))
+            elif i == count - 1:
+                relays.append(_Relay(ctx, source="broadcast"))
+            else:
+                relays.append(_Relay(ctx))
+        dec.layers = torch.nn.ModuleList(relays)
+        dec.layers[stop - 1].register_forward_hook(_HandOver(ctx, "broadcast" if last else ctx.rank + 1))
+    if ctx.rank != 0:
+        del dec.embed_tokens  # rank 0 embeds; the others receive its embeddings
+    comfy.multinpu_weights.anchor_host_copy(dec)
+    return dec
+
+
+def _copy_to(obj, device, moved: list):
+    """obj with every tensor copied to `device`; copy=True because the ranks write into their inputs
+    (Llama2_ adds the DeepStack features in place), so two ranks on one device must not share them."""
+    if isinstance(obj, torch.Tensor):
+        moved.append(obj.numel() * obj.element_size())
+        return obj.to(device, copy=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_to(o, device, moved) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _copy_to(v, device, moved) for k, v in obj.items()}
+    return obj
+
+
+class TextEncoderParallel:
+    """Runs a Llama2_ forward on every rank: rank 0 in the caller's thread on ParallelLlama (the CLIP's
+    own decoder), ranks 1..P-1 in worker threads on their shards.
+
+    forwards, bytes_moved count what ran (logs, h3kit parity); with keep_rank_outputs set, rank_outputs
+    holds every rank's final hidden states of the last forward (the parity check compares them).
+    """
+
+    def __init__(self, devices, mode: str, contexts, decoders, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT):
+        self.devices = list(devices)
+        self.mode = mode
+        self.contexts = contexts
+        self.decoders = decoders  # [None, rank 1's Llama2_, ...]: rank 0's is the caller
+        self.timeout = timeout
+        self.layer_ranges = layer_ranges(len(decoders[1].layers), len(self.devices)) if mode == "layers" else None
+        self.forwards = 0
+        self.bytes_moved = 0
+        self.keep_rank_outputs = False
+        self.rank_outputs = None
+        self._threads = None
+        self._lock = threading.Lock()
+
+    def _pool(self):
+        if self._threads is None or self._threads.broken:
+            self._threads = comfy.multinpu.RankThreads(self.devices, set_device=comfy.multidevice.set_device,
+                                                       name="multinpu-te")
+            weakref.finalize(self, self._threads.shutdown)
+        return self._threads
+
+    def __call__(self, decoder0, x, **kwargs):
+        if kwargs.get("past_key_values") is not None:
+            raise RuntimeError("MultiNPU: the parallel text encoder runs without a KV cache (no generation); "
+                               "use npu_count 1 to generate text")
+        intermediate = kwargs.get("intermediate_output")
+        if self.mode == "layers" and intermediate is not None and not isinstance(intermediate, int):
+            raise RuntimeError("MultiNPU: the layer-split text encoder returns one hidden layer, not a list")
+        if kwargs.get("embeds") is None:
+            kwargs["embeds"] = decoder0.embed_tokens(x, out_dtype=kwargs.get("dtype"))
+        x = None
+        others = dict(kwargs, embeds_info=[])  # the other ranks need no vision inputs: the embeddings carry them
+        group = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout)
+
+        moved = []
+
+        def rank_forward(comm):
+            ctx = self.contexts[comm.rank]
+            ctx.comm = comm
+            try:
+                if comm.rank == 0:
+                    return comfy.text_encoders.llama.Llama2_.forward(decoder0, x, **kwargs)
+                return self.decoders[comm.rank](None, **_copy_to(others, comm.device, moved))
+            finally:
+                ctx.comm = None
+
+        t0 = time.perf_counter()
+        # the other ranks copy rank 0's inputs from their own threads: rank 0's kernels must have written them
+        comfy.multidevice.synchronize(self.devices[0])
+        with self._lock:
+            outs = group.run(rank_forward, self._pool())
+        self.forwards += 1
+        self.bytes_moved += group.bytes_moved + sum(moved)
+        if self.keep_rank_outputs:
+            self.rank_outputs = [o[0].detach().cpu() for o in outs]
+        out = outs[0]
+        if self.mode == "layers" and isinstance(intermediate, int):
+            # only the rank holding that layer saw it
+            index = intermediate % len(self.decoders[1].layers)
+            owner = next(r for r, (a, b) in enumerate(self.layer_ranges) if a <= index < b)
+            out = (out[0], outs[owner][1].to(self.devices[0])) + tuple(out[2:])
+        logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {len(self.devices)} devices in "
+                      f"{time.perf_counter() - t0:.3f} s, {group.bytes_moved / 2**20:.1f} MiB exchanged")
+        return out
+
+
+# Llama2_.forward's arguments after x, for callers that pass some positionally
+_FORWARD_ARGS = list(inspect.signature(comfy.text_encoders.llama.Llama2_.forward).parameters)[2:]
+
+
+class ParallelLlama(comfy.text_encoders.llama.Llama2_):
+    """Rank 0's decoder in a parallel text encoder: a forward runs all ranks (TextEncoderParallel)."""
+
+    def forward(self, x, *args, **kwargs):
+        kwargs.update(zip(_FORWARD_ARGS, args))
+        return self.multinpu(self, x, **kwargs)
+
+
+def find_decoder(cond_stage_model):
+    """The one upstream Llama2_ inside a text encoder, or None."""
+    found = [m for m in cond_stage_model.modules() if isinstance(m, comfy.text_encoders.llama.Llama2_)]
+    return found[0] if len(found) == 1 else None
+
+
+def choose_mode(decoder, world_size: int, mode: str = "auto") -> str:
+    if mode not in MODES:
+        raise ValueError(f"MultiNPU: text-encoder mode must be one of {MODES}, got {mode!r}")
+    heads = decoder.config.num_attention_heads
+    standard = all(isinstance(layer.self_attn, comfy.text_encoders.llama.Attention)
+                   and isinstance(layer.mlp, comfy.text_encoders.llama.MLP) for layer in decoder.layers)
+    if mode == "tensor" and (heads % world_size or not standard):
+        raise ValueError(f"MultiNPU: tensor parallelism needs the query heads ({heads}) divisible by the device "
+                         f"count ({world_size}); use mode 'auto' or 'layers'")
+    if mode == "auto":
+        mode = "tensor" if heads % world_size == 0 and standard else "layers"
+    if mode == "layers" and len(decoder.layers) < world_size:
+        raise ValueError(f"MultiNPU: {len(decoder.layers)} layers do not split over {world_size} devices")
+    return mode
+
+
+def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
+                          timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> CLIP:
+    """A clone of `clip` whose text encoder runs on `devices` (rank 0 = devices[0], where the CLIP loads).
+
+    mode "auto" picks tensor parallelism when the device count divides the query heads, else the exact
+    layer split; "tensor" and "layers" force one. Rank 1..P-1 shards load onto their devices with the
+    CLIP (load_models_gpu), from views of the loaded host weights. Raises ValueError for a text encoder
+    that is not a Llama2_ decoder (or already parallel), or one with weight patches (a text-encoder LoRA:
+    its keys name the unsplit weights).
+    """
+    devices = [torch.device(d) for d in devices]
+    decoder = find_decoder(clip.cond_stage_model)
+    if decoder is None:
+        raise ValueError(f"MultiNPU: {type(clip.cond_stage_model).__name__} has no single Llama2_ decoder to split")
+    if type(decoder) is not comfy.text_encoders.llama.Llama2_:
+        raise ValueError("MultiNPU: this text encoder is already split across devices")
+    if clip.patcher.patches:
+        raise ValueError(f"MultiNPU: the text encoder carries {len(clip.patcher.patches)} weight patches (a LoRA); "
+                         "tensor parallelism splits the weights they name")
+    mode = choose_mode(decoder, len(devices), mode)
+    # the loaded weights, back on the host, are the one host copy every rank's shard views
+    comfy.model_management.unload_model_and_clones(clip.patcher, all_devices=True)
+    comfy.multinpu_weights.anchor_host_copy(clip.cond_stage_model)
+
+    contexts = [_RankContext(r, len(devices)) for r in range(len(devices))]
+    decoders = [_shard_decoder(decoder, ctx, mode) for ctx in contexts]
+    runner = TextEncoderParallel(devices, mode, contexts, [None] + decoders[1:], timeout)
+    decoders[0].__class__ = ParallelLlama
+    decoders[0].multinpu = runner
+
+    model0 = comfy.multinpu_weights.share_module(clip.cond_stage_model, replace=[(decoder, decoders[0])])
+    comfy.multinpu_weights.reset_load_state(model0)
+    n = clip.clone()
+    n.cond_stage_model = model0
+    n.patcher = comfy.multinpu_weights.device_patcher(clip.patcher, model0, devices[0])
+    others = [comfy.multinpu_weights.device_patcher(clip.patcher, dec, d) for dec, d in zip(decoders[1:], devices[1:])]
+    comfy.multinpu_weights.attach_device_models(n.patcher, KEY, others)
+
+    size = [p.model_size() / 2**30 for p in [n.patcher] + others]
+    logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
+                 f"{comfy.multidevice.describe_devices(devices)}; weights per device "
+                 f"{', '.join(f'{s:.2f}' for s in size)} GiB (rank 0 also holds the embeddings and vision tower)")
+    return n
+
+
+def get_runner(clip: CLIP):
+    """The TextEncoderParallel of a CLIP set up by apply_tensor_parallel, or None."""
+    decoder = find_decoder(clip.cond_stage_model)
+    return getattr(decoder, "multinpu", None) if isinstance(decoder, ParallelLlama) else None

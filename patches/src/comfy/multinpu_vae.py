@@ -1,0 +1,203 @@
+"""MiniMax H3 video VAE decode across devices: temporal chunks decoded on every device, blended in order.
+
+MiniMaxH3VideoVAE.decode_temporal (comfy/ldm/minimax/vae.py) cuts the latents into overlapping temporal
+chunks (7 latents, 28 frames, for the real VAE), decodes each with _adaptive_decode (spatial tiles
+inside), blends each chunk into the previous one's overlap and writes the frames out in order. The chunk
+decodes are independent; only the blend is ordered. No upstream file is edited: apply_decode_parallel(vae,
+devices) returns a VAE whose decode_temporal
+
+1. plans the chunks as upstream does (its _decode_temporal_chunks, the same padding and slices),
+2. decodes them in waves of P: chunk i on rank i % P, rank 0 in the calling thread and ranks 1..P-1 in
+   worker threads on replicas of the VAE (views of the one host copy, comfy.multinpu_weights),
+3. runs upstream's decode_temporal unchanged, whose _adaptive_decode now hands back the decoded chunks
+   in order, each copied to rank 0's device when the blend asks for it. The blend, the conversion to
+   pixels and the writes into the output buffer are upstream's own code, in upstream's order, on the
+   device where one-device decoding runs them.
+
+Each chunk is decoded by the same code on the same kind of device from the same latents, so the video is
+bit-identical to the one-device decode (h3kit parity --component vae gates max_abs == 0). At most one
+wave of decoded chunks exists at a time, each on the device that decoded it. Encoding (reference images,
+keyframes) and single-frame decodes stay on rank 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+import comfy.ldm.minimax.vae
+import comfy.model_management
+import comfy.multidevice
+import comfy.multinpu
+import comfy.multinpu_weights
+
+if TYPE_CHECKING:
+    from comfy.sd import VAE
+
+KEY = "multinpu_video_vae"  # the VAE patcher's transformer_options["patches"] entry that brings the replicas
+
+
+def plan_chunks(vae, z: torch.Tensor) -> list:
+    """The latent chunks decode_temporal decodes, in order: [B, C, 7, h, w] slices of the padded z."""
+    pad_tokens, num_chunks = vae._decode_temporal_chunks(z.shape[2])
+    if pad_tokens > 0:
+        z = torch.cat([z, z[:, :, -1:, :, :].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
+    size = vae.tokens_chunk_size
+    return [z[:, :, i * size:i * size + size + vae.token_overlap, :, :] for i in range(num_chunks)]
+
+
+def fetch_chunk(chunk: torch.Tensor, device: torch.device, src_rank: int) -> torch.Tensor:
+    """A decoded chunk from the device of rank src_rank onto rank 0's `device` (a real copy, also when
+    both are the same device in the CPU simulation, so no rank ever aliases another's output)."""
+    return chunk if src_rank == 0 else chunk.to(device, copy=True)
+
+
+class _ChunkStream:
+    """One decode_temporal call's chunks: decoded a wave ahead, handed back in order."""
+
+    def __init__(self, runner: VideoDecodeParallel, vae0, chunks: list):
+        self.runner = runner
+        self.vae0 = vae0
+        self.chunks = chunks
+        self.next = 0
+        self.ready = {}
+
+    def take(self, z: torch.Tensor) -> torch.Tensor:
+        i = self.next
+        if i >= len(self.chunks) or z.shape != self.chunks[i].shape or not torch.equal(z, self.chunks[i]):
+            # upstream's chunk plan changed under us: refuse rather than blend the wrong chunks
+            raise RuntimeError(f"MultiNPU: the VAE asked for a chunk (#{i}, {tuple(z.shape)}) that the parallel "
+                               f"plan of {len(self.chunks)} chunks does not have at that place")
+        if i not in self.ready:
+            self.ready = self.runner.decode_wave(self.vae0, self.chunks, i)
+        self.next += 1
+        rank, chunk = self.ready.pop(i)
+        self.runner.bytes_moved += 0 if rank == 0 else chunk.numel() * chunk.element_size()
+        return fetch_chunk(chunk, z.device, rank)
+
+
+class VideoDecodeParallel:
+    """Decodes waves of chunks on all ranks: rank r decodes on replicas[r] (replicas[0] is rank 0's VAE).
+
+    forwards counts decode_temporal calls, chunks the chunks decoded, bytes_moved the bytes of decoded
+    chunks copied to rank 0, chunk_ranks the rank that decoded each chunk of the last call.
+    """
+
+    def __init__(self, devices, replicas, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT):
+        self.devices = list(devices)
+        self.replicas = list(replicas)
+        self.timeout = timeout
+        self.forwards = 0
+        self.chunks = 0
+        self.bytes_moved = 0
+        self.chunk_ranks = []
+        self._threads = None
+        self._lock = threading.Lock()
+
+    def _pool(self):
+        if self._threads is None or self._threads.broken:
+            self._threads = comfy.multinpu.RankThreads(self.devices, set_device=comfy.multidevice.set_device,
+                                                       name="multinpu-vae")
+            weakref.finalize(self, self._threads.shutdown)
+        return self._threads
+
+    def decode_wave(self, vae0, chunks: list, first: int) -> dict:
+        """Decode chunks first .. first+P-1 (as many as exist), chunk first+r on rank r: {index: (rank, pixels)}."""
+        group = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout)
+
+        def rank_decode(comm):
+            i = first + comm.rank
+            if i >= len(chunks):
+                return None
+            vae = vae0 if comm.rank == 0 else self.replicas[comm.rank]
+            z = chunks[i] if comm.rank == 0 else chunks[i].to(comm.device, copy=True)
+            # upstream's chunk decode (spatial tiles inside), not the override that hands chunks back
+            out = comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(vae, z)
+            # rank 0 reads it from another thread: the kernels that wrote it must have finished
+            comfy.multidevice.synchronize(comm.device)
+            return out
+
+        # the other ranks copy their latents from rank 0's device in their own threads
+        comfy.multidevice.synchronize(self.devices[0])
+        outs = group.run(rank_decode, self._pool())
+        self.chunks += sum(o is not None for o in outs)
+        self.chunk_ranks += [r for r, o in enumerate(outs) if o is not None]
+        return {first + r: (r, o) for r, o in enumerate(outs) if o is not None}
+
+    def decode_temporal(self, vae0, z, output_buffer):
+        chunks = plan_chunks(vae0, z)
+        stream = _ChunkStream(self, vae0, chunks)
+        self.chunk_ranks = []
+        t0 = time.perf_counter()
+        with self._lock:
+            vae0.__dict__["_multinpu_stream"] = stream
+            try:
+                out = comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal(vae0, z, output_buffer)
+            finally:
+                vae0.__dict__.pop("_multinpu_stream", None)
+        if stream.next != len(chunks):
+            raise RuntimeError(f"MultiNPU: the VAE blended {stream.next} of the {len(chunks)} chunks it planned")
+        self.forwards += 1
+        logging.debug(f"MultiNPU: video VAE decode of {len(chunks)} chunks on {len(self.devices)} devices in "
+                      f"{time.perf_counter() - t0:.3f} s")
+        return out
+
+
+class ParallelVideoVAE(comfy.ldm.minimax.vae.MiniMaxH3VideoVAE):
+    """Rank 0's video VAE: decode_temporal spreads the chunk decodes over the devices (VideoDecodeParallel)."""
+
+    def decode_temporal(self, z, output_buffer=None):
+        return self.multinpu.decode_temporal(self, z, output_buffer)
+
+    def _adaptive_decode(self, z):
+        stream = self.__dict__.get("_multinpu_stream")
+        if stream is None:
+            return super()._adaptive_decode(z)
+        return stream.take(z)
+
+
+def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> VAE:
+    """A copy of `vae` (a MiniMax H3 video VAE) that decodes on `devices` (rank 0 = devices[0], where it loads).
+
+    The replicas for devices[1:] share the loaded host weights and load onto their devices with the VAE
+    (load_models_gpu, upstream memory management). Raises ValueError for any other VAE (the audio VAE
+    stays on one device, in fp32).
+    """
+    devices = [torch.device(d) for d in devices]
+    source = vae.first_stage_model
+    if type(source) is not comfy.ldm.minimax.vae.MiniMaxH3VideoVAE:
+        what = "already split across devices" if isinstance(source, ParallelVideoVAE) else f"a {type(source).__name__}"
+        raise ValueError(f"MultiNPU: parallel decode is for the MiniMax H3 video VAE; this VAE is {what}")
+    # the loaded weights, back on the host, are the one host copy every replica shares
+    comfy.model_management.unload_model_and_clones(vae.patcher, all_devices=True)
+    comfy.multinpu_weights.anchor_host_copy(source)
+
+    replicas = []
+    for _ in devices:
+        r = comfy.multinpu_weights.share_module(source)
+        comfy.multinpu_weights.reset_load_state(r)
+        replicas.append(r)
+    runner = VideoDecodeParallel(devices, replicas, timeout)
+    replicas[0].__class__ = ParallelVideoVAE
+    replicas[0].multinpu = runner
+
+    n = copy.copy(vae)  # the VAE's settings (dtypes, memory estimates, strides) are shared, read-only
+    n.first_stage_model = replicas[0]
+    n.patcher = comfy.multinpu_weights.device_patcher(vae.patcher, replicas[0], devices[0])
+    others = [comfy.multinpu_weights.device_patcher(vae.patcher, r, d) for r, d in zip(replicas[1:], devices[1:])]
+    comfy.multinpu_weights.attach_device_models(n.patcher, KEY, others)
+    logging.info(f"MultiNPU: video VAE decodes temporal chunks on {comfy.multidevice.describe_devices(devices)} "
+                 f"(every device holds the VAE, {vae.patcher.model_size() / 2**30:.2f} GiB)")
+    return n
+
+
+def get_runner(vae: VAE):
+    """The VideoDecodeParallel of a VAE set up by apply_decode_parallel, or None."""
+    model = getattr(vae, "first_stage_model", None)
+    return model.multinpu if isinstance(model, ParallelVideoVAE) else None

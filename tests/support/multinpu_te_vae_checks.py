@@ -1,0 +1,381 @@
+"""Checks of the text-encoder split, the VAE decode across devices and weights-read-once, inside a patched tree.
+
+    H3KIT_SIM_DEVICES=4 python multinpu_te_vae_checks.py --comfy-home TREE --out FILE [--only a,b]
+
+Runs in the ComfyUI interpreter (comfy imports need the tree on sys.path and --cpu set first), with 4
+simulated devices so the node's npu_count 4 runs. Each check records what it observed, {"ok": true,
+"value": ...} or {"ok": false, "error", "traceback"}; tests/test_multinpu_te_vae.py asserts on the values.
+Every weight-file read of the whole run is counted (READS), and the tiny checkpoints come from h3kit's
+tiny_models (H3KIT_TOOLKIT on sys.path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import traceback
+
+CHECKS = {}
+READS = collections.Counter()
+_CACHE = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _path(name):
+    return os.path.join(os.environ["H3KIT_CHECK_TMP"], name)
+
+
+def _tiny(component, name, dims=None, seed=0):
+    from h3kit import tiny_models
+    path = _path(name)
+    if not os.path.exists(path):
+        tiny_models.write(component, path, seed, dims=dims)
+    return path
+
+
+def _clip(dims=None, name="te.safetensors"):
+    import comfy.sd
+    key = ("clip", name)
+    if key not in _CACHE:
+        _CACHE[key] = comfy.sd.load_clip([_tiny("te", name, dims)], clip_type=comfy.sd.CLIPType.MINIMAX)
+    return _CACHE[key]
+
+
+def _vae(name="video_vae.safetensors", component="video_vae"):
+    import comfy.sd
+    import comfy.utils
+    key = ("vae", name)
+    if key not in _CACHE:
+        sd, metadata = comfy.utils.load_torch_file(_tiny(component, name), return_metadata=True)
+        _CACHE[key] = comfy.sd.VAE(sd=sd, metadata=metadata)
+    return _CACHE[key]
+
+
+def _dit():
+    import torch
+    import comfy.sd
+    if "dit" not in _CACHE:
+        _CACHE["dit"] = comfy.sd.load_diffusion_model(_tiny("dit", "dit.safetensors"), model_options={"dtype": torch.float32})
+    return _CACHE["dit"]
+
+
+def _encode(clip, image=True):
+    import torch
+    kwargs = {"images": [torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(3))]} if image else {}
+    out = clip.encode_from_tokens_scheduled(clip.tokenize("a fox in the snow", **kwargs))
+    return out[0][0]
+
+
+def _storages(module):
+    import itertools
+    return {t.untyped_storage().data_ptr() for t in itertools.chain(module.parameters(), module.buffers())}
+
+
+def _bytes(module):
+    import itertools
+    return sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+@check
+def anchors():
+    """anchor_host_copy: a move back to the host re-points at the anchors, through ModelPatcher too."""
+    import torch
+    import comfy.model_patcher
+    import comfy.multinpu_weights as weights
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    m.register_buffer("steps", torch.arange(3.0))
+    ptr = {n: t.data_ptr() for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+    values = {n: t.detach().clone() for n, t in list(m.named_parameters()) + list(m.named_buffers())}
+    anchored_bytes = weights.anchor_host_copy(m)
+    r = weights.share_module(m)
+
+    def same(mod):
+        items = list(mod.named_parameters()) + list(mod.named_buffers())
+        return all(t.device.type == "cpu" and t.data_ptr() == ptr[n] and torch.equal(t, values[n]) for n, t in items)
+
+    out = {"bytes": anchored_bytes, "shared_at_copy": same(r), "copy_anchored": weights.is_anchored(r[0])}
+    # "meta" stands in for an accelerator: moving back from it cannot copy anything, only re-point
+    r.to("meta")
+    out["on_meta"] = all(t.device.type == "meta" for t in r.parameters())
+    r.to("cpu")
+    out["back_by_to"] = same(r)
+    p = comfy.model_patcher.ModelPatcher(r, load_device=torch.device("meta"), offload_device=torch.device("cpu"))
+    p.load(torch.device("meta"), full_load=True)
+    out["loaded_meta"] = all(t.device.type == "meta" for t in r.parameters())
+    p.detach()
+    out["back_by_detach"] = same(r)
+    r[0].to("meta")  # ModelPatcher's partial unload moves single modules
+    r[0].to("cpu")
+    out["back_by_module"] = same(r)
+    # a host-side dtype round trip is not a move back from a device: upstream's path, a new tensor
+    r.to(torch.float64)
+    r.to(torch.float32)
+    out["dtype_roundtrip_repoints"] = same(r)
+    control = torch.nn.Linear(4, 4).to("meta")
+    try:
+        control.to("cpu")
+        out["unanchored_back_from_meta"] = "copied"
+    except NotImplementedError:
+        out["unanchored_back_from_meta"] = "fails"
+    return out
+
+
+@check
+def head_split():
+    import comfy.multinpu_te as te
+    cases = [(64, 8, 2), (64, 8, 4), (4, 2, 2), (4, 2, 4), (6, 2, 2), (6, 3, 2)]
+    out = {f"{h}/{kv}/{p}": [te.head_split(h, kv, p, r) for r in range(p)] for h, kv, p in cases}
+    try:
+        te.head_split(4, 2, 3, 0)
+        out["4/2/3"] = "split"
+    except ValueError as e:
+        out["4/2/3"] = str(e)
+    return out
+
+
+@check
+def te_weights_shared():
+    """Every shard's tensors are views into the loaded TE's host storage: one host copy for 4 ranks."""
+    import comfy.multinpu_te as te
+    import comfy.multinpu_weights as weights
+    clip = _clip()
+    par = te.apply_tensor_parallel(clip, ["cpu"] * 4)
+    shards = weights.device_models(par.patcher, te.KEY)
+    source = _storages(clip.cond_stage_model)
+    ranks = [par.cond_stage_model] + [p.model for p in shards]
+    dec0 = te.find_decoder(par.cond_stage_model)
+    attn = [dec0.layers[0].self_attn] + [p.model.layers[0].self_attn for p in shards]
+    def kinds(decoder):
+        out = collections.Counter()
+        for name, t in decoder.layers.named_parameters():
+            kind = "kv" if (".k_proj." in name or ".v_proj." in name) else "norm" if "norm" in name else "split"
+            out[kind] += t.numel() * t.element_size()
+        return out
+
+    split = {k: [kinds(te.find_decoder(clip.cond_stage_model))[k], sum(kinds(d)[k] for d in [dec0] + [p.model for p in shards])]
+             for k in ("split", "kv", "norm")}
+    return {"mode": te.get_runner(par).mode, "shards": len(shards), "layer_bytes": split,
+            "load_devices": [str(par.patcher.load_device)] + [str(p.load_device) for p in shards],
+            "all_in_source": all(_storages(m) <= source for m in ranks),
+            "anchored": all(weights.is_anchored(m.layers[0].mlp.down_proj) for m in [dec0] + [p.model for p in shards]),
+            "source_bytes": _bytes(clip.cond_stage_model), "rank_bytes": [_bytes(m) for m in ranks],
+            "patcher_sizes": [par.patcher.model_size()] + [p.model_size() for p in shards],
+            "heads": [[a.num_heads, a.num_kv_heads, a.q_proj.weight.shape[0], a.k_proj.weight.shape[0],
+                       a.o_proj.weight.shape[1]] for a in attn],
+            "embeddings": [hasattr(m, "embed_tokens") for m in [dec0] + [p.model for p in shards]],
+            "vision_on_rank0": hasattr(par.cond_stage_model.qwen3vl_32b.transformer, "visual")}
+
+
+def _max_abs(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@check
+def te_fallback_split():
+    """Device counts that do not divide the query heads fall back to the exact layer split."""
+    import torch
+    import comfy.multinpu_te as te
+    out = {}
+    six = _clip({"num_attention_heads": 6, "num_key_value_heads": 2}, name="te6.safetensors")
+    ref = _encode(six)
+    par = te.apply_tensor_parallel(six, ["cpu"] * 4)  # auto: 6 heads over 4 devices
+    runner = te.get_runner(par)
+    out["six_heads_4"] = {"mode": runner.mode, "ranges": runner.layer_ranges, "max_abs": _max_abs(_encode(par), ref)}
+    four = _clip()
+    ref = _encode(four)
+    par = te.apply_tensor_parallel(four, ["cpu"] * 3)
+    runner = te.get_runner(par)
+    out["four_heads_3"] = {"mode": runner.mode, "ranges": runner.layer_ranges, "max_abs": _max_abs(_encode(par), ref),
+                           "bytes": runner.bytes_moved}
+    try:
+        te.apply_tensor_parallel(four, ["cpu"] * 3, mode="tensor")
+        out["forced_tensor_3"] = "applied"
+    except ValueError as e:
+        out["forced_tensor_3"] = str(e)
+    # the intermediate layer a CLIPSetLastLayer asks for comes from the rank that holds it
+    dec = te.find_decoder(four.cond_stage_model)
+    embeds = torch.randn(1, 9, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        single = dec(None, embeds=embeds, intermediate_output=-20, dtype=torch.float32)
+        parallel = te.find_decoder(par.cond_stage_model)(None, embeds=embeds, intermediate_output=-20, dtype=torch.float32)
+        out["intermediate_max_abs"] = _max_abs(parallel[1], single[1])
+        out["last_max_abs"] = _max_abs(parallel[0], single[0])
+        try:
+            te.find_decoder(par.cond_stage_model)(None, embeds=embeds, intermediate_output=[3, 7], dtype=torch.float32)
+            out["intermediate_list"] = "returned"
+        except RuntimeError as e:
+            out["intermediate_list"] = str(e)
+    return out
+
+
+@check
+def te_gqa_uneven_groups():
+    """6 query heads over 3 key/value heads on 2 devices: rank 0's queries read kv 0, 0, 1 (expanded)."""
+    import torch
+    import comfy.multinpu_te as te
+    clip = _clip({"num_attention_heads": 6, "num_key_value_heads": 3}, name="te6kv3.safetensors")
+    ref = _encode(clip)
+    par = te.apply_tensor_parallel(clip, ["cpu"] * 2)
+    out = _encode(par)
+    a = te.find_decoder(par.cond_stage_model).layers[0].self_attn
+    cos = torch.nn.functional.cosine_similarity(out.flatten().double(), ref.flatten().double(), dim=0).item()
+    return {"mode": te.get_runner(par).mode, "rank0": [a.num_heads, a.num_kv_heads], "cos": cos,
+            "rel_rms": ((out - ref).double().pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()).item()}
+
+
+@check
+def te_rank_failure():
+    """A rank that raises inside the split text encoder surfaces as its own error, naming the rank."""
+    import comfy.multinpu
+    import comfy.multinpu_te as te
+    par = te.apply_tensor_parallel(_clip(), ["cpu"] * 4, timeout=5)
+    real = comfy.multinpu.all_reduce
+
+    def failing(x, comm):
+        if comm.rank == 2:
+            raise MemoryError("simulated out of memory on rank 2")
+        return real(x, comm)
+
+    comfy.multinpu.all_reduce = failing
+    try:
+        _encode(par)
+        return {"raised": None}
+    except MemoryError as e:
+        return {"raised": type(e).__name__, "notes": getattr(e, "__notes__", [])}
+    finally:
+        comfy.multinpu.all_reduce = real
+
+
+@check
+def loads_with_rank0():
+    """CLIP.load_model and VAE.decode load every rank's copy (load_models_gpu via the patches entry)."""
+    import torch
+    import comfy.model_management as mm
+    import comfy.multinpu_te as te
+    import comfy.multinpu_vae as mv
+    import comfy.multinpu_weights as weights
+    par = te.apply_tensor_parallel(_clip(), ["cpu"] * 4)
+    _encode(par, image=False)
+    loaded = [lm.model for lm in mm.current_loaded_models]
+    shards = weights.device_models(par.patcher, te.KEY)
+    vae = mv.apply_decode_parallel(_vae(), ["cpu"] * 4)
+    vae.decode(torch.randn(1, 24, 12, 2, 2))
+    loaded_after = [lm.model for lm in mm.current_loaded_models]
+    replicas = weights.device_models(vae.patcher, mv.KEY)
+    return {"te": [any(p is m for m in loaded) for p in [par.patcher] + shards],
+            "vae": [any(p is m for m in loaded_after) for p in [vae.patcher] + replicas]}
+
+
+@check
+def vae_weights_shared():
+    """The VAE replicas share the loaded host copy and return to it after a load/unload cycle."""
+    import torch
+    import comfy.multinpu_vae as mv
+    import comfy.multinpu_weights as weights
+    vae = _vae()
+    par = mv.apply_decode_parallel(vae, ["cpu"] * 4)
+    replicas = weights.device_models(par.patcher, mv.KEY)
+    source = _storages(vae.first_stage_model)
+    out = {"replicas": len(replicas), "load_devices": [str(p.load_device) for p in replicas],
+           "all_in_source": all(_storages(m) <= source for m in [par.first_stage_model] + [p.model for p in replicas])}
+    for p in replicas:  # what a real device does to the host side: load away, unload back
+        p.load(torch.device("meta"), full_load=True)
+    out["loaded_away"] = all(next(p.model.parameters()).device.type == "meta" for p in replicas)
+    for p in replicas:
+        p.detach()
+    out["back_in_source"] = all(_storages(p.model) <= source for p in replicas)
+    z = torch.randn(1, 24, 12, 2, 3, generator=torch.Generator().manual_seed(1))
+    out["decode_max_abs"] = _max_abs(par.decode(z), vae.decode(z))
+    return out
+
+
+@check
+def dit_weights_shared():
+    """The DiT replicas share the loaded host copy and return to it after a load/unload cycle (issue 5's gap)."""
+    import torch
+    import comfy.multinpu_dit as sp
+    patcher = _dit()
+    m = sp.apply_sequence_parallel(patcher, [torch.device("cpu")] * 4)
+    replicas = m.get_additional_models_with_key(sp.KEY)
+    source = _storages(patcher.model)
+    out = {"replicas": len(replicas), "all_in_source": all(_storages(r.model) <= source for r in replicas)}
+    for r in replicas:
+        r.load(torch.device("meta"), full_load=True)
+    out["loaded_away"] = all(next(r.model.parameters()).device.type == "meta" for r in replicas)
+    for r in replicas:
+        r.detach()
+    out["back_in_source"] = all(_storages(r.model) <= source for r in replicas)
+    return out
+
+
+@check
+def node_wiring():
+    import torch
+    import comfy.multinpu_te as te
+    import comfy.multinpu_vae as mv
+    import comfy_extras.nodes_multinpu as nodes_multinpu
+    node = nodes_multinpu.MultiNPUParallelConfigNode
+    clip, vae, audio = _clip(), _vae(), _vae("audio_vae.safetensors", "audio_vae")
+    one = node.execute(model=_dit(), npu_count=1, clip=clip, vae=vae, audio_vae=audio).args
+    four = node.execute(model=_dit(), npu_count=4, clip=clip, vae=vae, audio_vae=audio).args
+    lora = clip.clone()
+    key = next(k for k in lora.cond_stage_model.state_dict() if k.endswith("layers.0.mlp.up_proj.weight"))
+    lora.add_patches({key: (torch.zeros(32, 16),)}, 1.0)
+    swapped = node.execute(model=_dit(), npu_count=4, clip=lora, vae=audio, audio_vae=vae).args
+    again = node.execute(model=_dit(), npu_count=4, clip=four[1], vae=four[2]).args
+    return {"one_passes_through": one[1] is clip and one[2] is vae and one[3] is audio,
+            "four": {"te": te.get_runner(four[1]).mode if te.get_runner(four[1]) else None,
+                     "vae_devices": len(mv.get_runner(four[2]).devices) if mv.get_runner(four[2]) else None,
+                     "audio_same": four[3] is audio, "audio_dtype": str(four[3].vae_dtype)},
+            "lora_clip_passes_through": swapped[1] is lora,
+            "audio_in_vae_slot_passes_through": swapped[2] is audio and swapped[3] is vae,
+            "already_split_passes_through": again[1] is four[1] and again[2] is four[2],
+            "inputs_untouched": te.get_runner(clip) is None and mv.get_runner(vae) is None}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comfy-home", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, args.comfy_home)
+    os.chdir(args.comfy_home)
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401
+    import comfy.utils
+    real = comfy.utils.load_torch_file
+
+    def counted(ckpt, *a, **kw):
+        READS[os.path.basename(ckpt)] += 1
+        return real(ckpt, *a, **kw)
+
+    comfy.utils.load_torch_file = counted
+    results = {}
+    names = [n for n in args.only.split(",") if n] or list(CHECKS)
+    for name in names:
+        try:
+            results[name] = {"ok": True, "value": CHECKS[name]()}
+        except BaseException as e:
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    results["reads"] = {"ok": True, "value": dict(READS)}
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2, default=repr)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown: with rank threads around, torch's static destructors occasionally abort
+    # ("terminate called without an active exception") after the report is already written
+    os._exit(code)

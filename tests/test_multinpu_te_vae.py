@@ -1,0 +1,196 @@
+"""The text-encoder split, the VAE decode across devices and weights-read-once inside a patched tree.
+
+tests/support/multinpu_te_vae_checks.py runs once in the ComfyUI interpreter with 4 simulated devices and
+reports what each check observed; the tests below assert on it. test_server_reads_each_file_once boots
+the patched server on 4 simulated devices with every weight-file read logged, and runs the tiny t2va
+pipeline with a first frame through MultiNPUParallelConfig (npu_count 4) twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support import comfy_server
+
+pytestmark = [pytest.mark.upstream, pytest.mark.slow]
+SUPPORT = Path(__file__).resolve().parent / "support"
+TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
+PORTS = (8560, 8580)  # inside the runtime area's range 8500-8599
+
+
+@pytest.fixture(scope="module")
+def patched_tree(installed_tree):
+    return installed_tree
+
+
+@pytest.fixture(scope="module")
+def checks(patched_tree, comfy_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("te_vae_checks")
+    env = dict(os.environ, H3KIT_SIM_DEVICES="4", H3KIT_CHECK_TMP=str(tmp),
+               PYTHONPATH=os.pathsep.join([str(TOOLKIT), os.environ.get("PYTHONPATH", "")]))
+    out = tmp / "checks.json"
+    proc = subprocess.run([comfy_python, str(SUPPORT / "multinpu_te_vae_checks.py"), "--comfy-home", str(patched_tree),
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def value(checks, name):
+    result = checks[name]
+    assert result["ok"], result.get("traceback")
+    return result["value"]
+
+
+def test_anchored_weights_return_to_the_host_copy(checks):
+    v = value(checks, "anchors")
+    assert v["bytes"] == (16 + 4 + 4 + 4 + 3) * 4
+    assert v["shared_at_copy"] and v["copy_anchored"]
+    assert v["on_meta"] and v["loaded_meta"], "the stand-in device really held the weights"
+    assert v["back_by_to"] and v["back_by_detach"] and v["back_by_module"]
+    # the control: without an anchor nothing can come back from that device, so the re-point is what works
+    assert v["unanchored_back_from_meta"] == "fails"
+    assert v["dtype_roundtrip_repoints"] is False, "only moves back from a device re-point"
+
+
+def test_head_split_keeps_key_value_heads_with_their_queries(checks):
+    v = value(checks, "head_split")
+    q = lambda a, b: list(range(a, b))  # noqa: E731
+    assert v["64/8/2"] == [[q(0, 32), q(0, 4)], [q(32, 64), q(4, 8)]]
+    assert v["64/8/4"] == [[q(16 * r, 16 * r + 16), [2 * r, 2 * r + 1]] for r in range(4)]
+    assert v["4/2/2"] == [[[0, 1], [0]], [[2, 3], [1]]]
+    assert v["4/2/4"] == [[[0], [0]], [[1], [0]], [[2], [1]], [[3], [1]]], "two ranks share each key/value head"
+    assert v["6/2/2"] == [[[0, 1, 2], [0]], [[3, 4, 5], [1]]]
+    assert v["6/3/2"] == [[[0, 1, 2], [0, 0, 1]], [[3, 4, 5], [1, 2, 2]]], "uneven groups: one kv head per query"
+    assert "4 query heads do not split over 3 devices" in v["4/2/3"]
+
+
+def test_te_shards_view_the_one_host_copy(checks):
+    v = value(checks, "te_weights_shared")
+    assert v["mode"] == "tensor" and v["shards"] == 3 and v["load_devices"] == ["cpu"] * 4
+    assert v["all_in_source"] and v["anchored"]
+    assert v["heads"] == [[1, 1, 128, 128, 128]] * 4
+    assert v["embeddings"] == [True, False, False, False] and v["vision_on_rank0"]
+    ranks = v["rank_bytes"]
+    assert ranks[1] == ranks[2] == ranks[3] and ranks[0] > ranks[1], "rank 0 also holds embeddings and vision"
+    assert v["patcher_sizes"][1:] == ranks[1:]
+    # summed over the 4 ranks: q, o and the MLP exactly once; the 2 key/value heads twice (4 query heads read
+    # them in pairs); the norms on every rank
+    source, total = zip(*(v["layer_bytes"][k] for k in ("split", "kv", "norm")))
+    assert total == (source[0], 2 * source[1], 4 * source[2])
+
+
+def test_te_fallback_layer_split_is_exact(checks):
+    v = value(checks, "te_fallback_split")
+    assert v["six_heads_4"]["mode"] == "layers" and v["six_heads_4"]["max_abs"] == 0
+    assert v["six_heads_4"]["ranges"] == [[0, 13], [13, 26], [26, 38], [38, 50]]
+    assert v["four_heads_3"]["mode"] == "layers" and v["four_heads_3"]["max_abs"] == 0
+    assert v["four_heads_3"]["ranges"] == [[0, 17], [17, 34], [34, 50]] and v["four_heads_3"]["bytes"] > 0
+    assert "needs the query heads (4) divisible by the device count (3)" in v["forced_tensor_3"]
+    assert v["intermediate_max_abs"] == 0 and v["last_max_abs"] == 0
+    assert "returns one hidden layer, not a list" in v["intermediate_list"]
+
+
+def test_te_uneven_gqa_groups(checks):
+    v = value(checks, "te_gqa_uneven_groups")
+    assert v["mode"] == "tensor" and v["rank0"] == [3, 3]
+    assert v["cos"] >= 0.99999 and v["rel_rms"] <= 1e-4
+
+
+def test_te_rank_failure_names_the_rank(checks):
+    v = value(checks, "te_rank_failure")
+    assert v["raised"] == "MemoryError" and v["notes"] == ["raised on rank 2 (cpu) of 4"]
+
+
+def test_every_rank_copy_loads_with_rank0(checks):
+    v = value(checks, "loads_with_rank0")
+    assert v["te"] == [True] * 4 and v["vae"] == [True] * 4
+
+
+def test_vae_replicas_share_and_return_to_the_host_copy(checks):
+    v = value(checks, "vae_weights_shared")
+    assert v["replicas"] == 3 and v["load_devices"] == ["cpu"] * 3
+    assert v["all_in_source"] and v["loaded_away"] and v["back_in_source"]
+    assert v["decode_max_abs"] == 0
+
+
+def test_dit_replicas_return_to_the_host_copy(checks):
+    v = value(checks, "dit_weights_shared")
+    assert v["replicas"] == 3 and v["all_in_source"] and v["loaded_away"] and v["back_in_source"]
+
+
+def test_node_wires_clip_vae_and_audio_vae(checks):
+    v = value(checks, "node_wiring")
+    assert v["one_passes_through"]
+    assert v["four"] == {"te": "tensor", "vae_devices": 4, "audio_same": True, "audio_dtype": "torch.float32"}
+    assert v["lora_clip_passes_through"] and v["audio_in_vae_slot_passes_through"]
+    assert v["already_split_passes_through"] and v["inputs_untouched"]
+
+
+def test_each_file_read_once_in_the_checks(checks):
+    reads = value(checks, "reads")
+    assert reads and set(reads.values()) == {1}, reads
+
+
+# ---- the real server -------------------------------------------------------------------------
+
+def _prompt(seed):
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3kit_tiny_dit.safetensors", "weight_dtype": "default"}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "h3kit_tiny_te.safetensors", "type": "minimax",
+                                                     "device": "default"}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "h3kit_tiny_video_vae.safetensors"}},
+        "4": {"class_type": "VAELoader", "inputs": {"vae_name": "h3kit_tiny_audio_vae.safetensors"}},
+        "5": {"class_type": "MultiNPUParallelConfig", "inputs": {"npu_count": 4, "model": ["1", 0], "clip": ["2", 0],
+                                                                 "vae": ["3", 0], "audio_vae": ["4", 0]}},
+        "6": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0x8040c0}},
+        "7": {"class_type": "MiniMaxH3ImageToVideo", "inputs": {"clip": ["5", 1], "vae": ["5", 2], "width": 64, "height": 64,
+                                                                "prompt": "A red fox trots through fresh snow.",
+                                                                "length": 39, "first_frame": ["6", 0]}},
+        "8": {"class_type": "BasicGuider", "inputs": {"model": ["5", 0], "conditioning": ["7", 0]}},
+        "9": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
+        "10": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "11": {"class_type": "BasicScheduler", "inputs": {"model": ["5", 0], "scheduler": "simple", "steps": 2, "denoise": 1.0}},
+        "12": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["9", 0], "guider": ["8", 0], "sampler": ["10", 0],
+                                                                 "sigmas": ["11", 0], "latent_image": ["7", 1]}},
+        "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["5", 2]}},
+        "14": {"class_type": "VAEDecodeAudio", "inputs": {"samples": ["12", 0], "vae": ["5", 3]}},
+        "15": {"class_type": "PreviewImage", "inputs": {"images": ["13", 0]}},
+        "16": {"class_type": "PreviewAudio", "inputs": {"audio": ["14", 0]}},
+    }
+
+
+def test_server_reads_each_file_once(patched_tree, comfy_python, tmp_path):
+    work = tmp_path / "server"
+    env = dict(os.environ, H3KIT_SIM_DEVICES="4",
+               PYTHONPATH=os.pathsep.join([str(TOOLKIT), os.environ.get("PYTHONPATH", "")]))
+    files = {"dit": "diffusion_models", "te": "text_encoders", "video_vae": "vae", "audio_vae": "vae"}
+    for d in set(files.values()):
+        (work / "models" / d).mkdir(parents=True, exist_ok=True)
+    paths = {c: str(work / "models" / folder / f"h3kit_tiny_{c}.safetensors") for c, folder in files.items()}
+    write = ("import sys, json; from h3kit import tiny_models; "
+             "[tiny_models.write(c, p) for c, p in json.loads(sys.argv[1]).items()]")  # one interpreter for all four
+    subprocess.run([comfy_python, "-c", write, json.dumps(paths)], cwd=patched_tree, env=env, check=True,
+                   capture_output=True, timeout=300)
+    with comfy_server.running(patched_tree, work, comfy_python, PORTS, count_loads=True, env=env,
+                              extra_args=("--verbose", "DEBUG")) as srv:
+        first = srv.run_prompt(_prompt(1), timeout=240)
+        second = srv.run_prompt(_prompt(2), timeout=240)
+        log = srv.log_text()
+    reads = [ln.split()[-1] for ln in log.splitlines() if ln.startswith("H3KIT-LOAD") and "h3kit_tiny_" in ln]
+    assert sorted(Path(p).name for p in reads) == sorted(f"h3kit_tiny_{c}.safetensors" for c in files), reads
+    assert "MultiNPU: text encoder tensor-parallel on 4 simulated cpu devices" in log
+    assert "MultiNPU: video VAE decodes temporal chunks on 4 simulated cpu devices" in log
+    assert "the audio VAE stays on one device, in fp32" in log
+    # the work itself ran split: the text encoding on 4 ranks (the second prompt reuses its output), and
+    # each prompt's decode with its 2 chunks on 2 devices
+    assert log.count("MultiNPU: text encoder forward (tensor) on 4 devices") == 1
+    assert log.count("MultiNPU: video VAE decode of 2 chunks on 4 devices") == 2
+    for entry in (first, second):
+        images = entry["outputs"]["15"]["images"]
+        assert len(images) == 39, "every decoded frame reaches the output"
+        assert entry["outputs"]["16"]["audio"]

@@ -1,0 +1,115 @@
+"""`h3kit parity --component te|vae` on the CPU simulation, in a tree patched with patches/series.
+
+te: a tiny Qwen3-VL text encoder (50 layers, 4 query heads over 2 key/value heads) loaded by CLIPLoader
+encodes a prompt alone, with a first-frame image and with image/video/audio references, on one device and
+split over N: tensor-parallel through the MultiNPUParallelConfig node, and by layers. vae: a tiny video VAE
+loaded by VAELoader decodes 1 to 27 latent frames (1 to 5 temporal chunks); the audio VAE stays put.
+Every row must pass its gate with each weight file read once, the injected faults must fail it, and the
+VAE's bytes moved must equal the decoded chunks other devices handed back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from h3kit.runtime import parity as parity_lib
+from h3kit.runtime import parity_worker
+
+pytestmark = [pytest.mark.upstream, pytest.mark.slow]
+TE_LAYOUTS = {"t2va", "fl2va", "ref2va"}
+
+
+@pytest.fixture(scope="module")
+def patched_tree(installed_tree):
+    return installed_tree
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "h3kit", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _check_te(rows, n):
+    assert {(r["layout"], r["mode"]) for r in rows} == {(lay, m) for lay in TE_LAYOUTS for m in ("tensor", "layers")}
+    for r in rows:
+        assert r["pass"] and r["npu_count"] == n, r
+        assert r["cos"] >= 0.99999 and r["rel_rms"] <= 1e-4, r
+        assert r["rank_spread"] == 0 and r["tags_equal"] and r["weight_reads"] == 1, r
+        assert r["bytes_moved"] > 0
+        if r["mode"] == "layers":
+            assert r["max_abs"] == 0, "the layer split runs every layer unchanged: exact"
+    # the vision tower's tokens are in the sequence: image and video blocks lengthen it
+    tokens = {r["layout"]: r["tokens"] for r in rows}
+    assert tokens["t2va"] < tokens["fl2va"] < tokens["ref2va"]
+
+
+def _chunk_bytes(row):
+    _, h, w = row["latent"]
+    return 3 * 28 * 16 * h * 16 * w * 4  # a decoded chunk: 3 channels, 7 latents = 28 frames, fp32
+
+
+def _check_vae(rows, n):
+    assert [r["layout"] for r in rows] == list(parity_worker.VAE_LAYOUTS) + ["audio"]
+    chunks = {r["layout"]: r["chunks"] for r in rows}
+    assert chunks == {"image": 0, "5f": 1, "39f": 2, "73f": 4, "90f": 5, "audio": 0}
+    for r in rows:
+        assert r["pass"] and r["max_abs"] == 0 and r["weight_reads"] == 1, r
+        assert r["chunk_ranks"] == [i % n for i in range(r["chunks"])], "chunk i decodes on rank i % N"
+        if r["chunks"]:
+            assert r["bytes_moved"] == sum(1 for rank in r["chunk_ranks"] if rank) * _chunk_bytes(r)
+    audio = rows[-1]
+    assert audio["dtype"] == "float32" and audio["bytes_moved"] == 0
+
+
+def test_te_parity_two_devices(patched_tree, comfy_python):
+    report = parity_lib.run(patched_tree, "te", "cpu", 2, python=comfy_python, timeout=600)
+    assert report["ok"]
+    _check_te(report["rows"], 2)
+    cfg = report["config"]
+    assert cfg["devices"] == ["cpu", "cpu"] and set(cfg["reads"].values()) == {1}
+    assert cfg["te"]["num_attention_heads"] == 4 and cfg["te"]["num_key_value_heads"] == 2
+
+
+def test_te_parity_four_devices_cli(patched_tree, comfy_python):
+    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "te", "--device-type", "cpu",
+                "--npu-count", "4", "--python", comfy_python, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_te(json.loads(proc.stdout), 4)
+    assert "parity passed: 6 row(s)" in proc.stderr
+
+
+def test_te_injected_fault_fails_the_gate(patched_tree, comfy_python):
+    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "te", "--device-type", "cpu",
+                "--npu-count", "4", "--python", comfy_python, "--inject-fault")
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "parity FAILED: 6 of 6 row(s)" in proc.stderr
+    assert proc.stdout.count("FAIL") == 6
+
+
+def test_vae_parity_two_devices(patched_tree, comfy_python):
+    report = parity_lib.run(patched_tree, "vae", "cpu", 2, python=comfy_python, timeout=600)
+    assert report["ok"]
+    _check_vae(report["rows"], 2)
+    assert set(report["config"]["reads"].values()) == {1}
+
+
+def test_vae_parity_four_devices_cli(patched_tree, comfy_python):
+    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "vae", "--device-type", "cpu",
+                "--npu-count", "4", "--python", comfy_python, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_vae(json.loads(proc.stdout), 4)
+    assert "parity passed: 6 row(s)" in proc.stderr
+
+
+def test_vae_injected_fault_fails_the_gate(patched_tree, comfy_python):
+    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "vae", "--device-type", "cpu",
+                "--npu-count", "2", "--python", comfy_python, "--inject-fault", "--json")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    # every row where another device decoded a chunk fails; the others had nothing to transport
+    failed = {r["layout"] for r in rows if not r["pass"]}
+    assert failed == {"39f", "73f", "90f"}
+    assert "parity FAILED: 3 of 6 row(s)" in proc.stderr
