@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,27 +98,36 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
 def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
     home, python = demo_home
     port = free_port(8320, 8330)
-    r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rep = json.loads(r.stdout)
-    assert [s["stage"] for s in rep["stages"]] == ["install", "checkpoints", "start", "check-workflow", "prompt", "stop"]
-    assert rep["stages"][0]["detail"] == "already installed and verified"
-    assert rep["stages"][1]["detail"] in ("all four present", WROTE_ALL)  # the two-device test may have run
-    assert "parity" not in rep and Path(rep["video"]["path"]).name.startswith("npu1_video")
-    assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
+    r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port,
+              "--keep-running", "--json")
+    try:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        rep = json.loads(r.stdout)
+        assert [s["stage"] for s in rep["stages"]] == ["install", "checkpoints", "start", "check-workflow", "prompt"]
+        assert rep["stages"][0]["detail"] == "already installed and verified"
+        assert rep["stages"][1]["detail"] in ("all four present", WROTE_ALL)  # the two-device test may have run
+        assert "parity" not in rep and Path(rep["video"]["path"]).name.startswith("npu1_video")
 
-    # a damaged checkpoint: the demo fails in the prompt stage and quotes the server's error line
-    te = home / "models" / TINY["te"][0]
-    te.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  " + b"\x00" * 64)
-    r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
-    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-    err = json.loads(r.stdout)["error"]
-    assert err["code"] == "demo_failed" and err["details"]["stage"] == "prompt"
-    assert "stage 'prompt' failed" in err["message"] and "CLIPLoader" in err["message"]
-    assert err["details"]["log_line"] and "server log" in err["hint"]
-    assert "Traceback" not in r.stderr
+        # a damaged checkpoint, on the server the demo kept running (models and node cache emptied first, so
+        # the loader really runs): the demo fails in the prompt stage, quotes the server's error line, and
+        # leaves the server it did not start running
+        te = home / "models" / TINY["te"][0]
+        te.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  " + b"\x00" * 64)
+        from h3kit import health
+        health.free_memory(rep["service"]["url"])
+        time.sleep(2)
+        r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
+        assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+        err = json.loads(r.stdout)["error"]
+        assert err["code"] == "demo_failed" and err["details"]["stage"] == "prompt"
+        assert "stage 'prompt' failed" in err["message"] and "CLIPLoader" in err["message"]
+        assert err["details"]["log_line"] and "server log" in err["hint"]
+        assert "Traceback" not in r.stderr
+        assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is True
+    finally:
+        h3kit("stop", "--comfy-home", home)
     assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
-    te.unlink()  # the next demo writes it again
+    (home / "models" / TINY["te"][0]).unlink()  # the next demo writes it again
 
 
 def test_demo_installs_a_fresh_folder_and_names_a_failed_start(tmp_path, comfy_source, comfy_python):

@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.support.service_helpers import (Home, free_port, h3kit, http_json, http_status, kill_started_under,
+from tests.support.service_helpers import (Home, free_port, http_json, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
 
 # The tree the server runs from: the patched install. With "pin_tree" (the plain pin) the same tests run,

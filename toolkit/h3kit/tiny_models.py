@@ -42,8 +42,13 @@ def _cpu_comfy():
     import comfy.model_management  # noqa: F401
 
 
-def dit_state_dict(seed: int = 0, dims: dict | None = None) -> dict:
-    """A random state dict for MiniMaxH3Model with `dims` (default TINY_DIT), deterministic in `seed`."""
+def dit_state_dict(seed: int = 0, dims: dict | None = None, rope_base: float = 10000.0) -> dict:
+    """A random state dict for MiniMaxH3Model with `dims` (default TINY_DIT), deterministic in `seed`.
+
+    Weights are scaled by 1/sqrt(fan-in) and biases kept small so activations stay O(1) through the blocks;
+    `rope_base` sets the rotary frequencies (a small base makes every rotary dimension turn within a tiny
+    sequence, which the parity worker wants).
+    """
     _cpu_comfy()
     import torch
 
@@ -53,18 +58,10 @@ def dit_state_dict(seed: int = 0, dims: dict | None = None) -> dict:
     cfg = dict(TINY_DIT, **(dims or {}))
     model = comfy.ldm.minimax.model.MiniMaxH3Model(**cfg, operations=comfy.ops.manual_cast, device="cpu",
                                                    dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("rope.inv_freq"):
-            n = t.shape[0]
-            sd[name] = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
-        elif "norm" in name and name.endswith("weight"):
-            sd[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
-        else:
-            fan_in = t.shape[-1] if t.dim() > 1 else 1
-            sd[name] = torch.randn(t.shape, generator=gen) / math.sqrt(fan_in)
-    return {k: v.contiguous() for k, v in sd.items()}
+    sd = _randomize(model, seed)
+    n = sd["rope.inv_freq"].shape[0]
+    sd["rope.inv_freq"] = 1.0 / (rope_base ** (torch.arange(n, dtype=torch.float32) / n))
+    return sd
 
 
 def _randomize(module, seed: int, keep=()) -> dict:
@@ -76,11 +73,12 @@ def _randomize(module, seed: int, keep=()) -> dict:
     sd = {}
     for name, t in module.state_dict().items():
         if name in params and name not in keep:
-            fan_in = max(1, t[0].numel()) if t.dim() > 1 else 1
             if "norm" in name and name.endswith("weight"):
                 sd[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
-            else:
-                sd[name] = torch.randn(t.shape, generator=gen) / math.sqrt(fan_in)
+            elif t.dim() == 1:  # biases and per-channel scales: small
+                sd[name] = 0.1 * torch.randn(t.shape, generator=gen)
+            else:  # fan-in scaling keeps activations O(1)
+                sd[name] = torch.randn(t.shape, generator=gen) / math.sqrt(max(1, t[0].numel()))
         else:
             sd[name] = t.detach().clone().float()
     return {k: v.contiguous().float() for k, v in sd.items()}

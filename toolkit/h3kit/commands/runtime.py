@@ -95,8 +95,8 @@ def _print_rows(rows, config, component):
 
 
 @click.command()
-@click.option("--width", type=int, required=True, help="Video width in pixels (a multiple of 32).")
-@click.option("--height", type=int, required=True, help="Video height in pixels (a multiple of 32).")
+@click.option("--width", type=click.IntRange(min=32), required=True, help="Video width in pixels (a multiple of 32).")
+@click.option("--height", type=click.IntRange(min=32), required=True, help="Video height in pixels (a multiple of 32).")
 @click.option("--frames", type=click.IntRange(min=1), required=True, help="Frame count at 24 fps (snapped up to 17k+5).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, multiple=True,
               help="Devices; repeat the option to compare (--npu-count 1 --npu-count 2 --npu-count 4).")

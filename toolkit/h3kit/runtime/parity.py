@@ -14,10 +14,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from h3kit import service
 from h3kit.errors import H3kitError, UsageError
 
 WORKER = Path(__file__).with_name("parity_worker.py")
@@ -32,22 +32,6 @@ PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_t
 
 class ParityFailed(H3kitError):
     code = "parity_failed"
-
-
-def resolve_python(comfy_home: Path, python: str = None) -> str:
-    """--python, else the interpreter `h3kit install` recorded in <comfy-home>/.h3kit/state.json, else this one."""
-    if python:
-        return python
-    state = Path(comfy_home) / ".h3kit" / "state.json"
-    if state.is_file():
-        try:
-            recorded = json.loads(state.read_text()).get("python")
-        except (OSError, ValueError) as e:
-            raise H3kitError(f"cannot read {state}: {e}", code="bad_state",
-                             hint="rerun h3kit install, or pass --python") from e
-        if recorded:
-            return recorded
-    return sys.executable
 
 
 def check_tree(comfy_home: Path) -> None:
@@ -68,7 +52,7 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
         raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
     home = Path(comfy_home).resolve()
     check_tree(home)
-    py = resolve_python(home, python)
+    py = service.resolve_python(home, python)
     with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
         out = Path(tmp) / "report.json"
         log = Path(tmp) / "worker.log"
@@ -85,9 +69,14 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
                                  hint="pass --python with the interpreter that runs ComfyUI") from e
             try:
                 rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # our own session: the worker and its rank threads
+            except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: the worker holds the devices
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # our own session: the worker and its rank threads
+                except ProcessLookupError:
+                    pass
                 proc.wait()
+                if not isinstance(e, subprocess.TimeoutExpired):
+                    raise
                 raise H3kitError(f"the parity worker did not finish within {timeout:g} s and was killed",
                                  code="parity_timeout", details={"log_tail": _tail(log)},
                                  hint="a device or collective hung: run with a larger --timeout only if it was merely slow")

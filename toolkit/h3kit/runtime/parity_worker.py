@@ -35,7 +35,6 @@ import argparse
 import collections
 import importlib.util
 import json
-import math
 import os
 import sys
 import tempfile
@@ -69,6 +68,7 @@ AUDIO_LATENT_T = 10
 
 def _setup_comfy(comfy_home, device_type, npu_count):
     sys.path.insert(0, comfy_home)
+    sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # h3kit itself (tiny_models)
     os.chdir(comfy_home)
     if device_type == "cpu":
         os.environ["H3KIT_SIM_DEVICES"] = str(npu_count)
@@ -80,26 +80,13 @@ def _setup_comfy(comfy_home, device_type, npu_count):
 
 
 def _tiny_checkpoint(path, seed):
-    import torch
-    import comfy.ldm.minimax.model
-    import comfy.ops
     import comfy.utils
-    model = comfy.ldm.minimax.model.MiniMaxH3Model(**TINY, operations=comfy.ops.manual_cast, device="cpu",
-                                                   dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for k, v in model.state_dict().items():
-        if k.endswith("inv_freq"):
-            n = v.shape[0]
-            t = 1.0 / (100.0 ** (torch.arange(n, dtype=torch.float32) / n))
-        elif v.dim() == 1 and "norm" in k:
-            t = 1.0 + 0.1 * torch.randn(v.shape, generator=g)
-        elif v.dim() == 1:
-            t = 0.1 * torch.randn(v.shape, generator=g)
-        else:  # fan-in scaling keeps activations O(1) through the blocks
-            t = torch.randn(v.shape, generator=g) / math.sqrt(v.shape[-1])
-        sd[k] = t.to(v.dtype)
-    comfy.utils.save_torch_file(sd, path)
+
+    from h3kit import tiny_models
+
+    # the parity DiT: 3 blocks, and a rotary base of 100 so every rotary dimension turns within the tiny
+    # packed sequences (with the model's 10000 most would barely move and a RoPE bug could hide)
+    comfy.utils.save_torch_file(tiny_models.dit_state_dict(seed, TINY, rope_base=100.0), path)
 
 
 def _conditioning(layout, seed):

@@ -534,7 +534,7 @@ class _UiFlattener:
         if link is None:
             return _Unresolved("broken", f"link {raw_link!r} is not in the workflow's link table; "
                                "reconnect the input")
-        _lid, origin_id, origin_slot = link[0], link[1], link[2]
+        origin_id, origin_slot = link[1], link[2]
         if dto.instance is not None and origin_id == dto.level.input_node_id:
             level = dto.level
             if not 0 <= origin_slot < len(level.inputs):
