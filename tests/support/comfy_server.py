@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,7 @@ from pathlib import Path
 
 SUPPORT = Path(__file__).resolve().parent
 
-
-def free_port(start: int, stop: int) -> int:
-    for port in range(start, stop):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError(f"no free port in {start}-{stop}")
+from tests.support.service_helpers import free_port  # noqa: E402  (one port finder for all tests)
 
 
 def http(method: str, url: str, body=None, timeout=10):
@@ -104,7 +94,7 @@ class Server:
 
 @contextlib.contextmanager
 def running(tree, workdir, python, port_range=(8300, 8399), **kw):
-    srv = Server(tree, workdir, python, free_port(*port_range), **kw)
+    srv = Server(tree, workdir, python, free_port(port_range[0], port_range[1] - 1), **kw)
     try:
         yield srv.start()
     finally:

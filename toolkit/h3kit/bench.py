@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from h3kit import health, service
+from h3kit import health, logscan, service
 from h3kit.demo import run_prompt, stage_seconds
 from h3kit.errors import H3kitError, UsageError
 
@@ -83,16 +83,6 @@ def vary_seed(prompt: dict, run: int) -> tuple[dict, list[str]]:
     return out, changed
 
 
-def _log_lines_since(path: str, offset: int) -> tuple[list[str], int]:
-    p = Path(path)
-    if not p.is_file():
-        return [], offset
-    with p.open("rb") as f:
-        f.seek(offset)
-        chunk = f.read()
-    return chunk.decode("utf-8", "replace").splitlines(), offset + len(chunk)
-
-
 def _one_run(rec: service.Record, prompt: dict, timeout: float, log) -> dict:
     offset = Path(rec.log).stat().st_size if Path(rec.log).is_file() else 0
     poller = _MemoryPoller(rec.url)
@@ -106,7 +96,8 @@ def _one_run(rec: service.Record, prompt: dict, timeout: float, log) -> dict:
         poller.stop_event.set()
         poller.join(5)
     time.sleep(0.2)  # the log lines of the last node reach the file a moment after its event
-    lines, _ = _log_lines_since(rec.log, offset)
+    data, _ = logscan.read_since(rec.log, offset)
+    lines = data.decode("utf-8", "replace").splitlines()
     return {"end_to_end_s": round(trace.finished - trace.submitted, 3),
             "stages": stage_seconds(trace),
             "models_loaded": sum("Model cache: reading" in ln for ln in lines),

@@ -165,3 +165,14 @@ def tail(path: str | os.PathLike, lines: int = 20) -> list[str]:
     if not path.is_file():
         return []
     return [clean(ln) for ln in deque(_iter_lines(path), maxlen=lines)]
+
+
+def read_since(path: str | os.PathLike, offset: int) -> tuple[bytes, int]:
+    """The bytes appended to `path` since `offset`, and the new offset; (b"", offset) when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return b"", offset
+    return data, offset + len(data)

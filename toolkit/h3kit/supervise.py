@@ -103,13 +103,7 @@ class _OomWatch:
         return found
 
     def _new_log_blocks(self) -> list[logscan.ErrorBlock]:
-        try:
-            with open(self.log, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        self.offset += len(data)
+        data, self.offset = logscan.read_since(self.log, self.offset)
         data = self.partial + data
         complete, sep, self.partial = data.rpartition(b"\n")
         if not sep:
