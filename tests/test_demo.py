@@ -136,6 +136,9 @@ def test_demo_installs_a_fresh_folder_and_names_a_failed_start(tmp_path, comfy_s
     home = tmp_path / "ComfyUI"
     port = free_port(8320, 8330)
     with socket.socket() as foreign:
+        # as servers do (the port may still be in TIME_WAIT after the previous test's server); a listening
+        # socket still makes every other bind on the port fail
+        foreign.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         foreign.bind(("127.0.0.1", port))
         foreign.listen()
         r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port,
