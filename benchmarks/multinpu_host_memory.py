@@ -147,6 +147,9 @@ def child(args):
             comfy.model_management.free_memory(1e30, None)  # unload every model from every device
             pipeline(cycle + 1)
         out["rss_after_cycles"] = _rss() - base
+        # measured with every model back on the host: after a pipeline on a real device the weights sit on
+        # the devices and a count of host tensors would miss them (on the CPU simulation this changes nothing)
+        comfy.model_management.free_memory(1e30, None)
         copies = [model.model] + [p.model for p in model.get_additional_models()]
         for patcher, key in ((clip.patcher, "multinpu_text_encoder"), (vae.patcher, "multinpu_video_vae")):
             copies += [patcher.model] + [p.model for p in comfy.multinpu_weights.device_models(patcher, key)]

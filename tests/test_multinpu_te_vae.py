@@ -106,6 +106,13 @@ def test_te_rank_failure_names_the_rank(checks):
     assert v["raised"] == "MemoryError" and v["notes"] == ["raised on rank 2 (cpu) of 4"]
 
 
+def test_a_lora_after_the_node_is_refused(checks):
+    v = value(checks, "te_patch_after_node_refused")
+    assert v["patched"] == 1
+    assert v["raised"] and "after MultiNPUParallelConfig" in v["raised"] and "apply it before" in v["raised"]
+    assert len(v["plain_still_runs"]) == 3  # the parallel CLIP itself still encodes
+
+
 def test_every_rank_copy_loads_with_rank0(checks):
     v = value(checks, "loads_with_rank0")
     assert v["te"] == [True] * 4 and v["vae"] == [True] * 4

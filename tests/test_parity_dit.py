@@ -90,3 +90,37 @@ def test_parity_refuses_an_unpatched_tree(pin_tree, comfy_python):
     assert proc.returncode == 1
     error = json.loads(proc.stdout)["error"]
     assert error["code"] == "not_patched" and "h3kit install" in error["hint"]
+
+
+def test_a_terminated_parity_run_takes_its_worker_with_it(patched_tree, tmp_path):
+    """SIGTERM (a scheduler's timeout, a service manager) must not leave the worker holding the devices."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    pidfile = tmp_path / "worker.pid"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
+    fake.chmod(0o755)
+    cli = subprocess.Popen([sys.executable, "-m", "h3kit", "parity", "--comfy-home", str(patched_tree),
+                            "--component", "dit", "--device-type", "cpu", "--npu-count", "2",
+                            "--python", str(fake), "--timeout", "600"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (pidfile.is_file() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = int(pidfile.read_text())
+    assert psutil.pid_exists(worker)
+    cli.send_signal(signal.SIGTERM)
+    out, err = cli.communicate(timeout=30)
+    assert cli.returncode != 0 and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive, "the parity worker outlived h3kit"

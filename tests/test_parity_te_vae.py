@@ -35,7 +35,7 @@ def _cli(*args, timeout=600):
 def _check_te(rows, n):
     assert {(r["layout"], r["mode"]) for r in rows} == {(lay, m) for lay in TE_LAYOUTS for m in ("tensor", "layers")}
     for r in rows:
-        assert r["pass"] and r["npu_count"] == n, r
+        assert r["pass"] and r["npu_count"] == n and r["split"], r
         assert r["cos"] >= 0.99999 and r["rel_rms"] <= 1e-4, r
         assert r["rank_spread"] == 0 and r["tags_equal"] and r["weight_reads"] == 1, r
         assert r["bytes_moved"] > 0
@@ -57,6 +57,7 @@ def _check_vae(rows, n):
     assert chunks == {"image": 0, "5f": 1, "39f": 2, "73f": 4, "90f": 5, "audio": 0}
     for r in rows:
         assert r["pass"] and r["max_abs"] == 0 and r["weight_reads"] == 1, r
+        assert r["split"] is (r["layout"] != "audio"), r  # the audio VAE stays on one device
         assert r["chunk_ranks"] == [i % n for i in range(r["chunks"])], "chunk i decodes on rank i % N"
         if r["chunks"]:
             assert r["bytes_moved"] == sum(1 for rank in r["chunk_ranks"] if rank) * _chunk_bytes(r)

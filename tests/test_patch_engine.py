@@ -233,6 +233,30 @@ def test_a_write_that_fails_midway_restores_every_file(refreshed, upstream, runn
     assert not (home / ".h3kit" / "state.json").exists()
 
 
+def test_a_file_that_cannot_be_restored_is_named(tmp_path, monkeypatch):
+    """If even the restore fails (a file the user cannot write), the error says which file, not 'restored'."""
+    from h3kit import patches as engine
+
+    tree = tmp_path / "t"
+    tree.mkdir()
+    (tree / "a.py").write_text("a0\n")
+    (tree / "b.py").write_text("b0\n")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        name = os.path.basename(dst)
+        if name == "b.py" or str(src).endswith(".h3kit-restore"):
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(engine.os, "replace", replace)
+    before = {"a.py": b"a0\n", "b.py": b"b0\n"}
+    with pytest.raises(PermissionError) as e:
+        engine.write_tree_files(tree, before, {"a.py": b"a1\n", "b.py": b"b1\n"})
+    assert e.value.h3kit_not_restored == ["a.py"]
+    assert (tree / "b.py").read_text() == "b0\n"
+
+
 def test_install_purges_bytecode_under_the_patched_folders(refreshed, upstream, runner, tmp_path):
     up, _ = upstream
     home = tmp_path / "home"

@@ -469,6 +469,10 @@ def test_start_refuses_our_server_running_with_other_settings(home):
     err = json.loads(r.stdout)["error"]
     assert err["code"] == "already_running_other_settings" and "h3kit stop" in err["hint"]
     assert pid_running(pid) and started_pid(home) == pid  # left exactly as it was
+    other_python = home.path.parent / "python-other"
+    other_python.symlink_to(sys.executable)
+    r = home.start("--json", "--python", str(other_python), devices="0")  # same devices, another interpreter
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "already_running_other_settings"
 
 
 def test_a_bad_comfy_home_changes_nothing(tmp_path):

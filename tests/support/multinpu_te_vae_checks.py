@@ -254,6 +254,26 @@ def te_rank_failure():
 
 
 @check
+def te_patch_after_node_refused():
+    """A LoRA added to the parallel CLIP (after the node) names split weights: its load is refused, clearly."""
+    import torch
+    import comfy.multinpu_te as te
+    par = te.apply_tensor_parallel(_clip(), ["cpu"] * 2, timeout=5)
+    lora = par.clone()
+    key = next(k for k in lora.patcher.model.state_dict() if k.endswith("self_attn.q_proj.weight"))
+    w = lora.patcher.model.state_dict()[key]
+    lora.patcher.add_patches({key: ("diff", (torch.zeros_like(w),))}, 1.0)
+    out = {"patched": len(lora.patcher.patches)}
+    try:
+        _encode(lora, image=False)
+        out["raised"] = None
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    out["plain_still_runs"] = list(_encode(par, image=False).shape)
+    return out
+
+
+@check
 def loads_with_rank0():
     """CLIP.load_model and VAE.decode load every rank's copy (load_models_gpu via the patches entry)."""
     import torch

@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 
@@ -42,6 +43,14 @@ def _finite(value):
 
 def emit_json(data) -> None:
     click.echo(json.dumps(_finite(data), indent=2, sort_keys=False, default=str, allow_nan=False))
+
+
+def sigterm_as_interrupt() -> None:
+    """Turn SIGTERM into KeyboardInterrupt, so a command that owns child processes (a server being started,
+    a parity worker holding the devices) runs its cleanup when it is terminated, as on Ctrl-C."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)
 
 
 def err(message: str) -> None:

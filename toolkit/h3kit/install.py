@@ -432,10 +432,13 @@ def _install(opts: InstallOptions, log) -> InstallReport:
             f"writing {len(report.changed)} files ...")
     try:
         write_tree_files(home, before, after, modes)
-    except OSError as e:  # write_tree_files has restored every file it wrote
-        raise InstallError(f"could not write {e.filename or 'the tree'}: {e.strerror or e}; every file was "
-                           "restored", code="write_failed", hint="check the folder's permissions and free space"
-                           ) from None
+    except OSError as e:  # write_tree_files has restored what it could, and says what it could not
+        lost = getattr(e, "h3kit_not_restored", [])
+        outcome = ("every file was restored" if not lost else
+                   "these files could not be restored and differ from before: " + ", ".join(lost))
+        raise InstallError(f"could not write {e.filename or 'the tree'}: {e.strerror or e}; {outcome}",
+                           code="write_failed", hint="check the folder's permissions and free space",
+                           details={"not_restored": lost}) from None
     report.purged_bytecode = purge_bytecode(home, touched + list(f_after))
 
     # a kept (user-edited) file stays recorded with the checksum of what h3kit installed, so that it keeps

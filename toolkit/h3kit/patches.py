@@ -280,17 +280,25 @@ def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[st
                 os.chmod(tmp, mode)
                 os.replace(tmp, dest)
             done.append(rel)
-    except BaseException:
+    except BaseException as e:
+        not_restored = []
         for rel in done:
             dest = tree / rel
             old = before.get(rel)
-            if old is None:
-                dest.unlink(missing_ok=True)
-            else:
-                dest.write_bytes(old)
-                if rel in stats:  # as it was: mode and times too
-                    os.chmod(dest, stats[rel].st_mode & 0o7777)
-                    os.utime(dest, ns=(stats[rel].st_atime_ns, stats[rel].st_mtime_ns))
+            try:
+                if old is None:
+                    dest.unlink(missing_ok=True)
+                else:  # the way it was written: a temporary beside it, renamed over (works on read-only files)
+                    tmp = dest.with_name(f".{dest.name}.h3kit-restore")
+                    tmp.write_bytes(old)
+                    if rel in stats:  # as it was: mode and times too
+                        os.chmod(tmp, stats[rel].st_mode & 0o7777)
+                        os.utime(tmp, ns=(stats[rel].st_atime_ns, stats[rel].st_mtime_ns))
+                    os.replace(tmp, dest)
+            except OSError:
+                not_restored.append(rel)
+        if not_restored:
+            e.h3kit_not_restored = not_restored  # the caller says so instead of claiming a clean tree
         for d in reversed(created_dirs):
             try:
                 d.rmdir()

@@ -370,7 +370,8 @@ def validated(spec: StartSpec) -> StartSpec:
 
 
 def _settings(spec_or_record) -> dict:
-    return {"devices": list(spec_or_record.devices), "device_type": spec_or_record.device_type,
+    return {"comfy_home": str(Path(spec_or_record.comfy_home).resolve()), "python": spec_or_record.python,
+            "devices": list(spec_or_record.devices), "device_type": spec_or_record.device_type,
             "listen": spec_or_record.listen, "extra_args": list(spec_or_record.extra_args)}
 
 

@@ -43,6 +43,7 @@ import torch
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.patcher_extension
 import comfy.multinpu_weights
 import comfy.text_encoders.llama
 
@@ -54,12 +55,24 @@ MODES = ("auto", "tensor", "layers")
 
 
 class _RankContext:
-    """What one rank's modules need during a parallel forward: the communicator (None outside one)."""
+    """What one rank's modules need during a parallel forward: the communicator (None outside one).
+
+    The communicator is per thread: a rank thread abandoned after a timeout keeps its own (broken) group
+    and fails, instead of joining the next forward's group or clearing it.
+    """
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
         self.world_size = world_size
-        self.comm = None
+        self._local = threading.local()
+
+    @property
+    def comm(self):
+        return getattr(self._local, "comm", None)
+
+    @comm.setter
+    def comm(self, value):
+        self._local.comm = value
 
     def get(self):
         if self.comm is None:
@@ -332,6 +345,15 @@ def choose_mode(decoder, world_size: int, mode: str = "auto") -> str:
     return mode
 
 
+def _refuse_weight_patches(patcher, *args):
+    # a LoRA or hook added to this CLIP after the node names weights that are now split across devices:
+    # applying it would merge into rank 0's slices only (or not at all) and the ranks would diverge
+    if patcher.patches or patcher.hook_patches:
+        raise RuntimeError("MultiNPU: a LoRA or hook was applied to the text encoder after "
+                           "MultiNPUParallelConfig, whose weights are split across devices; apply it before "
+                           "the node (which then runs that text encoder on one device)")
+
+
 def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
                           timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> CLIP:
     """A clone of `clip` whose text encoder runs on `devices` (rank 0 = devices[0], where the CLIP loads).
@@ -370,6 +392,7 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     others = [comfy.multinpu_weights.device_patcher(clip.patcher, dec, d) for dec, d in zip(decoders[1:], devices[1:])]
     comfy.multinpu_weights.attach_device_models(n.patcher, KEY, others)
 
+    n.patcher.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, _refuse_weight_patches)
     size = [p.model_size() / 2**30 for p in [n.patcher] + others]
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
                  f"{comfy.multidevice.describe_devices(devices)}; weights per device "

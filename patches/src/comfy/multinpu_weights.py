@@ -14,8 +14,11 @@ starts from the model the loader already returned (comfy.model_cache keeps it ac
   to the host re-points every weight at its anchor instead: nothing is allocated or copied, and host
   memory stays one model whatever the device count, through any number of load and unload cycles.
 
-The anchors are read-only by convention: ComfyUI patches weights (LoRA) on the device copy, or on a
-copy it backs up and restores on the host, never in place in an anchor that a device copy came from.
+The anchors are read-only by convention. ComfyUI merges weight patches (LoRA) into the device copy, or
+into a copy it backs up and restores on the host; hook patches write in place (copy_to_param), which on
+host-resident shared storage would reach every rank at once. A parallel text encoder therefore refuses
+patches added after MultiNPUParallelConfig (multinpu_te), and the node runs a text encoder that already
+carries them on one device.
 """
 
 from __future__ import annotations
@@ -53,9 +56,7 @@ class _HostCopy:
                 continue
             if current is None or current.device == host.device or current.shape != host.shape or current.dtype != host.dtype:
                 continue
-            # where is fn sending tensors? ask it with an empty tensor shaped like the anchor
-            target = fn(host.new_empty((0,)))
-            if target.device != host.device or target.dtype != host.dtype:
+            if not _moves_to(fn, host):
                 continue
             if not isinstance(current, torch.nn.Parameter):
                 module._buffers[name] = host
@@ -63,6 +64,23 @@ class _HostCopy:
                 current.data = host
             else:  # what Module._apply itself does for such a pair (a meta or backend tensor type)
                 module._parameters[name] = torch.nn.Parameter(host, requires_grad=current.requires_grad)
+
+
+def _moves_to(fn, host: torch.Tensor) -> bool:
+    """Does `fn` (what Module._apply applies) move a tensor onto `host`'s device, keeping its dtype?
+
+    A dtype-only call (.float(), .to(torch.float32)) keeps a tensor on its device and must not bring the
+    weights to the host. Asked first with an empty meta tensor: a call that keeps the device returns one,
+    a call that moves to any device cannot copy out of meta and raises; only then is the target read off
+    an empty host tensor.
+    """
+    try:
+        if fn(torch.empty(0, dtype=host.dtype, device="meta")).device.type == "meta":
+            return False
+    except (NotImplementedError, RuntimeError):
+        pass
+    target = fn(host.new_empty((0,)))
+    return target.device == host.device and target.dtype == host.dtype
 
 
 def _anchored_apply(self, fn, recurse=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -125,12 +126,17 @@ def refresh(source, additions):
         base = gitutil.read_blobs(src, manifest.pin(data), series.touched_files())
         series_result(series, base)  # refuse to record a series that does not apply
         data["patches"] = manifest_entries(series, base)
-        for p in series.patches:
-            target = root / "patches" / p.name
-            if not target.is_file() or target.read_bytes() != p.raw:
-                target.write_bytes(p.raw)
-                click.echo(f"regenerated {p.name}")
-        manifest.save(data, root)
+        # the patch files and the manifest change together: the new ones are written beside the old first,
+        # and the written ones put back if a later write fails
+        from h3kit.patches import read_tree_files, write_tree_files
+
+        rels = [f"patches/{p.name}" for p in series.patches] + ["source_deps_info.json"]
+        before = read_tree_files(root, rels)
+        after = {f"patches/{p.name}": p.raw for p in series.patches}
+        after["source_deps_info.json"] = (json.dumps(data, indent=2) + "\n").encode()
+        for rel in write_tree_files(root, before, after):
+            if rel.startswith("patches/"):
+                click.echo(f"regenerated {rel[len('patches/'):]}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     click.echo(f"source_deps_info.json: {len(series.names)} patches recorded")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from h3kit import devices as h3devices
-from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+from h3kit.cliutil import sigterm_as_interrupt, comfy_home_option, emit_json, err, handle_errors, json_option
 from h3kit.errors import UsageError
 from h3kit.runtime import costmodel
 from h3kit.runtime import parity as parity_lib
@@ -53,6 +53,7 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
     te and vae rows also count the weight-file reads (weight_reads, must be 1). On a new NPU machine
     these are the acceptance checks: h3kit parity --component dit|te|vae --device-type npu --npu-count 4.
     """
+    sigterm_as_interrupt()  # terminated like Ctrl-C: the worker, which holds the devices, is killed too
     kind = h3devices.resolve_device_type(device_type)
     n = int(npu_count)
     err(f"h3kit: parity of {component} on {n} {kind} device(s){' with an injected fault' if inject_fault else ''}")

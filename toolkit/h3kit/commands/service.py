@@ -6,7 +6,6 @@ Exit codes: 0 done (and `start` when our server already runs on that port; `stat
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import click
 
 from h3kit import devices as h3devices
 from h3kit import logscan, service, supervise
-from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+from h3kit.cliutil import sigterm_as_interrupt, comfy_home_option, emit_json, err, handle_errors, json_option
 
 runtime_root_option = click.option(
     "--runtime-root", metavar="DIR", envvar=service.RUNTIME_ROOT_ENV, type=click.Path(file_okay=False),
@@ -28,12 +27,6 @@ timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default
 
 def _progress(message: str) -> None:
     err(f"h3kit: {message}")
-
-
-def _sigterm_as_interrupt() -> None:
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
 
 
 def _gib(n) -> str:
@@ -238,7 +231,7 @@ def logs(comfy_home, runtime_root, follow, errors, lines):
         for line in text[-lines:] if lines else text:
             click.echo(line)
         return
-    _sigterm_as_interrupt()
+    sigterm_as_interrupt()
     try:
         _follow(root, path, errors, lines)
     except KeyboardInterrupt:
@@ -322,7 +315,7 @@ def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, cr
                                    backoff_max=backoff_max, crash_limit=crash_limit, crash_window=crash_window,
                                    stable_after=stable_after, grace=grace, start_timeout=timeout,
                                    max_seconds=max_seconds)
-    _sigterm_as_interrupt()
+    sigterm_as_interrupt()
     outcome = supervise.watch(root, policy,
                               on_event=lambda e: err(f"h3kit watch: {e['time']} {e['event']}: {e['message']}"))
     if as_json:

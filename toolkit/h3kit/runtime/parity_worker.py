@@ -376,14 +376,21 @@ def run_te(args):
             ref, ref_tags, t_single = single[layout]
             spread = 0.0
             if runner is not None:
-                spread = max((o.float() - runner.rank_outputs[0].float()).abs().max().item() for o in runner.rank_outputs)
+                # torch.equal is False on a NaN (a Python max() over floats would skip it)
+                spread = 0.0 if all(torch.equal(o, runner.rank_outputs[0]) for o in runner.rank_outputs) else \
+                    float(torch.stack([(o.float() - runner.rank_outputs[0].float()).abs().max()
+                                       for o in runner.rank_outputs]).nan_to_num(nan=float("inf")).max())
             row = {"component": "te", "layout": layout, "mode": runner.mode if runner else "none",
                    "npu_count": args.npu_count, "device_type": args.device_type, "tokens": int(ref.shape[1]),
                    **_metrics([[ref]], [[out]]), "rank_spread": spread, "tags_equal": bool(torch.equal(tags, ref_tags)),
                    "weight_reads": reads[paths["te"]], "bytes_moved": (runner.bytes_moved - before) if runner else 0,
                    "seconds_single": round(t_single, 4), "seconds_parallel": round(seconds, 4)}
-            row["pass"] = (row["cos"] >= TE_GATE_COS and row["rel_rms"] <= TE_GATE_REL_RMS and row["rank_spread"] == 0
-                           and row["tags_equal"] and row["weight_reads"] == 1)
+            # with 2 or 4 devices the row must really have run split: a node that passed the text encoder
+            # through on one device would compare a model with itself and pass every other test
+            split = args.npu_count == 1 or (row["mode"] != "none" and row["bytes_moved"] > 0)
+            row["split"] = split
+            row["pass"] = (split and row["cos"] >= TE_GATE_COS and row["rel_rms"] <= TE_GATE_REL_RMS
+                           and row["rank_spread"] == 0 and row["tags_equal"] and row["weight_reads"] == 1)
             rows.append(row)
         if runner is not None and runner._threads is not None:
             runner._threads.shutdown()
@@ -434,7 +441,11 @@ def run_vae(args):
                **_metrics([[single]], [[parallel]]), "weight_reads": reads[paths["video_vae"]],
                "bytes_moved": (runner.bytes_moved - before[0]) if runner else 0,
                "seconds_single": round(t1 - t0, 4), "seconds_parallel": round(t2 - t1, 4)}
-        row["pass"] = row["max_abs"] == 0 and tuple(single.shape) == tuple(parallel.shape) and row["weight_reads"] == 1
+        # several chunks on several devices must really have been spread (else the node passed the VAE through)
+        split = args.npu_count == 1 or (runner is not None and (row["chunks"] < 2 or any(row["chunk_ranks"])))
+        row["split"] = split
+        row["pass"] = (split and row["max_abs"] == 0 and tuple(single.shape) == tuple(parallel.shape)
+                       and row["weight_reads"] == 1)
         rows.append(row)
     # the audio VAE stays on one device in fp32: the node must hand back the one it got
     za = torch.randn(1, 32, 2, AUDIO_LATENT_T, generator=g)
@@ -446,7 +457,7 @@ def run_vae(args):
     row = {"component": "vae", "layout": "audio", "latent": [2, AUDIO_LATENT_T], "npu_count": args.npu_count,
            "device_type": args.device_type, "frames": int(a_single.shape[1]), "chunks": 0, "chunk_ranks": [],
            **_metrics([[a_single]], [[a_par]]), "weight_reads": reads[paths["audio_vae"]], "bytes_moved": 0,
-           "dtype": str(par_audio.vae_dtype).replace("torch.", ""),
+           "dtype": str(par_audio.vae_dtype).replace("torch.", ""), "split": False,  # one device, by design
            "seconds_single": round(t1 - t0, 4), "seconds_parallel": round(t2 - t1, 4)}
     row["pass"] = (row["max_abs"] == 0 and row["weight_reads"] == 1 and par_audio.vae_dtype == torch.float32
                    and comfy.multinpu_vae.get_runner(par_audio) is None)
