@@ -17,18 +17,12 @@ import pytest
 from h3kit.runtime import costmodel
 from h3kit.runtime import parity as parity_lib
 from h3kit.runtime import parity_worker
+from tests.support.service_helpers import h3kit
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 LAYOUTS = {"t2va", "fl2va", "ref2va"}
 
 
-@pytest.fixture(scope="module")
-def patched_tree(installed_tree):
-    return installed_tree
-
-
-def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "h3kit", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def _expected_bytes(row):
@@ -51,8 +45,8 @@ def _check_rows(rows, n):
         assert r["bytes_moved"] == _expected_bytes(r), f"{r['layout']}/{r['attention']}: moved vs cost model"
 
 
-def test_parity_two_devices_and_cost_model(patched_tree, comfy_python):
-    report = parity_lib.run(patched_tree, "dit", "cpu", 2, python=comfy_python, timeout=600)
+def test_parity_two_devices_and_cost_model(installed_tree, comfy_python):
+    report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, timeout=600)
     assert report["ok"]
     _check_rows(report["rows"], 2)
     cfg = report["config"]
@@ -67,8 +61,8 @@ def test_parity_two_devices_and_cost_model(patched_tree, comfy_python):
     assert costmodel.parameter_counts(model)["total"] == cfg["params"]
 
 
-def test_parity_four_devices_cli(patched_tree, comfy_python):
-    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "dit", "--device-type", "cpu",
+def test_parity_four_devices_cli(installed_tree, comfy_python):
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
                 "--npu-count", "4", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
@@ -76,8 +70,8 @@ def test_parity_four_devices_cli(patched_tree, comfy_python):
     assert "parity passed: 6 row(s)" in proc.stderr
 
 
-def test_injected_fault_fails_the_gate(patched_tree, comfy_python):
-    proc = _cli("parity", "--comfy-home", str(patched_tree), "--device-type", "cpu", "--npu-count", "4",
+def test_injected_fault_fails_the_gate(installed_tree, comfy_python):
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--device-type", "cpu", "--npu-count", "4",
                 "--python", comfy_python, "--inject-fault")
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "parity FAILED: 6 of 6 row(s)" in proc.stderr
@@ -85,14 +79,14 @@ def test_injected_fault_fails_the_gate(patched_tree, comfy_python):
 
 
 def test_parity_refuses_an_unpatched_tree(pin_tree, comfy_python):
-    proc = _cli("parity", "--comfy-home", str(pin_tree), "--device-type", "cpu", "--npu-count", "2",
+    proc = h3kit("parity", "--comfy-home", str(pin_tree), "--device-type", "cpu", "--npu-count", "2",
                 "--python", comfy_python, "--json")
     assert proc.returncode == 1
     error = json.loads(proc.stdout)["error"]
     assert error["code"] == "not_patched" and "h3kit install" in error["hint"]
 
 
-def test_a_terminated_parity_run_takes_its_worker_with_it(patched_tree, tmp_path):
+def test_a_terminated_parity_run_takes_its_worker_with_it(installed_tree, tmp_path):
     """SIGTERM (a scheduler's timeout, a service manager) must not leave the worker holding the devices."""
     import os
     import signal
@@ -104,7 +98,7 @@ def test_a_terminated_parity_run_takes_its_worker_with_it(patched_tree, tmp_path
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
     fake.chmod(0o755)
-    cli = subprocess.Popen([sys.executable, "-m", "h3kit", "parity", "--comfy-home", str(patched_tree),
+    cli = subprocess.Popen([sys.executable, "-m", "h3kit", "parity", "--comfy-home", str(installed_tree),
                             "--component", "dit", "--device-type", "cpu", "--npu-count", "2",
                             "--python", str(fake), "--timeout", "600"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

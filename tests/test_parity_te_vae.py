@@ -11,25 +11,17 @@ VAE's bytes moved must equal the decoded chunks other devices handed back.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from h3kit.runtime import parity as parity_lib
 from h3kit.runtime import parity_worker
+from tests.support.service_helpers import h3kit
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 TE_LAYOUTS = {"t2va", "fl2va", "ref2va"}
 
 
-@pytest.fixture(scope="module")
-def patched_tree(installed_tree):
-    return installed_tree
-
-
-def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "h3kit", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def _check_te(rows, n):
@@ -65,8 +57,8 @@ def _check_vae(rows, n):
     assert audio["dtype"] == "float32" and audio["bytes_moved"] == 0
 
 
-def test_te_parity_two_devices(patched_tree, comfy_python):
-    report = parity_lib.run(patched_tree, "te", "cpu", 2, python=comfy_python, timeout=600)
+def test_te_parity_two_devices(installed_tree, comfy_python):
+    report = parity_lib.run(installed_tree, "te", "cpu", 2, python=comfy_python, timeout=600)
     assert report["ok"]
     _check_te(report["rows"], 2)
     cfg = report["config"]
@@ -74,39 +66,39 @@ def test_te_parity_two_devices(patched_tree, comfy_python):
     assert cfg["te"]["num_attention_heads"] == 4 and cfg["te"]["num_key_value_heads"] == 2
 
 
-def test_te_parity_four_devices_cli(patched_tree, comfy_python):
-    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "te", "--device-type", "cpu",
+def test_te_parity_four_devices_cli(installed_tree, comfy_python):
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "te", "--device-type", "cpu",
                 "--npu-count", "4", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_te(json.loads(proc.stdout), 4)
     assert "parity passed: 6 row(s)" in proc.stderr
 
 
-def test_te_injected_fault_fails_the_gate(patched_tree, comfy_python):
-    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "te", "--device-type", "cpu",
+def test_te_injected_fault_fails_the_gate(installed_tree, comfy_python):
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "te", "--device-type", "cpu",
                 "--npu-count", "4", "--python", comfy_python, "--inject-fault")
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "parity FAILED: 6 of 6 row(s)" in proc.stderr
     assert proc.stdout.count("FAIL") == 6
 
 
-def test_vae_parity_two_devices(patched_tree, comfy_python):
-    report = parity_lib.run(patched_tree, "vae", "cpu", 2, python=comfy_python, timeout=600)
+def test_vae_parity_two_devices(installed_tree, comfy_python):
+    report = parity_lib.run(installed_tree, "vae", "cpu", 2, python=comfy_python, timeout=600)
     assert report["ok"]
     _check_vae(report["rows"], 2)
     assert set(report["config"]["reads"].values()) == {1}
 
 
-def test_vae_parity_four_devices_cli(patched_tree, comfy_python):
-    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "vae", "--device-type", "cpu",
+def test_vae_parity_four_devices_cli(installed_tree, comfy_python):
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "vae", "--device-type", "cpu",
                 "--npu-count", "4", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_vae(json.loads(proc.stdout), 4)
     assert "parity passed: 6 row(s)" in proc.stderr
 
 
-def test_vae_injected_fault_fails_the_gate(patched_tree, comfy_python):
-    proc = _cli("parity", "--comfy-home", str(patched_tree), "--component", "vae", "--device-type", "cpu",
+def test_vae_injected_fault_fails_the_gate(installed_tree, comfy_python):
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "vae", "--device-type", "cpu",
                 "--npu-count", "2", "--python", comfy_python, "--inject-fault", "--json")
     assert proc.returncode == 1, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)

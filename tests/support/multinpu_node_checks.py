@@ -11,12 +11,11 @@ is a mismatch and 2 is not (npu_count must equal the device count) either: only 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 import types
+import checks_runner  # noqa: E402  (tests/support, beside this script)
 
 CHECKS = {}
 
@@ -273,22 +272,8 @@ def main(argv=None):
     import comfy.cli_args
     comfy.cli_args.args.cpu = True
     import comfy.model_management  # noqa: F401
-    results = {}
-    names = [n for n in args.only.split(",") if n] or list(CHECKS)
-    for name in names:
-        try:
-            results[name] = {"ok": True, "value": CHECKS[name]()}
-        except BaseException as e:
-            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2, default=repr)
-    return 0
+    return checks_runner.run_checks(CHECKS, args.only, args.out)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # skip interpreter teardown: with rank threads around, torch's static destructors occasionally abort
-    # ("terminate called without an active exception") after the report is already written
-    os._exit(code)
+    checks_runner.exit_without_teardown(main())

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
-import traceback
+
+import checks_runner  # tests/support, beside this script (its folder is on sys.path)
 
 CHECKS = {}
 READS = collections.Counter()
@@ -379,23 +379,8 @@ def main(argv=None):
         return real(ckpt, *a, **kw)
 
     comfy.utils.load_torch_file = counted
-    results = {}
-    names = [n for n in args.only.split(",") if n] or list(CHECKS)
-    for name in names:
-        try:
-            results[name] = {"ok": True, "value": CHECKS[name]()}
-        except BaseException as e:
-            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    results["reads"] = {"ok": True, "value": dict(READS)}
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2, default=repr)
-    return 0
+    return checks_runner.run_checks(CHECKS, args.only, args.out, extra=lambda: {"reads": dict(READS)})
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # skip interpreter teardown: with rank threads around, torch's static destructors occasionally abort
-    # ("terminate called without an active exception") after the report is already written
-    os._exit(code)
+    checks_runner.exit_without_teardown(main())

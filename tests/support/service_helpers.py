@@ -44,7 +44,7 @@ def port_is_free(port: int) -> bool:
             return False
 
 
-def h3kit(*args, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def h3kit(*args, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "h3kit", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
