@@ -38,6 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from h3kit.proc import wait_port_free
+
 ROOT = Path(__file__).resolve().parents[1]
 PIN = json.loads((ROOT / "source_deps_info.json").read_text())["upstream"]["commit"]
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -81,19 +83,9 @@ def bare_boot(tree: Path, python: str, port: int, work: Path, limit: float) -> f
         finally:
             os.killpg(child.pid, signal.SIGTERM)
             child.wait(30)
-            while not _port_free(port):
-                time.sleep(0.05)
-
-
-def _port_free(port: int) -> bool:
-    import socket
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+            # untimed: the next round needs the port back (the same check `h3kit start` makes)
+            if not wait_port_free("127.0.0.1", port, 30):
+                sys.exit(f"port {port} still busy 30 s after the bare boot stopped")
 
 
 def h3kit(*args, env) -> subprocess.CompletedProcess:

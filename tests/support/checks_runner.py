@@ -7,10 +7,26 @@ pytest side asserts on.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import traceback
+
+
+def boot_comfy(argv=None) -> argparse.Namespace:
+    """Parse the scripts' common flags and import ComfyUI from --comfy-home on CPU, as its server would."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comfy-home", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, args.comfy_home)
+    os.chdir(args.comfy_home)
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = True
+    import comfy.model_management  # noqa: F401
+    return args
 
 
 def run_checks(checks: dict, only: str, out: str, extra=None) -> int:

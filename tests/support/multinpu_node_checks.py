@@ -10,7 +10,6 @@ is a mismatch and 2 is not (npu_count must equal the device count) either: only 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -262,16 +261,7 @@ def stall():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--comfy-home", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="")
-    args = ap.parse_args(argv)
-    sys.path.insert(0, args.comfy_home)
-    os.chdir(args.comfy_home)
-    import comfy.cli_args
-    comfy.cli_args.args.cpu = True
-    import comfy.model_management  # noqa: F401
+    args = checks_runner.boot_comfy(argv)
     return checks_runner.run_checks(CHECKS, args.only, args.out)
 
 

@@ -11,10 +11,8 @@ tiny_models (H3KIT_TOOLKIT on sys.path).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
-import sys
 
 import checks_runner  # tests/support, beside this script (its folder is on sys.path)
 
@@ -361,16 +359,7 @@ def node_wiring():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--comfy-home", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="")
-    args = ap.parse_args(argv)
-    sys.path.insert(0, args.comfy_home)
-    os.chdir(args.comfy_home)
-    import comfy.cli_args
-    comfy.cli_args.args.cpu = True
-    import comfy.model_management  # noqa: F401
+    args = checks_runner.boot_comfy(argv)
     import comfy.utils
     real = comfy.utils.load_torch_file
 
