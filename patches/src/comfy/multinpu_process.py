@@ -1,0 +1,1378 @@
+"""One process per device: the torch.distributed runtime the multi-device H3 runners use in production.
+
+With `h3kit start --transport process` (the default on NPU and CUDA) every device is a process, and the
+ranks of one service form one torch.distributed group: hccl on Ascend, nccl on CUDA, gloo on CPU.
+
+- Rank 0 is the ComfyUI server (or the parity and benchmark scripts). It hosts the group's TCPStore on the
+  port h3kit recorded, bound to the master address only (the loopback unless several hosts take part),
+  starts one worker process per other device of its host (`python -B -m comfy.multinpu_worker` with the
+  server's interpreter and ComfyUI arguments), replaces a worker that dies, and drives every forward.
+- A worker binds its device (the logical index of its local rank), joins the group and runs what rank 0
+  asks, forward after forward, on models it loaded itself from the same files (comfy.multinpu_models).
+- On every other host an agent (`python -B -m comfy.multinpu_process`, no ComfyUI) starts and replaces
+  that host's workers; the agent and its workers follow rank 0 through restarts of the master.
+
+Control plane: the store. Rank 0 numbers each group it forms (a generation g): the members are in
+"gen/{g}", commands in "cmd/{g}/{n}", numbered from 1 in each generation. A worker waits for its next
+command in a blocking store wait, so a server sits idle for hours without any collective timing out.
+A command is a small header, pickled: pickle runs code when it loads, so every value written to the store
+carries an HMAC-SHA256 under a key only the ranks of this service hold (H3KIT_GROUP_KEY), and nothing
+unauthenticated is unpickled. Pickle is the trusted transport between the ranks of one service, nothing
+more. Tensors never travel through the store: rank 0 packs a command's tensors into one byte buffer
+(the layout is in the header) and broadcasts it over the group.
+
+Failures are bounded. Every command ends with a barrier, so all ranks know when one failed. A rank that
+raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, which makes the pending
+collectives of the others fail at once; rank 0 re-raises the root cause naming the rank (an
+out-of-memory error as torch.OutOfMemoryError, so ComfyUI's unload-and-retry path runs), and the next
+command forms a new generation. A liveness monitor on rank 0 checks every rank before each command and
+while one runs: local workers by their process, remote ones by the reports of their agent and by the
+heartbeat each worker keeps in the store. A dead rank fails the command at once, named, and is replaced.
+On hccl/nccl a collective does not notice a dead peer by itself (HCCL_EXEC_TIMEOUT: 68 s at best), so
+the monitor also aborts the process group there: written against torch's documented
+_abort_process_group, unmeasured on Ascend and CUDA hardware. On gloo (its CPU twin, the path the tests
+run) a dead or killed peer closes its sockets, which fails the collective within milliseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import hashlib
+import hmac
+import io
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import weakref
+
+import torch
+import torch.distributed
+
+import comfy.multinpu
+
+GROUP_ENV = "H3KIT_GROUP"            # the JSON GroupSpec of this service (set by h3kit start)
+KEY_ENV = "H3KIT_GROUP_KEY"          # hex key authenticating every control message
+RANK_ENV = "H3KIT_RANK"
+LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
+PARENT_ENV = "H3KIT_PARENT_PID"
+HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
+
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+WORKER_MODULE = "comfy.multinpu_worker"
+RANKS_FILE = "ranks.json"
+STORE_PREFIX = "h3kit"
+END = "end"                          # the command that closes a generation
+
+HEARTBEAT_INTERVAL = 1.0
+# A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
+# replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
+HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
+LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
+ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
+CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
+CRASH_WINDOW = 120.0
+POLL = 0.05
+
+PROGRAMS = {}                        # name -> fn(context, comm, payload) run by the workers
+
+
+class GroupError(RuntimeError):
+    """The process group could not run a command (a rank missing, dead or failed)."""
+
+
+class RankDied(GroupError):
+    """A rank's process died (or stopped answering) while the group needed it."""
+
+
+class RankFailed(GroupError):
+    """A rank raised; the message names the rank and carries its exception type and message."""
+
+
+class ConfigMismatch(GroupError):
+    """A worker loaded something other than what rank 0 holds (another file, options or weight patches)."""
+
+
+def program(name: str):
+    """Register fn(context, comm, payload) as the worker side of the command `name`.
+
+    It may return a callable, run after the command's closing barrier (work that must not hold the
+    group, such as reading model files).
+    """
+    def register(fn):
+        PROGRAMS[name] = fn
+        return fn
+    return register
+
+
+# ---- the group's settings -----------------------------------------------------------------------
+
+class GroupSpec:
+    """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP.
+
+    Ranks are numbered node by node: rank = node_rank * local_size + local_rank; rank 0 is local rank 0
+    of node 0 (the ComfyUI server). Every node runs local_size ranks, one per device in `devices`.
+    """
+
+    FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
+              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module")
+
+    def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
+                 master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
+                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE):
+        if device_type not in BACKENDS:
+            raise ValueError(f"MultiNPU: device type {device_type!r} is not one of {sorted(BACKENDS)}")
+        if not (nnodes >= 1 and 0 <= node_rank < nnodes and local_size >= 1):
+            raise ValueError(f"MultiNPU: node {node_rank} of {nnodes} with {local_size} devices is not a group")
+        self.nnodes = int(nnodes)
+        self.node_rank = int(node_rank)
+        self.local_size = int(local_size)
+        self.device_type = device_type
+        self.devices = list(devices) if devices is not None else list(range(local_size))
+        self.master_addr = master_addr
+        self.master_port = int(master_port)
+        self.timeout = float(timeout)
+        self.join_timeout = float(join_timeout)
+        self.runtime_root = runtime_root
+        self.worker_args = list(worker_args)
+        self.worker_module = worker_module
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.local_size
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.device_type]
+
+    def rank_of(self, node: int, local_rank: int) -> int:
+        return node * self.local_size + local_rank
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_size
+
+    def device_name(self, rank: int) -> str:
+        """Rank `rank`'s device as its process names it ("npu:1": the logical index of its local rank)."""
+        return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{rank % self.local_size}"
+
+    def describe_rank(self, rank: int) -> str:
+        where = f", node {self.node_of(rank)}" if self.nnodes > 1 else ""
+        return f"rank {rank} ({self.device_name(rank)}{where})"
+
+    def to_json(self) -> str:
+        return json.dumps({f: getattr(self, f) for f in self.FIELDS})
+
+    @classmethod
+    def from_json(cls, text: str) -> GroupSpec:
+        data = json.loads(text)
+        return cls(**{f: data[f] for f in cls.FIELDS if f in data})
+
+    def layout(self) -> dict:
+        """What every node must agree on (an agent started with other settings is refused, named)."""
+        return {"nnodes": self.nnodes, "local_size": self.local_size, "device_type": self.device_type,
+                "master": f"{self.master_addr}:{self.master_port}"}
+
+
+def key_from_environment() -> bytes:
+    value = os.environ.get(KEY_ENV, "")
+    if not value:
+        raise GroupError(f"MultiNPU: {KEY_ENV} is not set: the ranks of a service share a key that "
+                         "authenticates their messages (h3kit start sets it)")
+    return value.encode()
+
+
+def new_key() -> str:
+    return os.urandom(32).hex()
+
+
+# ---- wire format ---------------------------------------------------------------------------------
+
+class _Signer:
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def sign(self, body: bytes) -> bytes:
+        return hmac.new(self.key, body, hashlib.sha256).digest() + body
+
+    def verify(self, data: bytes, what: str) -> bytes:
+        mac, body = data[:32], data[32:]
+        if not hmac.compare_digest(mac, hmac.new(self.key, body, hashlib.sha256).digest()):
+            # never unpickle what another key (or no key) wrote: pickle would run it
+            raise GroupError(f"MultiNPU: {what} is not signed with this service's key; refusing it")
+        return body
+
+    def dumps(self, obj) -> bytes:
+        return self.sign(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def loads(self, data: bytes, what: str):
+        return pickle.loads(self.verify(data, what))
+
+
+class _TensorPickler(pickle.Pickler):
+    # tensors are replaced by their index in `tensors`; they travel over the group, not in the pickle
+    def __init__(self, file, tensors):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file, tensors):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid):
+        return self.tensors[pid]
+
+
+def pack(obj):
+    """(pickle bytes, tensors): obj with every tensor taken out, for a header plus one broadcast."""
+    tensors = []
+    buf = io.BytesIO()
+    _TensorPickler(buf, tensors).dump(obj)
+    return buf.getvalue(), tensors
+
+
+def unpack(data: bytes, tensors):
+    return _TensorUnpickler(io.BytesIO(data), tensors).load()
+
+
+_ALIGN = 64
+
+
+def flatten(tensors, device) -> tuple:
+    """One uint8 buffer on `device` holding every tensor, and the layout [(offset, nbytes, shape, dtype, on_cpu)]."""
+    metas, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
+        offset += -(-nbytes // _ALIGN) * _ALIGN  # aligned, so every slice can be viewed as its dtype
+    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    for t, (start, nbytes, _, _, _) in zip(tensors, metas):
+        if nbytes:
+            buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf, metas
+
+
+def unflatten(buf: torch.Tensor, metas) -> list:
+    """The tensors of a buffer made by flatten: views of it, on its device (copied to the host where the
+    sender's tensor lived on the host)."""
+    out = []
+    for start, nbytes, shape, dtype, on_cpu in metas:
+        t = buf[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+        out.append(t.cpu() if on_cpu and t.device.type != "cpu" else t)
+    return out
+
+
+# ---- the store -----------------------------------------------------------------------------------
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def host_store(addr: str, port: int, timeout: float):
+    """The group's TCPStore, listening on addr:port only (torch's own server would listen on every
+    interface). Returns (store, listening socket, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = torch.distributed.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,
+                                       timeout=_td(timeout), master_listen_fd=sock.fileno(), use_libuv=True)
+    return store, sock, port
+
+
+def connect_store(addr: str, port: int, timeout: float, deadline: float = None):
+    """A client of the group's store, retrying until `deadline` (monotonic) while the master is not up."""
+    deadline = time.monotonic() + timeout if deadline is None else deadline
+    while True:
+        try:
+            return torch.distributed.TCPStore(addr, port, None, is_master=False, timeout=_td(timeout))
+        except (RuntimeError, torch.distributed.DistError) as e:
+            if time.monotonic() >= deadline:
+                raise GroupError(f"MultiNPU: cannot reach the group's store at {addr}:{port}: {e}") from None
+            time.sleep(0.5)
+
+
+def _store_gone(e: BaseException) -> bool:
+    return isinstance(e, (torch.distributed.DistNetworkError, ConnectionError))
+
+
+class _Control:
+    """Signed reads and writes of the control keys, under the service's prefix; one call at a time per
+    connection (rank 0's threads share them)."""
+
+    def __init__(self, store, signer: _Signer):
+        self.raw = store
+        self.store = torch.distributed.PrefixStore(STORE_PREFIX, store)
+        self.signer = signer
+        self._lock = threading.RLock()
+
+    def put(self, key: str, obj):
+        data = self.signer.dumps(obj)
+        with self._lock:
+            self.store.set(key, data)
+
+    def set(self, key: str, value: str):
+        with self._lock:
+            self.store.set(key, value)
+
+    def text(self, key: str) -> str:
+        with self._lock:
+            return self.store.get(key).decode()
+
+    def get(self, key: str):
+        with self._lock:
+            data = self.store.get(key)
+        return self.signer.loads(data, f"store key {key!r}")
+
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return self.store.check([key])
+
+    def peek(self, key: str, default=None):
+        with self._lock:
+            return self.get(key) if self.store.check([key]) else default
+
+    def counter(self, key: str, add: int = 0) -> int:
+        with self._lock:
+            return self.store.add(key, add)
+
+    def wait(self, key: str, timeout: float):
+        # no lock: a worker's main thread is the only user of its connection, and waits here for hours
+        self.store.wait([key], _td(timeout))
+        return self.get(key)
+
+
+# ---- local worker processes ------------------------------------------------------------------------
+
+def _die_with_parent():
+    """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:
+        os._exit(0)
+
+
+def _process_identity(pid: int) -> dict:
+    try:
+        import psutil
+        p = psutil.Process(pid)
+        with p.oneshot():
+            return {"pid": pid, "create_time": p.create_time(), "cmdline": p.cmdline()}
+    except Exception:  # psutil missing or the process already gone: the pid alone is still worth showing
+        return {"pid": pid, "create_time": None, "cmdline": []}
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class LocalWorkers:
+    """This host's worker processes: started, watched and replaced (by rank 0's monitor or an agent).
+
+    Workers are children of the process that owns this object and die with it (PR_SET_PDEATHSIG, and
+    their store connection); they stay in its process group, so `h3kit stop` reaches them with the
+    server. A rank that dies more than CRASH_LIMIT times within CRASH_WINDOW is not replaced again.
+    """
+
+    def __init__(self, spec: GroupSpec, key: str, local_ranks, cwd=None, python=None):
+        self.spec = spec
+        self.key = key
+        self.cwd = cwd or os.getcwd()
+        self.python = python or sys.executable
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
+        self.procs = {}
+        self.info = {}
+        self.deaths = collections.defaultdict(collections.deque)
+        self.failed = {}
+        self.killed = {}               # rank -> why this object killed it
+        self.stopping = False
+        for rank in self.ranks:
+            self.info[rank] = {"rank": rank, "node": spec.node_rank, "local_rank": rank % spec.local_size,
+                               "host": socket.gethostname(), "device": spec.device_name(rank), "pid": None,
+                               "create_time": None, "cmdline": [], "alive": False, "restarts": 0,
+                               "last_exit": None, "incarnation": 0}
+
+    def _env(self, rank: int) -> dict:
+        env = dict(os.environ)
+        env[GROUP_ENV] = self.spec.to_json()
+        env[KEY_ENV] = self.key
+        env[RANK_ENV] = str(rank)
+        env[LOCAL_RANK_ENV] = str(rank % self.spec.local_size)
+        env[PARENT_ENV] = str(os.getpid())
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever rank 0 simulates
+        return env
+
+    def spawn(self, rank: int):
+        argv = [self.python, "-B", "-m", self.spec.worker_module, *self.spec.worker_args]
+        proc = subprocess.Popen(argv, cwd=self.cwd, env=self._env(rank), stdin=subprocess.DEVNULL, close_fds=True)
+        self.procs[rank] = proc
+        info = self.info[rank]
+        info.update(_process_identity(proc.pid), alive=True)
+        info["incarnation"] += 1
+        logging.info(f"MultiNPU: started {self.spec.describe_rank(rank)} as pid {proc.pid}")
+        return proc
+
+    def start(self):
+        for rank in self.ranks:
+            self.spawn(rank)
+
+    def poll(self) -> list:
+        """[(rank, pid, reason)] of the workers that ended since the last poll; each is replaced unless
+        it is in a crash loop or the workers are stopping."""
+        ended = []
+        now = time.monotonic()
+        for rank, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            reason = _exit_reason(code)
+            if rank in self.killed:
+                reason = f"{self.killed.pop(rank)}: {reason}"
+            info = self.info[rank]
+            info.update(alive=False, last_exit=reason)
+            del self.procs[rank]
+            ended.append((rank, proc.pid, reason))
+            if self.stopping:
+                continue
+            deaths = self.deaths[rank]
+            deaths.append(now)
+            while deaths and now - deaths[0] > CRASH_WINDOW:
+                deaths.popleft()
+            if len(deaths) > CRASH_LIMIT:
+                self.failed[rank] = (f"{self.spec.describe_rank(rank)} died {len(deaths)} times within "
+                                     f"{CRASH_WINDOW:g} s (last: {reason}); not replaced again")
+                logging.error(f"MultiNPU: {self.failed[rank]}")
+                continue
+            logging.warning(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {proc.pid}) {reason}; replacing it")
+            info["restarts"] += 1
+            self.spawn(rank)
+        return ended
+
+    def kill(self, rank: int, why: str):
+        proc = self.procs.get(rank)
+        if proc is not None and proc.poll() is None:
+            logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {proc.pid}): {why}")
+            self.killed[rank] = why
+            proc.kill()
+
+    def pid(self, rank: int):
+        proc = self.procs.get(rank)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def stop(self, grace: float = 5.0):
+        self.stopping = True
+        procs = [p for p in self.procs.values() if p.poll() is None]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+        for rank, p in self.procs.items():
+            if p.poll() is not None:
+                self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
+
+
+def write_ranks_file(root, data: dict):
+    if not root:
+        return
+    path = os.path.join(root, RANKS_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except OSError as e:
+        logging.warning(f"MultiNPU: cannot write {path}: {e}")
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+# ---- rank 0 ----------------------------------------------------------------------------------------
+
+class RemoteConfig:
+    """Something every worker must hold before a command uses it: a model loaded from the same files
+    with the same weight patches (comfy.multinpu_models builds these).
+
+    program: the worker-side builder (registered with @program); payload: what it needs (tensors go over
+    the group); digest: rank 0's own {component: hex} digest, which every worker's must equal.
+    """
+
+    def __init__(self, program_name: str, payload, digest: dict, what: str):
+        self.id = uuid.uuid4().hex
+        self.program = program_name
+        self.payload = payload
+        self.digest = dict(digest)
+        self.what = what
+        self.installed = {}  # rank -> pid of the worker that holds it, checked
+
+
+class GroupRuntime:
+    """Rank 0 of the process group: owns the store, this host's workers, the group and every command.
+
+    One command runs at a time (`run`); the monitor thread forms the group, watches every rank, replaces
+    dead local workers and re-forms the group when the server is idle, so `h3kit status` shows every
+    rank joined without waiting for the next prompt.
+    """
+
+    def __init__(self, spec: GroupSpec, key: str, device=None):
+        if spec.node_rank != 0:
+            raise ValueError("MultiNPU: rank 0 runs on node 0; other nodes run an agent")
+        self.spec = spec
+        self.key = key
+        self.signer = _Signer(key.encode())
+        self.world_size = spec.world_size
+        self.rank = 0
+        self.device = torch.device(device if device is not None else spec.device_name(0))
+        self.state = "starting"
+        self.error = None
+        self.generation = 0
+        self.comm = None
+        self.members = {}              # rank -> pid in the current generation
+        self.commands = 0
+        self.next_cmd = 1
+        self.port = None
+        self.inflight = None           # (program, command number) while a command runs
+        self.dead = {}                 # rank -> "pid X: reason" noticed since the last command
+        self.configs = weakref.WeakSet()  # RemoteConfigs the workers were asked to hold
+        self._drops = []
+        self._free_pending = False
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._ranks_changed = True
+        self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
+        self._watch_lock = threading.RLock()
+        self._last_remote = 0.0
+        self._ended = True             # the current generation's END has been posted
+        self._remote_exits = {}        # rank -> last exit report read
+        self._local = None
+        self._thread = None
+        self._sock = None
+        self.ctl = None
+
+    # -- start and stop --
+
+    def start(self):
+        spec = self.spec
+        if spec.device_type == "cpu" and _is_loopback(spec.master_addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+        _set_hccl_timeout(spec)
+        store, self._sock, self.port = host_store(spec.master_addr, spec.master_port, spec.timeout)
+        spec.master_port = self.port  # the workers connect to the port the store got (0 asks for a free one)
+        self._base = store
+        self.ctl = _Control(store, self.signer)
+        self.ctl.put("layout", spec.layout())
+        self._mon = _Control(connect_store(spec.master_addr, self.port, spec.timeout), self.signer)
+        self._local = LocalWorkers(spec, self.key, range(1, spec.local_size))
+        self._thread = threading.Thread(target=self._monitor, name="multinpu-monitor", daemon=True)
+        self._thread.start()
+        logging.info(f"MultiNPU: process group of {self.world_size} ranks ({spec.backend}) on "
+                     f"{spec.master_addr}:{self.port}, {spec.nnodes} node(s) of {spec.local_size} device(s)")
+        return self
+
+    def shutdown(self, grace: float = 5.0):
+        self._stop.set()
+        with self._lock:
+            if self.comm is not None:
+                self._close_generation()
+            if self._local is not None:
+                self._local.stop(grace)
+        if self._thread is not None:
+            self._thread.join(5.0)
+        self._write_ranks()
+
+    # -- the monitor --
+
+    def _monitor(self):
+        # the local workers are started by this thread (PR_SET_PDEATHSIG follows the thread that forks)
+        self._local.start()
+        last_write = 0.0
+        while not self._stop.is_set():
+            try:
+                self._watch()
+                if self.state not in ("ready", "failed") and self._lock.acquire(blocking=False):
+                    try:
+                        self._form()
+                    except GroupError as e:
+                        logging.error(str(e))
+                    finally:
+                        self._lock.release()
+                now = time.monotonic()
+                if self._ranks_changed or now - last_write > 10.0:
+                    self._write_ranks()
+                    last_write = now
+            except Exception as e:  # the monitor must outlive any single bad read
+                if self._stop.is_set():
+                    break
+                logging.exception(f"MultiNPU: monitor: {e}")
+            self._stop.wait(0.1)
+
+    def _watch(self):
+        """Notice dead and hung ranks: local processes at once, agents' exit reports and heartbeats twice a
+        second."""
+        with self._watch_lock:
+            for rank, pid, reason in self._local.poll():
+                self._note_death(rank, pid, reason)
+            if self._local.failed and self.state != "failed":
+                self._fail("; ".join(self._local.failed.values()))
+            now = time.monotonic()
+            if now - self._last_remote < 0.5:
+                return
+            self._last_remote = now
+            for rank in range(1, self.world_size):
+                self._check_heartbeat(rank, now)
+                if self.spec.node_of(rank) != 0:
+                    report = self._mon.peek(f"exit/{rank}")
+                    if report is not None and report != self._remote_exits.get(rank):
+                        self._remote_exits[rank] = report
+                        self._note_death(rank, report["pid"], report["reason"])
+
+    def _check_heartbeat(self, rank: int, now: float):
+        pid = self.members.get(rank)
+        if pid is None:
+            return  # not joined yet: a starting worker may take a while to import its modules
+        count = self._mon.counter(f"hb/{rank}")
+        last = self._hb.get(rank)
+        if last is None or last[0] != pid or last[1] != count:
+            self._hb[rank] = (pid, count, now)
+            return
+        if now - last[2] <= HEARTBEAT_STALE:
+            return
+        why = f"no heartbeat for {now - last[2]:.0f} s (hung)"
+        self._hb[rank] = (pid, count, now)
+        if self.spec.node_of(rank) == 0:
+            self._local.kill(rank, why)  # its death is noticed (and it is replaced) like any other
+        else:
+            self._mon.put(f"kill/{rank}", {"pid": pid, "why": why})
+            self._note_death(rank, pid, why)
+
+    def _note_death(self, rank: int, pid, reason: str):
+        self._ranks_changed = True
+        if pid is None or self.members.get(rank) != pid:
+            return  # not a member of the current generation (a replacement that had not joined yet)
+        self.dead[rank] = f"pid {pid}: {reason}"
+        if self.state == "ready":
+            self.state = "broken"
+            self._put_state()
+            if self.inflight is not None:
+                logging.error(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {pid}) {reason} during "
+                              f"{self.inflight[0]}")
+                if self.spec.backend != "gloo":
+                    _abort_group()
+
+    def _fail(self, message: str):
+        self.state = "failed"
+        self.error = message
+        self._ranks_changed = True
+        self._put_state()
+
+    def _put_state(self):
+        try:
+            self._mon.put("state", {"state": self.state, "generation": self.generation, "error": self.error,
+                                   "members": dict(self.members)})
+        except Exception:
+            pass
+
+    # -- forming a generation --
+
+    def _announced(self) -> dict:
+        """rank -> pid of the live worker announced for each rank (None where none is)."""
+        out = {}
+        for rank in range(1, self.world_size):
+            if self.spec.node_of(rank) == 0:
+                out[rank] = self._local.pid(rank)
+                continue
+            info = self._mon.peek(f"worker/{rank}")
+            exited = self._remote_exits.get(rank)
+            if info is None or (exited is not None and exited["pid"] == info["pid"]):
+                out[rank] = None
+            else:
+                out[rank] = info["pid"]
+        return out
+
+    def _missing(self, ranks) -> str:
+        """Who is missing, by node where a whole node is."""
+        parts, by_node = [], collections.defaultdict(list)
+        for r in sorted(ranks):
+            by_node[self.spec.node_of(r)].append(r)
+        for node, rs in sorted(by_node.items()):
+            if node != 0 and not self._mon.has(f"node/{node}"):
+                parts.append(f"node {node} (ranks {', '.join(map(str, rs))}) never arrived: no agent connected "
+                             f"to {self.spec.master_addr}:{self.port} (start it there with h3kit start "
+                             f"--nnodes {self.spec.nnodes} --node-rank {node} ...)")
+            else:
+                parts.append(", ".join(self.spec.describe_rank(r) for r in rs) + " did not join")
+        return "; ".join(parts)
+
+    def _close_generation(self):
+        """Tell the workers of the current generation it is over (they leave their command loop) and
+        destroy rank 0's process group."""
+        if not self._ended:
+            self._ended = True
+            try:
+                self.ctl.put(f"cmd/{self.generation}/{self.next_cmd}", {"name": END})
+            except Exception:
+                pass
+        if self.comm is not None or torch.distributed.is_initialized():
+            _destroy_group()
+        self.comm = None
+
+    def _form(self):
+        """Form generation g+1 with every rank; bounded by join_timeout (GroupError naming who is missing)."""
+        self._close_generation()
+        self.state = "forming"
+        self._ranks_changed = True
+        deadline = time.monotonic() + self.spec.join_timeout
+        while True:
+            members = self._wait_members(deadline)
+            g = self.generation + 1
+            self.generation = g
+            self.ctl.put(f"gen/{g}", {"members": members})
+            self.ctl.set("gen", str(g))
+            self._put_state()
+            if self._wait_joined(g, members, deadline):
+                break
+        self.ctl.set(f"go/{g}", "1")
+        torch.distributed.init_process_group(self.spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", self._base),
+                                             rank=0, world_size=self.world_size, timeout=_td(self.spec.timeout))
+        self.comm = comfy.multinpu.ProcessComm(device=self.device)
+        self.members = {0: os.getpid(), **members}
+        self.next_cmd = 1
+        self._ended = False
+        self.dead = {}
+        self.state = "ready"
+        self.error = None
+        self._ranks_changed = True
+        self._put_state()
+        for cfg in self.configs:
+            # a replaced worker holds nothing; the others keep what they loaded
+            cfg.installed = {r: pid for r, pid in cfg.installed.items() if self.members.get(r) == pid}
+        logging.info(f"MultiNPU: process group generation {g} ready: {self.world_size} ranks")
+
+    def _wait_members(self, deadline: float) -> dict:
+        while True:
+            self._watch()
+            if self.state == "failed":
+                raise GroupError(f"MultiNPU: the process group failed: {self.error}")
+            announced = self._announced()
+            missing = [r for r, pid in announced.items() if pid is None]
+            if not missing:
+                return announced
+            if time.monotonic() >= deadline:
+                message = (f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: "
+                           f"{self._missing(missing)}")
+                self._fail(message)
+                raise GroupError(message)
+            time.sleep(POLL)
+
+    def _wait_joined(self, g: int, members: dict, deadline: float) -> bool:
+        """True once every member has joined g; False when one died meanwhile (form again)."""
+        while True:
+            self._watch()
+            if any(self._announced().get(r) != pid for r, pid in members.items()):
+                return False
+            waiting = [r for r in members if not self.ctl.has(f"joined/{g}/{r}")]
+            if not waiting:
+                return True
+            if time.monotonic() >= deadline:
+                message = (f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: "
+                           f"{', '.join(self.spec.describe_rank(r) for r in waiting)} started but did not join")
+                self._fail(message)
+                raise GroupError(message)
+            time.sleep(POLL)
+
+    # -- commands --
+
+    def _ensure_ready(self, what: str):
+        self._watch()
+        if self.state == "failed":
+            raise GroupError(f"MultiNPU: the process group failed: {self.error}")
+        if self.state != "ready":
+            logging.info(f"MultiNPU: re-forming the process group before {what}")
+            self._form()
+
+    def _post(self, name: str, payload) -> tuple:
+        data, tensors = pack(payload)
+        buf, metas = flatten(tensors, self.comm.device)
+        n = self.next_cmd
+        self.next_cmd += 1
+        self.commands += 1
+        self.ctl.put(f"cmd/{self.generation}/{n}", {"name": name, "data": data, "metas": metas, "nbytes": buf.numel()})
+        return n, buf
+
+    def run(self, name: str, payload, body, configs=()):
+        """Run command `name` on every rank: the workers run PROGRAMS[name](context, comm, payload), rank 0
+        runs body(comm) here; returns body's result.
+
+        configs: RemoteConfigs the workers must hold first (installed and checked where missing). Raises
+        GroupError subclasses naming the rank that failed or died (RankFailed, RankDied, ConfigMismatch),
+        torch.OutOfMemoryError for a worker that ran out of memory, or rank 0's own exception.
+        """
+        with self._lock:
+            self._ensure_ready(name)
+            self._housekeeping()
+            for cfg in configs:
+                self._install(cfg)
+            return self._execute(name, payload, body)
+
+    def _execute(self, name, payload, body):
+        n, buf = self._post(name, payload)
+        self.inflight = (name, n)
+        try:
+            if buf.numel():
+                self.comm.broadcast(buf, 0)
+            result = body(self.comm)
+            self.comm.barrier()
+            return result
+        except BaseException as e:
+            root = self._after_failure(e, name, n)
+            if root is e:
+                raise
+            raise root from e
+        finally:
+            self.inflight = None
+
+    def _housekeeping(self):
+        if self._free_pending:
+            self._free_pending = False
+            self._execute("free", None, lambda comm: None)
+            for cfg in self.configs:
+                cfg.installed = {}
+        if self._drops:
+            ids, self._drops = self._drops, []
+            self._execute("drop", ids, lambda comm: None)
+
+    def _install(self, cfg: RemoteConfig):
+        todo = [r for r in range(1, self.world_size) if cfg.installed.get(r) != self.members.get(r)]
+        if not todo:
+            return
+        if cfg not in self.configs:
+            self.configs.add(cfg)
+            weakref.finalize(cfg, self._drops.append, cfg.id)  # the workers let go of it with rank 0
+        t0 = time.monotonic()
+        self._execute("install", {"id": cfg.id, "program": cfg.program, "payload": cfg.payload, "ranks": todo},
+                      lambda comm: None)
+        reports = self._wait_reports(f"ready/{cfg.id}", todo, LOAD_TIMEOUT, f"loading {cfg.what}")
+        failed = {r: rep for r, rep in reports.items() if "error" in rep}
+        if failed:
+            r = min(failed)
+            raise _rank_exception(self.spec, r, failed[r]["error"], f"loading {cfg.what}")
+        bad = {}
+        for r, rep in reports.items():
+            diff = [k for k in sorted(set(cfg.digest) | set(rep["digest"])) if cfg.digest.get(k) != rep["digest"].get(k)]
+            if diff:
+                bad[r] = diff
+        if bad:
+            lines = [f"{self.spec.describe_rank(r)} differs in {', '.join(d)} ("
+                     + "; ".join(f"{k}: rank 0 {cfg.digest.get(k)!s:.40}, rank {r} {reports[r]['digest'].get(k)!s:.40}"
+                                 for k in d) + ")" for r, d in sorted(bad.items())]
+            raise ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
+                                 + ". Fix: the same model files at the same paths on every host")
+        for r in todo:
+            cfg.installed[r] = self.members[r]
+        logging.info(f"MultiNPU: {cfg.what} loaded and checked on {len(todo)} worker(s) in "
+                     f"{time.monotonic() - t0:.1f} s")
+
+    def _wait_reports(self, prefix: str, ranks, timeout: float, what: str) -> dict:
+        """{rank: report} of `prefix/{rank}` keys written by the current members; bounded, dead ranks named."""
+        deadline = time.monotonic() + timeout
+        reports = {}
+        while True:
+            for r in ranks:
+                if r in reports or not self.ctl.has(f"{prefix}/{r}"):
+                    continue
+                rep = self.ctl.get(f"{prefix}/{r}")
+                if rep.get("pid") == self.members.get(r):
+                    reports[r] = rep
+            if len(reports) == len(ranks):
+                return reports
+            self._watch()
+            gone = [r for r in ranks if r not in reports and r in self.dead]
+            if gone:
+                r = gone[0]
+                self.state = "broken"
+                raise RankDied(f"MultiNPU: {self.spec.describe_rank(r)} died while {what} ({self.dead[r]}); "
+                               "it is being replaced")
+            if time.monotonic() >= deadline:
+                late = [r for r in ranks if r not in reports]
+                raise GroupError(f"MultiNPU: {', '.join(self.spec.describe_rank(r) for r in late)} did not finish "
+                                 f"{what} within {timeout:g} s")
+            time.sleep(POLL)
+
+    def _after_failure(self, exc: BaseException, name: str, n: int) -> BaseException:
+        """Break the generation and find the root cause of a failed command."""
+        self.state = "broken"
+        self._ranks_changed = True
+        self._close_generation()  # the others leave their collectives now instead of at the timeout
+        self._put_state()
+        if not isinstance(exc, comfy.multinpu.CollectiveError):
+            return exc  # rank 0 itself failed first (an interrupt, an OOM on rank 0): the others followed
+        g = self.generation
+        reports = {}
+        deadline = time.monotonic() + ERROR_WAIT
+        while True:
+            for r in range(1, self.world_size):
+                if r not in reports and self.ctl.has(f"err/{g}/{n}/{r}"):
+                    reports[r] = self.ctl.get(f"err/{g}/{n}/{r}")
+            self._watch()
+            settled = all(r in reports or r in self.dead for r in range(1, self.world_size))
+            if settled or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL)
+        primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
+        if primary:
+            r = min(primary)
+            return _rank_exception(self.spec, r, primary[r], name)
+        dead = sorted(r for r in self.dead if r in self.members)
+        if dead:
+            r = dead[0]
+            return RankDied(f"MultiNPU: {self.spec.describe_rank(r)} died during {name} ({self.dead[r]}); the "
+                            "group is re-formed with its replacement for the next command")
+        return exc
+
+    # -- frees and drops --
+
+    def request_free(self):
+        """The workers unload their models with rank 0's (POST /free, the OOM handler); sent before the next
+        command, since the caller may be the prompt thread inside a failed command."""
+        self._free_pending = True
+
+    # -- the ranks file --
+
+    def ranks(self) -> list:
+        out = []
+        me = _process_identity(os.getpid())
+        out.append({"rank": 0, "node": 0, "local_rank": 0, "host": socket.gethostname(),
+                    "device": str(self.device), **me, "alive": True, "joined": self.state == "ready",
+                    "restarts": 0, "last_exit": None})
+        for rank in range(1, self.world_size):
+            if self.spec.node_of(rank) == 0:
+                info = dict(self._local.info[rank])
+            else:
+                info = {"rank": rank, "node": self.spec.node_of(rank), "local_rank": rank % self.spec.local_size,
+                        "device": self.spec.device_name(rank)}
+                announced = self._mon.peek(f"worker/{rank}") if self.ctl is not None else None
+                if announced:
+                    info.update({k: announced[k] for k in ("host", "pid", "create_time", "cmdline")})
+                exited = self._remote_exits.get(rank)
+                info["alive"] = bool(announced) and not (exited and exited["pid"] == announced["pid"])
+                info["last_exit"] = exited["reason"] if exited else None
+            info["joined"] = self.state == "ready" and self.members.get(rank) == info.get("pid") is not None
+            out.append(info)
+        return out
+
+    def _write_ranks(self):
+        self._ranks_changed = False
+        if not self.spec.runtime_root:
+            return
+        try:
+            with self._watch_lock:
+                ranks = self.ranks()
+        except Exception as e:
+            logging.debug(f"MultiNPU: ranks not readable now: {e}")
+            return
+        write_ranks_file(self.spec.runtime_root, {
+            "role": "rank0", "pid": os.getpid(), "updated": _now(), "state": self.state, "error": self.error,
+            "generation": self.generation, "world_size": self.world_size, "backend": self.spec.backend,
+            "master": f"{self.spec.master_addr}:{self.port}", "nnodes": self.spec.nnodes,
+            "commands": self.commands, "ranks": ranks})
+
+
+def _rank_exception(spec: GroupSpec, rank: int, report: dict, what: str) -> BaseException:
+    where = f"{spec.describe_rank(rank)}, pid {report.get('pid')}"
+    message = f"MultiNPU: {where} failed in {what}: {report.get('type')}: {report.get('message')}"
+    if report.get("oom"):
+        # torch's own OOM type, so ComfyUI's handler unloads the models and the user can retry
+        return torch.OutOfMemoryError(f"MultiNPU: {where} ran out of memory in {what}: {report.get('message')}")
+    exc = RankFailed(message)
+    exc.remote_traceback = report.get("traceback")
+    return exc
+
+
+def _destroy_group():
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception as e:
+            logging.debug(f"MultiNPU: destroy_process_group: {e}")
+
+
+def _abort_group():
+    # hccl/nccl: a collective waiting for a dead peer does not return by itself before HCCL_EXEC_TIMEOUT /
+    # the NCCL watchdog; abort it. torch's documented abort, unmeasured on Ascend and CUDA hardware.
+    try:
+        torch.distributed.distributed_c10d._abort_process_group()
+    except Exception as e:
+        logging.warning(f"MultiNPU: could not abort the process group: {e}")
+
+
+def _set_hccl_timeout(spec: GroupSpec):
+    if spec.device_type == "npu" and "HCCL_EXEC_TIMEOUT" not in os.environ:
+        # CANN takes [68, 17340] s, rounded down to a multiple of 68: at least the group's own timeout
+        os.environ["HCCL_EXEC_TIMEOUT"] = str(max(68, -(-int(spec.timeout) // 68) * 68))
+
+
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def _loopback_interface() -> str:
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"
+
+
+# ---- workers -----------------------------------------------------------------------------------------
+
+class WorkerContext:
+    """What a worker's programs share: its rank, device and the configurations it holds."""
+
+    def __init__(self, spec: GroupSpec, rank: int, device):
+        self.spec = spec
+        self.rank = rank
+        self.local_rank = rank % spec.local_size
+        self.device = torch.device(device)
+        self.configs = {}
+        self.ctl = None
+        self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
+
+
+def _heartbeat(spec: GroupSpec, port: int, rank: int, stop: threading.Event):
+    try:
+        store = torch.distributed.PrefixStore(STORE_PREFIX, connect_store(spec.master_addr, port, spec.timeout))
+        while not stop.wait(HEARTBEAT_INTERVAL):
+            store.add(f"hb/{rank}", 1)
+    except Exception:
+        return  # the store is gone: the main loop notices and exits
+
+
+def _report(ctl: _Control, key: str, exc: BaseException, collective: bool):
+    import traceback
+    try:
+        ctl.put(key, {"pid": os.getpid(), "type": type(exc).__name__, "message": str(exc)[:2000],
+                      "oom": is_oom(exc), "collective": collective,
+                      "traceback": "".join(traceback.format_exception(exc))[-6000:]})
+    except Exception:
+        pass
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Out of memory on a device (torch's OOM type, or an accelerator error saying so) or on the host
+    (the CPU allocator's "can't allocate memory")."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "can't allocate memory" in text
+
+
+def serve(context: WorkerContext):
+    """A worker's life: join each generation that includes it and run its commands, until rank 0 is gone."""
+    spec, rank = context.spec, context.rank
+    signer = _Signer(key_from_environment())
+    deadline = time.monotonic() + spec.join_timeout
+    base = connect_store(spec.master_addr, spec.master_port, spec.timeout, deadline)
+    ctl = _Control(base, signer)
+    context.ctl = ctl
+    layout = ctl.wait("layout", spec.join_timeout)
+    if layout != spec.layout():
+        raise GroupError(f"MultiNPU: rank {rank} was started for {spec.layout()}, rank 0 runs {layout}")
+    ctl.put(f"worker/{rank}", {"pid": os.getpid(), "host": socket.gethostname(), "device": str(context.device),
+                               **_process_identity(os.getpid())})
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(spec, spec.master_port, rank, stop), daemon=True,
+                     name="multinpu-heartbeat").start()
+    logging.info(f"MultiNPU: rank {rank} ({context.device}) pid {os.getpid()} waiting for the group")
+    done = 0
+    try:
+        while True:
+            g = _next_generation(ctl, rank, done)
+            if g is None:
+                continue
+            done = g
+            if _join(ctl, base, spec, rank, g):
+                _commands(ctl, context, g)
+    except BaseException as e:
+        if _store_gone(e) or isinstance(e, torch.distributed.DistStoreError):
+            logging.info(f"MultiNPU: rank {rank}: rank 0 is gone; exiting")
+            return
+        raise
+    finally:
+        stop.set()
+
+
+def _next_generation(ctl: _Control, rank: int, after: int):
+    """The newest generation after `after` that lists this process; None to look again."""
+    pid = os.getpid()
+    while True:
+        if ctl.has("gen"):
+            g = int(ctl.text("gen"))
+            if g > after and ctl.get(f"gen/{g}")["members"].get(rank) == pid:
+                return g
+        time.sleep(POLL)
+
+
+def _join(ctl: _Control, base, spec: GroupSpec, rank: int, g: int) -> bool:
+    _destroy_group()
+    ctl.set(f"joined/{g}/{rank}", str(os.getpid()))
+    while not ctl.has(f"go/{g}"):
+        if int(ctl.text("gen")) != g:
+            return False  # rank 0 gave up on g (a member died): wait for the next one
+        time.sleep(POLL)
+    torch.distributed.init_process_group(spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", base),
+                                         rank=rank, world_size=spec.world_size, timeout=_td(spec.timeout))
+    return True
+
+
+def _commands(ctl: _Control, context: WorkerContext, g: int):
+    comm = comfy.multinpu.ProcessComm(device=context.device)
+    broken = False
+    n = 1
+    while True:
+        header = ctl.wait(f"cmd/{g}/{n}", 365 * 24 * 3600.0)
+        name = header["name"]
+        if name == END:
+            _destroy_group()
+            return
+        after = None
+        if not broken:
+            try:
+                buf = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm.device)
+                if header["nbytes"]:
+                    buf = comm.broadcast(buf, 0)
+                payload = unpack(header["data"], unflatten(buf, header["metas"]))
+                fn = _BUILTINS.get(name) or PROGRAMS.get(name)
+                if fn is None:
+                    raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
+                after = fn(context, comm, payload)
+                comm.barrier()
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                collective = isinstance(e, comfy.multinpu.CollectiveError)
+                if not collective:
+                    logging.exception(f"MultiNPU: rank {context.rank} failed in {name}")
+                _report(ctl, f"err/{g}/{n}/{context.rank}", e, collective)
+                if is_oom(e):
+                    _free_memory(context)
+                _destroy_group()  # the others' collectives fail now, not at the timeout
+                broken = True
+        if after is not None:
+            after()
+        n += 1
+
+
+def _free_memory(context: WorkerContext):
+    free = getattr(context, "free", None)
+    if free is not None:
+        try:
+            free()
+        except Exception as e:
+            logging.warning(f"MultiNPU: rank {context.rank}: freeing memory failed: {e}")
+
+
+def _install(context: WorkerContext, comm, payload):
+    if context.rank not in payload["ranks"]:
+        return None
+    ctl = context.ctl
+
+    def load():
+        key = f"ready/{payload['id']}/{context.rank}"
+        try:
+            held = PROGRAMS[payload["program"]](context, comm, payload["payload"])
+            context.configs[payload["id"]] = held
+            ctl.put(key, {"pid": os.getpid(), "digest": held.digest})
+        except Exception as e:
+            logging.exception(f"MultiNPU: rank {context.rank} could not load {payload['program']}")
+            if is_oom(e):
+                _free_memory(context)
+            ctl.put(key, {"pid": os.getpid(), "error": {"pid": os.getpid(), "type": type(e).__name__,
+                                                        "message": str(e)[:2000], "oom": is_oom(e)}})
+    return load
+
+
+def _drop(context: WorkerContext, comm, ids):
+    for i in ids:
+        context.configs.pop(i, None)
+
+
+def _free(context: WorkerContext, comm, payload):
+    context.configs.clear()
+    _free_memory(context)
+
+
+_BUILTINS = {"install": _install, "drop": _drop, "free": _free}
+
+
+# ---- the agent of another node -------------------------------------------------------------------
+
+class Agent:
+    """Node R > 0: starts its workers once the master's store answers, replaces the ones that die, reports
+    their deaths and heartbeats, and follows rank 0 through restarts of the master."""
+
+    def __init__(self, spec: GroupSpec, key: str):
+        self.spec = spec
+        self.key = key
+        self.signer = _Signer(key.encode())
+        self.stop = threading.Event()
+
+    def run(self):
+        if self.spec.device_type == "cpu" and _is_loopback(self.spec.master_addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+        _set_hccl_timeout(self.spec)
+        while not self.stop.is_set():
+            try:
+                ctl = _Control(connect_store(self.spec.master_addr, self.spec.master_port, self.spec.timeout,
+                                             time.monotonic() + self.spec.join_timeout), self.signer)
+            except GroupError as e:
+                logging.error(f"{e}; the agent of node {self.spec.node_rank} gives up")
+                self._write(None, "failed", str(e))
+                return 1
+            layout = ctl.wait("layout", self.spec.join_timeout)
+            if layout != self.spec.layout():
+                message = (f"MultiNPU: node {self.spec.node_rank} was started with {self.spec.layout()}, rank 0 "
+                           f"runs {layout}: start every node with the same --nnodes, device count and master")
+                logging.error(message)
+                self._write(None, "failed", message)
+                return 2
+            self._serve(ctl)
+        return 0
+
+    def _serve(self, ctl: _Control):
+        spec = self.spec
+        ctl.put(f"node/{spec.node_rank}", {"pid": os.getpid(), "host": socket.gethostname(),
+                                           "local_size": spec.local_size})
+        local = LocalWorkers(spec, self.key, range(spec.local_size))
+        local.start()
+        logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
+        last_write = 0.0
+        try:
+            while not self.stop.wait(0.1):
+                for rank, pid, reason in local.poll():
+                    ctl.put(f"exit/{rank}", {"pid": pid, "reason": reason})
+                for rank in local.ranks:
+                    req = ctl.peek(f"kill/{rank}")
+                    if req is not None and req.get("pid") == local.pid(rank):
+                        local.kill(rank, req.get("why", "rank 0 asked"))
+                if time.monotonic() - last_write > 1.0:
+                    state = ctl.peek("state") or {"state": "starting"}
+                    self._write(local, state.get("state"), state.get("error"), state)
+                    last_write = time.monotonic()
+        except BaseException as e:
+            if not (_store_gone(e) or isinstance(e, (RuntimeError, torch.distributed.DistError))):
+                raise
+            logging.warning(f"MultiNPU: node {spec.node_rank} agent: rank 0's store went away ({e}); stopping "
+                            "the workers and waiting for it to come back")
+        finally:
+            local.stop()
+            self._write(local, "waiting", "rank 0 is gone")
+
+    def _write(self, local, state, error, group=None):
+        ranks = []
+        if local is not None:
+            members = (group or {}).get("members") or {}
+            for rank in local.ranks:
+                info = dict(local.info[rank])
+                info["joined"] = state == "ready" and members.get(rank) == info.get("pid") is not None
+                ranks.append(info)
+        write_ranks_file(self.spec.runtime_root, {
+            "role": "agent", "pid": os.getpid(), "updated": _now(), "node_rank": self.spec.node_rank,
+            "state": state, "error": error, "generation": (group or {}).get("generation"),
+            "world_size": self.spec.world_size, "backend": self.spec.backend,
+            "master": f"{self.spec.master_addr}:{self.spec.master_port}", "nnodes": self.spec.nnodes, "ranks": ranks})
+
+
+# ---- rank 0's runtime in this process --------------------------------------------------------------
+
+_RUNTIME = None
+
+
+def get_runtime():
+    """The GroupRuntime of this process when it is rank 0 of a process group, else None (threads)."""
+    return _RUNTIME
+
+
+def start_runtime(spec: GroupSpec, key: str, device=None) -> GroupRuntime:
+    global _RUNTIME
+    if _RUNTIME is not None:
+        raise GroupError("MultiNPU: this process already runs a process group")
+    _RUNTIME = GroupRuntime(spec, key, device).start()
+    return _RUNTIME
+
+
+def stop_runtime():
+    global _RUNTIME
+    if _RUNTIME is not None:
+        _RUNTIME.shutdown()
+        _RUNTIME = None
+
+
+def start_from_environment(device=None):
+    """Start rank 0's runtime when h3kit started this server with the process transport (H3KIT_GROUP set)."""
+    text = os.environ.get(GROUP_ENV)
+    if not text:
+        return None
+    spec = GroupSpec.from_json(text)
+    if spec.node_rank != 0:
+        raise GroupError(f"MultiNPU: {GROUP_ENV} names node {spec.node_rank}; ComfyUI runs on node 0 only")
+    spec.worker_args = list(sys.argv[1:])  # the workers parse the server's ComfyUI arguments
+    return start_runtime(spec, key_from_environment().decode(), device)
+
+
+def wait_ready(runtime: GroupRuntime, timeout: float):
+    """Block until the group has formed (scripts that drive it directly); GroupError when it cannot."""
+    deadline = time.monotonic() + timeout
+    while runtime.state != "ready":
+        if runtime.state == "failed":
+            raise GroupError(f"MultiNPU: the process group failed: {runtime.error}")
+        if time.monotonic() > deadline:
+            raise GroupError(f"MultiNPU: the process group did not form within {timeout:g} s")
+        time.sleep(POLL)
+
+
+def agent_main():
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    spec = GroupSpec.from_json(os.environ[GROUP_ENV])
+    agent = Agent(spec, key_from_environment().decode())
+    signal.signal(signal.SIGTERM, lambda *a: agent.stop.set())
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main())

@@ -1,0 +1,60 @@
+"""A worker of the multi-device process group: one device, the same models as rank 0, rank 0's commands.
+
+    python -B -m comfy.multinpu_worker [the server's ComfyUI arguments]
+
+Started from the ComfyUI tree with the server's interpreter by rank 0 (comfy.multinpu_process) or by the
+agent of another host, with H3KIT_GROUP, H3KIT_GROUP_KEY and H3KIT_RANK set. It binds its device before
+comfy.model_management picks one (the logical index of its local rank: ASCEND_RT_VISIBLE_DEVICES /
+CUDA_VISIBLE_DEVICES list the host's devices, rank 0 takes the first), parses the server's ComfyUI
+arguments so comfy.cli_args.args are the server's (--cpu on the CPU simulation), loads the runners'
+worker programs and serves the group until rank 0 goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+import comfy.multinpu_process
+
+
+def bind_device(device_type: str, local_rank: int) -> torch.device:
+    """Make this process's device current: before anything asks comfy.model_management for it."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    torch.get_device_module(device_type).set_device(local_rank)
+    return torch.device(device_type, local_rank)
+
+
+def main():
+    comfy.multinpu_process._die_with_parent()
+    spec = comfy.multinpu_process.GroupSpec.from_json(os.environ[comfy.multinpu_process.GROUP_ENV])
+    rank = int(os.environ[comfy.multinpu_process.RANK_ENV])
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s", stream=sys.stdout)
+    device = bind_device(spec.device_type, rank % spec.local_size)
+
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    import comfy.cli_args
+    if spec.device_type == "cpu":
+        comfy.cli_args.args.cpu = True  # before comfy.model_management is imported, or it probes CUDA
+    import comfy.model_management
+    # the worker sides of the runners' commands register themselves on import
+    import comfy.multinpu_models  # noqa: F401
+    import comfy.multinpu_dit  # noqa: F401
+    import comfy.multinpu_te  # noqa: F401
+    import comfy.multinpu_vae  # noqa: F401
+
+    context = comfy.multinpu_process.WorkerContext(spec, rank, device)
+    context.free = comfy.model_management.unload_all_models
+    comfy.multinpu_process.serve(context)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    # skip interpreter teardown: torch's static destructors can abort once a process group has run
+    os._exit(0)
