@@ -207,7 +207,7 @@ def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
 
     home = Path(opts.comfy_home).expanduser().absolute()
     if opts.npu_count not in h3devices.ALLOWED_COUNTS:
-        raise UsageError(f"--npu-count {opts.npu_count}: H3 runs on 1, 2 or 4 devices")
+        raise UsageError(f"--npu-count {opts.npu_count}: H3 runs on 1, 2, 4 or 8 devices")
     device_type = h3devices.resolve_device_type(opts.device_type)
     devices = list(range(opts.npu_count))
     report: dict = {"ok": False, "comfy_home": str(home), "device_type": device_type,

@@ -410,6 +410,7 @@ class LocalWorkers:
         self.deaths = collections.defaultdict(collections.deque)
         self.failed = {}
         self.killed = {}               # rank -> why this object killed it
+        self.respawn_at = {}           # rank -> monotonic time its replacement starts
         self.stopping = False
         for rank in self.ranks:
             self.info[rank] = {"rank": rank, "node": spec.node_rank, "local_rank": rank % spec.local_size,
@@ -469,9 +470,16 @@ class LocalWorkers:
                                      f"{CRASH_WINDOW:g} s (last: {reason}); not replaced again")
                 logging.error(f"MultiNPU: {self.failed[rank]}")
                 continue
-            logging.warning(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {proc.pid}) {reason}; replacing it")
-            info["restarts"] += 1
-            self.spawn(rank)
+            # the first replacement starts at once, repeated deaths wait longer (0.5 s, 1 s, ... up to 8 s)
+            delay = 0.0 if len(deaths) == 1 else min(8.0, 0.25 * 2 ** (len(deaths) - 1))
+            logging.warning(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {proc.pid}) {reason}; replacing it"
+                            + (f" in {delay:g} s" if delay else ""))
+            self.respawn_at[rank] = now + delay
+        for rank, when in list(self.respawn_at.items()):
+            if now >= when and not self.stopping:
+                del self.respawn_at[rank]
+                self.info[rank]["restarts"] += 1
+                self.spawn(rank)
         return ended
 
     def kill(self, rank: int, why: str):
@@ -829,7 +837,10 @@ class GroupRuntime:
         n = self.next_cmd
         self.next_cmd += 1
         self.commands += 1
-        self.ctl.put(f"cmd/{self.generation}/{n}", {"name": name, "data": data, "metas": metas, "nbytes": buf.numel()})
+        # the workers run in rank 0's grad and inference modes (ComfyUI executes prompts in inference mode)
+        self.ctl.put(f"cmd/{self.generation}/{n}", {"name": name, "data": data, "metas": metas, "nbytes": buf.numel(),
+                                                   "grad": torch.is_grad_enabled(),
+                                                   "inference": torch.is_inference_mode_enabled()})
         return n, buf
 
     def run(self, name: str, payload, body, configs=()):
@@ -1171,6 +1182,7 @@ def _commands(ctl: _Control, context: WorkerContext, g: int):
             _destroy_group()
             return
         after = None
+        modes = (torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)))
         if not broken:
             try:
                 buf = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm.device)
@@ -1180,7 +1192,8 @@ def _commands(ctl: _Control, context: WorkerContext, g: int):
                 fn = _BUILTINS.get(name) or PROGRAMS.get(name)
                 if fn is None:
                     raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
-                after = fn(context, comm, payload)
+                with modes[0], modes[1]:
+                    after = fn(context, comm, payload)
                 comm.barrier()
             except BaseException as e:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -1194,7 +1207,8 @@ def _commands(ctl: _Control, context: WorkerContext, g: int):
                 _destroy_group()  # the others' collectives fail now, not at the timeout
                 broken = True
         if after is not None:
-            after()
+            with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
+                after()
         n += 1
 
 

@@ -12,6 +12,7 @@ worker programs and serves the group until rank 0 goes away.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -19,6 +20,10 @@ import sys
 import torch
 
 import comfy.multinpu_process
+import comfy.options
+
+# the runners whose worker sides (their @comfy.multinpu_process.program functions) this process serves
+RUNNERS = ("comfy.multinpu_models", "comfy.multinpu_dit", "comfy.multinpu_te", "comfy.multinpu_vae")
 
 
 def bind_device(device_type: str, local_rank: int) -> torch.device:
@@ -36,20 +41,17 @@ def main():
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s", stream=sys.stdout)
     device = bind_device(spec.device_type, rank % spec.local_size)
 
-    import comfy.options
+    # comfy.cli_args parses sys.argv when it is first imported, as in main.py: the server's own arguments
     comfy.options.enable_args_parsing()
-    import comfy.cli_args
+    cli_args = importlib.import_module("comfy.cli_args")
     if spec.device_type == "cpu":
-        comfy.cli_args.args.cpu = True  # before comfy.model_management is imported, or it probes CUDA
-    import comfy.model_management
-    # the worker sides of the runners' commands register themselves on import
-    import comfy.multinpu_models  # noqa: F401
-    import comfy.multinpu_dit  # noqa: F401
-    import comfy.multinpu_te  # noqa: F401
-    import comfy.multinpu_vae  # noqa: F401
+        cli_args.args.cpu = True  # before comfy.model_management is imported, or it probes CUDA
+    model_management = importlib.import_module("comfy.model_management")
+    for name in RUNNERS:
+        importlib.import_module(name)
 
     context = comfy.multinpu_process.WorkerContext(spec, rank, device)
-    context.free = comfy.model_management.unload_all_models
+    context.free = model_management.unload_all_models
     comfy.multinpu_process.serve(context)
 
 

@@ -26,6 +26,9 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
+@click.option("--transport", type=click.Choice(parity_lib.TRANSPORTS), default="threads", show_default=True,
+              help="threads: the ranks are threads of one process; process: one process per device in a "
+                   "torch.distributed group (gloo on cpu, hccl on npu, nccl on cuda), as h3kit start runs them.")
 @click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--inject-fault", is_flag=True,
               help="Make the parallel path wrong on purpose (dit: one device's shard left out of the gathers; "
@@ -35,7 +38,7 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
               metavar="S", help="Seconds before the worker is killed.")
 @json_option
 @handle_errors
-def parity(comfy_home, component, device_type, npu_count, python, inject_fault, timeout, as_json):
+def parity(comfy_home, component, device_type, npu_count, transport, python, inject_fault, timeout, as_json):
     """Compare a multi-device run with one device (tiny random weights).
 
     dit: samples a tiny random-weight H3 DiT two steps with CFG on one device and through the
@@ -56,8 +59,9 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
     sigterm_as_interrupt()  # terminated like Ctrl-C: the worker, which holds the devices, is killed too
     kind = h3devices.resolve_device_type(device_type)
     n = int(npu_count)
-    err(f"h3kit: parity of {component} on {n} {kind} device(s){' with an injected fault' if inject_fault else ''}")
-    report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout)
+    err(f"h3kit: parity of {component} on {n} {kind} device(s) ({transport}){' with an injected fault' if inject_fault else ''}")
+    report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout,
+                            transport=transport)
     rows = report["rows"]
     if as_json:
         emit_json(rows)
@@ -74,7 +78,7 @@ def _print_rows(rows, config, component):
     devices = ", ".join(config.get("devices", []))
     if component == "dit":
         click.echo(f"{component}: {config.get('dtype')}, {config.get('steps')} steps, cfg {config.get('cfg')}, "
-                   f"devices {devices}")
+                   f"devices {devices}, transport {config.get('transport')}")
         click.echo(f"{'layout':8} {'attention':10} {'S':>5} {'fwd':>4} {'max_abs':>10} {'max_rel':>10} {'cos':>12} "
                    f"{'rel_rms':>10} {'bytes':>10}  gate")
         for r in rows:

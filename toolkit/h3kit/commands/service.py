@@ -51,7 +51,7 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
 @click.command()
 @comfy_home_option()
 @click.option("--devices", required=True, metavar="LIST",
-              help="Device ids, comma-separated, ascending, no spaces: 1, 2 or 4 of them (e.g. 0,1,2,3).")
+              help="Device ids of this host, comma-separated, ascending, no spaces: 1, 2, 4 or 8 of them (e.g. 0,1,2,3).")
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu.")
 @click.option("--port", type=click.IntRange(1, 65535), default=service.DEFAULT_PORT, show_default=True,

@@ -28,36 +28,44 @@ GATES = {"dit": "max_rel <= 1e-05 (fp32)",
 DEFAULT_TIMEOUT = 900.0
 PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
                  "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py")
+PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_worker.py", "comfy/multinpu_models.py")
+TRANSPORTS = ("threads", "process")
 
 
 class ParityFailed(H3kitError):
     code = "parity_failed"
 
 
-def check_tree(comfy_home: Path) -> None:
+def check_tree(comfy_home: Path, transport: str = "threads") -> None:
     home = Path(comfy_home)
     if not (home / "comfy" / "model_management.py").is_file():
         raise UsageError(f"{home} is not a ComfyUI checkout (no comfy/model_management.py)",
                          code="not_comfy", hint="pass the directory h3kit install created as --comfy-home")
-    missing = [p for p in PATCHED_FILES if not (home / p).is_file()]
+    needed = PATCHED_FILES + (PROCESS_FILES if transport == "process" else ())
+    missing = [p for p in needed if not (home / p).is_file()]
     if missing:
         raise H3kitError(f"{home} lacks the multi-device patches ({', '.join(missing)} missing)",
                          code="not_patched", hint=f"run h3kit install --comfy-home {home}")
 
 
 def run(comfy_home, component: str, device_type: str, npu_count: int, *, python: str = None,
-        inject_fault: bool = False, timeout: float = DEFAULT_TIMEOUT, extra_args=()) -> dict:
-    """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows."""
+        inject_fault: bool = False, timeout: float = DEFAULT_TIMEOUT, extra_args=(), transport: str = "threads") -> dict:
+    """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows.
+
+    transport "process": the worker becomes rank 0 of a process group of npu_count processes (gloo on cpu,
+    hccl on npu, nccl on cuda), started and ended inside the worker's own session."""
     if component not in COMPONENTS:
         raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
+    if transport not in TRANSPORTS:
+        raise UsageError(f"unknown transport {transport!r}", hint=f"use one of {', '.join(TRANSPORTS)}")
     home = Path(comfy_home).resolve()
-    check_tree(home)
+    check_tree(home, transport)
     py = service.resolve_python(home, python)
     with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
         out = Path(tmp) / "report.json"
         log = Path(tmp) / "worker.log"
         cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
-               "--npu-count", str(npu_count), "--out", str(out), *extra_args]
+               "--npu-count", str(npu_count), "--transport", transport, "--out", str(out), *extra_args]
         if inject_fault:
             cmd.append("--inject-fault")
         with open(log, "wb") as logf:

@@ -1,7 +1,8 @@
 """Parity of the multi-device H3 components against one device, run inside the ComfyUI interpreter.
 
     python parity_worker.py --comfy-home DIR --component dit|te|vae --device-type cpu|npu|cuda --npu-count N
-                            --out FILE [--inject-fault] [--layouts ...] [--steps K] [--timeout S]
+                            --out FILE [--transport threads|process] [--inject-fault] [--layouts ...]
+                            [--steps K] [--timeout S]
 
 `h3kit parity` starts this script with the interpreter that runs ComfyUI; it imports nothing from
 h3kit's package (that interpreter may not have it; the tiny model builders are loaded from their file).
@@ -25,6 +26,10 @@ rel_rms <= 1e-4 in fp32, every rank's final hidden states identical and the same
 --inject-fault drops the last rank's share of every reduction and corrupts the layer hand-overs. vae
 decodes latents of 1 to 27 frames (1 to 5 temporal chunks, 2x2 spatial tiles in one) and an audio
 latent; gate max_abs == 0. --inject-fault zeroes every chunk another device decoded.
+
+--transport process: this script becomes rank 0 of a process group of N processes (comfy.multinpu_process:
+one worker per other device, started from the tree with this interpreter, gloo on CPU, hccl/nccl on
+devices) and the node runs every component over it; the workers load the same checkpoint files.
 
 The JSON written to --out: {"ok", "rows": [...], "config": {...}} or {"ok": false, "error"}.
 """
@@ -77,6 +82,20 @@ def _setup_comfy(comfy_home, device_type, npu_count):
         # before comfy.model_management is imported, or it probes CUDA
         comfy.cli_args.args.cpu = True
     import comfy.model_management  # noqa: F401
+
+
+def _start_group(args):
+    """--transport process: this process becomes rank 0 of N processes (the workers import the tree)."""
+    if args.transport != "process" or args.npu_count == 1:
+        return None
+    import comfy.model_management
+    import comfy.multinpu_process as mp
+    key = os.environ.setdefault(mp.KEY_ENV, mp.new_key())
+    spec = mp.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
+                        join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
+    runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
+    mp.wait_ready(runtime, args.timeout)
+    return runtime
 
 
 def _tiny_checkpoint(path, seed):
@@ -190,10 +209,11 @@ def run_dit(args):
         return {"ok": False, "error": {"code": "device_check", "message": problem}}
     if args.inject_fault:
         _inject_fault()
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
-        ckpt = os.path.join(tmp, "tiny_h3_dit.safetensors")
-        _tiny_checkpoint(ckpt, args.seed)
-        base = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
+    runtime = _start_group(args)
+    tmp = tempfile.mkdtemp(prefix="h3kit-parity-")  # under --out's folder: the workers load the file too
+    ckpt = os.path.join(tmp, "tiny_h3_dit.safetensors")
+    _tiny_checkpoint(ckpt, args.seed)
+    base = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
     params = sum(t.numel() for t in base.model.diffusion_model.state_dict().values())
     modes = ("auto", "kv_gather") if args.npu_count > 1 else ("auto",)
     rows = []
@@ -210,6 +230,7 @@ def run_dit(args):
             if wrapper is not None:
                 wrapper.attention = attention
                 wrapper.timeout = args.timeout
+                wrapper.count_bytes = True
             t0 = time.perf_counter()
             parallel = _run(m, capture, inputs, args.steps, args.seed)
             t_parallel = time.perf_counter() - t0
@@ -221,7 +242,8 @@ def run_dit(args):
             used = "none" if args.npu_count == 1 else (
                 "ulysses" if attention == "auto" and heads % args.npu_count == 0 else "kv_gather")
             row = {"component": "dit", "layout": layout, "attention": used, "npu_count": args.npu_count,
-                   "device_type": args.device_type, "seq_len": _seq_len(layout, args.seed),
+                   "device_type": args.device_type, "transport": _transport(args, runtime),
+                   "seq_len": _seq_len(layout, args.seed),
                    "forwards": len(parallel), **_metrics(single, parallel),
                    "bytes_moved": wrapper.bytes_moved if wrapper else 0,
                    "parallel_forwards": wrapper.forwards if wrapper else 0,
@@ -229,11 +251,16 @@ def run_dit(args):
             row["pass"] = row["max_rel"] <= GATE_MAX_REL
             rows.append(row)
     config = {"dit": TINY, "params": params, "text_len": TEXT_LEN, "video_latent": VIDEO_SHAPE,
+              "transport": _transport(args, runtime), "rank_bytes": wrapper.rank_bytes if wrapper else None,
               "audio_latent": AUDIO_SHAPE, "dtype": "float32", "gate": f"max_rel <= {GATE_MAX_REL}",
               "steps": args.steps, "cfg": 2.0,
               "devices": [str(d) for d in comfy.multidevice.get_devices()[:args.npu_count]],
               "inject_fault": FAULT_NOTE if args.inject_fault else None}
     return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+
+
+def _transport(args, runtime):
+    return "none" if args.npu_count == 1 else ("process" if runtime is not None else "threads")
 
 
 def _tiny_models():
@@ -350,8 +377,8 @@ def run_te(args):
         return error
     if args.inject_fault:
         _inject_te_fault(args.npu_count)
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
-        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "te"))
+    runtime = _start_group(args)
+    loaded, reads, paths, tiny = _load_through_nodes(tempfile.mkdtemp(prefix="h3kit-parity-"), args.seed, ("dit", "te"))
     clip = loaded["te"]
     layouts = [x for x in args.layouts if x in TE_LAYOUTS] or list(TE_LAYOUTS)
     single = {}
@@ -361,7 +388,8 @@ def run_te(args):
     variants = [("node", node.execute(model=loaded["dit"], npu_count=args.npu_count, clip=clip).args[1])]
     if args.npu_count > 1:
         devices = comfy.multidevice.devices_for(clip.patcher.load_device, args.npu_count)
-        variants.append(("layers", comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers")))
+        variants.append(("layers", comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers",
+                                                                            runtime=runtime)))
     rows = []
     for via, par in variants:
         runner = comfy.multinpu_te.get_runner(par)
@@ -381,7 +409,8 @@ def run_te(args):
                     float(torch.stack([(o.float() - runner.rank_outputs[0].float()).abs().max()
                                        for o in runner.rank_outputs]).nan_to_num(nan=float("inf")).max())
             row = {"component": "te", "layout": layout, "mode": runner.mode if runner else "none",
-                   "npu_count": args.npu_count, "device_type": args.device_type, "tokens": int(ref.shape[1]),
+                   "npu_count": args.npu_count, "device_type": args.device_type,
+                   "transport": _transport(args, runtime), "tokens": int(ref.shape[1]),
                    **_metrics([[ref]], [[out]]), "rank_spread": spread, "tags_equal": bool(torch.equal(tags, ref_tags)),
                    "weight_reads": reads[paths["te"]], "bytes_moved": (runner.bytes_moved - before) if runner else 0,
                    "seconds_single": round(t_single, 4), "seconds_parallel": round(seconds, 4)}
@@ -413,9 +442,9 @@ def run_vae(args):
         return error
     if args.inject_fault:
         _inject_vae_fault()
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
-        loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "video_vae", "audio_vae"),
-                                                       vae_dims=VAE_TILES)
+    runtime = _start_group(args)
+    loaded, reads, paths, tiny = _load_through_nodes(tempfile.mkdtemp(prefix="h3kit-parity-"), args.seed,
+                                                   ("dit", "video_vae", "audio_vae"), vae_dims=VAE_TILES)
     vae, audio_vae = loaded["video_vae"], loaded["audio_vae"]
     out = node.execute(model=loaded["dit"], npu_count=args.npu_count, vae=vae, audio_vae=audio_vae).args
     par_vae, par_audio = out[2], out[3]
@@ -435,7 +464,8 @@ def run_vae(args):
         parallel = par_vae.decode(z)
         t2 = time.perf_counter()
         row = {"component": "vae", "layout": layout, "latent": [t, h, w], "npu_count": args.npu_count,
-               "device_type": args.device_type, "frames": int(single.shape[1]),
+               "device_type": args.device_type, "transport": _transport(args, runtime),
+               "frames": int(single.shape[1]),
                "chunks": (runner.chunks - before[1]) if runner else 0,
                "chunk_ranks": list(runner.chunk_ranks) if runner and t > 1 else [],
                **_metrics([[single]], [[parallel]]), "weight_reads": reads[paths["video_vae"]],
@@ -489,6 +519,7 @@ def main(argv=None):
     ap.add_argument("--device-type", choices=("cpu", "npu", "cuda"), default="cpu")
     ap.add_argument("--npu-count", type=int, required=True)
     ap.add_argument("--inject-fault", action="store_true")
+    ap.add_argument("--transport", choices=("threads", "process"), default="threads")
     ap.add_argument("--layouts", default="", help="comma-separated rows to run (default: all of the component's)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -496,6 +527,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
+    # checkpoints stay on disk while workers may load them: in --out's folder, which h3kit parity removes
+    tempfile.tempdir = os.path.dirname(os.path.abspath(args.out))
     if args.component == "dit":
         args.layouts = args.layouts or list(LAYOUTS)
     try:
@@ -507,7 +540,13 @@ def main(argv=None):
         code = 3
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    _stop_group()
     return code
+
+
+def _stop_group():
+    if "comfy.multinpu_process" in sys.modules:
+        sys.modules["comfy.multinpu_process"].stop_runtime()  # the workers end with the report written
 
 
 if __name__ == "__main__":
