@@ -7,6 +7,10 @@ Layout under the runtime root (`<comfy-home>/.h3kit/run` unless overridden):
     logs/comfyui-<stamp>.log     one file per start: the server's stdout and stderr
     logs/latest                  link to the newest log
 
+With the process transport (h3kit.group) the server is rank 0 of a process group and starts one worker per
+other device; on the other hosts of a group the record names the host's agent instead of ComfyUI, and the
+runtime keeps `ranks.json` (every rank's pid, start time, device, alive, joined) beside the record.
+
 The record names the process by pid, start time and command line; every command re-checks all three
 (h3kit.proc.verify) before it trusts the pid, and a record that fails the check is "stale": reported,
 cleaned up by `stop` and `start`, and never acted on. After a failed start, or once the server has died, the
@@ -19,6 +23,7 @@ This module never imports click; progress goes through an optional `progress(mes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import ipaddress
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from h3kit import devices as h3devices
-from h3kit import health, logscan, proc
+from h3kit import group, health, logscan, proc
 from h3kit.errors import H3kitError, UsageError
 
 DEFAULT_PORT = 8189
@@ -128,10 +133,22 @@ class Record:
     log: str
     extra_args: list[str] = field(default_factory=list)
     started_at: str = ""
+    # the process group (h3kit.group); a record without these fields is a one-process server
+    transport: str = "threads"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    join_timeout: float = group.DEFAULT_JOIN_TIMEOUT
 
     @property
     def url(self) -> str:
         return health.base_url(proc.probe_host(self.listen), self.port)
+
+    @property
+    def group(self) -> group.GroupSettings:
+        return group.GroupSettings(self.transport, self.nnodes, self.node_rank, self.master_addr,
+                                   self.master_port, self.join_timeout)
 
     def verify(self) -> proc.Verdict:
         return proc.verify(self.pid, self.create_time, self.cmdline)
@@ -142,7 +159,7 @@ class Record:
     def spec(self) -> "StartSpec":
         return StartSpec(comfy_home=self.comfy_home, devices=list(self.devices), device_type=self.device_type,
                          port=self.port, listen=self.listen, python=self.python,
-                         extra_args=list(self.extra_args))
+                         extra_args=list(self.extra_args), group=self.group)
 
 
 def read_record(root: Path) -> Record | None:
@@ -206,6 +223,7 @@ class StartSpec:
     listen: str = DEFAULT_LISTEN
     python: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    group: group.GroupSettings = field(default_factory=group.GroupSettings)
 
 
 @dataclass
@@ -287,6 +305,8 @@ def child_environment(device_type: str, devices: list[int], base: dict | None = 
 
 
 def server_argv(python: str, spec: StartSpec) -> list[str]:
+    if spec.group.is_agent:
+        return group.agent_argv(python)
     argv = [python, "-B", "main.py", "--listen", spec.listen, "--port", str(spec.port)]
     if spec.device_type == "cpu" and "--cpu" not in spec.extra_args:
         argv.append("--cpu")
@@ -366,13 +386,16 @@ def validated(spec: StartSpec) -> StartSpec:
                          hint="pass the --comfy-home that h3kit install created")
     return StartSpec(comfy_home=str(home), devices=list(spec.devices), device_type=spec.device_type,
                      port=spec.port, listen=validate_listen(spec.listen), python=resolve_python(home, spec.python),
-                     extra_args=validate_extra_args(spec.extra_args))
+                     extra_args=validate_extra_args(spec.extra_args), group=spec.group)
 
 
 def _settings(spec_or_record) -> dict:
+    settings = spec_or_record.group.as_dict()
+    if settings["nnodes"] == 1:
+        settings.pop("master_port")  # one host: h3kit picks a free one at every start
     return {"comfy_home": str(Path(spec_or_record.comfy_home).resolve()), "python": spec_or_record.python,
             "devices": list(spec_or_record.devices), "device_type": spec_or_record.device_type,
-            "listen": spec_or_record.listen, "extra_args": list(spec_or_record.extra_args)}
+            "listen": spec_or_record.listen, "extra_args": list(spec_or_record.extra_args), **settings}
 
 
 def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progress,
@@ -395,7 +418,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
                                    f"not the requested {_settings(spec)}", code="already_running_other_settings",
                                    hint="h3kit stop, then start with the new settings (a running server is never "
                                         "reconfigured behind a user's back)")
-            got = health.check_health(rec.url)
+            got = check(rec, root)
             return StartResult(rec, True, 0.0, got.devices, health=got.reason)
         # The stale record is replaced below, once the new server is spawned: until then it keeps the
         # settings, so a start that fails before spawning (port taken) can still be retried by restart.
@@ -403,11 +426,24 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
             stale = verdict.reason
             progress(f"replacing the stale server record: {stale}")
 
-    _check_port(listen, spec.port)
+    settings = spec.group
+    if not settings.is_agent:
+        _check_port(listen, spec.port)
+    if settings.is_process and settings.node_rank == 0:
+        if settings.nnodes == 1:
+            settings = dataclasses.replace(settings, master_port=group.choose_port(settings.master_addr))
+        else:
+            _check_port(settings.master_addr, settings.master_port)
 
     argv = server_argv(python, spec)
     env = child_environment(spec.device_type, spec.devices)
     shown = {k: env[k] for k in (h3devices.VISIBLE_ENV[spec.device_type],)}
+    if settings.is_process:
+        worker_args = (["--cpu"] if spec.device_type == "cpu" and "--cpu" not in spec.extra_args else []) + spec.extra_args
+        env.update(group.environment(settings, spec.device_type, spec.devices, root, group.group_key(root, settings),
+                                     worker_args))
+        shown["transport"] = (f"process, node {settings.node_rank} of {settings.nnodes}, "
+                              f"master {settings.master_addr}:{settings.master_port}")
     log = _new_log(root, f"h3kit: {datetime.datetime.now().isoformat(timespec='seconds')} starting in {home}: "
                          f"{' '.join(argv)} with {' '.join(f'{k}={v}' for k, v in shown.items())}")
     t0 = time.monotonic()
@@ -427,14 +463,15 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
     rec = Record(pid=child.pid, create_time=create_time, cmdline=cmdline, port=spec.port, listen=listen,
                  device_type=spec.device_type, devices=list(spec.devices), python=python,
                  comfy_home=str(home), log=str(log), extra_args=list(spec.extra_args),
-                 started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+                 started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                 **settings.as_dict())
     write_record(root, rec)
     progress(f"started pid {child.pid}: {' '.join(argv)}")
     progress(f"log: {log}")
 
     expected = None if spec.device_type == "cpu" else len(spec.devices)
     try:
-        got = _wait_healthy(child, rec, expected, t0, timeout, progress)
+        got = _wait_healthy(child, rec, expected, t0, timeout, progress, root)
         final = proc.identify(child.pid).cmdline  # a wrapper interpreter has exec'd Python by now
         if final and list(final) != rec.cmdline:
             rec.cmdline = list(final)
@@ -446,7 +483,8 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         if child.poll() is None:
             proc.terminate_group(rec.identity(), grace=DEFAULT_GRACE, kill_wait=KILL_WAIT)
             child.poll()
-        proc.wait_port_free(listen, spec.port, PORT_WAIT)
+        if not settings.is_agent:
+            proc.wait_port_free(listen, spec.port, PORT_WAIT)
         if isinstance(e, StartFailed):
             e.details = dict(e.details or {}, log=str(log), log_tail=logscan.tail(log, 25))
         raise
@@ -454,7 +492,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
 
 
 def _wait_healthy(child: subprocess.Popen, rec: Record, expected: int | None, t0: float, timeout: float,
-                  progress: Progress) -> health.Health:
+                  progress: Progress, root: Path) -> health.Health:
     interval = _poll_interval()
     next_note = t0 + PROGRESS_EVERY
     last = health.Health(False, "not polled yet")
@@ -464,24 +502,43 @@ def _wait_healthy(child: subprocess.Popen, rec: Record, expected: int | None, t0
             raise StartFailed(f"the server exited with code {rc} before it was healthy",
                               code="server_exited", hint=f"read the log: {rec.log}")
         # a refused connection returns at once; the timeout only matters for a server that is busy
-        last = health.check_health(rec.url, expected, timeout=2.0)
+        last = check(rec, root, expected, timeout=2.0)
         if last.ok:
             return last
-        if last.stats is not None:
+        if last.stats is not None and not last.reason.startswith("group:"):
             # it answers but shows the wrong devices: waiting will not change that
             raise StartFailed(f"the server does not see the requested devices: {last.reason}",
                               code="device_mismatch",
                               hint=f"check that devices {h3devices.format_device_list(rec.devices)} exist and "
                                    f"are free ({h3devices.VISIBLE_ENV[rec.device_type]} was set for it)")
+        if last.reason.startswith("group: the process group failed"):
+            raise StartFailed(f"the {'server' if rec.node_rank == 0 else 'agent'} is up but its {last.reason[7:]}",
+                              code="group_failed",
+                              hint=f"read the log ({rec.log}); every host of the group runs h3kit start with the "
+                                   "same --nnodes, --master-addr, --master-port and device count")
         now = time.monotonic()
         if now - t0 >= timeout:
             raise StartFailed(f"the server was not healthy after {timeout:.0f} s ({last.reason}); stopped it",
                               code="start_timeout",
                               hint=f"read the log ({rec.log}); raise --timeout if the first model load is slow")
         if now >= next_note:
-            progress(f"waiting for {rec.url}/system_stats ({now - t0:.0f} s): {last.reason}")
+            progress(f"waiting for {rec.url if rec.node_rank == 0 else 'the group'} ({now - t0:.0f} s): {last.reason}")
             next_note = now + PROGRESS_EVERY
         time.sleep(interval)
+
+
+def check(rec: Record, root: Path, expected: int | None = None, timeout: float = 2.0) -> health.Health:
+    """Healthy means: the server answers /system_stats (with `expected` devices when given) and, with the
+    process transport, every rank of the group is alive and joined (an agent: its own ranks). A group
+    problem's reason starts with "group:"."""
+    if rec.group.is_agent:
+        got = health.Health(True, "healthy")
+    else:
+        got = health.check_health(rec.url, expected, timeout=timeout)
+        if not got.ok or not rec.group.is_process:
+            return got
+    ok, why = group.ready(group.ranks_view(root, rec.pid, rec.node_rank), rec.node_rank)
+    return got if ok else health.Health(False, f"group: {why}", got.stats)
 
 
 # ---------------------------------------------------------------------------------------------- stop
@@ -519,11 +576,14 @@ def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, ke
         return StopResult(False, rec.pid, note=f"stale record removed, nothing signalled: {verdict.reason}")
     progress(f"stopping pid {rec.pid} (SIGTERM, SIGKILL after {grace:g} s)")
     t0 = time.monotonic()
+    # the group's workers are the server's (or agent's) children, in its process group: they go with it
     down = proc.terminate_group(rec.identity(), grace=grace, kill_wait=KILL_WAIT)
     if down.survivors:
         raise StopFailed(f"process(es) {', '.join(map(str, down.survivors))} survived SIGKILL",
                          hint="they may be stuck in the device driver; the record is kept so stop can be retried")
-    if not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
+    if rec.group.is_agent:
+        pass  # an agent listens on no port
+    elif not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
         holders = proc.port_holders(rec.port)
         if not keep_record:
             remove_record(root)
@@ -588,7 +648,7 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
             stopped = stop_locked(root, rec, grace=grace, progress=progress, keep_record=True)
             phases["stop"] = time.monotonic() - t0
         t0 = time.monotonic()
-        if not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
+        if not rec.group.is_agent and not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
             _check_port(rec.listen, rec.port)  # names the holder
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
@@ -605,18 +665,24 @@ def status(root: Path, *, timeout: float = 3.0) -> dict:
     """What runs, as a JSON-ready dict; `running` is about the process, not the record file."""
     rec = read_record(root)
     out: dict = {"running": False, "healthy": False, "runtime_root": str(root), "record": rec is not None}
-    log = Path(rec.log) if rec else latest_log(root)
     if rec is not None:
         verdict = rec.verify()
         out.update(running=verdict.alive, pid=rec.pid, port=rec.port, listen=rec.listen, url=rec.url,
                    device_type=rec.device_type, requested_devices=rec.devices, started_at=rec.started_at,
-                   python=rec.python, comfy_home=rec.comfy_home, extra_args=rec.extra_args)
+                   python=rec.python, comfy_home=rec.comfy_home, extra_args=rec.extra_args,
+                   transport=rec.transport)
+        if rec.group.is_process:
+            out["group"] = {**rec.group.as_dict(), **group.ranks_view(root, rec.pid, rec.node_rank)}
         if verdict.alive:
             out["uptime_s"] = round(time.time() - rec.create_time, 1)
-            got = health.check_health(rec.url, timeout=timeout)
+            got = check(rec, root, timeout=timeout)
             out["healthy"] = got.ok
             out["health"] = got.reason
             out["devices"] = got.devices
+            if rec.group.is_agent:
+                out["queue"] = None
+                out["queue_error"] = "an agent of a multi-host group: the queue is on node 0"
+                return _with_log(out, rec, root)
             try:
                 running, pending = health.queue_counts(rec.url, timeout=timeout)
                 out["queue"] = {"running": running, "pending": pending}
@@ -625,6 +691,11 @@ def status(root: Path, *, timeout: float = 3.0) -> dict:
                 out["queue_error"] = str(e)
         else:
             out["stale"] = verdict.reason
+    return _with_log(out, rec, root)
+
+
+def _with_log(out: dict, rec: Record | None, root: Path) -> dict:
+    log = Path(rec.log) if rec else latest_log(root)
     out["log"] = str(log.resolve()) if log.exists() else None
     blk = logscan.first_error(log) if log.exists() else None
     out["first_error"] = blk.to_dict() if blk else None
