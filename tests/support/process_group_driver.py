@@ -147,7 +147,32 @@ def scenario_form_only(rt, args):
     return {"sum": _attempt(lambda: _sum(rt)), "ranks": rt.ranks()}
 
 
-SCENARIOS = {k.removeprefix("scenario_"): v for k, v in globals().items() if k.startswith("scenario_")}
+def scenario_remote_kill(rt, args):
+    """Two nodes: kill a worker of node 1 (the agent's) mid-command; the agent replaces it."""
+    out = {"first": _attempt(lambda: _sum(rt)), "pids": dict(rt.members)}
+    victim = rt.members[rt.world_size - 1]
+    out["victim_pid"] = victim
+
+    def killed(comm):
+        os.kill(victim, signal.SIGKILL)
+        comfy.multinpu.barrier(comm)
+    out["killed"] = _attempt(lambda: rt.run("fail", {"rank": -1, "kind": "raise"}, killed))
+    out["after_kill"] = _attempt(lambda: _sum(rt))
+    out["replacement_pid"] = rt.members.get(rt.world_size - 1)
+    return out
+
+
+def scenario_all(rt, args):
+    """The one-host scenarios one after the other, in one group (each leaves it usable for the next)."""
+    out = {}
+    for name in ("basics", "idle", "failures", "configs", "kill", "hang"):
+        t0 = time.monotonic()
+        out[name] = SCENARIOS[name](rt, args)
+        out[name]["scenario_seconds"] = time.monotonic() - t0
+    return out
+
+
+SCENARIOS = {k.removeprefix("scenario_"): v for k, v in list(globals().items()) if k.startswith("scenario_")}
 
 
 def main(argv=None):
@@ -162,8 +187,9 @@ def main(argv=None):
     ap.add_argument("--join-timeout", type=float, default=60.0)
     ap.add_argument("--victim", type=int, default=2)
     ap.add_argument("--idle", type=float, default=3.0)
+    ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format='[rank 0] %(message)s', stream=sys.stdout)
+    logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[rank 0] %(asctime)s %(message)s', stream=sys.stdout)
     os.environ.setdefault(mp.KEY_ENV, mp.new_key())
     spec = mp.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
                         master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,
@@ -184,6 +210,7 @@ def main(argv=None):
         result["crash"] = {**_err(e), "traceback": traceback.format_exc()}
     result["seconds"] = time.monotonic() - t0
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    time.sleep(args.hold)
     mp.stop_runtime()
     sys.stdout.flush()
     os._exit(0)

@@ -66,6 +66,9 @@ RANK_ENV = "H3KIT_RANK"
 LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
 PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
+# Fault injection, for tests and acceptance runs: "PROGRAM:oom" makes a worker's first run of PROGRAM ask for an
+# impossible allocation (the CPU or device allocator's own out-of-memory error). Replacements start without it.
+FAULT_ENV = "H3KIT_MULTINPU_FAULT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 WORKER_MODULE = "comfy.multinpu_worker"
@@ -79,6 +82,7 @@ HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
+DEATH_WAIT = 0.5                     # ... once a dead rank is known
 CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
 CRASH_WINDOW = 120.0
 POLL = 0.05
@@ -298,16 +302,24 @@ def host_store(addr: str, port: int, timeout: float):
     return store, sock, port
 
 
-def connect_store(addr: str, port: int, timeout: float, deadline: float = None):
-    """A client of the group's store, retrying until `deadline` (monotonic) while the master is not up."""
+def connect_store(addr: str, port: int, timeout: float, deadline: float = None, stop: threading.Event = None):
+    """A client of the group's store, retrying until `deadline` (monotonic) while the master is not up;
+    None once `stop` is set."""
     deadline = time.monotonic() + timeout if deadline is None else deadline
     while True:
         try:
-            return torch.distributed.TCPStore(addr, port, None, is_master=False, timeout=_td(timeout))
+            # short attempts: TCPStore retries inside for its whole timeout, deaf to a stop request
+            store = torch.distributed.TCPStore(addr, port, None, is_master=False,
+                                               timeout=_td(min(2.0, max(0.5, deadline - time.monotonic()))))
+            store.set_timeout(_td(timeout))
+            return store
         except (RuntimeError, torch.distributed.DistError) as e:
             if time.monotonic() >= deadline:
                 raise GroupError(f"MultiNPU: cannot reach the group's store at {addr}:{port}: {e}") from None
-            time.sleep(0.5)
+            if stop is not None and stop.wait(0.5):
+                return None
+            if stop is None:
+                time.sleep(0.5)
 
 
 def _store_gone(e: BaseException) -> bool:
@@ -427,6 +439,8 @@ class LocalWorkers:
         env[PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever rank 0 simulates
+        if self.info[rank]["incarnation"]:
+            env.pop(FAULT_ENV, None)
         return env
 
     def spawn(self, rank: int):
@@ -681,7 +695,8 @@ class GroupRuntime:
         why = f"no heartbeat for {now - last[2]:.0f} s (hung)"
         self._hb[rank] = (pid, count, now)
         if self.spec.node_of(rank) == 0:
-            self._local.kill(rank, why)  # its death is noticed (and it is replaced) like any other
+            if self._local.pid(rank) == pid:  # never its replacement, which beats on the same key
+                self._local.kill(rank, why)  # its death is noticed (and it is replaced) like any other
         else:
             self._mon.put(f"kill/{rank}", {"pid": pid, "why": why})
             self._note_death(rank, pid, why)
@@ -950,6 +965,7 @@ class GroupRuntime:
         self._put_state()
         if not isinstance(exc, comfy.multinpu.CollectiveError):
             return exc  # rank 0 itself failed first (an interrupt, an OOM on rank 0): the others followed
+        t0 = time.monotonic()
         g = self.generation
         reports = {}
         deadline = time.monotonic() + ERROR_WAIT
@@ -959,9 +975,15 @@ class GroupRuntime:
                     reports[r] = self.ctl.get(f"err/{g}/{n}/{r}")
             self._watch()
             settled = all(r in reports or r in self.dead for r in range(1, self.world_size))
+            if self.dead:
+                # a death is a root cause by itself: a live rank blocked on the dead one may only fail at
+                # the collective timeout, so its report is waited for briefly
+                deadline = min(deadline, t0 + DEATH_WAIT)
             if settled or time.monotonic() >= deadline:
                 break
             time.sleep(POLL)
+        logging.debug(f"MultiNPU: {name} failed ({exc}); reports from {sorted(reports)}, dead {sorted(self.dead)} "
+                      f"after {time.monotonic() - t0:.2f} s")
         primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
         if primary:
             r = min(primary)
@@ -1192,6 +1214,7 @@ def _commands(ctl: _Control, context: WorkerContext, g: int):
                 fn = _BUILTINS.get(name) or PROGRAMS.get(name)
                 if fn is None:
                     raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
+                _inject_fault(context, name)
                 with modes[0], modes[1]:
                     after = fn(context, comm, payload)
                 comm.barrier()
@@ -1210,6 +1233,14 @@ def _commands(ctl: _Control, context: WorkerContext, g: int):
             with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
                 after()
         n += 1
+
+
+def _inject_fault(context: WorkerContext, name: str):
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault and fault == f"{name}:oom" and not getattr(context, "faulted", False):
+        context.faulted = True
+        logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
+        torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
 
 
 def _free_memory(context: WorkerContext):
@@ -1272,13 +1303,17 @@ class Agent:
         _set_hccl_timeout(self.spec)
         while not self.stop.is_set():
             try:
-                ctl = _Control(connect_store(self.spec.master_addr, self.spec.master_port, self.spec.timeout,
-                                             time.monotonic() + self.spec.join_timeout), self.signer)
-            except GroupError as e:
-                logging.error(f"{e}; the agent of node {self.spec.node_rank} gives up")
+                store = connect_store(self.spec.master_addr, self.spec.master_port, self.spec.timeout,
+                                      time.monotonic() + self.spec.join_timeout, self.stop)
+                if store is None:
+                    break
+                ctl = _Control(store, self.signer)
+                layout = ctl.wait("layout", self.spec.join_timeout)
+            except (GroupError, RuntimeError, torch.distributed.DistError) as e:
+                logging.error(f"MultiNPU: node {self.spec.node_rank}: rank 0 did not come back within "
+                              f"{self.spec.join_timeout:g} s ({e}); the agent gives up")
                 self._write(None, "failed", str(e))
                 return 1
-            layout = ctl.wait("layout", self.spec.join_timeout)
             if layout != self.spec.layout():
                 message = (f"MultiNPU: node {self.spec.node_rank} was started with {self.spec.layout()}, rank 0 "
                            f"runs {layout}: start every node with the same --nnodes, device count and master")
