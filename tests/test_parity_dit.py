@@ -70,6 +70,17 @@ def test_parity_four_devices_cli(installed_tree, comfy_python):
     assert "parity passed: 6 row(s)" in proc.stderr
 
 
+def test_parity_over_the_process_group(installed_tree, comfy_python):
+    """--transport process: the worker is rank 0 of two processes on gloo, the node runs over the group;
+    the same rows, the same gate and the same bytes as the threads (the collectives are the same)."""
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
+                "--npu-count", "2", "--transport", "process", "--python", comfy_python, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    _check_rows(rows, 2)
+    assert {r["transport"] for r in rows} == {"process"}
+
+
 def test_injected_fault_fails_the_gate(installed_tree, comfy_python):
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--device-type", "cpu", "--npu-count", "4",
                 "--python", comfy_python, "--inject-fault")
