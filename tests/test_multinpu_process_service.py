@@ -134,6 +134,16 @@ def test_status_lists_every_rank_alive_and_joined(group):
     assert {p.pid for p in psutil.Process(st["pid"]).children()} == {ranks[1]["pid"]}
 
 
+def test_npu_count_must_equal_the_ranks_of_the_group(group):
+    # refused at POST /prompt, before any work: the group has 4 ranks (2 hosts x 2 devices)
+    with pytest.raises(Exception) as e:
+        submit(group, prompt(2, "wrong_count"))
+    body = json.loads(e.value.read())
+    text = json.dumps(body)
+    assert "npu_count is 2 but this ComfyUI server's process group has 4 ranks (2 node(s) of 2 cpu device(s))" in text
+    assert "Fix: set npu_count to 4" in text
+
+
 def test_an_oom_on_a_worker_reaches_comfyui_as_an_oom(group):
     t0 = time.monotonic()
     status = finished(group, submit(group, prompt(4, "oom")))

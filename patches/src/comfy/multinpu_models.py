@@ -18,9 +18,11 @@ its own copy. The file must not be rewritten in place while a server maps it (re
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
+import sys
 import uuid
 
 import safetensors
@@ -194,9 +196,20 @@ def map_file_weights(module: torch.nn.Module, paths) -> int:
                 owner._buffers[attr] = f
             shared += t.numel() * t.element_size()
     module.__dict__[MAPPED_ATTR] = True
+    _release_freed_memory()
     logging.info(f"MultiNPU: {shared / 2**20:.1f} MiB of weights now map {', '.join(map(os.path.basename, paths))} "
                  "(one copy per host)")
     return shared
+
+
+def _release_freed_memory():
+    # the private copies just freed sit in the C allocator's heap, still counted in this process's memory,
+    # until it is trimmed (glibc keeps large freed blocks for reuse)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def _host_tensors(module: torch.nn.Module):
