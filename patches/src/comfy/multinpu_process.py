@@ -449,6 +449,8 @@ class LocalWorkers:
         self.procs[rank] = proc
         info = self.info[rank]
         info.update(_process_identity(proc.pid), alive=True)
+        # read at once, /proc can show an empty command line while the new image starts; it is argv
+        info["cmdline"] = info["cmdline"] or list(argv)
         info["incarnation"] += 1
         logging.info(f"MultiNPU: started {self.spec.describe_rank(rank)} as pid {proc.pid}")
         return proc

@@ -23,7 +23,7 @@ weight-file read counted (weight_reads, which must be 1 per file). te encodes a 
 a first-frame image (fl2va: the vision tower and DeepStack) and with image, video and audio references
 (ref2va), through the node (tensor parallel) and forced to the layer split; gate cos >= 0.99999 and
 rel_rms <= 1e-4 in fp32, every rank's final hidden states identical and the same token tags.
---inject-fault drops the last rank's share of every reduction and corrupts the layer hand-overs. vae
+--inject-fault drops rank 0's share of every reduction and corrupts the layer hand-overs. vae
 decodes latents of 1 to 27 frames (1 to 5 temporal chunks, 2x2 spatial tiles in one) and an audio
 latent; gate max_abs == 0. --inject-fault zeroes every chunk another device decoded.
 
@@ -63,7 +63,7 @@ TE_LAYOUTS = LAYOUTS
 TE_PROMPT = "A red fox trots through fresh snow at dawn, wind hissing through the pines."
 TE_GATE_COS = 0.99999
 TE_GATE_REL_RMS = 1e-4
-TE_FAULT_NOTE = "last rank's share left out of every all_reduce; layer hand-overs and the final broadcast zeroed"
+TE_FAULT_NOTE = "rank 0's share left out of every all_reduce; layer hand-overs and the final broadcast zeroed"
 # latent (T, h, w) per row: 1 frame (no chunks), then 1, 2, 4 and 5 temporal chunks; 73f has 2x2 spatial tiles
 VAE_LAYOUTS = {"image": (1, 3, 4), "5f": (2, 3, 4), "39f": (12, 3, 4), "73f": (22, 5, 6), "90f": (27, 3, 4)}
 VAE_TILES = dict(tile_size=64, tile_overlap_min=32)  # 64 px spatial tiles, so the 80x96 px row is tiled
@@ -337,7 +337,9 @@ def _inject_te_fault(npu_count):
     all_reduce, broadcast, peer_copy = comfy.multinpu.all_reduce, comfy.multinpu.broadcast, comfy.multinpu.peer_copy
 
     def dropped_reduce(x, comm):
-        return all_reduce(x * 0 if comm.rank == comm.world_size - 1 else x, comm)
+        # rank 0's share: with the process transport only rank 0's process is patched, and its zero still
+        # reaches every rank through the collective
+        return all_reduce(x * 0 if comm.rank == 0 else x, comm)
 
     def zeroed_broadcast(x, comm, src=0):
         out = broadcast(x, comm, src)
