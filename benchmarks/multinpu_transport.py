@@ -56,9 +56,10 @@ def _setup(comfy_home, device_type):
 
 def _start_group(n, device_type, timeout=600.0):
     import comfy.model_management
+    import comfy.multinpu_group as group
     import comfy.multinpu_process as mp
-    key = os.environ.setdefault(mp.KEY_ENV, mp.new_key())
-    spec = mp.GroupSpec(local_size=n, device_type=device_type, join_timeout=timeout,
+    key = os.environ.setdefault(group.KEY_ENV, group.new_key())
+    spec = group.GroupSpec(local_size=n, device_type=device_type, join_timeout=timeout,
                         worker_args=["--cpu"] if device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
     mp.wait_ready(runtime, timeout)

@@ -1,4 +1,4 @@
-"""comfy/multinpu_process.py, the process group runtime, with real processes on cpu/gloo.
+"""comfy/multinpu_process.py and multinpu_group.py, the process group runtime, with real processes on cpu/gloo.
 
 Rank 0 is tests/support/process_group_driver.py, the workers tests/support/process_group_worker.py: the real
 runtime and worker loop with test programs, so a rank costs an interpreter with torch, not one with ComfyUI
@@ -24,15 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"
 DRIVER = SUPPORT / "process_group_driver.py"
 sys.path.insert(0, str(ROOT / "patches" / "src"))
-import comfy.multinpu_process as mp  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_group as group  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_process as mp  # noqa: E402
 
 HEARTBEAT = 3.0
 
 
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "patches" / "src"), str(SUPPORT)]),
-               H3KIT_TEST_DEBUG="1", **{mp.HEARTBEAT_ENV: str(HEARTBEAT)}, **extra)
-    env.setdefault(mp.KEY_ENV, mp.new_key())
+               H3KIT_TEST_DEBUG="1", **{group.HEARTBEAT_ENV: str(HEARTBEAT)}, **extra)
+    env.setdefault(group.KEY_ENV, group.new_key())
     return env
 
 
@@ -129,9 +130,9 @@ def test_a_node_that_never_arrives_fails_within_the_bound(tmp_path):
 
 def test_messages_signed_with_another_key_are_refused():
     obj = {"name": "install", "payload": [1, 2]}
-    mine, theirs = mp._Signer(b"k" * 64), mp._Signer(b"x" * 64)
+    mine, theirs = group.Signer(b"k" * 64), group.Signer(b"x" * 64)
     assert mine.loads(mine.dumps(obj), "test") == obj
-    with pytest.raises(mp.GroupError, match="not signed with this service's key"):
+    with pytest.raises(group.GroupError, match="not signed with this service's key"):
         mine.loads(theirs.dumps(obj), "store key 'cmd/1/1'")
-    with pytest.raises(mp.GroupError):
+    with pytest.raises(group.GroupError):
         mine.loads(b"\0" * 32 + mine.dumps(obj)[32:], "tampered")

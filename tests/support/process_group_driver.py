@@ -28,6 +28,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "patches" / "src"), str(S
 import torch  # noqa: E402
 
 import comfy.multinpu  # noqa: E402
+import comfy.multinpu_group as group  # noqa: E402
 import comfy.multinpu_process as mp  # noqa: E402
 
 
@@ -190,14 +191,14 @@ def main(argv=None):
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[rank 0] %(asctime)s %(message)s', stream=sys.stdout)
-    os.environ.setdefault(mp.KEY_ENV, mp.new_key())
-    spec = mp.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
+    os.environ.setdefault(group.KEY_ENV, group.new_key())
+    spec = group.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
                         master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,
                         runtime_root=args.root, worker_module="process_group_worker")
     result = {"scenario": args.scenario}
     t0 = time.monotonic()
     try:
-        rt = mp.start_runtime(spec, os.environ[mp.KEY_ENV])
+        rt = mp.start_runtime(spec, os.environ[group.KEY_ENV])
         result["port"] = rt.port
         Path(args.out + ".port").write_text(str(rt.port))
         form = _attempt(lambda: mp.wait_ready(rt, args.join_timeout + 5))

@@ -1,6 +1,6 @@
 """A bare worker of comfy.multinpu_process's process group, for the runtime tests (test support, not shipped).
 
-Runs the real worker loop (comfy.multinpu_process.serve) with test programs instead of the H3 runners, so a
+Runs the real worker loop (comfy.multinpu_group.serve) with test programs instead of the H3 runners, so a
 rank costs an interpreter with torch, not one with ComfyUI. Started by GroupRuntime as
 `python -B -m process_group_worker` with PYTHONPATH holding patches/src and this folder.
 """
@@ -15,7 +15,7 @@ import time
 import torch
 
 import comfy.multinpu
-import comfy.multinpu_process as mp
+import comfy.multinpu_group as mp
 
 
 @mp.program("sum")
@@ -67,7 +67,7 @@ def _uses_config(context, comm, payload):
 
 
 def main():
-    mp._die_with_parent()
+    mp.die_with_parent()
     spec = mp.GroupSpec.from_json(os.environ[mp.GROUP_ENV])
     rank = int(os.environ[mp.RANK_ENV])
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stdout)

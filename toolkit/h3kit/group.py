@@ -27,9 +27,9 @@ from h3kit.errors import UsageError
 
 TRANSPORTS = ("process", "threads")
 DEFAULT_JOIN_TIMEOUT = 300.0
-GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_process.py
+GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_group.py
 KEY_ENV = "H3KIT_GROUP_KEY"
-AGENT_MODULE = "comfy.multinpu_process"
+AGENT_MODULE = "comfy.multinpu_group"
 RANKS_FILE = "ranks.json"            # written by the runtime: rank 0 (node 0) or the agent (other nodes)
 KEY_FILE = "group.key"
 

@@ -41,6 +41,7 @@ import comfy.ldm.minimax.model
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
 import comfy.multinpu_weights
@@ -315,7 +316,7 @@ class _WorkerDiT:
         self.blocks = {("double_block", i): SequenceParallelBlock(i, i == count - 1) for i in range(count)}
 
 
-@comfy.multinpu_process.program("dit_config")
+@comfy.multinpu_group.program("dit_config")
 def _load_on_worker(context, comm, payload):
     src, patches = payload["source"], payload["patches"]
     base = comfy.multinpu_models.load(src)
@@ -325,7 +326,7 @@ def _load_on_worker(context, comm, payload):
     return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches))
 
 
-@comfy.multinpu_process.program("dit_forward")
+@comfy.multinpu_group.program("dit_forward")
 def _forward_on_worker(context, comm, payload):
     held = context.configs[payload["config"]]
     comfy.model_management.load_models_gpu([held.patcher])

@@ -47,6 +47,7 @@ import torch
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
 import comfy.patcher_extension
@@ -365,7 +366,7 @@ class _WorkerTE:
         self.digest = digest
 
 
-@comfy.multinpu_process.program("te_config")
+@comfy.multinpu_group.program("te_config")
 def _load_on_worker(context, comm, payload):
     src, mode = payload["source"], payload["mode"]
     clip = comfy.multinpu_models.load(src)
@@ -376,7 +377,7 @@ def _load_on_worker(context, comm, payload):
     return _WorkerTE(ctx, decoder, patcher, comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode))
 
 
-@comfy.multinpu_process.program("te_forward")
+@comfy.multinpu_group.program("te_forward")
 def _forward_on_worker(context, comm, payload):
     held = context.configs[payload["config"]]
     comfy.model_management.load_models_gpu([held.patcher])

@@ -39,6 +39,7 @@ import comfy.ldm.minimax.vae
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
 import comfy.multinpu_weights
@@ -208,7 +209,7 @@ class _WorkerVAE:
         self.digest = digest
 
 
-@comfy.multinpu_process.program("vae_config")
+@comfy.multinpu_group.program("vae_config")
 def _load_on_worker(context, comm, payload):
     src = payload["source"]
     vae = comfy.multinpu_models.load(src)
@@ -217,7 +218,7 @@ def _load_on_worker(context, comm, payload):
     return _WorkerVAE(vae, comfy.multinpu_models.digest(src, vae.first_stage_model))
 
 
-@comfy.multinpu_process.program("vae_decode")
+@comfy.multinpu_group.program("vae_decode")
 def _decode_on_worker(context, comm, payload):
     held = context.configs[payload["config"]]
     comfy.model_management.load_models_gpu([held.vae.patcher])

@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-import comfy.multinpu_process
+import comfy.multinpu_group
 import comfy.options
 
-# the runners whose worker sides (their @comfy.multinpu_process.program functions) this process serves
+# the runners whose worker sides (their @comfy.multinpu_group.program functions) this process serves
 RUNNERS = ("comfy.multinpu_models", "comfy.multinpu_dit", "comfy.multinpu_te", "comfy.multinpu_vae")
 
 
@@ -35,9 +35,9 @@ def bind_device(device_type: str, local_rank: int) -> torch.device:
 
 
 def main():
-    comfy.multinpu_process._die_with_parent()
-    spec = comfy.multinpu_process.GroupSpec.from_json(os.environ[comfy.multinpu_process.GROUP_ENV])
-    rank = int(os.environ[comfy.multinpu_process.RANK_ENV])
+    comfy.multinpu_group.die_with_parent()
+    spec = comfy.multinpu_group.GroupSpec.from_json(os.environ[comfy.multinpu_group.GROUP_ENV])
+    rank = int(os.environ[comfy.multinpu_group.RANK_ENV])
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s", stream=sys.stdout)
     device = bind_device(spec.device_type, rank % spec.local_size)
 
@@ -50,9 +50,9 @@ def main():
     for name in RUNNERS:
         importlib.import_module(name)
 
-    context = comfy.multinpu_process.WorkerContext(spec, rank, device)
+    context = comfy.multinpu_group.WorkerContext(spec, rank, device)
     context.free = model_management.unload_all_models
-    comfy.multinpu_process.serve(context)
+    comfy.multinpu_group.serve(context)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ GATES = {"dit": "max_rel <= 1e-05 (fp32)",
 DEFAULT_TIMEOUT = 900.0
 PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
                  "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py")
-PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_worker.py", "comfy/multinpu_models.py")
+PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_group.py", "comfy/multinpu_worker.py", "comfy/multinpu_models.py")
 TRANSPORTS = ("threads", "process")
 
 

@@ -89,9 +89,10 @@ def _start_group(args):
     if args.transport != "process" or args.npu_count == 1:
         return None
     import comfy.model_management
+    import comfy.multinpu_group as group
     import comfy.multinpu_process as mp
-    key = os.environ.setdefault(mp.KEY_ENV, mp.new_key())
-    spec = mp.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
+    key = os.environ.setdefault(group.KEY_ENV, group.new_key())
+    spec = group.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
                         join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
     mp.wait_ready(runtime, args.timeout)
