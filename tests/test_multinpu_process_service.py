@@ -68,12 +68,18 @@ class Group:
 
 
 @pytest.fixture(scope="module")
-def group(installed_tree, comfy_python, tmp_path_factory):
+def tree(installed_tree, comfy_python, tmp_path_factory):
     base = tmp_path_factory.mktemp("process-group")
     home = base / "ComfyUI"
     shutil.copytree(installed_tree, home, ignore=shutil.ignore_patterns(".git"), symlinks=True)
     demo.write_tiny_checkpoints(home, comfy_python)
-    g = Group(home, comfy_python, free_port(8600, 8619), free_port(29500, 29599), base / "node1-run")
+    return home
+
+
+@pytest.fixture(scope="module")
+def group(tree, comfy_python):
+    home = tree
+    g = Group(home, comfy_python, free_port(8600, 8619), free_port(29500, 29599), home.parent / "node1-run")
     nodes = [h3kit("start", *g.node_args(0), env=g.env()),
              h3kit("start", *g.node_args(1), env=g.env(H3KIT_MULTINPU_FAULT="dit_forward:oom"))]
     try:
@@ -114,6 +120,25 @@ def error_of(status: dict) -> dict:
     errors = [m[1] for m in status["messages"] if m[0] == "execution_error"]
     assert status["status_str"] == "error" and errors, status
     return errors[0]
+
+
+def test_a_node_that_never_arrives_fails_start_naming_it(tree, comfy_python, tmp_path):
+    g = Group(tree, comfy_python, free_port(8620, 8639), free_port(29500, 29599), tmp_path / "unused")
+    args = g.node_args(0)
+    args[args.index("--join-timeout") + 1] = 3
+    args += ["--runtime-root", tmp_path / "run"]
+    t0 = time.monotonic()
+    p = h3kit("start", *args, env=g.env())
+    out, err = p.communicate(timeout=BOOT + 60)
+    assert p.returncode == 1, out + err
+    error = json.loads(out)["error"]
+    assert error["code"] == "group_failed", error
+    assert "node 1 (ranks 2, 3) never arrived" in error["message"] and "--node-rank 1" in error["message"]
+    assert time.monotonic() - t0 < BOOT
+    rec = json.loads((tmp_path / "run" / "server.json").read_text())
+    assert not pid_running(rec["pid"]), "a failed start leaves no server behind"
+    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
+    assert ranks["state"] == "failed" and not any(pid_running(r["pid"]) for r in ranks["ranks"] if r.get("pid"))
 
 
 def test_status_lists_every_rank_alive_and_joined(group):

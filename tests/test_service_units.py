@@ -165,7 +165,8 @@ def test_record_round_trip_and_a_corrupt_record(tmp_path):
     assert rec.url == "http://127.0.0.1:8189"
     assert set(json.loads((tmp_path / "server.json").read_text())) == {
         "pid", "create_time", "cmdline", "port", "listen", "device_type", "devices", "python", "comfy_home",
-        "log", "extra_args", "started_at"}
+        "log", "extra_args", "started_at", "transport", "nnodes", "node_rank", "master_addr", "master_port",
+        "join_timeout"}
     (tmp_path / "server.json").write_text("{not json")
     with pytest.raises(service.ServiceError, match="not a valid server record"):
         service.read_record(tmp_path)

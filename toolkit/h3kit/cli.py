@@ -53,7 +53,7 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="h3kit")
 def main():
-    """Deploy MiniMax H3 in a pinned, patched ComfyUI on 1, 2 or 4 Ascend NPUs.
+    """Deploy MiniMax H3 in a pinned, patched ComfyUI on 1, 2, 4 or 8 Ascend NPUs.
 
     Start with `h3kit install --comfy-home DIR`, then `h3kit start`. Every command takes --help.
     """
