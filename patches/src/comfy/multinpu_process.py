@@ -97,7 +97,7 @@ class GroupRuntime:
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
-        self._ended = True             # the current generation's group.END has been posted
+        self._ended = True             # the current generation's END has been posted
         self._remote_exits = {}        # rank -> last exit report read
         self._local = None
         self._thread = None
