@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -63,9 +63,9 @@ def host(tmp_path, monkeypatch):
         def fake_python(self, probe_answer):
             path = tmp_path / "python"
             path.write_text("#!/bin/sh\n"
-                            f"{shlex_quote(sys.executable)} -c 'import json, os, sys; "
+                            f"{shlex.quote(sys.executable)} -c 'import json, os, sys; "
                             f"json.dump(dict(os.environ, ARGV=\" \".join(sys.argv[1:])), open(sys.argv[1], \"w\"))' "
-                            f"{shlex_quote(str(self.env_file))} \"$@\"\n"
+                            f"{shlex.quote(str(self.env_file))} \"$@\"\n"
                             f"cat <<'EOF'\n{json.dumps(probe_answer)}\nEOF\n")
             path.chmod(0o755)
             return str(path)
@@ -80,11 +80,6 @@ def host(tmp_path, monkeypatch):
             return json.loads(self.env_file.read_text())
 
     return Host()
-
-
-def shlex_quote(s):
-    import shlex
-    return shlex.quote(s)
 
 
 def doctor_json(runner, *args):

@@ -52,7 +52,7 @@ def plot(report: dict, path: str) -> None:
     ax_block.set_xticks(list(xs), labels, fontsize=7)
     ax_block.set_ylabel("one DiT block, ms (rank 0's shard)")
     ax_block.set_title("DiT block at each tier's shard", fontsize=10)
-    ax_block.legend(fontsize=7)
+    ax_block.legend(fontsize=7, loc="upper left")
 
     # 2. bandwidth against message size, with the fitted latency + bytes / bandwidth lines
     styles = {("threads", "all_to_all"): ("o", "#4c72b0"), ("threads", "all_gather"): ("s", "#4c72b0"),
