@@ -216,6 +216,11 @@ def test_cuda_host(host, runner):
     assert code == 1 and "is not a CUDA build" in only_message(rep, "torch", "error")
 
 
+def test_a_bad_device_list_is_bad_input(runner):
+    r = runner.invoke(main, ["doctor", "--device-type", "npu", "--devices", "1,0"])
+    assert r.exit_code == 2 and "ids must be ascending" in r.output and "Traceback" not in r.output
+
+
 def test_an_interpreter_that_cannot_answer(host, runner, tmp_path):
     bad = tmp_path / "broken-python"
     bad.write_text("#!/bin/sh\necho 'error while loading shared libraries: libpython3.11.so.1.0' >&2\nexit 127\n")
