@@ -155,3 +155,30 @@ def test_weights_int8_is_for_the_dit_only(installed_tree, comfy_python):
                  "--npu-count", "2", "--weights", "int8", "--python", comfy_python)
     assert proc.returncode == 2 and "--weights int8 applies to --component dit only" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_demo_with_int8_weights_end_to_end(tmp_path, comfy_source, comfy_python):
+    """h3kit demo --weights int8 on 2 simulated devices in a folder of its own: the tiny INT8 DiT written and loaded
+    by the stock UNETLoader in the real server, its INT8 linears on the NPU arm, the video with its audio track,
+    and the whole pipeline's latents equal to npu_count 1 within the DiT parity gate."""
+    from h3kit.demo import PARITY_GATE
+    from tests.support.service_helpers import free_port
+
+    home = tmp_path / "ComfyUI"
+    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python)
+    assert r.returncode == 0, r.stderr
+    r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "2", "--weights", "int8",
+              "--port", free_port(8590, 8599), "--python", comfy_python, "--json", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    assert rep["ok"] and rep["weights"] == "int8"
+    assert [s["stage"] for s in rep["stages"]] == ["install", "checkpoints", "start", "check-workflow", "prompt",
+                                                  "parity", "stop"]
+    assert rep["stages"][1]["detail"] == "wrote audio_vae, dit_int8, te, video_vae"
+    assert (home / "models/diffusion_models/h3kit_tiny_dit_int8.safetensors").is_file()
+    assert not (home / "models/diffusion_models/h3kit_tiny_dit.safetensors").exists()
+    assert rep["int8_arm"] == "NPU INT8: int8 linears on cpu run on reference kernels (docs/int8.md)"
+    video = Path(rep["video"]["path"])
+    assert video.name.startswith("npu2_int8_video") and set(rep["video"]["tracks"]) >= {"vide", "soun"}
+    parity = rep["parity"]
+    assert parity["ok"] and parity["max_rel"] <= PARITY_GATE and parity["rows"]["video"]["non_finite"] == 0
