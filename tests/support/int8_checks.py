@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import checks_runner  # tests/support, beside this script (its folder is on sys.path)
+from h3kit.runtime import int8_probe
 
 CHECKS = {}
 _CACHE = {}
@@ -41,11 +42,6 @@ def _load():
     return nodes.UNETLoader().load_unet(os.path.basename(_int8_file()), "default")[0]
 
 
-def _quantized(dm):
-    import comfy.quant_ops
-    return {n: m for n, m in dm.named_modules() if isinstance(getattr(m, "weight", None), comfy.quant_ops.QuantizedTensor)}
-
-
 def _forward(dm, dtype=None):
     """One DiT forward on fixed random inputs (a t2va layout: 7 text tokens, 2x8x8 video latents, 5 audio)."""
     import torch
@@ -57,47 +53,11 @@ def _forward(dm, dtype=None):
 
 
 def _captured_calls():
-    """Every call the NPU arm served in one forward of the tiny INT8 DiT: (layer name, kwargs, output)."""
-    if "calls" in _CACHE:
-        return _CACHE["calls"]
-    import comfy.npu_quant as nq
-    dm = _load().model.diffusion_model
-    names = {m.weight._qdata.data_ptr(): n for n, m in _quantized(dm).items()}
-    calls, real = [], nq.int8_linear
-
-    def recording(**kwargs):
-        inputs = {k: v.clone() if hasattr(v, "clone") else v for k, v in kwargs.items()}
-        out = real(**kwargs)
-        # copies: the model adds residuals into a linear's output in place
-        calls.append((names.get(kwargs["weight"].data_ptr()), inputs, out.clone()))
-        return out
-
-    nq.int8_linear = recording  # the registry looks the implementation up on the module at every call
-    try:
-        _forward(dm)
-    finally:
-        nq.int8_linear = real
-    _CACHE["calls"] = (dm, calls)
+    """Every call the NPU arm served in one forward of the tiny INT8 DiT: (dm, [(layer name, kwargs, output)])."""
+    if "calls" not in _CACHE:
+        dm = _load().model.diffusion_model
+        _CACHE["calls"] = (dm, int8_probe.record_calls(dm, lambda: _forward(dm)))
     return _CACHE["calls"]
-
-
-def _metrics(out, ref):
-    import torch
-    a, b = out.double().flatten(), ref.double().flatten()
-    d = (a - b).abs()
-    return {"rel_rms": (d.pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item(),
-            "max_rel": (d.max() / b.abs().max()).item(),
-            "cos": torch.nn.functional.cosine_similarity(a, b, dim=0).item()}
-
-
-def _dequantized(weight, x, input_act=None):
-    """Upstream's own dequantized result: the call's activation, then F.linear with weight.dequantize() (comfy-
-    kitchen's TensorWiseINT8Layout, ConvRot rotated back), in float64."""
-    import torch
-    import comfy.ops
-    if input_act:
-        x = comfy.ops.INPUT_ACT_EAGER[input_act](x.float())
-    return torch.nn.functional.linear(x.double(), weight.dequantize().double())
 
 
 @check
@@ -108,7 +68,7 @@ def layout():
     import comfy.utils
     patcher = _load()
     dm = patcher.model.diffusion_model
-    q = _quantized(dm)
+    q = int8_probe.quantized_layers(dm)
     layer = next(iter(q.values()))
     p = layer.weight._params
     sd = comfy.utils.load_torch_file(_int8_file())
@@ -186,8 +146,8 @@ def policy():
                 qt = comfy.quant_ops.QuantizedTensor.from_float(w, "TensorWiseINT8Layout", per_channel=True,
                                                                 convrot=rot, convrot_groupsize=64)
                 out = nq.int8_linear(x, qt._qdata, qt._params.scale, None, torch.float32, rot, 64, act)
-                ref = _dequantized(qt, x, act)
-                err[f"{name}/{'convrot' if rot else 'plain'}"] = _metrics(out, ref)["rel_rms"]
+                ref = int8_probe.dequantized(qt, x, act)
+                err[f"{name}/{'convrot' if rot else 'plain'}"] = int8_probe.errors(out, ref)["rel_rms"]
     finally:
         os.environ.clear()
         os.environ.update(env)
@@ -201,21 +161,8 @@ def policy():
 def versus_upstream():
     """Every INT8 linear of one tiny DiT forward, the NPU arm (reference kernels) against upstream's own
     dequantized result; also the pin's eager int8_linear, for scale, and the bf16 kernel path."""
-    import torch
-    import comfy.npu_quant as nq
-    import comfy_kitchen.backends.eager as eager
     dm, calls = _captured_calls()
-    rows = []
-    for name, kwargs, out in calls:
-        weight = dm.get_submodule(name).weight
-        ref = _dequantized(weight, kwargs["x"], kwargs["input_act"])
-        pin = eager.int8_linear(**kwargs)
-        xb = dict(kwargs, x=kwargs["x"].to(torch.bfloat16), out_dtype=torch.bfloat16)
-        mode = nq.linear_mode(kwargs["x"].reshape(-1, kwargs["x"].shape[-1]).shape[0], kwargs.get("input_act"), kwargs["convrot"])
-        rows.append({"layer": name, "mode": mode, "rows": int(kwargs["x"].reshape(-1, kwargs["x"].shape[-1]).shape[0]),
-                     "arm": _metrics(out, ref), "pin_eager": _metrics(pin, ref),
-                     "arm_bf16": _metrics(nq.int8_linear(**xb), _dequantized(weight, xb["x"], xb["input_act"]))})
-    return rows
+    return int8_probe.layer_errors(dm, calls)
 
 
 @check
@@ -227,7 +174,7 @@ def faults():
     import comfy_kitchen.backends.eager as eager
     dm, calls = _captured_calls()
     name, kwargs, _ = next(c for c in calls if c[0] == "blocks.1.attn.qkv_proj")
-    ref = _dequantized(dm.get_submodule(name).weight, kwargs["x"])
+    ref = int8_probe.dequantized(dm.get_submodule(name).weight, kwargs["x"])
     out = {}
     real_quant = nq.ReferenceOps.npu_dynamic_quant
 
@@ -236,16 +183,16 @@ def faults():
         scale = xf.abs().amax(dim=-1) / 127.0
         return torch.trunc(xf / scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8), scale
 
-    out["not_rotated"] = _metrics(nq.int8_linear(**dict(kwargs, convrot=False)), ref)
+    out["not_rotated"] = int8_probe.errors(nq.int8_linear(**dict(kwargs, convrot=False)), ref)
     scale = kwargs["weight_scale"]
-    out["per_tensor_scale"] = _metrics(nq.int8_linear(**dict(kwargs, weight_scale=scale.max().reshape(1))), ref)
+    out["per_tensor_scale"] = int8_probe.errors(nq.int8_linear(**dict(kwargs, weight_scale=scale.max().reshape(1))), ref)
     nq.ReferenceOps.npu_dynamic_quant = staticmethod(truncating)
     try:
-        out["truncating"] = _metrics(nq.int8_linear(**kwargs), ref)
+        out["truncating"] = int8_probe.errors(nq.int8_linear(**kwargs), ref)
     finally:
         nq.ReferenceOps.npu_dynamic_quant = staticmethod(real_quant)
-    out["sound"] = _metrics(nq.int8_linear(**kwargs), ref)
-    out["pin_eager"] = _metrics(eager.int8_linear(**kwargs), ref)
+    out["sound"] = int8_probe.errors(nq.int8_linear(**kwargs), ref)
+    out["pin_eager"] = int8_probe.errors(eager.int8_linear(**kwargs), ref)
     return out
 
 
@@ -326,7 +273,7 @@ def anchors():
     import comfy.utils
     patcher = _load()
     dm = patcher.model.diffusion_model
-    source = {n: m.weight._qdata.untyped_storage().data_ptr() for n, m in _quantized(dm).items()}
+    source = {n: m.weight._qdata.untyped_storage().data_ptr() for n, m in int8_probe.quantized_layers(dm).items()}
     par = mdit.apply_sequence_parallel(patcher, [torch.device("cpu")] * 4)
     replicas = [p.model for p in par.get_additional_models_with_key(mdit.KEY)]
     cycles = 0
@@ -334,10 +281,10 @@ def anchors():
         for r in replicas:
             p = comfy.model_patcher.ModelPatcher(r, load_device=torch.device("meta"), offload_device=torch.device("cpu"))
             p.load(torch.device("meta"), full_load=True)
-            assert all(m.weight.device.type == "meta" for m in _quantized(r.diffusion_model).values())
+            assert all(m.weight.device.type == "meta" for m in int8_probe.quantized_layers(r.diffusion_model).values())
             p.detach()
             cycles += 1
-    back = [{n: m.weight._qdata.untyped_storage().data_ptr() for n, m in _quantized(r.diffusion_model).items()}
+    back = [{n: m.weight._qdata.untyped_storage().data_ptr() for n, m in int8_probe.quantized_layers(r.diffusion_model).items()}
             for r in replicas]
     storages = {ptr for b in back for ptr in b.values()} | set(source.values())
     # the control: the same file loaded apart from the loaders (whose global cache hands back the model above,
