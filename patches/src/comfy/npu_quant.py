@@ -50,6 +50,7 @@ compare the kernels with it), =npu requires torch_npu's kernels, =off leaves eve
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import sys
@@ -148,6 +149,7 @@ def _int32_matmul(a, b):
     return (a.double() @ b.double()).to(torch.int32)
 
 
+@functools.cache
 def _torch_npu():
     try:
         import torch_npu
