@@ -219,7 +219,8 @@ def exact_w8a8():
     ulps = (arm.view(torch.int16).int() - pin.view(torch.int16).int()).abs()
     return {"int8_equal": torch.equal(q_ref, q_pin), "scales_equal": torch.equal(s_ref, s_pin.reshape(-1)),
             "max_ulp": int(ulps.max()), "outputs_differing": float((ulps > 0).float().mean()),
-            "bf16_division_differs": float((q_pin16 != q_ref).float().mean()), "elements": q_ref.numel()}
+            "bf16_division_differs": float((q_pin16 != q_ref).float().mean()),
+            "bf16_division_max_step": int((q_pin16.int() - q_ref.int()).abs().max()), "elements": q_ref.numel()}
 
 
 @check
