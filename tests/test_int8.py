@@ -9,18 +9,17 @@ check observed; the tests below assert on it. The parity tests run `h3kit parity
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from h3kit.runtime import parity as parity_lib
+from tests.support import checks_runner
+from tests.support.checks_runner import value
 from tests.support.service_helpers import h3kit
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 SUPPORT = Path(__file__).resolve().parent / "support"
-TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
 # the gates against upstream's dequantized result (docs/int8.md): measured 6.2e-3 to 7.1e-3 (W8A8) and 3.1e-3 to
 # 4.2e-3 (W8A16, the bf16 rounding) on the tiny DiT; the pin's own eager W8A8 measures 5.9e-3 to 6.7e-3
 W8A8_REL_RMS, W8A8_COS, W8A8_VS_PIN = 1e-2, 0.9999, 1.25
@@ -29,22 +28,9 @@ W8A16_REL_RMS, W8A16_COS = 6e-3, 0.99995
 
 @pytest.fixture(scope="module")
 def checks(installed_tree, comfy_python, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("int8_checks")
-    env = dict(os.environ, H3KIT_SIM_DEVICES="4", H3KIT_CHECK_TMP=str(tmp),
-               PYTHONPATH=os.pathsep.join([str(TOOLKIT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("H3KIT_NPU_INT8", None)
-    env.pop("H3KIT_NPU_INT8_LINEAR", None)
-    out = tmp / "checks.json"
-    proc = subprocess.run([comfy_python, str(SUPPORT / "int8_checks.py"), "--comfy-home", str(installed_tree),
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-def value(checks, name):
-    result = checks[name]
-    assert result["ok"], result.get("traceback")
-    return result["value"]
+    return checks_runner.run_script(SUPPORT / "int8_checks.py", installed_tree, comfy_python,
+                                    tmp_path_factory.mktemp("int8_checks"),
+                                    env={"H3KIT_NPU_INT8": None, "H3KIT_NPU_INT8_LINEAR": None})
 
 
 def test_the_tiny_int8_dit_is_stored_and_loaded_as_the_pin_does_int8(checks):
