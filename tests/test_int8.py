@@ -137,10 +137,18 @@ def test_int8_parity_injected_fault_fails(installed_tree, comfy_python):
     assert "parity FAILED: 6 of 6 row(s)" in proc.stderr
 
 
-def test_weights_int8_is_for_the_dit_only(installed_tree, comfy_python):
+def test_int8_parity_refusals(installed_tree, comfy_python):
+    """--weights int8 is for the DiT; where the NPU INT8 arm cannot run (here: switched off), an error says so."""
+    import os
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "te", "--device-type", "cpu",
                  "--npu-count", "2", "--weights", "int8", "--python", comfy_python)
     assert proc.returncode == 2 and "--weights int8 applies to --component dit only" in proc.stderr
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
+                 "--npu-count", "2", "--weights", "int8", "--python", comfy_python, "--json",
+                 env=dict(os.environ, H3KIT_NPU_INT8="off"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == "int8_arm_unavailable" and "H3KIT_NPU_INT8=reference" in error["message"]
     assert "Traceback" not in proc.stderr
 
 

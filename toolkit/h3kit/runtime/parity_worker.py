@@ -223,6 +223,12 @@ def run_dit(args):
         _tiny_checkpoint(ckpt, args.seed, args.weights)
         base = comfy.sd.load_diffusion_model(ckpt, model_options={} if int8 else {"dtype": torch.float32})
     dtype = base.model.get_dtype_inference()
+    if int8:
+        import comfy.npu_quant
+        if comfy.npu_quant.kernels_for(base.load_device) is None:
+            return {"ok": False, "error": {"code": "int8_arm_unavailable", "message": (
+                f"the NPU INT8 arm does not run on {base.load_device.type} here (it needs torch_npu on an npu, or the "
+                f"CPU simulation); {comfy.npu_quant.MODE_ENV}=reference runs its reference kernels on any device")}}
     params = sum(t.numel() for t in base.model.diffusion_model.state_dict().values() if t.dtype != torch.uint8)
     modes = ("auto", "kv_gather") if args.npu_count > 1 else ("auto",)
     rows = []
