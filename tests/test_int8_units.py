@@ -111,3 +111,15 @@ def test_parity_weights_apply_to_the_dit_only():
     with pytest.raises(UsageError, match="dit only"):
         parity_lib.check_weights("vae", "int8")
     assert "W8A8 and W8A16" in parity_lib.gate("dit", "int8") and parity_lib.gate("te", "int8") == parity_lib.GATES["te"]
+
+
+def test_the_call_rule_leaves_what_the_kernels_cannot_take_to_upstream(nq, monkeypatch):
+    import torch
+    monkeypatch.setenv(nq.MODE_ENV, "reference")
+    call = lambda k, n, scales: {"x": torch.zeros(2, k, dtype=torch.bfloat16),  # noqa: E731
+                                 "weight": torch.zeros(n, k, dtype=torch.int8), "weight_scale": torch.ones(scales)}
+    assert nq._applies(call(64, 8, 8)).success and nq._applies(call(64, 8, 1)).success
+    assert nq._applies(call(70000, 1, 1)).failed_param == "weight", "K above 65535"
+    assert nq._applies(call(64, 8, 3)).failed_param == "weight_scale"
+    monkeypatch.setenv(nq.MODE_ENV, "off")
+    assert nq._applies(call(64, 8, 8)).failed_param == "x"

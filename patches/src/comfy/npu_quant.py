@@ -142,10 +142,10 @@ def _require(ok: bool, what: str, *tensors):
 
 
 def _int32_matmul(a, b):
-    # int8 x int8 products summed exactly: int32 matmul where torch has one (cpu), float64 elsewhere (exact
-    # below 2**53; |sum| <= 127 * 128 * 65535 < 2**31)
+    # int8 x int8 products summed exactly in int32 (|sum| <= 127 * 128 * 65535 < 2**31): torch._int_mm on a
+    # cpu, float64 elsewhere (exact below 2**53; CUDA's _int_mm wants aligned shapes, an NPU has no float64)
     if a.device.type == "cpu":
-        return a.to(torch.int32) @ b.to(torch.int32)
+        return torch._int_mm(a, b)
     return (a.double() @ b.double()).to(torch.int32)
 
 
@@ -248,7 +248,7 @@ def _applies(kwargs) -> ValidationResult:
     x, weight, scale = kwargs.get("x"), kwargs.get("weight"), kwargs.get("weight_scale")
     if kernels_for(x.device) is None:
         return ValidationResult.fail("x", f"no NPU INT8 kernels for {x.device.type} ({MODE_ENV} to select the reference)")
-    if x.shape[-1] > MAX_DIM or weight.shape[0] > MAX_DIM:
+    if weight.shape[1] > MAX_DIM or weight.shape[0] > MAX_DIM:
         return ValidationResult.fail("weight", f"K and N must be at most {MAX_DIM}, got {tuple(weight.shape)}")
     if scale.numel() not in (1, weight.shape[0]):
         return ValidationResult.fail("weight_scale", f"{scale.numel()} scales for {weight.shape[0]} output channels")
