@@ -34,9 +34,12 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
                    "must then exit 1.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=parity_lib.DEFAULT_TIMEOUT, show_default=True,
               metavar="S", help="Seconds before the worker is killed.")
+@click.option("--weights", type=click.Choice(parity_lib.WEIGHTS), default="float", show_default=True,
+              help="dit only: int8 runs the rows on the tiny DiT with its block linears in INT8 (ConvRot, as the "
+                   "published H3 INT8 files), through the NPU INT8 arm (its reference kernels on cpu).")
 @json_option
 @handle_errors
-def parity(comfy_home, component, device_type, npu_count, python, inject_fault, timeout, as_json):
+def parity(comfy_home, component, device_type, npu_count, python, inject_fault, timeout, weights, as_json):
     """Compare a multi-device run with one device (tiny random weights).
 
     dit: samples a tiny random-weight H3 DiT two steps with CFG on one device and through the
@@ -51,14 +54,20 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
     vae: decodes latents of 1 to 27 frames (1 to 5 temporal chunks) with a tiny video VAE loaded by
     VAELoader, and an audio latent. Gate: max_abs == 0 (bit-identical).
 
+    --weights int8 (dit): the same rows with the tiny DiT in INT8, both sides through the NPU INT8 arm. Gate:
+    max_rel <= 1e-5 in fp32 compute (2e-2 in bf16), and both sides called the arm in W8A8 and W8A16.
+
     te and vae rows also count the weight-file reads (weight_reads, must be 1). On a new NPU machine
     these are the acceptance checks: h3kit parity --component dit|te|vae --device-type npu --npu-count 4.
     """
     sigterm_as_interrupt()  # terminated like Ctrl-C: the worker, which holds the devices, is killed too
+    parity_lib.check_weights(component, weights)
     kind = h3devices.resolve_device_type(device_type)
     n = int(npu_count)
-    err(f"h3kit: parity of {component} on {n} {kind} device(s){' with an injected fault' if inject_fault else ''}")
-    report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout)
+    err(f"h3kit: parity of {component}{' (INT8 weights)' if weights == 'int8' else ''} on {n} {kind} device(s)"
+        f"{' with an injected fault' if inject_fault else ''}")
+    report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout,
+                            weights=weights)
     rows = report["rows"]
     if as_json:
         emit_json(rows)
@@ -66,22 +75,24 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
         _print_rows(rows, report["config"], component)
     failed = [r for r in rows if not r["pass"]]
     if failed:
-        err(f"h3kit: parity FAILED: {len(failed)} of {len(rows)} row(s) miss {parity_lib.GATES[component]}")
+        err(f"h3kit: parity FAILED: {len(failed)} of {len(rows)} row(s) miss {parity_lib.gate(component, weights)}")
         raise SystemExit(1)
-    err(f"h3kit: parity passed: {len(rows)} row(s) within {parity_lib.GATES[component]}")
+    err(f"h3kit: parity passed: {len(rows)} row(s) within {parity_lib.gate(component, weights)}")
 
 
 def _print_rows(rows, config, component):
     devices = ", ".join(config.get("devices", []))
     if component == "dit":
         click.echo(f"{component}: {config.get('dtype')}, {config.get('steps')} steps, cfg {config.get('cfg')}, "
-                   f"devices {devices}")
+                   f"devices {devices}" + (", INT8 weights" if config.get("weights") == "int8" else ""))
+        int8 = config.get("weights") == "int8"
         click.echo(f"{'layout':8} {'attention':10} {'S':>5} {'fwd':>4} {'max_abs':>10} {'max_rel':>10} {'cos':>12} "
-                   f"{'rel_rms':>10} {'bytes':>10}  gate")
+                   f"{'rel_rms':>10} {'bytes':>10}  gate" + ("  INT8 calls (parallel side)" if int8 else ""))
         for r in rows:
+            calls = ", ".join(f"{k} {v}" for k, v in r.get("int8_calls_parallel", {}).items())
             click.echo(f"{r['layout']:8} {r['attention']:10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
                        f"{r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} {r['bytes_moved']:>10}  "
-                       f"{'pass' if r['pass'] else 'FAIL'}")
+                       f"{'pass' if r['pass'] else 'FAIL'}" + (f"  {calls or 'none'}" if int8 else ""))
         return
     click.echo(f"{component}: {config.get('dtype')}, devices {devices}, weight files read: "
                f"{', '.join(f'{k} {v}' for k, v in config.get('reads', {}).items())}")

@@ -19,11 +19,13 @@ from h3kit.runtime import worker
 WORKER = Path(__file__).with_name("parity_worker.py")
 COMPONENTS = ("dit", "te", "vae")
 GATES = {"dit": "max_rel <= 1e-05 (fp32)",
+         "dit/int8": "max_rel <= 1e-05 (fp32 compute; 2e-02 in bf16) and the NPU INT8 arm's W8A8 and W8A16 calls on both sides",
          "te": "cos >= 0.99999 and rel_rms <= 1e-04 (fp32), identical on every rank, weight_reads == 1",
          "vae": "max_abs == 0, weight_reads == 1"}
 DEFAULT_TIMEOUT = 900.0
 PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
-                 "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py")
+                 "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py", "comfy/npu_quant.py")
+WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block linears in INT8 (ConvRot)
 
 
 class ParityFailed(H3kitError):
@@ -41,11 +43,24 @@ def check_tree(comfy_home: Path) -> None:
                          code="not_patched", hint=f"run h3kit install --comfy-home {home}")
 
 
+def check_weights(component: str, weights: str) -> None:
+    if weights not in WEIGHTS or (weights != "float" and component != "dit"):
+        raise UsageError(f"--weights {weights} applies to --component dit only", code="bad_weights",
+                         hint="run --weights int8 with --component dit")
+
+
+def gate(component: str, weights: str = "float") -> str:
+    return GATES.get(f"{component}/{weights}", GATES[component])
+
+
 def run(comfy_home, component: str, device_type: str, npu_count: int, *, python: str = None,
-        inject_fault: bool = False, timeout: float = DEFAULT_TIMEOUT, extra_args=()) -> dict:
+        inject_fault: bool = False, timeout: float = DEFAULT_TIMEOUT, weights: str = "float", extra_args=()) -> dict:
     """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows."""
     if component not in COMPONENTS:
         raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
+    check_weights(component, weights)
+    if weights != "float":
+        extra_args = ("--weights", weights, *extra_args)
     home = Path(comfy_home).resolve()
     check_tree(home)
     py = service.resolve_python(home, python)

@@ -14,7 +14,10 @@ real (comfy.sample.sample: prepare_sampling loads the replicas, extra_conds buil
 CFG runs cond and uncond as separate forwards). A capture wrapper, outermost in the DIFFUSION_MODEL
 chain, records the DiT's [video, audio] output of every forward; the rows compare them forward by
 forward. Tiny dims are chosen so no layout's packed length divides by 2 or 4. --inject-fault drops the
-last rank's shard from the all-gathers, which must fail the gate.
+last rank's shard from the all-gathers, which must fail the gate. --weights int8 runs the same rows on the
+tiny DiT with its block linears in INT8 (ConvRot, as the published H3 INT8 files): both sides run the NPU
+INT8 arm (comfy/npu_quant.py; its reference kernels on cpu), and each row also counts the arm's W8A8 and
+W8A16 calls, which must be non-zero on both sides.
 
 te and vae: tiny random-weight checkpoints of the Qwen3-VL text encoder and the video and audio VAEs
 (h3kit's tiny_models.py) loaded through the loader nodes (CLIPLoader type minimax, VAELoader), with every
@@ -52,6 +55,10 @@ AUDIO_SHAPE = (1, 32, 2, 8)       # 8 audio latents at 40 Hz, stereo: 16 rows
 FRAME_COUNT = 5
 LAYOUTS = ("t2va", "fl2va", "ref2va")
 GATE_MAX_REL = 1e-5
+# INT8 rows: the same gate where the model computes in fp32 (cpu: the kernels' inputs are rounded to bf16 on
+# both sides alike, and per-token scales do not depend on the shard); bf16 compute (an NPU) is looser, and
+# that figure is provisional until measured on hardware
+GATE_MAX_REL_INT8_BF16 = 2e-2
 FAULT_NOTE = "last rank's shard left out of every all_gather_v"
 
 TE_LAYOUTS = LAYOUTS
@@ -79,14 +86,34 @@ def _setup_comfy(comfy_home, device_type, npu_count):
     import comfy.model_management  # noqa: F401
 
 
-def _tiny_checkpoint(path, seed):
+def _tiny_checkpoint(path, seed, weights="float"):
     import comfy.utils
 
     from h3kit import tiny_models
 
     # the parity DiT: 3 blocks, and a rotary base of 100 so every rotary dimension turns within the tiny
     # packed sequences (with the model's 10000 most would barely move and a RoPE bug could hide)
-    comfy.utils.save_torch_file(tiny_models.dit_state_dict(seed, TINY, rope_base=100.0), path)
+    sd = tiny_models.dit_state_dict(seed, TINY, rope_base=100.0)
+    comfy.utils.save_torch_file(tiny_models.int8_state_dict(sd) if weights == "int8" else sd, path)
+
+
+def _int8_calls():
+    """Calls of the NPU INT8 arm so far, {"w8a8/reference": n, ...}."""
+    import comfy.npu_quant
+    return comfy.npu_quant.stats()
+
+
+def _calls_since(before):
+    return {k: v - before.get(k, 0) for k, v in _int8_calls().items() if v - before.get(k, 0)}
+
+
+def _int8_gate(row, single_calls, parallel_calls, dtype):
+    """An INT8 row passes when both sides ran the arm in both modes and the outputs agree."""
+    import torch
+    modes = lambda calls: {k.split("/")[0] for k in calls}  # noqa: E731
+    limit = GATE_MAX_REL if dtype == torch.float32 else GATE_MAX_REL_INT8_BF16
+    row.update(int8_calls_single=single_calls, int8_calls_parallel=parallel_calls, gate_max_rel=limit)
+    return modes(single_calls) == modes(parallel_calls) == {"w8a8", "w8a16"} and row["max_rel"] <= limit
 
 
 def _conditioning(layout, seed):
@@ -190,18 +217,28 @@ def run_dit(args):
         return {"ok": False, "error": {"code": "device_check", "message": problem}}
     if args.inject_fault:
         _inject_fault()
+    int8 = args.weights == "int8"
     with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
         ckpt = os.path.join(tmp, "tiny_h3_dit.safetensors")
-        _tiny_checkpoint(ckpt, args.seed)
-        base = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
-    params = sum(t.numel() for t in base.model.diffusion_model.state_dict().values())
+        _tiny_checkpoint(ckpt, args.seed, args.weights)
+        base = comfy.sd.load_diffusion_model(ckpt, model_options={} if int8 else {"dtype": torch.float32})
+    dtype = base.model.get_dtype_inference()
+    if int8:
+        import comfy.npu_quant
+        if comfy.npu_quant.kernels_for(base.load_device) is None:
+            return {"ok": False, "error": {"code": "int8_arm_unavailable", "message": (
+                f"the NPU INT8 arm does not run on {base.load_device.type} here (it needs torch_npu on an npu, or the "
+                f"CPU simulation); {comfy.npu_quant.MODE_ENV}=reference runs its reference kernels on any device")}}
+    params = sum(t.numel() for t in base.model.diffusion_model.state_dict().values() if t.dtype != torch.uint8)
     modes = ("auto", "kv_gather") if args.npu_count > 1 else ("auto",)
     rows = []
     for layout in args.layouts:
         m, capture, inputs = _prepare(base, layout, args.seed)
+        calls = _int8_calls() if int8 else {}
         t0 = time.perf_counter()
         single = _run(m, capture, inputs, args.steps, args.seed)
         t_single = time.perf_counter() - t0
+        single_calls = _calls_since(calls) if int8 else {}
         for attention in modes:
             m, capture, inputs = _prepare(base, layout, args.seed)
             # the node exactly as a workflow runs it; only the attention mode is forced per row
@@ -210,9 +247,11 @@ def run_dit(args):
             if wrapper is not None:
                 wrapper.attention = attention
                 wrapper.timeout = args.timeout
+            calls = _int8_calls() if int8 else {}
             t0 = time.perf_counter()
             parallel = _run(m, capture, inputs, args.steps, args.seed)
             t_parallel = time.perf_counter() - t0
+            parallel_calls = _calls_since(calls) if int8 else {}
             if wrapper is not None and wrapper._threads is not None:
                 wrapper._threads.shutdown()
             if len(parallel) != len(single):
@@ -221,15 +260,18 @@ def run_dit(args):
             used = "none" if args.npu_count == 1 else (
                 "ulysses" if attention == "auto" and heads % args.npu_count == 0 else "kv_gather")
             row = {"component": "dit", "layout": layout, "attention": used, "npu_count": args.npu_count,
-                   "device_type": args.device_type, "seq_len": _seq_len(layout, args.seed),
+                   "device_type": args.device_type, "weights": args.weights, "seq_len": _seq_len(layout, args.seed),
                    "forwards": len(parallel), **_metrics(single, parallel),
                    "bytes_moved": wrapper.bytes_moved if wrapper else 0,
                    "parallel_forwards": wrapper.forwards if wrapper else 0,
                    "seconds_single": round(t_single, 4), "seconds_parallel": round(t_parallel, 4)}
-            row["pass"] = row["max_rel"] <= GATE_MAX_REL
+            row["pass"] = (_int8_gate(row, single_calls, parallel_calls, dtype) if int8
+                           else row["max_rel"] <= GATE_MAX_REL)
             rows.append(row)
     config = {"dit": TINY, "params": params, "text_len": TEXT_LEN, "video_latent": VIDEO_SHAPE,
-              "audio_latent": AUDIO_SHAPE, "dtype": "float32", "gate": f"max_rel <= {GATE_MAX_REL}",
+              "audio_latent": AUDIO_SHAPE, "dtype": str(dtype).replace("torch.", ""), "weights": args.weights,
+              "gate": (f"max_rel <= {GATE_MAX_REL} (fp32 compute; {GATE_MAX_REL_INT8_BF16} in bf16), the NPU INT8 "
+                       "arm's W8A8 and W8A16 calls on both sides" if int8 else f"max_rel <= {GATE_MAX_REL}"),
               "steps": args.steps, "cfg": 2.0,
               "devices": [str(d) for d in comfy.multidevice.get_devices()[:args.npu_count]],
               "inject_fault": FAULT_NOTE if args.inject_fault else None}
@@ -489,6 +531,7 @@ def main(argv=None):
     ap.add_argument("--device-type", choices=("cpu", "npu", "cuda"), default="cpu")
     ap.add_argument("--npu-count", type=int, required=True)
     ap.add_argument("--inject-fault", action="store_true")
+    ap.add_argument("--weights", choices=("float", "int8"), default="float", help="dit: the tiny DiT's weights")
     ap.add_argument("--layouts", default="", help="comma-separated rows to run (default: all of the component's)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
