@@ -155,7 +155,7 @@ def server(patched_tree, comfy_python, checks, tmp_path_factory):
     (models / "h3kit_tiny_h3.safetensors").write_bytes(tiny.read_bytes())
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "comfyui.log"
-    env = dict(os.environ, H3KIT_SIM_DEVICES="2")
+    env = dict(os.environ, H3KIT_SIM_DEVICES="2", PYTHONUNBUFFERED="1")  # the log is read while the server runs
     with open(log, "wb") as logf:
         proc = subprocess.Popen([comfy_python, "-B", "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
                                 cwd=patched_tree, env=env, stdout=logf, stderr=subprocess.STDOUT,
