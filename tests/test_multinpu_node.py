@@ -56,6 +56,16 @@ def test_simulated_devices(checks):
     assert v["stream"] is None
 
 
+def test_simulated_devices_on_an_accelerator_share_its_one_card(checks):
+    v = value(checks, "multidevice_sim_accelerator")
+    assert v["sim"] == {"kind": "cuda", "devices": ["cuda:0"] * 3,
+                        "describe": "3 simulated cuda devices on cuda:0 (H3KIT_SIM_DEVICES=3)",
+                        "devices_for_3": ["cuda:0"] * 3, "devices_for_4": None}
+    # unset, the visible cards in rank order with the model's own first, as before
+    assert v["real"] == {"devices": ["cuda:0", "cuda:1"], "describe": "2 cuda devices (cuda:0, cuda:1)",
+                         "devices_for_2": ["cuda:1", "cuda:0"], "devices_for_3": None}
+
+
 def test_npu_arms_call_the_npu_runtime(checks):
     v = value(checks, "npu_arms")
     assert v["calls"][:5] == [
@@ -145,7 +155,7 @@ def server(patched_tree, comfy_python, checks, tmp_path_factory):
     (models / "h3kit_tiny_h3.safetensors").write_bytes(tiny.read_bytes())
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "comfyui.log"
-    env = dict(os.environ, H3KIT_SIM_DEVICES="2")
+    env = dict(os.environ, H3KIT_SIM_DEVICES="2", PYTHONUNBUFFERED="1")  # the log is read while the server runs
     with open(log, "wb") as logf:
         proc = subprocess.Popen([comfy_python, "-B", "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
                                 cwd=patched_tree, env=env, stdout=logf, stderr=subprocess.STDOUT,

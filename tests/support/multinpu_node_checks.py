@@ -63,6 +63,28 @@ def multidevice():
 
 
 @check
+def multidevice_sim_accelerator():
+    """H3KIT_SIM_DEVICES on a CUDA process (stood in by model_management answers): N ranks share the one card;
+    without it, the visible devices in rank order."""
+    import torch
+    import comfy.model_management as mm
+    import comfy.multidevice as md
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    saved = mm.cpu_state, mm.get_torch_device, mm.get_all_torch_devices, os.environ.get(md.SIM_DEVICES_ENV)
+    mm.cpu_state, mm.get_torch_device, mm.get_all_torch_devices = mm.CPUState.GPU, lambda: cuda0, lambda: [cuda0, cuda1]
+    try:
+        sim = {"kind": md.device_kind(), "devices": [str(d) for d in md.get_devices()], "describe": md.describe_devices(),
+               "devices_for_3": [str(d) for d in md.devices_for(cuda0, 3)], "devices_for_4": md.devices_for(cuda0, 4)}
+        del os.environ[md.SIM_DEVICES_ENV]
+        real = {"devices": [str(d) for d in md.get_devices()], "describe": md.describe_devices(),
+                "devices_for_2": [str(d) for d in md.devices_for(cuda1, 2)], "devices_for_3": md.devices_for(cuda1, 3)}
+    finally:
+        mm.cpu_state, mm.get_torch_device, mm.get_all_torch_devices = saved[:3]
+        os.environ[md.SIM_DEVICES_ENV] = saved[3]
+    return {"sim": sim, "real": real}
+
+
+@check
 def npu_arms():
     """The NPU branches of model_management and multidevice, against a recording stand-in for torch.npu."""
     import torch

@@ -11,6 +11,7 @@ import click
 from h3kit import devices as h3devices
 from h3kit.cliutil import sigterm_as_interrupt, comfy_home_option, emit_json, err, handle_errors, json_option
 from h3kit.errors import UsageError
+from h3kit.runtime import calibration as calibration_lib
 from h3kit.runtime import costmodel
 from h3kit.runtime import parity as parity_lib
 
@@ -121,9 +122,12 @@ def _print_rows(rows, config, component):
               help="Effective TFLOP/s per device (from a calibration run) to predict compute seconds per step.")
 @click.option("--link-gbs", type=click.FloatRange(min=0, min_open=True), metavar="B",
               help="Effective exchange GB/s per device to predict exchange seconds per step.")
+@click.option("--calibration", type=click.Path(dir_okay=False), metavar="FILE",
+              help="A report from h3kit calibrate: seconds per step and speed-up from its measured throughputs "
+                   "and bandwidths (instead of --tflops / --link-gbs).")
 @json_option
 @handle_errors
-def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, tflops, link_gbs, as_json):
+def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, tflops, link_gbs, calibration, as_json):
     """Print the sequence-parallel cost model for a resolution and device count.
 
     For the real H3 DiT (50 blocks, hidden 5376, 56x128 heads, ffn 14336): the packed sequence, tokens
@@ -131,15 +135,21 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, tflops
     per device (the full DiT weights plus estimated activations).
     """
     counts = sorted({int(c) for c in npu_count})
+    if calibration and (tflops or link_gbs):
+        raise UsageError("--calibration replaces --tflops and --link-gbs", hint="give one or the other")
+    measured = calibration_lib.load(calibration) if calibration else None
     try:
         plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
                                 dtype=dtype, tflops=tflops, link_gbs=link_gbs) for n in counts]
     except ValueError as e:
         raise UsageError(str(e), hint="H3 needs width and height in multiples of 32 (e.g. 1344x768, 736 not 720)")
+    if measured is not None:
+        one = costmodel.plan(width, height, frames, 1, text_tokens=text_tokens, keyframes=int(keyframes), dtype=dtype)
+        calibration_lib.apply_all(plans, one, measured)
     if as_json:
         emit_json({"model": costmodel.H3, "plans": plans})
         return
-    for line in format_plans(plans):
+    for line in format_plans(plans) + (calibrated_lines(plans) if measured is not None else []):
         click.echo(line)
 
 
@@ -185,4 +195,26 @@ def format_plans(plans) -> list:
         row("exchange per step (at --link-gbs)", lambda p: f"{p['seconds_exchange_step']:.2f} s")
     lines.append("")
     lines.append("A step is two forwards (CFG). Every device holds the full DiT weights in sequence parallelism.")
+    return lines
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3g} s" if x < 1000 else f"{x / 60:.3g} min" if x < 36000 else f"{x / 3600:.3g} h"
+
+
+def calibrated_lines(plans) -> list:
+    """The plan's seconds from a calibration report (h3kit calibrate), one column per device count."""
+    lines = [f"calibrated from: {plans[0]['calibrated']['from']}"]
+    if plans[0]["calibrated"]["from_cpu"]:
+        lines.append("  (a CPU calibration: these are this CPU's seconds for H3, not an accelerator's)")
+
+    def row(label, fn):
+        lines.append(f"{label:38}" + "".join(f"{fn(p):>16}" for p in plans))
+
+    row("compute per step (calibrated)", lambda p: _secs(p['calibrated']['compute_s_step']))
+    for transport in calibration_lib.TRANSPORTS:
+        if all(transport in p["calibrated"]["step_s"] for p in plans):
+            row(f"exchange per step ({transport})", lambda p: _secs(p['calibrated']['exchange_s_step'].get(transport, 0)))
+            row(f"step ({transport})", lambda p: _secs(p['calibrated']['step_s'][transport]))
+            row(f"speed-up vs 1 device ({transport})", lambda p: f"{p['calibrated']['speedup'][transport]:.2f}x")
     return lines

@@ -185,3 +185,39 @@ def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int =
     if link_gbs:
         out["seconds_exchange_step"] = out["bytes_per_device_step"] / (link_gbs * 1e9)
     return out
+
+
+# ---- additions for doctor and calibrate: the tiers, INT8 weights, one rank's messages -----------------
+
+# The settings a deployment is sized for: the official 768p canvas at about 5 s and 15 s (24 fps).
+GEOMETRIES = {"768p/5s": (1344, 768, 124), "768p/15s": (1344, 768, 362)}
+
+
+def weight_bytes(weights: str = "bf16", cfg: dict = H3) -> int:
+    """DiT weight bytes on each device: "bf16", "fp16" or "fp32", or "int8" (one byte a parameter, as
+    npu_quant_matmul's int8 weights with a per-channel scale, which is ignored here); the fp32 island
+    (patch projections, time embedder, output heads) stays fp32 in every case."""
+    params = parameter_counts(cfg)
+    per = 1 if weights == "int8" else DTYPE_BYTES[weights]
+    return params["model_dtype"] * per + params["fp32"] * 4
+
+
+def exchange_messages(seq_len: int, world: int, cfg: dict = H3) -> dict:
+    """Elements one rank (the busiest: the first, longest shard) receives per collective of one forward.
+
+    Ulysses (heads divisible by the devices, as H3's 56 over 2, 4 and 8): "scatter" is the packed q, k, v
+    all-to-all before attention (3 x the other ranks' rows x H/P heads), "gather" the output all-to-all
+    after it (this rank's rows of the other ranks' heads); both happen in every block. "final" is the
+    hidden states' all-gather after the last block, padded to the longest shard. Also the shapes the rank
+    sends, for a benchmark to reproduce them: qkv [3, H, s_r, D], out [1, S, H/P, D], h [s_r, hidden].
+    """
+    sizes = shard_sizes(seq_len, world)
+    s, p = sizes[0], world
+    heads, d, hidden = cfg["heads"], cfg["head_dim"], cfg["hidden"]
+    if p > 1 and attention_mode(heads, p) != "ulysses":
+        raise ValueError(f"exchange_messages models Ulysses only: {heads} heads do not split over {p} devices")
+    hp = heads // p
+    return {"shard": s, "sizes": sizes,
+            "scatter": 3 * (seq_len - s) * hp * d, "gather": (p - 1) * s * hp * d,
+            "final": (p - 1) * max(sizes) * hidden if p > 1 else 0,
+            "shapes": {"qkv": [3, heads, s, d], "out": [1, seq_len, hp, d], "h": [s, hidden]}}

@@ -4,21 +4,17 @@ The worker (parity_worker.py, beside this module) builds a tiny random-weight mo
 tree's own code, runs it on one device and through the MultiNPUParallelConfig node on N, and writes
 one row per case (dit: layout and attention mode; te: layout and split; vae: latent length) with
 max_abs, max_rel, cos, rel_rms, the bytes moved and (te, vae) how often the weight file was read. This
-module finds the interpreter, starts the worker in its own session with a deadline (killing only that
-session on expiry), and turns its failures into H3kitErrors.
+module finds the interpreter, starts the worker (h3kit.runtime.worker: its own session, a deadline,
+only that session killed on expiry), and turns its failures into H3kitErrors.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import tempfile
 from pathlib import Path
 
 from h3kit import service
 from h3kit.errors import H3kitError, UsageError
+from h3kit.runtime import worker
 
 WORKER = Path(__file__).with_name("parity_worker.py")
 COMPONENTS = ("dit", "te", "vae")
@@ -68,57 +64,18 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
     home = Path(comfy_home).resolve()
     check_tree(home)
     py = service.resolve_python(home, python)
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
-        out = Path(tmp) / "report.json"
-        log = Path(tmp) / "worker.log"
-        cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
-               "--npu-count", str(npu_count), "--out", str(out), *extra_args]
-        if inject_fault:
-            cmd.append("--inject-fault")
-        with open(log, "wb") as logf:
-            try:
-                proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
-            except OSError as e:
-                raise UsageError(f"cannot run {py}: {e}", code="bad_python",
-                                 hint="pass --python with the interpreter that runs ComfyUI") from e
-            try:
-                rc = proc.wait(timeout=timeout)
-            except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: the worker holds the devices
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # our own session: the worker and its rank threads
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-                if not isinstance(e, subprocess.TimeoutExpired):
-                    raise
-                raise H3kitError(f"the parity worker did not finish within {timeout:g} s and was killed",
-                                 code="parity_timeout", details={"log_tail": _tail(log)},
-                                 hint="a device or collective hung: run with a larger --timeout only if it was merely slow")
-        report = _read(out)
-        if report is None:
-            raise H3kitError(f"the parity worker exited with {rc} without a report", code="worker_failed",
-                             details={"log_tail": _tail(log)}, hint=f"read the log above; the interpreter was {py}")
-        error = report.get("error")
-        if error:
-            if error.get("code") == "device_check":
-                raise UsageError(error["message"], code="device_mismatch",
-                                 hint=f"run with exactly {npu_count} devices visible, as the server will "
-                                      "(ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or change --npu-count")
-            raise H3kitError(f"parity worker: {error.get('message')}", code=error.get("code", "worker_failed"),
-                             details={"log_tail": _tail(log)})
-        return report
+    cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
+           "--npu-count", str(npu_count), *extra_args]
+    if inject_fault:
+        cmd.append("--inject-fault")
+    report = worker.run(cmd, timeout=timeout, what="the parity worker", timeout_code="parity_timeout")
+    error = report.get("error")
+    if error:
+        if error.get("code") == "device_check":
+            raise UsageError(error["message"], code="device_mismatch",
+                             hint=f"run with exactly {npu_count} devices visible, as the server will "
+                                  "(ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or change --npu-count")
+        raise H3kitError(f"parity worker: {error.get('message')}", code=error.get("code", "worker_failed"),
+                         details={"log_tail": report["log_tail"]})
+    return report
 
-
-def _read(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _tail(path: Path, lines: int = 40) -> list:
-    try:
-        return path.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []
