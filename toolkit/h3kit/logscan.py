@@ -9,7 +9,9 @@ What ComfyUI writes when a node fails (execution.py at the pin), each a separate
     [INFO] Memory summary: ...                       (OOM only)
     [ERROR] Got an OOM, unloading all loaded models. (OOM only)
 
-The level tags come with ANSI colours even in a file. The scanner strips the colours, groups such lines
+A server that dies while parsing its arguments prints argparse's usage and then one line,
+`main.py: error: <why>` (exit 2): that line is an error block too, so `status` shows why the server did not
+start. The level tags come with ANSI colours even in a file. The scanner strips the colours, groups such lines
 into blocks, and marks a block as an OOM when its exception names one or when the "Got an OOM" line
 follows it before the next error: the first error of a run is what the OOM runbook starts from.
 """
@@ -30,6 +32,7 @@ OOM_MARKER = "Got an OOM, unloading all loaded models"
 # the CPU allocator says "can't allocate memory", which ComfyUI itself does not treat as an OOM.
 OOM_PATTERN = re.compile(r"OutOfMemoryError|out of memory|Got an OOM|can't allocate memory", re.IGNORECASE)
 TRACEBACK = "Traceback (most recent call last):"
+ARGPARSE_ERROR = re.compile(r"^[\w.-]+\.py: error: ")
 NODE_EXCEPTION = "!!! Exception during processing !!!"
 
 
@@ -104,7 +107,8 @@ class ErrorScanner:
 
     @staticmethod
     def _starts(line: str, body: str) -> bool:
-        return body.startswith((TRACEBACK, NODE_EXCEPTION, OOM_MARKER)) or line.startswith(("[ERROR]", "[CRITICAL]"))
+        return (body.startswith((TRACEBACK, NODE_EXCEPTION, OOM_MARKER)) or line.startswith(("[ERROR]", "[CRITICAL]"))
+                or ARGPARSE_ERROR.match(body) is not None)
 
     def _continues(self, body: str) -> bool:
         blk = self.current
