@@ -183,7 +183,8 @@ def test_record_round_trip_and_a_corrupt_record(tmp_path):
 LONG = "9" * 5000
 BAD_FIELDS = [
     ("pid", 0, "pid must be an integer"), ("pid", -1, "pid must be"), ("pid", 1, "pid must be"),
-    ("pid", True, "pid must be"), ("pid", "4242", "pid must be"), ("pid", 2 ** 40, "pid must be"), ("pid", 4.0, "pid must"),
+    ("pid", True, "pid must be"), ("pid", "4242", "pid must be"), ("pid", 2 ** 40, "pid must be"),
+    ("pid", 4.0, "pid must"),
     ("create_time", "x", "create_time must be"), ("create_time", -5, "create_time must be"),
     ("create_time", None, "create_time must be"),
     ("cmdline", "main.py", "cmdline must be a list"), ("cmdline", [], "cmdline does not run main.py"),

@@ -96,9 +96,13 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, _interrupt_handler)
 
 
-def check_folder_args(kwargs: dict) -> None:
-    """--comfy-home and --runtime-root name folders: a regular file, or a path through one, is bad input with
-    h3kit's error shape (click's own check would print a usage error instead)."""
+def check_args(kwargs: dict) -> None:
+    """What click's types let through but no command can use, refused as bad input with h3kit's error shape:
+    a float option given as nan or inf (click's FloatRange compares, and nan compares false: `--timeout nan`
+    would wait forever), and --comfy-home / --runtime-root naming a file or a path through one."""
+    for key, value in kwargs.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{key.replace('_', '-')} {value}: give a finite number", code="bad_number")
     for key, flag in (("comfy_home", "--comfy-home"), ("runtime_root", "--runtime-root")):
         value = kwargs.get(key)
         if not value:
@@ -125,7 +129,7 @@ def handle_errors(fn):
         as_json = kwargs.get("as_json", False)
         try:
             with signals_as_interrupt():
-                check_folder_args(kwargs)
+                check_args(kwargs)
                 return fn(*args, **kwargs)
         except H3kitError as e:
             if as_json:

@@ -139,7 +139,7 @@ def _add(container, call: ast.Call, enums: dict[str, list[str]]) -> None:
             if isinstance(nargs, int) or nargs in ("?", "*", "+"):
                 opts["nargs"] = nargs
         if "const" in kw and opts.get("nargs") == "?":
-            opts["const"] = "const"
+            opts["const"] = _literal(kw["const"])  # ComfyUI's own, which its type accepts
         typ = kw.get("type")
         if isinstance(typ, ast.Name):
             if typ.id in ("int", "float"):

@@ -681,7 +681,8 @@ def verify(comfy_home: Path) -> dict:
         for rel in touched:
             if rel in expected and tree_files[rel] != expected[rel]:
                 if tree_files[rel] is None:
-                    problems.append(f"{rel} is missing (the series {'adds' if pin_files[rel] is None else 'changes'} it)")
+                    how = "adds" if pin_files[rel] is None else "changes"
+                    problems.append(f"{rel} is missing (the series {how} it)")
                 else:
                     problems.append(f"{rel} differs from what the series produces")
 

@@ -126,7 +126,7 @@ def tree_lock(home: Path, *, wait: float | None = None, create: bool = True,
     """Hold the lock of `home` (see the module docstring). `create=False` takes it only if the lock file
     already exists (dry runs and verify change nothing). A home that does not exist yet is not locked: there
     is nothing in it to protect (install creates it first when it needs the lock)."""
-    home = Path(home).expanduser().absolute()
+    home = Path(home).expanduser().resolve()  # one key per tree, however the caller spelled its path
     path = lock_path(home)
     key = str(path)
     held = _held.get(key)
@@ -184,7 +184,7 @@ def tree_lock(home: Path, *, wait: float | None = None, create: bool = True,
 
 def is_locked(home: Path) -> str | None:
     """Who holds the lock of `home` right now (None if nobody, or this process)."""
-    path = lock_path(Path(home).expanduser().absolute())
+    path = lock_path(Path(home).expanduser().resolve())
     if str(path) in _held:
         return None
     try:

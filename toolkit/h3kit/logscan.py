@@ -18,8 +18,10 @@ follows it before the next error: the first error of a run is what the OOM runbo
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,8 +138,22 @@ class ErrorScanner:
 
 
 def _iter_lines(path: Path):
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
+    with open_log(path) as f:
         yield from f
+
+
+def open_log(path: str | os.PathLike):
+    """A log opened for reading text; OSError (ENOENT, or EINVAL for a FIFO, a device or a link to one)
+    unless it is a regular file: a FIFO would block and /dev/zero never end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return open(fd, "r", encoding="utf-8", errors="replace")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def error_blocks(path: str | os.PathLike, limit: int | None = None) -> list[ErrorBlock]:
@@ -174,9 +190,9 @@ def tail(path: str | os.PathLike, lines: int = 20) -> list[str]:
 def read_since(path: str | os.PathLike, offset: int) -> tuple[bytes, int]:
     """The bytes appended to `path` since `offset`, and the new offset; (b"", offset) when unreadable."""
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
+        with open_log(path) as f:
+            f.buffer.seek(offset)
+            data = f.buffer.read()
     except OSError:
         return b"", offset
     return data, offset + len(data)

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -257,6 +258,8 @@ def _log(v, ctx):
     logs = (ctx["root"] / LOG_DIR).resolve()
     if path.parent.resolve() != logs or not path.name.startswith("comfyui-"):
         raise ValueError(f"must be a log under {logs}")
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO or a link to /dev/zero
+        raise ValueError("is not a regular file")
     return v
 
 
@@ -351,7 +354,10 @@ def service_lock(root: Path, wait: float = LOCK_WAIT, *, home: str | os.PathLike
                  progress: Progress | None = None):
     """Hold the tree lock of `home` (when given), then `<root>/service.lock`, while starting or stopping;
     another holder makes this wait, then fail naming it."""
-    with locks.tree_lock(Path(home), progress=progress) if home else contextlib.nullcontext():
+    # the tree lock is created only in a ComfyUI tree: a record naming another folder must not litter it
+    tree = Path(home) if home else None
+    with (locks.tree_lock(tree, create=(tree / "main.py").is_file(), progress=progress) if tree
+          else contextlib.nullcontext()):
         try:
             root.mkdir(parents=True, exist_ok=True)
             fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

@@ -118,12 +118,13 @@ class _OomWatch:
 
 
 def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] = lambda e: None,
-          clock: Callable[[], float] = time.monotonic) -> WatchOutcome:
+          clock: Callable[[], float] = time.monotonic, comfy_home: str | None = None) -> WatchOutcome:
     """Run the supervision loop until the record disappears, `max_seconds` pass or Ctrl-C/SIGTERM.
 
-    Raises NotStarted when there is no record to watch, CrashLoop when the restart limit is hit.
+    Raises NotStarted when there is no record to watch, CrashLoop when the restart limit is hit, BadRecord
+    when the record is not one h3kit wrote (or, with `comfy_home`, names another tree).
     """
-    rec = service.read_record(root)
+    rec = service.read_record(root, comfy_home)
     if rec is None:
         raise service.NotStarted(f"nothing to watch: no server record under {root}",
                                  hint="start the server with h3kit start first")
@@ -159,7 +160,7 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
             if time_left() <= 0:
                 outcome.reason, outcome.message = "time_limit", f"stopped watching after {policy.max_seconds:g} s"
                 return outcome
-            rec = service.read_record(root)
+            rec = service.read_record(root, comfy_home)
             if rec is None:
                 outcome.reason = "stopped"
                 outcome.message = "the server record is gone (h3kit stop ran): nothing left to watch"

@@ -2,8 +2,9 @@
 
 Used only by tests. `H3KIT_TEST_KILL_AT=NAME[:N][:SIGNAL]` makes the N-th arrival (default the first) at
 kill point NAME send SIGNAL (default KILL; TERM to test the Ctrl-C path; STOP to freeze the command while
-it holds the tree lock) to this process. Without the variable `point()` does nothing. The names are listed in KILL_POINTS, so a test that names a point which
-no longer exists fails instead of silently never killing.
+it holds the tree lock) to this process. Without the variable `point()` does nothing. The names are
+listed in KILL_POINTS, so a test that names a point which no longer exists fails instead of silently
+never killing.
 """
 
 from __future__ import annotations

@@ -221,6 +221,11 @@ def logs(comfy_home, runtime_root, follow, errors, lines):
         raise service.ServiceError(f"no server log under {root}", code="no_log",
                                    hint="start the server with h3kit start")
     path = path.resolve()
+    try:
+        logscan.open_log(path).close()
+    except OSError as e:
+        raise service.ServiceError(f"cannot read the server log {path}: {e.strerror or e}", code="bad_log",
+                                   hint="h3kit's logs are regular files under <runtime-root>/logs") from None
     if not follow:
         if errors:
             blocks = logscan.error_blocks(path)
@@ -228,7 +233,8 @@ def logs(comfy_home, runtime_root, follow, errors, lines):
                 for line in _error_lines(blk.to_dict(), "error", max_lines=logscan.ErrorScanner.MAX_BLOCK_LINES):
                     click.echo(line)
             return
-        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        with logscan.open_log(path) as f:
+            text = f.read().splitlines()
         for line in text[-lines:] if lines else text:
             click.echo(line)
         return
@@ -250,10 +256,11 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
                 for line in _error_lines(blk.to_dict(), "error"):
                     click.echo(line)
 
-    existing = path.read_text(encoding="utf-8", errors="replace")
+    with logscan.open_log(path) as f:
+        existing = f.read()
     start = existing.splitlines()
     show("\n".join(start[-lines:] if lines else start))
-    f = open(path, "r", encoding="utf-8", errors="replace")
+    f = logscan.open_log(path)
     f.seek(0, 2)
     partial = ""
     try:
@@ -267,9 +274,14 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
             else:
                 newest = service.latest_log(root)
                 if newest.exists() and newest.resolve() != path:
+                    try:
+                        nf = logscan.open_log(newest.resolve())
+                    except OSError:  # not a regular file: not a log h3kit wrote, keep following this one
+                        time.sleep(0.2)
+                        continue
                     path = newest.resolve()
                     f.close()
-                    f = open(path, "r", encoding="utf-8", errors="replace")
+                    f = nf
                     partial = ""
                     click.echo(f"==> {path} (new server log) <==")
                     scanner = logscan.ErrorScanner(merge_oom=False)
@@ -315,7 +327,7 @@ def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, cr
                                    backoff_max=backoff_max, crash_limit=crash_limit, crash_window=crash_window,
                                    stable_after=stable_after, grace=grace, start_timeout=timeout,
                                    max_seconds=max_seconds)
-    outcome = supervise.watch(root, policy,
+    outcome = supervise.watch(root, policy, comfy_home=comfy_home,
                               on_event=lambda e: err(f"h3kit watch: {e['time']} {e['event']}: {e['message']}"))
     if as_json:
         emit_json({"ok": True, "reason": outcome.reason, "message": outcome.message,
