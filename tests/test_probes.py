@@ -260,24 +260,46 @@ def _arguments(p: Prober, home: StandinHome) -> None:
 # --------------------------------------------------------------------------------------------- random kills
 
 
+KILL_POINTS = {"install": ["clone-made", "clone-moving:1", "clone-moving:2", "journal-blobs", "journal-written",
+                           "tmp-written:2", "file-written:1", "file-written:6", "files-written"],
+               "revert": ["journal-written", "tmp-written:1", "file-written:3", "file-written:8", "files-written"]}
+
+
 def _random_kills(p: Prober, tmp: Path, up: Path) -> None:
+    """install (fresh) and revert (of an installed tree) SIGKILLed at random: half after a random delay
+    within the time a whole run takes here (start-up, clone, scratch checks), half at a random named point
+    of the write itself (a window of milliseconds a delay rarely hits)."""
     rng = random.Random(SEED)
     base = ["--source", up, "--python", sys.executable]
-    for i in range(8):
+    t0 = time.monotonic()
+    p.run("kills: a whole install, for its duration", "install", "--comfy-home", tmp / "calibrate", *base, expect=(0,))
+    whole = time.monotonic() - t0
+    for i in range(10):
         home = tmp / f"kill{i}"
-        if i % 2:  # a revert of an installed tree, killed
+        op = ("install", "revert")[i % 2]
+        if op == "revert":
             p.run(f"kill #{i}: install first", "install", "--comfy-home", home, *base, expect=(0,))
             argv = ["revert", "--comfy-home", home]
-        else:      # a fresh install, killed (clone, journal or writes)
+        else:
             argv = ["install", "--comfy-home", home, *base]
-        proc = subprocess.Popen([sys.executable, "-m", "h3kit", *map(str, argv)], env=p.env,
+        env, how = p.env, None
+        if (i // 2) % 2:
+            how = rng.choice(KILL_POINTS[op])
+            env = dict(p.env, H3KIT_TEST_KILL_AT=how)
+        proc = subprocess.Popen([sys.executable, "-m", "h3kit", *map(str, argv)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.15, 0.9))
-        proc.send_signal(signal.SIGKILL)
+        if how is None:
+            delay = rng.uniform(0.05, 1.0) * whole
+            how = f"after {delay:.2f} s"
+            try:
+                proc.wait(delay)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
         proc.wait()
         p.tally.runs += 1
-        p.run(f"kill #{i} ({argv[0]}): plain install", "install", "--comfy-home", home, *base, expect=(0,))
-        p.run(f"kill #{i} ({argv[0]}): verify", "verify", "--comfy-home", home, expect=(0,))
-        p.check_leftovers(home, label=f"kill #{i}: ")
+        label = f"kill #{i} ({op} {how})"
+        p.run(f"{label}: plain install", "install", "--comfy-home", home, *base, expect=(0,))
+        p.run(f"{label}: verify", "verify", "--comfy-home", home, expect=(0,))
+        p.check_leftovers(home, label=f"{label}: ")
         for clone in tmp.glob(f".kill{i}.h3kit-clone-*"):
-            p.tally.leftovers.append(f"kill #{i}: {clone}")
+            p.tally.leftovers.append(f"{label}: {clone}")

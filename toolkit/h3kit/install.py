@@ -639,8 +639,12 @@ def verify(comfy_home: Path) -> dict:
         if holder is not None:
             problems.append(f"an h3kit command is writing this tree right now: {holder}")
         else:
-            with locks.tree_lock(home, wait=0):
-                recovered = _recover(home)
+            try:
+                with locks.tree_lock(home, wait=0):
+                    recovered = _recover(home)
+            except OSError as e:  # a read-only tree: say what is pending instead of failing
+                problems.append(f"an interrupted h3kit write is pending and could not be rolled back: "
+                                f"{_fs_error(e, 'write the tree').message}")
             if recovered:
                 warnings.append(journal.Recovery(**recovered).describe())
     state = load_state(home)
