@@ -159,13 +159,14 @@ def test_sigterm_during_a_fresh_install_removes_the_clone(env, tmp_path):
     assert_recovers(env, home)
 
 
-def test_sigterm_while_writing_rolls_the_tree_back(env, tmp_path, upstream):
+@pytest.mark.parametrize("sig, code, said", [("TERM", 143, "terminated (SIGTERM)"), ("INT", 130, "interrupted (Ctrl-C)")])
+def test_a_signal_while_writing_rolls_the_tree_back(env, tmp_path, upstream, sig, code, said):
     up, _ = upstream
     home = tmp_path / "home"
     git("clone", "-q", str(up), str(home), cwd=tmp_path)
     before = snapshot(home)
-    r = install(env, home, kill_at="file-written:4:TERM")
-    assert r.returncode == 143, r.stderr
+    r = install(env, home, kill_at=f"file-written:4:{sig}")
+    assert r.returncode == code and said in r.stderr, r.stderr
     assert snapshot(home) == before  # every file as it was; no journal, lock file or temporary left
     assert leftovers(env, home) == []
 
@@ -248,7 +249,7 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def test_abandoned_clones_and_scratch_folders_are_swept(env, tmp_path):
+def test_abandoned_clones_and_scratch_folders_are_swept(env, tmp_path, monkeypatch):
     """Folders a killed h3kit left (their owner lock is free) are removed by the next run; a live one stays."""
     from h3kit import locks
 
@@ -265,3 +266,12 @@ def test_abandoned_clones_and_scratch_folders_are_swept(env, tmp_path):
         assert sorted(locks.sweep(parent, ".home.h3kit-clone-")) == sorted([half.name, dead.name])
         assert live.is_dir() and live.name.startswith(".home.h3kit-clone-")
     assert not live.exists()
+    # scratch folders older versions left in the temporary folder: removed once an hour old
+    legacy_old, legacy_new = parent / "h3kit-scratch-old", parent / "h3kit-applied-new"
+    legacy_old.mkdir()
+    legacy_new.mkdir()
+    stale = time.time() - 2 * locks.LEGACY_AGE
+    os.utime(legacy_old, (stale, stale))
+    monkeypatch.setattr(locks, "_legacy_swept", False)
+    locks._sweep_legacy(parent)
+    assert not legacy_old.exists() and legacy_new.exists()

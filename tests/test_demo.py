@@ -194,6 +194,10 @@ def test_sigterm_stops_the_server_the_demo_started(demo_home):
     try:
         assert started.wait(600), "".join(lines[-20:])
         pid = json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["pid"]
+        # the demo holds the tree lock: an install meanwhile is refused, naming it
+        busy = subprocess.run([sys.executable, "-m", "h3kit", "install", "--comfy-home", str(home)],
+                              capture_output=True, text=True, timeout=60, env=dict(os.environ, H3KIT_LOCK_WAIT="0"))
+        assert busy.returncode == 1 and f"pid {proc.pid} (h3kit demo" in busy.stderr, busy.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 143, "".join(lines[-20:])
     finally:

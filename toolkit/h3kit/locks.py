@@ -273,11 +273,38 @@ def owned_tempdir(parent: Path, prefix: str):
             os.close(fd)
 
 
+LEGACY_PREFIXES = ("h3kit-scratch-", "h3kit-applied-")  # what h3kit before the owned folders left in the temp dir
+LEGACY_AGE = 3600.0                                      # no command held one for an hour
+_legacy_swept = False
+
+
+def _sweep_legacy(base: Path) -> None:
+    global _legacy_swept
+    if _legacy_swept:
+        return
+    _legacy_swept = True
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(LEGACY_PREFIXES):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and time.time() - st.st_mtime > LEGACY_AGE:
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def scratch_parent() -> Path:
     """Where scratch copies live: a private folder of this user under the system temporary folder, so that
     every run finds (and sweeps) what a killed run left. Falls back to the temporary folder itself when that
-    private folder cannot be trusted (not ours, or a link)."""
+    private folder cannot be trusted (not ours, or a link). Scratch folders older h3kit versions left
+    directly in the temporary folder are removed once they are an hour old."""
     base = Path(tempfile.gettempdir())
+    _sweep_legacy(base)
     private = base / f"h3kit-{os.getuid()}"
     with contextlib.suppress(FileExistsError, OSError):
         private.mkdir(mode=0o700)
