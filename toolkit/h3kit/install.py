@@ -509,7 +509,8 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
     if old_series is not None:
         touched = sorted(set(touched) | set(old_series.touched_files()))
     if not opts.dry_run:  # what a killed write left beside the files it was replacing
-        journal.remove_temporaries(home, touched + list(shipped_files(root)) + list((load_state(home) or {}).get("files", {})))
+        recorded_files = list((load_state(home) or {}).get("files", {}))
+        journal.remove_temporaries(home, touched + list(shipped_files(root)) + recorded_files)
     pin_files = gitutil.read_blobs(home, pin, touched)
     current = read_tree_files(home, touched)
 
