@@ -277,3 +277,12 @@ def test_child_environment_per_device_type(kind, variable, value):
 def test_listen_must_be_one_ip_address(listen):
     with pytest.raises(UsageError):
         service.validate_listen(listen)
+
+
+def test_terminating_a_process_that_has_just_exited_is_not_an_error():
+    """The server may die between the identity check and the first signal (watch meets this in a crash loop)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = proc.identify(child.pid)
+    child.wait()
+    down = proc.terminate_group(ident, grace=0.1, kill_wait=0.1)
+    assert down.signals == [] and down.survivors == []

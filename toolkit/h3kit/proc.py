@@ -180,7 +180,11 @@ def terminate_group(identity: Identity, grace: float, kill_wait: float = 5.0) ->
     """
     t0 = time.monotonic()
     result = Teardown(identity.pid)
-    leader = psutil.Process(identity.pid)
+    try:
+        leader = psutil.Process(identity.pid)
+    except psutil.NoSuchProcess:  # it exited between the caller's check and now: nothing left to stop
+        result.seconds = time.monotonic() - t0
+        return result
     try:
         members = [leader] + leader.children(recursive=True)
     except PSUTIL_GONE:
