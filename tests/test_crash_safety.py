@@ -226,19 +226,20 @@ def test_install_and_start_at_once(env, tmp_path, kit):
     inst = spawn(env, "install", "--comfy-home", home, "--source", kit.parent / "upstream", "--python",
                  sys.executable, kill_at="journal-written:1:STOP")
     port = free_port(8470, 8489)
+    start = ("start", "--comfy-home", home, "--devices", "0", "--device-type", "cpu", "--port", port)
     try:
-        wait_for(lambda: _stopped(inst.pid), 30, "install to stop while it holds the lock")
-        r = run(env, "start", "--comfy-home", home, "--devices", "0", "--device-type", "cpu", "--port", port)
-        assert r.returncode == 1 and "tree_busy" in r.stderr and f"pid {inst.pid} (h3kit install" in r.stderr
-        assert not (home / ".h3kit" / "run" / "server.json").exists()
-    finally:
-        os.kill(inst.pid, signal.SIGCONT)
-    try:
+        try:
+            wait_for(lambda: _stopped(inst.pid), 30, "install to stop while it holds the lock")
+            r = run(env, *start)
+            assert r.returncode == 1 and "tree_busy" in r.stderr and f"pid {inst.pid} (h3kit install" in r.stderr
+            assert not (home / ".h3kit" / "run" / "server.json").exists()
+        finally:
+            os.kill(inst.pid, signal.SIGCONT)
         assert inst.wait(30) == 0
-        r = run(env, "start", "--comfy-home", home, "--devices", "0", "--device-type", "cpu", "--port", port)
+        r = run(env, *start)
         assert r.returncode == 0, r.stderr
         assert run(env, "stop", "--comfy-home", home).returncode == 0
-    finally:
+    finally:  # whatever failed, no server outlives the test
         kill_started_under(home)
 
 
