@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import psutil
@@ -476,18 +477,38 @@ def fake_service():
     server.server_close()
 
 
+_SERVERS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_fake_servers():
+    yield
+    while _SERVERS:
+        proc = _SERVERS.pop()
+        proc.kill()
+        proc.wait()
+
+
 def _home(tmp_path, record, node_types=None):
     """A fake comfy home; `record` (port, listen, device_type, devices) is completed into a server record
-    naming this test process, which serves the fake port from a thread: a live, verifiable h3kit server."""
+    naming a process that runs this home's main.py as h3kit would have started it (it only sleeps: this
+    test process serves the fake port from a thread), so the record passes h3kit's identity check."""
     home = tmp_path / "ComfyUI"
     (home / "models").mkdir(parents=True)
-    (home / "main.py").write_text("")
+    (home / "main.py").write_text("import time\ntime.sleep(600)\n")
     types = node_types if node_types is not None else sorted({n["class_type"] for n in API.values()})
     (home / "nodes.py").write_text("NODE_CLASS_MAPPINGS = {\n" + "".join(f'    "{t}": {t},\n' for t in types) + "}\n")
     if record is not None:
-        me = psutil.Process()
-        full = {"pid": me.pid, "create_time": me.create_time(), "cmdline": me.cmdline(), "python": sys.executable,
-                "comfy_home": str(home), "log": str(home / "server.log"), "extra_args": [], **record}
+        argv = ["-B", "main.py", "--listen", record["listen"], "--port", str(record["port"])]
+        proc = subprocess.Popen([sys.executable, *argv] + (["--cpu"] if record["device_type"] == "cpu" else []),
+                                cwd=home)
+        _SERVERS.append(proc)
+        server = psutil.Process(proc.pid)
+        while "main.py" not in server.cmdline():
+            time.sleep(0.01)
+        full = {"pid": proc.pid, "create_time": server.create_time(), "cmdline": server.cmdline(),
+                "python": sys.executable, "comfy_home": str(home),
+                "log": str(home / ".h3kit" / "run" / "logs" / "comfyui-1.log"), "extra_args": [], **record}
         (home / ".h3kit" / "run").mkdir(parents=True)
         (home / ".h3kit" / "run" / "server.json").write_text(json.dumps(full))
     return home

@@ -18,6 +18,7 @@ import psutil
 
 SUPPORT = Path(__file__).resolve().parent
 STANDIN = SUPPORT / "standin_server.py"
+STANDIN_CLI_ARGS = SUPPORT / "standin_cli_args.py"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -133,8 +134,9 @@ class StandinHome(Home):
     """A fake ComfyUI home whose main.py is the test stand-in server (tests/support/standin_server.py)."""
 
     def __init__(self, path: Path, port: int):
-        path.mkdir(parents=True, exist_ok=True)
+        (path / "comfy").mkdir(parents=True, exist_ok=True)
         shutil.copy(STANDIN, path / "main.py")
+        shutil.copy(STANDIN_CLI_ARGS, path / "comfy" / "cli_args.py")
         super().__init__(path, port)
 
     def configure(self, **cfg) -> None:

@@ -4,7 +4,9 @@ Stages: install (if the tree is not installed and verified), checkpoints (four t
 with the real upstream classes, h3kit.tiny_models), start (the service on N devices, simulated on CPU),
 check-workflow (the shipped demo workflow, statically), prompt (POST /prompt, followed on /ws), parity
 (N > 1: the same prompt with npu_count 1, latents compared), stop (unless kept running or not ours).
-Every failure names its stage and, where the server was involved, the log line that explains it.
+Every failure names its stage and, where the server was involved, the log line that explains it. The demo
+holds the tree lock of its home from start to end (install and the service take it too, re-entrantly), and
+Ctrl-C or SIGTERM stops the server it started before it exits.
 With weights "int8" the DiT is the same tiny DiT with its block linears in INT8 (h3kit_tiny_dit_int8, as the
 published H3 INT8 files), and the server log must show its INT8 linears ran on the NPU INT8 arm.
 """
@@ -22,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3kit import comfyws, devices as h3devices, health, logscan, outputs, proc, service
+from h3kit import comfyws, devices as h3devices, health, locks, logscan, outputs, proc, service
 from h3kit.errors import H3kitError, UsageError
 from h3kit.paths import repo_root
 
@@ -235,13 +237,25 @@ def _node_id(prompt: dict, class_type: str, contains: str = "") -> str:
 
 def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
     from h3kit import install as installer
-    from h3kit import workflow
 
     home = Path(opts.comfy_home).expanduser().absolute()
     if opts.npu_count not in h3devices.ALLOWED_COUNTS:
         raise UsageError(f"--npu-count {opts.npu_count}: H3 runs on 1, 2 or 4 devices")
     if opts.weights not in WEIGHTS:
         raise UsageError(f"--weights {opts.weights}: use one of {', '.join(WEIGHTS)}")
+    installer.check_home_path(home)
+    try:  # the lock lives in the home: an empty folder is still a fresh one for install
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoFailed(f"cannot create {home}: {e.strerror or e}", hint="choose a folder you can write to") from None
+    with locks.tree_lock(home, progress=log):
+        return _run_demo(opts, home, log)
+
+
+def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
+    from h3kit import install as installer
+    from h3kit import workflow
+
     device_type = h3devices.resolve_device_type(opts.device_type)
     devices = list(range(opts.npu_count))
     report: dict = {"ok": False, "comfy_home": str(home), "device_type": device_type,

@@ -71,7 +71,7 @@ def demo(comfy_home, device_type, npu_count, keep_running, source, python, port,
 @click.command()
 @click.argument("workflow", type=click.Path(exists=True, dir_okay=False))
 @comfy_home_option(required=False)
-@click.option("--runtime-root", metavar="DIR", type=click.Path(file_okay=False),
+@click.option("--runtime-root", metavar="DIR", type=click.Path(),
               help="Where the service record is (default <comfy-home>/.h3kit/run).")
 @click.option("--runs", type=click.IntRange(1, 100), default=3, show_default=True)
 @click.option("--switch", "switch", type=click.Path(exists=True, dir_okay=False), metavar="WORKFLOW2",
