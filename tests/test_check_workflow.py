@@ -17,6 +17,7 @@ from h3kit.errors import DeviceListError, UsageError
 from h3kit.workflow import report
 from h3kit.workflow.checks import adapt_canvas, align_frame_count
 from tests.support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
+from tests.support.pin_source import pin_functions
 
 API = load_data("api_t2va.json")
 NESTED = load_data("ui_nested_subgraphs.json")
@@ -651,8 +652,10 @@ def test_every_code_is_documented():
     assert used == set(report.CODES)
 
 
-def test_geometry_helpers_match_upstream():
-    # values from comfy_extras/nodes_minimax_h3.py at the pin (align_frame_count, adapt_canvas)
-    assert [align_frame_count(n) for n in (5, 6, 22, 120, 124, 360, 362)] == [5, 22, 22, 124, 124, 362, 362]
-    assert adapt_canvas(1920, 1080) == (1344, 768) and adapt_canvas(768, 1344) == (768, 1344)
-    assert adapt_canvas(1000, 1000) == (768, 768) and adapt_canvas(480, 1920) == (512, 2016)
+@pytest.mark.upstream
+def test_geometry_helpers_match_upstream(pin_tree):
+    # the pin's own align_frame_count and adapt_canvas (comfy_extras/nodes_minimax_h3.py), not values copied from it
+    pin = pin_functions(pin_tree, "comfy_extras/nodes_minimax_h3.py", ("align_frame_count", "adapt_canvas"))
+    assert all(align_frame_count(n) == pin["align_frame_count"](n) for n in range(1, 4000))
+    sides = range(16, 4097, 16)
+    assert all(adapt_canvas(w, h) == pin["adapt_canvas"](w, h) for w in sides for h in sides)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from h3kit.runtime import costmodel
 from h3kit.runtime import parity_worker
+from tests.support.service_helpers import free_port
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 SUPPORT = Path(__file__).resolve().parent / "support"
@@ -94,14 +94,31 @@ def test_node_device_check(checks):
 
 def test_wrapper_matches_one_device_and_shares_host_weights(checks):
     v = value(checks, "wrapper_paths")
-    assert v["equal"] and v["forwards"] == 1
+    assert v["equal"] and v["forwards"] == 1 and v["rank_forwards"] == [1, 1, 1]
     tiny = parity_worker.TINY
     ex = costmodel.exchange_elements(71, 3, hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
                                      head_dim=tiny["attention_head_dim"], blocks=tiny["num_layers"])
     assert ex["attention"] == "kv_gather" and v["bytes"] == ex["total"] * 4
+    assert v["bytes_received"] == [x * 4 for x in ex["per_device"]]
     assert v["replicas"] == 3 and v["extra_models"] == 2 and v["replicas_share_weights"]
     assert v["blocks_without_wrapper_equal"]
     assert v["reapplied_wrappers"] == 1 and v["reapplied_extra_models"] == 2
+
+
+def test_the_final_output_is_gathered_to_rank0_only(checks):
+    v = value(checks, "wrapper_paths")
+    assert v["final_layer_calls"] == [1, 0, 0], "ranks 1..P-1 stop after the last block"
+    # only rank 0 received the last hidden states (the per-device figures above include the final gather)
+    tiny = parity_worker.TINY
+    ex = costmodel.exchange_elements(71, 3, hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
+                                     head_dim=tiny["attention_head_dim"], blocks=tiny["num_layers"])
+    assert ex["final_gather"] == (71 - costmodel.shard_sizes(71, 3)[0]) * tiny["hidden_size"]
+    assert v["bytes_received"][0] - v["bytes_received"][1] == ex["final_gather"] * 4
+
+
+def test_workers_copy_their_inputs_before_rank0_works(checks):
+    v = value(checks, "inputs_copied_before_rank0_works")
+    assert v["copies"] == 2 and v["rank0_started_after"]
 
 
 def test_refusals_name_the_problem(checks):
@@ -121,29 +138,21 @@ def test_rank_failure_surfaces_at_once(checks):
 def test_stalled_rank_surfaces_within_the_bound(checks):
     v = value(checks, "stall")
     assert v["error"]["type"] == "CollectiveTimeout"
-    assert "rank(s) 1 (cpu) did not reach collective #1 within 1 s" in v["error"]["message"]
+    assert "rank(s) 1 (cpu) did not reach collective #2 within 1 s" in v["error"]["message"]
     assert v["seconds"] < 2 * v["timeout"] + 1.5
     assert v["pool_broken"] and v["recovered"] and v["new_pool"] and v["old_workers_exited"]
 
 
 # ---- the real server -------------------------------------------------------------------------
 
-def _free_port():
-    for port in PORTS:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) != 0:
-                return port
-    pytest.skip(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
-
-
 @pytest.fixture(scope="module")
 def server(patched_tree, comfy_python, checks, tmp_path_factory):
-    requests = pytest.importorskip("requests")
+    import requests  # a dependency of h3kit itself
     tiny = checks[1] / "tiny.safetensors"
     models = patched_tree / "models" / "diffusion_models"
     models.mkdir(parents=True, exist_ok=True)
     (models / "h3kit_tiny_h3.safetensors").write_bytes(tiny.read_bytes())
-    port = _free_port()
+    port = free_port(PORTS.start, PORTS.stop - 1)  # a busy band is an error, never a skip
     log = tmp_path_factory.mktemp("server") / "comfyui.log"
     env = dict(os.environ, H3KIT_SIM_DEVICES="2")
     with open(log, "wb") as logf:

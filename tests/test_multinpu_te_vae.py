@@ -104,6 +104,13 @@ def test_te_uneven_gqa_groups(checks):
 def test_te_rank_failure_names_the_rank(checks):
     v = value(checks, "te_rank_failure")
     assert v["raised"] == "MemoryError" and v["notes"] == ["raised on rank 2 (cpu) of 4"]
+    assert v["recovered"], "the next encode equals the one before the failure"
+
+
+@pytest.mark.parametrize("component, copies", [("te", 3), ("vae", 3)])
+def test_workers_copy_their_inputs_before_rank0_works(checks, component, copies):
+    v = value(checks, f"{component}_inputs_copied_before_rank0_works")
+    assert v["copies"] == copies and v["rank0_started_after"]
 
 
 def test_a_lora_after_the_node_is_refused(checks):

@@ -85,7 +85,8 @@ class ThreadGroup:
     devices[r] is rank r's device; the same device may appear several times (the CPU simulation is
     ["cpu"] * P). One group serves one SPMD run: once a rank failed or timed out the group stays
     broken and every later collective on it raises at once, so create a new group per run.
-    bytes_moved counts the bytes copied between ranks (a rank's own data is not counted).
+    bytes_moved counts the bytes copied between ranks (a rank's own data is not counted), bytes_received[r]
+    the part of them that rank r received.
     """
 
     def __init__(self, devices, timeout: float = DEFAULT_TIMEOUT):
@@ -95,6 +96,7 @@ class ThreadGroup:
         self.world_size = len(self.devices)
         self.timeout = float(timeout)
         self.bytes_moved = 0
+        self.bytes_received = [0] * self.world_size
         self._lock = threading.Lock()
         self._mail_cv = threading.Condition(self._lock)
         self._barrier = threading.Barrier(self.world_size)
@@ -178,9 +180,10 @@ class ThreadGroup:
             raise root
         return results
 
-    def _count(self, nbytes: int):
+    def _count(self, nbytes: int, rank: int):
         with self._lock:
             self.bytes_moved += nbytes
+            self.bytes_received[rank] += nbytes
 
     def _wait(self, rank: int, op: str):
         try:
@@ -226,7 +229,7 @@ class ThreadComm:
 
     def _copy_in(self, t: torch.Tensor) -> torch.Tensor:
         # copy=True: on the CPU simulation (and two ranks on one card) .to() would otherwise alias
-        self.group._count(t.numel() * t.element_size())
+        self.group._count(t.numel() * t.element_size(), self.rank)
         return t.to(self.device, non_blocking=True, copy=True)
 
     def _rendezvous(self, op: str, value, take):
@@ -332,7 +335,7 @@ class ThreadComm:
             done.set()
             raise CollectiveError(f"recv: rank {self.rank} expected {tuple(buf.shape)} {buf.dtype} from rank {src}, "
                                   f"got {tuple(x.shape)} {x.dtype}")
-        g._count(x.numel() * x.element_size())
+        g._count(x.numel() * x.element_size(), self.rank)
         buf.copy_(x, non_blocking=True)
         _stream_sync(self.device)
         done.set()

@@ -106,23 +106,27 @@ def _print_rows(rows, config, component):
 @click.option("--keyframes", type=click.Choice(["0", "1", "2"]), default="0", show_default=True,
               help="fl2va keyframes (first and/or last frame), each adding one latent frame of tokens.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--cfg", "guider", flag_value="cfg", default="basic",
+              help="A CFG guider (CFGGuider, KSampler with cfg > 1): two forwards per step, cond and uncond. "
+                   "Default: BasicGuider, one forward per step (H3 is CFG-distilled; every upstream H3 template "
+                   "and h3kit's workflows use it).")
 @click.option("--tflops", type=click.FloatRange(min=0, min_open=True), metavar="T",
               help="Effective TFLOP/s per device (from a calibration run) to predict compute seconds per step.")
 @click.option("--link-gbs", type=click.FloatRange(min=0, min_open=True), metavar="B",
               help="Effective exchange GB/s per device to predict exchange seconds per step.")
 @json_option
 @handle_errors
-def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, tflops, link_gbs, as_json):
+def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider, tflops, link_gbs, as_json):
     """Print the sequence-parallel cost model for a resolution and device count.
 
     For the real H3 DiT (50 blocks, hidden 5376, 56x128 heads, ffn 14336): the packed sequence, tokens
-    per device, FLOPs per device, bytes exchanged per block and per step (CFG: two forwards), and memory
-    per device (the full DiT weights plus estimated activations).
+    per device, FLOPs per device, bytes exchanged per block and per step (one forward per step with
+    BasicGuider, two with --cfg), and memory per device (the full DiT weights plus estimated activations).
     """
     counts = sorted({int(c) for c in npu_count})
     try:
         plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
-                                dtype=dtype, tflops=tflops, link_gbs=link_gbs) for n in counts]
+                                dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider) for n in counts]
     except ValueError as e:
         raise UsageError(str(e), hint="H3 needs width and height in multiples of 32 (e.g. 1344x768, 736 not 720)")
     if as_json:
@@ -145,7 +149,8 @@ def format_plans(plans) -> list:
     lt, lh, lw = p0["latent"]
     lines = [
         f"MiniMax H3 DiT, {p0['width']}x{p0['height']}, {p0['frames']} frames, {p0['dtype']}, "
-        f"{'fl2va, %d keyframe(s)' % p0['keyframes'] if p0['keyframes'] else 't2va'}",
+        f"{'fl2va, %d keyframe(s)' % p0['keyframes'] if p0['keyframes'] else 't2va'}, "
+        f"{'BasicGuider, 1 forward' if p0['forwards_per_step'] == 1 else 'CFG guider, 2 forwards'} per step",
         f"latents: video {lt}x{lh}x{lw} (T x H x W), audio {p0['audio_latents']} x 2 channels; "
         f"text {p0['text_tokens']} tokens (assumed)",
         f"packed sequence S = {p0['seq_len']} tokens: text {seg['text']}, cond {seg['cond']}, "
@@ -160,8 +165,9 @@ def format_plans(plans) -> list:
     row("tokens per device (largest shard)", lambda p: str(max(p["tokens_per_device"])))
     row("attention exchange", lambda p: p["attention"])
     row("FLOPs per device per step", lambda p: _si(p["flops_per_device_step"], "FLOP"))
-    row("  of which attention", lambda p: _si(p["flops_per_device_forward"]["attention"] * 2, "FLOP"))
-    row("  of which MLP", lambda p: _si(p["flops_per_device_forward"]["mlp"] * 2, "FLOP"))
+    per_step = lambda p, part: p["flops_per_device_forward"][part] * p["forwards_per_step"]  # noqa: E731
+    row("  of which attention", lambda p: _si(per_step(p, "attention"), "FLOP"))
+    row("  of which MLP", lambda p: _si(per_step(p, "mlp"), "FLOP"))
     row("exchanged per block (all devices)", lambda p: _si(p["bytes_per_block"], "B"))
     row("exchanged per step (all devices)", lambda p: _si(p["bytes_per_step"], "B"))
     row("exchanged per step (busiest device)", lambda p: _si(p["bytes_per_device_step"], "B"))
@@ -173,5 +179,10 @@ def format_plans(plans) -> list:
     if "seconds_exchange_step" in p0:
         row("exchange per step (at --link-gbs)", lambda p: f"{p['seconds_exchange_step']:.2f} s")
     lines.append("")
-    lines.append("A step is two forwards (CFG). Every device holds the full DiT weights in sequence parallelism.")
+    if p0["forwards_per_step"] == 1:
+        lines.append("A step is one forward (BasicGuider: H3 is CFG-distilled; pass --cfg for a CFG guider, two "
+                     "forwards).")
+    else:
+        lines.append("A step is two forwards (--cfg: the guider runs cond and uncond separately).")
+    lines.append("Every device holds the full DiT weights in sequence parallelism.")
     return lines
