@@ -27,25 +27,31 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
               show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
 @click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
-@click.option("--inject-fault", is_flag=True,
-              help="Make the parallel path wrong on purpose (dit: one device's shard left out of the gathers; "
-                   "te: out of the reductions and hand-overs; vae: other devices' chunks zeroed): the command "
-                   "must then exit 1.")
+@click.option("--inject-fault", "fault", is_flag=False, flag_value="", default=None, metavar="[FAULT]",
+              help="Make the parallel path wrong on purpose; the command must then exit 1. dit: shard (default: "
+                   "the last device's shard zeroed in the final gather), rope (RoPE rows off by one on devices > 0), "
+                   "heads (two heads swapped inside the Ulysses all-to-all), noise (1e-4 relative noise on one "
+                   "device's attention output), lora-twice / lora-missing (on the last device); te: reduce (one "
+                   "device's share left out of the reductions and hand-overs); vae: chunks (other devices' chunks "
+                   "zeroed).")
 @click.option("--timeout", type=click.FloatRange(min=1), default=parity_lib.DEFAULT_TIMEOUT, show_default=True,
               metavar="S", help="Seconds before the worker is killed.")
 @json_option
 @handle_errors
-def parity(comfy_home, component, device_type, npu_count, python, inject_fault, timeout, as_json):
+def parity(comfy_home, component, device_type, npu_count, python, fault, timeout, as_json):
     """Compare a multi-device run with one device (tiny random weights).
 
     dit: samples a tiny random-weight H3 DiT two steps with CFG on one device and through the
     MultiNPUParallelConfig node on --npu-count devices, for the t2va, fl2va and ref2va layouts (Ulysses
-    and K/V-gather attention each), and compares every DiT output. Gate: max_rel = max|parallel -
-    single| / max|single| <= 1e-5 (fp32).
+    and K/V-gather attention each), in fp32, in bf16 and with a random LoRA, and compares the video and
+    the audio output of every forward. Gate: max_rel = max|parallel - single| / max|single| <= 1e-5
+    (fp32) or 2e-2 (bf16) on each, every device ran every forward, and the LoRA is applied once on each.
 
     te: encodes a prompt alone, with a first-frame image and with image/video/audio references through
     a tiny Qwen3-VL text encoder loaded by CLIPLoader, tensor-parallel through the node and split by
-    layers. Gate: cos >= 0.99999 and rel_rms <= 1e-4 (fp32), every rank's hidden states identical.
+    layers, from an fp32 and a bf16 checkpoint (upstream computes the text encoder in fp32 either way).
+    Gate: max_rel <= 1e-5, cos >= 0.99999 and rel_rms <= 1e-4, every rank's hidden states identical; a
+    text encoder with a LoRA passes through the node to one device, unchanged.
 
     vae: decodes latents of 1 to 27 frames (1 to 5 temporal chunks) with a tiny video VAE loaded by
     VAELoader, and an audio latent. Gate: max_abs == 0 (bit-identical).
@@ -54,10 +60,13 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
     these are the acceptance checks: h3kit parity --component dit|te|vae --device-type npu --npu-count 4.
     """
     sigterm_as_interrupt()  # terminated like Ctrl-C: the worker, which holds the devices, is killed too
-    kind = h3devices.resolve_device_type(device_type)
     n = int(npu_count)
-    err(f"h3kit: parity of {component} on {n} {kind} device(s){' with an injected fault' if inject_fault else ''}")
-    report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout)
+    if fault == "":
+        fault = parity_lib.FAULTS[component][0]
+    parity_lib.check_request(component, n, fault)  # refused before the device probe, whatever the machine
+    kind = h3devices.resolve_device_type(device_type)
+    err(f"h3kit: parity of {component} on {n} {kind} device(s){f' with the injected fault {fault}' if fault else ''}")
+    report = parity_lib.run(comfy_home, component, kind, n, python=python, fault=fault, timeout=timeout)
     rows = report["rows"]
     if as_json:
         emit_json(rows)
@@ -73,26 +82,31 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
 def _print_rows(rows, config, component):
     devices = ", ".join(config.get("devices", []))
     if component == "dit":
-        click.echo(f"{component}: {config.get('dtype')}, {config.get('steps')} steps, cfg {config.get('cfg')}, "
-                   f"devices {devices}")
-        click.echo(f"{'layout':8} {'attention':10} {'S':>5} {'fwd':>4} {'max_abs':>10} {'max_rel':>10} {'cos':>12} "
-                   f"{'rel_rms':>10} {'bytes':>10}  gate")
+        click.echo(f"{component}: {', '.join(config.get('dtypes', []))}, {config.get('steps')} steps, "
+                   f"cfg {config.get('cfg')}, devices {devices}")
+        click.echo(f"{'layout':8} {'attention':10} {'dtype':9} {'lora':4} {'S':>5} {'fwd':>4} {'max_abs':>10} "
+                   f"{'max_rel':>10} {'worst':17} {'cos':>12} {'bytes':>9}  gate")
         for r in rows:
-            click.echo(f"{r['layout']:8} {r['attention']:10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
-                       f"{r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} {r['bytes_moved']:>10}  "
-                       f"{'pass' if r['pass'] else 'FAIL'}")
+            click.echo(f"{r['layout']:8} {r['attention']:10} {r['dtype']:9} {'yes' if r['lora'] else '-':4} "
+                       f"{r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} "
+                       f"{r['worst']:17} {r['cos']:>12.9f} {r['bytes_moved']:>9}  {_verdict(r)}")
         return
-    click.echo(f"{component}: {config.get('dtype')}, devices {devices}, weight files read: "
-               f"{', '.join(f'{k} {v}' for k, v in config.get('reads', {}).items())}")
+    click.echo(f"{component}: {', '.join(config.get('dtypes', [config.get('dtype', '')]))}, devices {devices}, "
+               f"weight files read: {', '.join(f'{k} {v}' for k, v in config.get('reads', {}).items())}")
     if component == "te":
-        head, cells = f"{'layout':8} {'split':7} {'S':>4}", lambda r: f"{r['layout']:8} {r['mode']:7} {r['tokens']:>4}"
+        head = f"{'layout':8} {'split':7} {'dtype':9} {'S':>4}"
+        cells = lambda r: f"{r['layout']:8} {r['mode']:7} {r['dtype']:9} {r['tokens']:>4}"  # noqa: E731
     else:
         head = f"{'layout':8} {'frames':>6} {'chunks':>6}"
         cells = lambda r: f"{r['layout']:8} {r['frames']:>6} {r['chunks']:>6}"  # noqa: E731
     click.echo(f"{head} {'max_abs':>10} {'max_rel':>10} {'cos':>12} {'rel_rms':>10} {'reads':>5} {'bytes':>9}  gate")
     for r in rows:
         click.echo(f"{cells(r)} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} "
-                   f"{r['weight_reads']:>5} {r['bytes_moved']:>9}  {'pass' if r['pass'] else 'FAIL'}")
+                   f"{r['weight_reads']:>5} {r['bytes_moved']:>9}  {_verdict(r)}")
+
+
+def _verdict(row) -> str:
+    return "pass" if row["pass"] else f"FAIL: {'; '.join(row.get('failed') or ['gate'])}"
 
 
 @click.command()
