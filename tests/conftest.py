@@ -111,3 +111,11 @@ def installed_tree(tmp_path_factory, comfy_source, comfy_python):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_av_models(tmp_path_factory, installed_tree, comfy_python):
+    """The four tiny H3 checkpoints (DiT, text encoder, video and audio VAE) the server-level tests load, written
+    once per session: {component: path} (tests/support/av_pipeline.py)."""
+    from tests.support import av_pipeline
+    return av_pipeline.write_models(comfy_python, installed_tree, tmp_path_factory.mktemp("tiny_av"))

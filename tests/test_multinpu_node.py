@@ -2,7 +2,8 @@
 
 tests/support/multinpu_node_checks.py runs once in the ComfyUI interpreter with 3 simulated devices
 and reports what each check observed; the tests below assert on it. test_server_* boots the patched
-server (simulating 2 devices) and drives the node through /object_info and /prompt.
+server (simulating 2 devices) and drives the node through /object_info and /prompt, and runs the tiny
+pipeline at npu_count 2 and 1, whose decoded frames and waveform must agree.
 """
 
 from __future__ import annotations
@@ -10,19 +11,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
+import urllib.error
 from pathlib import Path
 
 import pytest
 
 from h3kit.runtime import costmodel
 from h3kit.runtime import parity_worker
-from tests.support.service_helpers import free_port
+from tests.support import av_pipeline, comfy_server
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 SUPPORT = Path(__file__).resolve().parent / "support"
 RUNTIME = Path(parity_worker.__file__).resolve().parent
-PORTS = range(8540, 8560)  # inside the runtime area's range 8500-8599
+PORTS = (8540, 8560)  # inside the runtime area's range 8500-8599
 
 
 @pytest.fixture(scope="module")
@@ -146,41 +147,15 @@ def test_stalled_rank_surfaces_within_the_bound(checks):
 # ---- the real server -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(patched_tree, comfy_python, checks, tmp_path_factory):
-    import requests  # a dependency of h3kit itself
-    tiny = checks[1] / "tiny.safetensors"
-    models = patched_tree / "models" / "diffusion_models"
-    models.mkdir(parents=True, exist_ok=True)
-    (models / "h3kit_tiny_h3.safetensors").write_bytes(tiny.read_bytes())
-    port = free_port(PORTS.start, PORTS.stop - 1)  # a busy band is an error, never a skip
-    log = tmp_path_factory.mktemp("server") / "comfyui.log"
-    env = dict(os.environ, H3KIT_SIM_DEVICES="2")
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([comfy_python, "-B", "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
-                                cwd=patched_tree, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(url + "/system_stats", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 120 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url, requests, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+def server(patched_tree, comfy_python, checks, tiny_av_models, tmp_path_factory):
+    """The patched server on 2 simulated devices, in its own folders, with the tiny pipeline's models."""
+    work = tmp_path_factory.mktemp("server2")
+    av_pipeline.install_models(work / "models", tiny_av_models)
+    (work / "models" / "diffusion_models" / "h3kit_tiny_h3.safetensors").symlink_to(checks[1] / "tiny.safetensors")
+    # a busy port band is an error (free_port raises), never a skip
+    with comfy_server.running(patched_tree, work, comfy_python, PORTS, env={"H3KIT_SIM_DEVICES": "2"},
+                              extra_args=av_pipeline.server_args(work)) as srv:
+        yield srv
 
 
 def _prompt(npu_count):
@@ -190,33 +165,32 @@ def _prompt(npu_count):
 
 
 def test_server_lists_the_node(server):
-    url, requests, _ = server
-    info = requests.get(url + "/object_info/MultiNPUParallelConfig", timeout=10).json()["MultiNPUParallelConfig"]
+    info = comfy_server.http("GET", server.url + "/object_info/MultiNPUParallelConfig")["MultiNPUParallelConfig"]
     assert info["category"] == "advanced/multigpu"
     assert info["input"]["required"]["npu_count"][1]["options"] == [1, 2, 4]
     assert info["output"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
 
 def test_server_rejects_a_count_the_process_lacks(server):
-    url, requests, _ = server
-    r = requests.post(url + "/prompt", json={"prompt": _prompt(4)}, timeout=30)
-    assert r.status_code == 400
-    errors = json.dumps(r.json()["node_errors"]["2"])
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        comfy_server.http("POST", server.url + "/prompt", {"prompt": _prompt(4)}, timeout=30)
+    assert refused.value.code == 400
+    errors = json.dumps(json.loads(refused.value.read())["node_errors"]["2"])
     assert "npu_count is 4 but this ComfyUI process sees 2 simulated cpu devices" in errors
 
 
 def test_server_runs_the_node(server):
-    url, requests, log = server
-    r = requests.post(url + "/prompt", json={"prompt": _prompt(2)}, timeout=30)
-    assert r.status_code == 200, r.text
-    pid = r.json()["prompt_id"]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        hist = requests.get(f"{url}/history/{pid}", timeout=10).json()
-        if pid in hist and hist[pid]["status"].get("completed") is not None:
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"prompt did not finish:\n{log.read_text()[-3000:]}")
-    assert hist[pid]["status"]["status_str"] == "success", hist[pid]["status"]
-    assert "MultiNPU: MiniMax H3 DiT sequence-parallel on 2 simulated cpu devices" in log.read_text()
+    server.run_prompt(_prompt(2), timeout=120)
+    assert "MultiNPU: MiniMax H3 DiT sequence-parallel on 2 simulated cpu devices" in server.log_text()
+
+
+def test_server_two_devices_match_one_in_decoded_frames_and_audio(server):
+    """The same prompt at npu_count 2 and 1: what a user gets (decoded frames, waveform) must agree."""
+    two = server.run_prompt(av_pipeline.prompt(2, 1, "npu2"), timeout=240)
+    one = server.run_prompt(av_pipeline.prompt(1, 1, "npu1"), timeout=240)
+    log = server.log_text()
+    assert "MultiNPU: text encoder tensor-parallel on 2 simulated cpu devices" in log
+    assert "MultiNPU: video VAE decodes temporal chunks on 2 simulated cpu devices" in log
+    parity = av_pipeline.compare(av_pipeline.decoded(server, one), av_pipeline.decoded(server, two))
+    assert parity["frames"]["shape"] == [39, 64, 64, 3] and parity["waveform"]["shape"][:2] == [1, 2]
+    assert av_pipeline.within_gate(parity), parity
