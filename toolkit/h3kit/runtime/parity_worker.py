@@ -60,7 +60,10 @@ AUDIO_SHAPE = (1, 32, 2, 8)       # 8 audio latents at 40 Hz, stereo: 16 rows
 FRAME_COUNT = 5
 LAYOUTS = ("t2va", "fl2va", "ref2va")
 DIT_OUTPUTS = ("video", "audio")
-DIT_GATES = {"float32": 1e-5, "bfloat16": 2e-2}
+# bf16: three times the largest noise one device shows by itself when another attention backend computes the
+# same bf16 model (measured per run, config["bf16_noise"]; 0.86-0.99e-2 on CPU, 2026-12-01). Run to run, a CPU
+# is deterministic; on an accelerator that noise is reported too. fp32 parity on CPU is exact (max_abs 0).
+DIT_GATES = {"float32": 1e-5, "bfloat16": 3e-2}
 NOISE_REL = 1e-4
 LORA_RANK, LORA_SCALE = 4, 0.1
 DIT_FAULTS = {
