@@ -529,6 +529,19 @@ def _exchange_sizes(n: int, comm) -> list:
     return [int(t.item()) for t in comm.all_gather(local)]
 
 
+def _shard_sizes_of(x: torch.Tensor, comm, sizes, dim: int, op: str):
+    """(dim normalised, the P shard sizes as ints): exchanged when not given, checked against x."""
+    dim = dim % x.dim()
+    if sizes is None:
+        sizes = _exchange_sizes(x.shape[dim], comm)
+    sizes = [int(n) for n in sizes]
+    assert len(sizes) == comm.world_size, f"{op}: {len(sizes)} sizes for {comm.world_size} ranks"
+    assert x.shape[dim] == sizes[comm.rank], (
+        f"{op}: rank {comm.rank} holds x {tuple(x.shape)}, {x.shape[dim]} rows in dim {dim}, "
+        f"but sizes[{comm.rank}] = {sizes[comm.rank]}")
+    return dim, sizes
+
+
 def all_gather_v(x: torch.Tensor, comm, sizes=None, dim: int = 0) -> torch.Tensor:
     """Gather uneven shards along `dim`: [.., s_r, ..] on rank r -> [.., S, ..] on every rank, in rank order.
 
@@ -538,14 +551,7 @@ def all_gather_v(x: torch.Tensor, comm, sizes=None, dim: int = 0) -> torch.Tenso
     """
     if comm.world_size == 1:
         return x
-    dim = dim % x.dim()
-    if sizes is None:
-        sizes = _exchange_sizes(x.shape[dim], comm)
-    sizes = [int(n) for n in sizes]
-    assert len(sizes) == comm.world_size, f"all_gather_v: {len(sizes)} sizes for {comm.world_size} ranks"
-    assert x.shape[dim] == sizes[comm.rank], (
-        f"all_gather_v: rank {comm.rank} holds x {tuple(x.shape)}, {x.shape[dim]} rows in dim {dim}, "
-        f"but sizes[{comm.rank}] = {sizes[comm.rank]}")
+    dim, sizes = _shard_sizes_of(x, comm, sizes, dim, "all_gather_v")
     rows = x.movedim(dim, 0)                                               # [s_r, ...]
     pad = max(sizes) - sizes[comm.rank]
     if pad:
@@ -563,14 +569,7 @@ def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):
     """
     if comm.world_size == 1:
         return x
-    dim = dim % x.dim()
-    if sizes is None:
-        sizes = _exchange_sizes(x.shape[dim], comm)
-    sizes = [int(n) for n in sizes]
-    assert len(sizes) == comm.world_size, f"gather_v: {len(sizes)} sizes for {comm.world_size} ranks"
-    assert x.shape[dim] == sizes[comm.rank], (
-        f"gather_v: rank {comm.rank} holds x {tuple(x.shape)}, {x.shape[dim]} rows in dim {dim}, "
-        f"but sizes[{comm.rank}] = {sizes[comm.rank]}")
+    dim, sizes = _shard_sizes_of(x, comm, sizes, dim, "gather_v")
     parts = comm.gather(x.movedim(dim, 0).contiguous(), dst, sizes)    # on dst: P x [s_i, ...]
     if parts is None:
         return None
