@@ -19,7 +19,7 @@ for v in $pythons; do
   py=$("$root/tools/ensure-toolkit-venv.sh" "$v") || exit 1
   offset=$((offset + 1000))   # its own port band (tests/support/service_helpers.py)
   ( start=$(date +%s)
-    H3KIT_TORCH_FREE_RUN=1 H3KIT_TEST_PORT_OFFSET=$offset "$py" -m pytest -q -p no:cacheprovider "$@" >"$logs/$v.log" 2>&1
+    H3KIT_TORCH_FREE_RUN=1 H3KIT_TEST_PORT_OFFSET=$offset "$py" -m pytest -p no:cacheprovider "$@" >"$logs/$v.log" 2>&1
     echo "$? $(( $(date +%s) - start ))" >"$logs/$v.rc" ) &
 done
 
@@ -30,7 +30,7 @@ echo "tests: main run (python $("$main_py" -c 'import platform; print(platform.p
 wait
 for v in $pythons; do
   read -r vrc secs <"$logs/$v.rc"
-  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$logs/$v.log" | tail -n 1)
+  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$logs/$v.log" | tail -n 1 | tr -d '=' | xargs)
   # 5: nothing collected, which a narrow PYTEST_ARGS selection can leave in a torch-free run
   if [ "$vrc" != 0 ] && [ "$vrc" != 5 ]; then
     echo "tests: python $v (torch-free run) FAILED (exit $vrc, $secs s); its log:"
