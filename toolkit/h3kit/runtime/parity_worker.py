@@ -635,7 +635,6 @@ def run_te(args):
     import torch
     import comfy.multidevice
     import comfy.multinpu_te
-    import comfy.sd
     import nodes
     node, error = _node_or_error(args)
     if error:
