@@ -218,7 +218,7 @@ def exchange_messages(seq_len: int, world: int, cfg: dict = H3) -> dict:
     Ulysses (heads divisible by the devices, as H3's 56 over 2, 4 and 8): "scatter" is the packed q, k, v
     all-to-all before attention (3 x the other ranks' rows x H/P heads), "gather" the output all-to-all
     after it (this rank's rows of the other ranks' heads); both happen in every block. "final" is the
-    hidden states' all-gather after the last block, padded to the longest shard. Also the shapes the rank
+    hidden states' gather onto rank 0 after the last block (each shard at its own length). Also the shapes the rank
     sends, for a benchmark to reproduce them: qkv [3, H, s_r, D], out [1, S, H/P, D], h [s_r, hidden].
     """
     sizes = shard_sizes(seq_len, world)
@@ -229,5 +229,5 @@ def exchange_messages(seq_len: int, world: int, cfg: dict = H3) -> dict:
     hp = heads // p
     return {"shard": s, "sizes": sizes,
             "scatter": 3 * (seq_len - s) * hp * d, "gather": (p - 1) * s * hp * d,
-            "final": (p - 1) * max(sizes) * hidden if p > 1 else 0,
+            "final": (seq_len - s) * hidden if p > 1 else 0,
             "shapes": {"qkv": [3, heads, s, d], "out": [1, seq_len, hp, d], "h": [s, hidden]}}
