@@ -168,3 +168,57 @@ def test_demo_refuses_a_bad_count_and_bench_needs_a_server(tmp_path):
     no_node.write_text(json.dumps({"1": {"class_type": "EmptyImage", "inputs": {}}}))
     r = h3kit("bench", no_node, "--comfy-home", tmp_path / "x", "--npu-count", "2")
     assert r.returncode == 2 and "no MultiNPUParallelConfig" in r.stderr
+
+
+def test_sigterm_stops_the_server_the_demo_started(demo_home):
+    """SIGTERM (systemd, `timeout`) behaves like Ctrl-C: the demo stops the server it started, exits 143."""
+    import signal
+    import threading
+
+    home, python = demo_home
+    port = free_port(8320, 8330)
+    proc = subprocess.Popen([sys.executable, "-m", "h3kit", "demo", "--comfy-home", str(home), "--device-type", "cpu",
+                             "--npu-count", "1", "--port", str(port), "--python", python],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("h3kit: start: "):  # the start stage is done: the demo's server is up
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(600), "".join(lines[-20:])
+        pid = json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["pid"]
+        # the demo holds the tree lock: an install meanwhile is refused, naming it
+        busy = subprocess.run([sys.executable, "-m", "h3kit", "install", "--comfy-home", str(home)],
+                              capture_output=True, text=True, timeout=60, env=dict(os.environ, H3KIT_LOCK_WAIT="0"))
+        assert busy.returncode == 1 and f"pid {proc.pid} (h3kit demo" in busy.stderr, busy.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 143, "".join(lines[-20:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            h3kit("stop", "--comfy-home", home)
+    reader.join(10)
+    text = "".join(lines)
+    assert "terminated (SIGTERM)" in text and "Traceback" not in text
+    assert "stop: " in text  # the demo's own stop stage ran
+    st = json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)
+    assert st["running"] is False and not psutil_alive(pid)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))  # the port is free again
+
+
+def psutil_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -14,6 +14,7 @@ from h3kit.patches import Series, structural_problems
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_PATCHES = {
     "multidevice-npu-device-layer.patch": ["comfy/multidevice.py", "comfy/model_management.py"],
+    "npu-int8-linear.patch": ["comfy/npu_quant.py", "comfy/quant_ops.py"],
     "multinpu-collectives.patch": ["comfy/multinpu.py"],
     "multinpu-weights-read-once.patch": ["comfy/multinpu_weights.py"],
     "h3-dit-sequence-parallel.patch": ["comfy/multinpu_dit.py"],
@@ -52,8 +53,9 @@ def test_new_files_match_their_sources(series):
 def test_series_applied_to_the_pin(installed_tree):
     tree = installed_tree
     for rel in ("comfy/multidevice.py", "comfy/multinpu.py", "comfy/multinpu_weights.py", "comfy/multinpu_dit.py",
-                "comfy/multinpu_te.py", "comfy/multinpu_vae.py", "comfy_extras/nodes_multinpu.py"):
+                "comfy/multinpu_te.py", "comfy/multinpu_vae.py", "comfy_extras/nodes_multinpu.py", "comfy/npu_quant.py"):
         assert (tree / rel).read_text() == (ROOT / "patches" / "src" / rel).read_text()
     mm = (tree / "comfy" / "model_management.py").read_text()
     assert "torch.npu.set_device(device)" in mm and "torch.npu.synchronize()" in mm
     assert '"nodes_multinpu.py",' in (tree / "nodes.py").read_text()
+    assert "comfy.npu_quant.register(ck.registry)" in (tree / "comfy" / "quant_ops.py").read_text()

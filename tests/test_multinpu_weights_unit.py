@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch (run with the ComfyUI environment)")
+from tests.support import requires
+
+torch = requires.torch_module()
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,3 +45,38 @@ def test_a_dtype_only_call_keeps_the_weights_on_their_device(weights, call):
     m.to("meta")
     call(m)
     assert all(p.device.type == "meta" for p in m.parameters())
+
+
+class _Int8Linear(torch.nn.Module):
+    """A linear holding its weight as the pin's INT8 loader does: a Parameter around comfy-kitchen's
+    QuantizedTensor (TensorWiseINT8Layout, per-channel, ConvRot), moved by a re-wrapping _apply like
+    upstream's MixedPrecisionOps.Linear."""
+
+    def __init__(self, ck_tensor):
+        super().__init__()
+        w = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        self.weight = torch.nn.Parameter(ck_tensor.QuantizedTensor.from_float(
+            w, "TensorWiseINT8Layout", per_channel=True, convrot=True, convrot_groupsize=16), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        for key, param in self._parameters.items():
+            self.register_parameter(key, torch.nn.Parameter(fn(param), requires_grad=False))
+        return self
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_int8_weights_come_back_to_the_anchor(weights, anchor):
+    ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="needs comfy-kitchen (the pin's INT8 layouts)")
+    m = _Int8Linear(ck_tensor)
+    qdata = m.weight._qdata.untyped_storage().data_ptr()
+    if anchor:
+        assert weights.anchor_host_copy(m) == 8 * 16 + 8 * 4  # the int8 data and the fp32 per-channel scales
+    m.to("meta")
+    assert m.weight.device.type == "meta" and m.weight._qdata.device.type == "meta"
+    if not anchor:  # the control: nothing can come back from the stand-in device without the anchor
+        with pytest.raises(NotImplementedError):
+            m.to("cpu")
+        return
+    m.to("cpu")
+    assert type(m.weight).__name__ == "QuantizedTensor" and m.weight._qdata.untyped_storage().data_ptr() == qdata
+    assert weights.host_storages(m) == {qdata}

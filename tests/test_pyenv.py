@@ -1,6 +1,7 @@
 """The interpreter check: Python range and the torch / torch-npu pairing, judged from package metadata."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -34,6 +35,35 @@ def test_tested_npu_pair_is_fine():
 def test_npu_mismatch_is_an_error_naming_the_fix(torch, npu, fragment):
     rep = judge(torch=torch, torch_npu=npu)
     assert any(fragment in e for e in rep.errors), rep.errors
+
+
+def test_cuda_torch_beside_torch_npu_is_found_by_what_it_is_not_by_its_tag():
+    """PyPI's default x86_64 torch is a CUDA build whose metadata version has no +cu tag: torch/version.py
+    and the shipped libtorch_cuda libraries say what it is."""
+    build = {"cuda": "12.8", "hip": None, "libs": ["libc10_cuda.so", "libtorch_cuda.so"]}
+    rep = judge(torch="2.14.0", torch_npu="2.14.0", torch_build=build)
+    assert any("CUDA 12.8 build" in e and "torch.version.cuda = 12.8" in e and "libc10_cuda.so present" in e
+               for e in rep.errors), rep.errors
+    assert judge(torch="2.14.0", torch_npu="2.14.0", torch_build={"cuda": None, "hip": None, "libs": []}).errors == []
+    rocm = judge(torch="2.14.0", torch_npu="2.14.0", torch_build={"cuda": None, "hip": "6.4", "libs": []})
+    assert any("ROCm 6.4 build" in e for e in rocm.errors)
+    # the same CUDA build without torch-npu is fine for ComfyUI (this machine's own environment is one)
+    assert judge(torch_build=build).errors == []
+
+
+def test_probe_reads_the_torch_build_from_its_files(tmp_path):
+    """envprobe's torch_build on a fake site-packages: version.py assignments, the libraries, no import."""
+    site = tmp_path / "site"
+    (site / "torch" / "lib").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("raise SystemExit('torch must not be imported by the probe')\n")
+    (site / "torch" / "version.py").write_text("from typing import Optional\n__version__ = '2.14.0'\n"
+                                               "cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n")
+    (site / "torch" / "lib" / "libtorch_cuda.so").write_bytes(b"")
+    (site / "torch" / "lib" / "libtorch_cpu.so").write_bytes(b"")
+    code = f"import sys; sys.path.insert(0, {str(site)!r}); sys.argv = ['x']; exec(open({str(pyenv.PROBE)!r}).read())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    build = json.loads(out)["torch_build"]
+    assert build["cuda"] == "12.8" and build["hip"] is None and build["libs"] == ["libtorch_cuda.so"]
 
 
 def test_untested_but_consistent_pair_warns():

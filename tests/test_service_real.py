@@ -207,6 +207,27 @@ def test_stop_frees_the_port(server):
     assert server.run("status").returncode == 1
 
 
+def test_comfyuis_own_option_rules_guard_the_arguments_after_the_separator(server):
+    """The real tree's comfy/cli_args.py decides: its prefixes of --listen/--port are refused before a
+    server starts, and an argument only ComfyUI can judge ends the real server with argparse's line, which
+    start, status and logs --errors show."""
+    if server.status()["running"]:
+        server.run("stop")
+    for extra, said in ((["--liste", "0.0.0.0"], "(ComfyUI reads it as --listen)"),
+                        (["--por", "8308"], "(ComfyUI reads it as --port)"),
+                        (["--cuda-dev", "1"], "(ComfyUI reads it as --cuda-device)"),
+                        (["--oneapi", "x"], "would set the devices"),
+                        (["--highvram"], "not allowed with argument --cpu")):
+        r = server.start("--python", server.python, extra=extra)
+        assert r.returncode == 2 and "bad_extra_args" in r.stderr and said in r.stderr, r.stderr
+    r = server.start("--python", server.python, extra=["--front-end-root", "/nonexistent/h3kit"], timeout=60)
+    line = "main.py: error: argument --front-end-root: The path '/nonexistent/h3kit' does not exist."
+    assert r.returncode == 1 and "server_exited" in r.stderr and line in r.stderr, r.stderr
+    st = server.status()
+    assert st["running"] is False and st["first_error"]["summary"] == line
+    assert line in server.run("logs", "--errors").stdout
+
+
 def _host_refuses_huge_allocations() -> bool:
     try:
         return Path("/proc/sys/vm/overcommit_memory").read_text().strip() in ("0", "2")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,7 +145,7 @@ def test_start_again_reports_the_running_instance(home):
     assert "already running" in again.stdout and str(pid) in again.stdout
     assert len(home.boots()) == 1
     other = h3kit("start", "--comfy-home", home.path, "--runtime-root", home.root, "--devices", "0",
-                  "--device-type", "cpu", "--port", free_port(home.port + 1, 8469))
+                  "--device-type", "cpu", "--port", free_port(8410, 8469, exclude=(home.port,)))
     assert other.returncode == 1 and "already_running" in other.stderr
     assert len(home.boots()) == 1
 
@@ -249,33 +250,76 @@ def test_restart_shows_the_previous_oom(home):
     assert "phases: check" in text.stdout
 
 
-@pytest.mark.parametrize("mismatch", ["create_time", "cmdline"])
-def test_recycled_pid_in_a_stale_record_is_never_signalled(home, mismatch):
-    foreign = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+def _record_of(proc: psutil.Process, home, **over) -> dict:
+    rec = {"pid": proc.pid, "create_time": proc.create_time(), "cmdline": proc.cmdline(),
+           "port": home.port, "listen": "127.0.0.1", "device_type": "cpu", "devices": [0],
+           "python": sys.executable, "comfy_home": str(home.path),
+           "log": str(home.root / "logs" / "comfyui-20260101-000000.log"), "extra_args": [],
+           "started_at": "2026-01-01T00:00:00+00:00"}
+    rec.update(over)
+    return rec
+
+
+@pytest.mark.parametrize("case", ["other_tree", "create_time", "cmdline", "interpreter"])
+def test_a_record_naming_a_foreign_process_is_never_acted_on(home, tmp_path, case):
+    """pid, start time and command line can all match a process that is not this tree's server: its main.py
+    is another tree's, or it runs under another interpreter than the one h3kit launched."""
+    decoy = tmp_path / "decoy"
+    decoy.mkdir()
+    (decoy / "main.py").write_text("import time\ntime.sleep(120)\n")
+    argv = ["-B", "main.py", "--listen", "127.0.0.1", "--port", str(home.port), "--cpu"]
+    if case == "interpreter":
+        other_python = shutil.which("python3", path="/usr/bin:/bin")
+        if not other_python or os.path.realpath(other_python) == os.path.realpath(sys.executable):
+            pytest.skip("no second Python interpreter on this machine")
+        foreign = subprocess.Popen([other_python, *argv], cwd=home.path)  # this tree's main.py, the stand-in
+    else:
+        foreign = subprocess.Popen([sys.executable, *argv] + (["--highvram"] if case == "cmdline" else []),
+                                   cwd=decoy)
     try:
         proc = psutil.Process(foreign.pid)
-        home.root.mkdir(parents=True)
-        record = {"pid": foreign.pid, "create_time": proc.create_time(), "cmdline": proc.cmdline(),
-                  "port": home.port, "listen": "127.0.0.1", "device_type": "cpu", "devices": [0],
-                  "python": sys.executable, "comfy_home": str(home.path), "log": str(home.root / "none.log"),
-                  "extra_args": [], "started_at": "2026-01-01T00:00:00+00:00"}
-        if mismatch == "create_time":
+        wait_for(lambda: "main.py" in proc.cmdline(), 10, "the decoy to run")
+        record = _record_of(proc, home)
+        if case == "create_time":
             record["create_time"] -= 3600  # the recorded server started an hour before this process
-        else:
-            record["cmdline"] = [sys.executable, "-B", "main.py", "--port", str(home.port)]
+        if case == "cmdline":
+            record["cmdline"] = record["cmdline"][:-1]  # what h3kit ran; the process runs something else
+        home.root.mkdir(parents=True)
         (home.root / "server.json").write_text(json.dumps(record))
 
         st = home.status()
-        assert not st["running"] and ("another process" in st["stale"] or "different command" in st["stale"])
+        assert st["running"] is False, st
+        expected = {"other_tree": f"runs {decoy / 'main.py'}", "create_time": "another process",
+                    "cmdline": "different command line", "interpreter": "its interpreter is"}[case]
+        assert expected in st["stale"], st["stale"]
         r = home.run("stop")
         assert r.returncode == 0 and "stale record removed, nothing signalled" in r.stdout
         assert home.record() is None and foreign.poll() is None
 
+        if case != "interpreter":  # (that one holds the port: restart would name it, after PORT_WAIT)
+            (home.root / "server.json").write_text(json.dumps(record))
+            r = home.run("restart")  # the settings are reused, the foreign process is left alone
+            assert r.returncode == 0, r.stderr
+            assert "was not running" in r.stdout
+            assert started_pid(home) != foreign.pid
+        assert foreign.poll() is None
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+def test_a_record_matching_a_foreign_sleep_is_a_bad_record(home):
+    foreign = subprocess.Popen(["sleep", "1000"])
+    try:
+        record = _record_of(psutil.Process(foreign.pid), home)
+        home.root.mkdir(parents=True)
         (home.root / "server.json").write_text(json.dumps(record))
-        r = home.run("restart")  # the settings are reused, the foreign process is left alone
-        assert r.returncode == 0, r.stderr
-        assert "was not running" in r.stdout
-        assert started_pid(home) != foreign.pid and foreign.poll() is None
+        for command in ("status", "stop", "restart", "logs", "watch"):
+            r = home.run(command, *(["--max-seconds", "1"] if command == "watch" else []))
+            assert r.returncode == 1, (command, r.stderr)
+            assert "bad_record" in r.stderr and "does not run main.py" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr
+        assert foreign.poll() is None
     finally:
         foreign.kill()
         foreign.wait()

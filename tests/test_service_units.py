@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -157,19 +159,108 @@ def test_port_holders_names_the_listener(sleeper):
 # --------------------------------------------------------------------------------------------- service
 
 
+def _valid_record(tmp_path, **over) -> dict:
+    rec = {"pid": 4242, "create_time": 2.5,
+           "cmdline": ["/usr/bin/python3", "-B", "main.py", "--listen", "0.0.0.0", "--port", "8189"],
+           "port": 8189, "listen": "0.0.0.0", "device_type": "npu", "devices": [0, 1], "python": "/usr/bin/python3",
+           "comfy_home": str(tmp_path / "c"), "log": str(tmp_path / "logs" / "comfyui-1.log"), "extra_args": [],
+           "started_at": "2026-01-01T00:00:00+00:00"}
+    rec.update(over)
+    return rec
+
+
 def test_record_round_trip_and_a_corrupt_record(tmp_path):
-    rec = service.Record(pid=1, create_time=2.5, cmdline=["py", "-B", "main.py"], port=8189, listen="0.0.0.0",
-                         device_type="npu", devices=[0, 1], python="py", comfy_home="/c", log="/c/l.log")
+    rec = service.Record(**_valid_record(tmp_path))
     service.write_record(tmp_path, rec)
     assert service.read_record(tmp_path) == rec
     assert rec.url == "http://127.0.0.1:8189"
-    assert set(json.loads((tmp_path / "server.json").read_text())) == {
-        "pid", "create_time", "cmdline", "port", "listen", "device_type", "devices", "python", "comfy_home",
-        "log", "extra_args", "started_at", "transport", "nnodes", "node_rank", "master_addr", "master_port",
-        "join_timeout"}
+    assert set(json.loads((tmp_path / "server.json").read_text())) == set(service.RECORD_FIELDS)
     (tmp_path / "server.json").write_text("{not json")
-    with pytest.raises(service.ServiceError, match="not a valid server record"):
+    with pytest.raises(service.BadRecord, match="not a valid server record"):
         service.read_record(tmp_path)
+
+
+LONG = "9" * 5000
+BAD_FIELDS = [
+    ("pid", 0, "pid must be an integer"), ("pid", -1, "pid must be"), ("pid", 1, "pid must be"),
+    ("pid", True, "pid must be"), ("pid", "4242", "pid must be"), ("pid", 2 ** 40, "pid must be"),
+    ("pid", 4.0, "pid must"),
+    ("create_time", "x", "create_time must be"), ("create_time", -5, "create_time must be"),
+    ("create_time", None, "create_time must be"),
+    ("cmdline", "main.py", "cmdline must be a list"), ("cmdline", [], "cmdline does not run main.py"),
+    ("cmdline", ["sleep", "1000"], "does not run main.py"), ("cmdline", [1, 2], "must be a string"),
+    ("cmdline", ["/usr/bin/python3", "-B", "main.py", "--listen", "0.0.0.0", "--port", "9999"], "does not match"),
+    ("port", 0, "port must be"), ("port", 70000, "port must be"), ("port", "8189", "port must be"),
+    ("listen", "localhost", "listen must be one IP"), ("listen", 5, "listen must be"),
+    ("device_type", "tpu", "device_type must be"), ("device_type", None, "device_type must be"),
+    ("devices", [1, 0, 7], "devices"), ("devices", [0, 0], "twice"), ("devices", [-1], "non-negative"),
+    ("devices", [0, 1, 2], "3 devices"), ("devices", "0,1", "not a list"), ("devices", [True], "not a list"),
+    ("devices", [10 ** 100], "out of range"), ("devices", list(range(5000)), "5000 devices"),
+    ("python", "relative/py", "python must be an absolute path"), ("python", 5, "python must be"),
+    ("comfy_home", "", "comfy_home must be"), ("comfy_home", "c", "comfy_home must be an absolute path"),
+    ("log", "/etc/passwd", "log must be a log under"), ("log", "/dev/zero", "log must be"),
+    ("extra_args", "--foo", "extra_args must be a list"), ("extra_args", [1], "must be a string"),
+    ("extra_args", ["--foo"], "does not match"), ("started_at", 5, "started_at must be"),
+    ("started_at", LONG, "started_at must be a string under"),
+]
+
+
+@pytest.mark.parametrize("field, value, fragment", BAD_FIELDS,
+                         ids=[f"{f}={str(v)[:20]}" for f, v, _ in BAD_FIELDS])
+def test_every_record_field_is_validated(tmp_path, field, value, fragment):
+    data = _valid_record(tmp_path)
+    data[field] = value
+    (tmp_path / "server.json").write_text(json.dumps(data))
+    with pytest.raises(service.BadRecord) as e:
+        service.read_record(tmp_path)
+    assert fragment in e.value.message and len(e.value.message) < 600
+    assert e.value.exit_code == 1
+
+
+@pytest.mark.parametrize("text, fragment", [("[]", "not a JSON object"), ('{"pid": NaN}', "unknown") ,
+                                            ("null", "not a JSON object"), ("[" * 100000, "not a valid"),
+                                            (json.dumps({"evil": 1}), "unknown field(s) evil")])
+def test_a_record_that_is_not_an_object_of_known_fields(tmp_path, text, fragment):
+    (tmp_path / "server.json").write_text(text)
+    with pytest.raises(service.BadRecord, match="not a valid server record") as e:
+        service.read_record(tmp_path)
+    assert fragment in e.value.message or fragment == "unknown" and "NaN" not in e.value.message
+
+
+def test_a_record_of_another_tree_and_nan_times_are_refused(tmp_path):
+    (tmp_path / "server.json").write_text(json.dumps(_valid_record(tmp_path)).replace("2.5", "NaN"))
+    with pytest.raises(service.BadRecord, match="create_time must be a positive number"):
+        service.read_record(tmp_path)
+    (tmp_path / "server.json").write_text(json.dumps(_valid_record(tmp_path)).replace("4242", LONG))
+    with pytest.raises(service.BadRecord) as e:  # past int()'s 4,300 digits: refused, not a crash
+        service.read_record(tmp_path)
+    assert len(e.value.message) < 600
+    (tmp_path / "server.json").write_text(json.dumps(_valid_record(tmp_path)))
+    with pytest.raises(service.BadRecord, match="names another ComfyUI tree"):
+        service.read_record(tmp_path, comfy_home=tmp_path / "elsewhere")
+    assert service.read_record(tmp_path, comfy_home=tmp_path / "c").pid == 4242
+
+
+def test_extra_args_in_a_record_are_checked_with_the_trees_own_options(tmp_path):
+    home = tmp_path / "c"
+    (home / "comfy").mkdir(parents=True)
+    shutil.copy(Path(__file__).parent / "support" / "standin_cli_args.py", home / "comfy" / "cli_args.py")
+    base = _valid_record(tmp_path)
+    ok = dict(base, extra_args=["--preview-method", "auto"], cmdline=base["cmdline"] + ["--preview-method", "auto"])
+    (tmp_path / "server.json").write_text(json.dumps(ok))
+    assert service.read_record(tmp_path).extra_args == ["--preview-method", "auto"]
+    sneaky = dict(base, extra_args=["--liste", "0.0.0.0"], cmdline=base["cmdline"] + ["--liste", "0.0.0.0"])
+    (tmp_path / "server.json").write_text(json.dumps(sneaky))
+    with pytest.raises(service.BadRecord, match="ComfyUI reads it as --listen"):
+        service.read_record(tmp_path)
+
+
+def test_argparse_failure_at_start_is_the_first_error(tmp_path):
+    log = tmp_path / "comfyui-1.log"
+    log.write_text("h3kit: starting ...\nusage: main.py [-h] [--listen [IP]]\n               [--cpu]\n"
+                   "main.py: error: argument --front-end-root: The path '/nope' does not exist.\n")
+    blk = logscan.first_error(log)
+    assert blk.summary == "main.py: error: argument --front-end-root: The path '/nope' does not exist."
 
 
 @pytest.mark.parametrize("kind, variable, value", [("npu", "ASCEND_RT_VISIBLE_DEVICES", "0,1,2,3"),
@@ -186,3 +277,12 @@ def test_child_environment_per_device_type(kind, variable, value):
 def test_listen_must_be_one_ip_address(listen):
     with pytest.raises(UsageError):
         service.validate_listen(listen)
+
+
+def test_terminating_a_process_that_has_just_exited_is_not_an_error():
+    """The server may die between the identity check and the first signal (watch meets this in a crash loop)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = proc.identify(child.pid)
+    child.wait()
+    down = proc.terminate_group(ident, grace=0.1, kill_wait=0.1)
+    assert down.signals == [] and down.survivors == []

@@ -50,3 +50,32 @@ def exit_without_teardown(code: int) -> None:
     # skip interpreter teardown: with rank threads around, torch's static destructors occasionally abort
     # ("terminate called without an active exception") after the report is already written
     os._exit(code)
+
+
+def run_script(script, comfy_home, python: str, tmp, env: dict | None = None, timeout: float = 300) -> dict:
+    """pytest side: run a check script in the ComfyUI interpreter with 4 simulated devices, the toolkit on
+    PYTHONPATH and `tmp` as H3KIT_CHECK_TMP; returns its report. `env` adds or (with None values) removes
+    variables."""
+    import subprocess
+    from pathlib import Path
+
+    toolkit = Path(__file__).resolve().parents[2] / "toolkit"
+    full = dict(os.environ, H3KIT_SIM_DEVICES="4", H3KIT_CHECK_TMP=str(tmp),
+                PYTHONPATH=os.pathsep.join([str(toolkit), os.environ.get("PYTHONPATH", "")]))
+    for key, value in (env or {}).items():
+        if value is None:
+            full.pop(key, None)
+        else:
+            full[key] = value
+    out = Path(tmp) / "checks.json"
+    proc = subprocess.run([python, str(script), "--comfy-home", str(comfy_home), "--out", str(out)], env=full,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def value(checks: dict, name: str):
+    """pytest side: what check `name` observed (its traceback as the failure when it raised)."""
+    result = checks[name]
+    assert result["ok"], result.get("traceback")
+    return result["value"]

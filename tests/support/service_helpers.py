@@ -18,12 +18,21 @@ import psutil
 
 SUPPORT = Path(__file__).resolve().parent
 STANDIN = SUPPORT / "standin_server.py"
+STANDIN_CLI_ARGS = SUPPORT / "standin_cli_args.py"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def free_port(lo: int, hi: int) -> int:
-    """The first port in [lo, hi] nothing listens on (ports 8400-8499 belong to the service tests)."""
-    for port in range(lo, hi + 1):
+# make test runs the torch-free tests on other Pythons beside the main run: each run shifts every test's port
+# band by its own offset, so runs in parallel never pick the same free port
+PORT_OFFSET = int(os.environ.get("H3KIT_TEST_PORT_OFFSET", "0"))
+
+
+def free_port(lo: int, hi: int, exclude=()) -> int:
+    """The first port in [lo, hi] (shifted by PORT_OFFSET) nothing listens on, other than `exclude`
+    (ports 8400-8499 belong to the service tests)."""
+    for port in range(lo + PORT_OFFSET, hi + PORT_OFFSET + 1):
+        if port in exclude:
+            continue
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -31,7 +40,7 @@ def free_port(lo: int, hi: int) -> int:
                 return port
             except OSError:
                 continue
-    raise RuntimeError(f"no free port in {lo}-{hi}")
+    raise RuntimeError(f"no free port in {lo + PORT_OFFSET}-{hi + PORT_OFFSET}")
 
 
 def port_is_free(port: int) -> bool:
@@ -133,8 +142,9 @@ class StandinHome(Home):
     """A fake ComfyUI home whose main.py is the test stand-in server (tests/support/standin_server.py)."""
 
     def __init__(self, path: Path, port: int):
-        path.mkdir(parents=True, exist_ok=True)
+        (path / "comfy").mkdir(parents=True, exist_ok=True)
         shutil.copy(STANDIN, path / "main.py")
+        shutil.copy(STANDIN_CLI_ARGS, path / "comfy" / "cli_args.py")
         super().__init__(path, port)
 
     def configure(self, **cfg) -> None:

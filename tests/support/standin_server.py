@@ -19,6 +19,10 @@ its behaviour comes from `standin.json` beside it:
 POST /standin/oom {"log": true, "history": true} makes it report an out-of-memory error now: ComfyUI's OOM
 log lines, and/or a /history entry whose execution_error is a torch.OutOfMemoryError.
 
+When the home has a `comfy/cli_args.py` (tests copy tests/support/standin_cli_args.py there), the stand-in
+first parses its arguments with it, exactly as ComfyUI does at start: a bad argument prints argparse's
+usage and `main.py: error: ...` and exits 2.
+
 Each boot appends one JSON line to `standin-boots.jsonl` (pid, argv, the device variables, whether -B was
 given, pgid and sid); each POST /free appends its body to `standin-free.jsonl`.
 """
@@ -92,7 +96,18 @@ OOM_LINES = [
 ]
 
 
+def check_args_like_comfy(argv):
+    path = os.path.join(HOME, "comfy", "cli_args.py")
+    if os.path.exists(path):
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("standin_cli_args", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.parser.parse_args(argv)  # exits 2 with argparse's message on a bad argument
+
+
 def main():
+    check_args_like_comfy(sys.argv[1:])
     args = parse_args(sys.argv[1:])
     boots_path = os.path.join(HOME, "standin-boots.jsonl")
     boot_index = 0

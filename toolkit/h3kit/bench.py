@@ -29,9 +29,12 @@ class BenchError(H3kitError):
 
 
 def load_api_workflow(path: Path) -> dict:
+    from h3kit.workflow import load
+
+    raw = load.read_capped(str(path), load.MAX_FILE_BYTES, "workflow")
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise UsageError(f"cannot read {path}: {e}") from None
     if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
         data = data["prompt"]

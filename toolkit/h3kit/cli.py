@@ -28,6 +28,8 @@ COMMANDS = {
     "check-workflow": ("workflow", "check_workflow", "Validate H3 workflows before they reach the devices."),
     "parity": ("runtime", "parity", "Compare a multi-device forward with one device (tiny random weights)."),
     "plan": ("runtime", "plan", "Print the sequence-parallel cost model for a resolution and device count."),
+    "doctor": ("doctor", "doctor", "Check that this machine is ready to run H3 (read-only), with a fix for each problem."),
+    "calibrate": ("calibrate", "calibrate", "Measure links, collectives and a real-width DiT block; project each tier."),
     "demo": ("demo", "demo", "Run a real H3 prompt with tiny weights through the patched server."),
     "bench": ("demo", "bench", "Time a workflow on the running server, cold then warm."),
 }

@@ -1,29 +1,35 @@
 """Helpers the command modules share: error mapping, JSON output, common options.
 
 Library code raises h3kit.errors.H3kitError; `handle_errors` turns it into a one-line message (or a JSON
-error object with --json) and the error's exit code, never a traceback.
+error object with --json) and the error's exit code, never a traceback. It also makes SIGTERM behave like
+Ctrl-C for the command it wraps: both raise KeyboardInterrupt where the command runs, so the same cleanup
+runs (a temporary clone removed, a write rolled back, a server the command started stopped), and the exit
+code is 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import signal
 import sys
+import threading
 import traceback
+from pathlib import Path
 
 import click
 
-from h3kit.errors import H3kitError
+from h3kit.errors import H3kitError, UsageError
 
 COMFY_HOME_ENV = "H3KIT_COMFY_HOME"
 
 
 def comfy_home_option(required: bool = True):
     return click.option("--comfy-home", "comfy_home", envvar=COMFY_HOME_ENV, required=required,
-                        type=click.Path(file_okay=False), metavar="DIR",
+                        type=click.Path(), metavar="DIR",
                         help=f"The ComfyUI checkout h3kit manages (env {COMFY_HOME_ENV}).")
 
 
@@ -45,12 +51,70 @@ def emit_json(data) -> None:
     click.echo(json.dumps(_finite(data), indent=2, sort_keys=False, default=str, allow_nan=False))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that both run the same cleanup."""
+
+    signum = signal.SIGTERM
+
+
+def _interrupt_handler(signum, frame):
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _cleanup_handler(signum, frame):
+    err(f"h3kit: {signal.Signals(signum).name} again: still cleaning up after the first one (SIGKILL stops at "
+        "once; the next h3kit run then finishes the cleanup)")
+
+
+@contextlib.contextmanager
+def signals_as_interrupt():
+    """While the block runs, SIGINT and SIGTERM raise KeyboardInterrupt (Terminated for SIGTERM) once; a second
+    signal during the cleanup that follows is reported and does not cut the cleanup short. The handlers
+    that were there before are restored afterwards (the tests run commands in-process)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def first(signum, frame):
+        for s in previous:
+            signal.signal(s, _cleanup_handler)
+        _interrupt_handler(signum, frame)
+
+    for s in previous:
+        signal.signal(s, first)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def sigterm_as_interrupt() -> None:
-    """Turn SIGTERM into KeyboardInterrupt, so a command that owns child processes (a server being started,
-    a parity worker holding the devices) runs its cleanup when it is terminated, as on Ctrl-C."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
+    """Turn SIGTERM into KeyboardInterrupt for the rest of the process (handle_errors already does this for
+    the command it wraps; kept for code that runs outside it)."""
+    signal.signal(signal.SIGTERM, _interrupt_handler)
+
+
+def check_args(kwargs: dict) -> None:
+    """What click's types let through but no command can use, refused as bad input with h3kit's error shape:
+    a float option given as nan or inf (click's FloatRange compares, and nan compares false: `--timeout nan`
+    would wait forever), and --comfy-home / --runtime-root naming a file or a path through one."""
+    for key, value in kwargs.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{key.replace('_', '-')} {value}: give a finite number", code="bad_number")
+    for key, flag in (("comfy_home", "--comfy-home"), ("runtime_root", "--runtime-root")):
+        value = kwargs.get(key)
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        probe = path
+        while not os.path.lexists(probe) and probe != probe.parent:
+            probe = probe.parent
+        if os.path.lexists(probe) and not probe.is_dir():
+            where = "is a file" if probe == path else f"goes through {probe}, which is a file"
+            raise UsageError(f"{flag} {value} {where}, not a folder", code="not_a_folder",
+                             hint=f"give {flag} a folder (it is created when missing)")
 
 
 def err(message: str) -> None:
@@ -64,7 +128,9 @@ def handle_errors(fn):
     def wrapper(*args, **kwargs):
         as_json = kwargs.get("as_json", False)
         try:
-            return fn(*args, **kwargs)
+            with signals_as_interrupt():
+                check_args(kwargs)
+                return fn(*args, **kwargs)
         except H3kitError as e:
             if as_json:
                 emit_json({"ok": False, "error": e.to_dict()})
@@ -72,9 +138,14 @@ def handle_errors(fn):
             if e.hint:
                 err(f"  fix: {e.hint}")
             sys.exit(e.exit_code)
-        except KeyboardInterrupt:
-            err("h3kit: interrupted")
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
+            if as_json:
+                emit_json({"ok": False, "error": {"code": "terminated" if signum == signal.SIGTERM else "interrupted",
+                                                  "message": what}})
+            err(f"h3kit: {what}; what this command had started was undone")
+            sys.exit(128 + signum)
         except BrokenPipeError:  # `h3kit ... | head`: the reader left; nothing more to say
             try:
                 sys.stdout = open(os.devnull, "w")

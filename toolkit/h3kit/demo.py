@@ -4,7 +4,11 @@ Stages: install (if the tree is not installed and verified), checkpoints (four t
 with the real upstream classes, h3kit.tiny_models), start (the service on N devices, simulated on CPU),
 check-workflow (the shipped demo workflow, statically), prompt (POST /prompt, followed on /ws), parity
 (N > 1: the same prompt with npu_count 1, latents compared), stop (unless kept running or not ours).
-Every failure names its stage and, where the server was involved, the log line that explains it.
+Every failure names its stage and, where the server was involved, the log line that explains it. The demo
+holds the tree lock of its home from start to end (install and the service take it too, re-entrantly), and
+Ctrl-C or SIGTERM stops the server it started before it exits.
+With weights "int8" the DiT is the same tiny DiT with its block linears in INT8 (h3kit_tiny_dit_int8, as the
+published H3 INT8 files), and the server log must show its INT8 linears ran on the NPU INT8 arm.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3kit import comfyws, devices as h3devices, group, health, logscan, outputs, proc, service
+from h3kit import comfyws, devices as h3devices, group, health, locks, logscan, outputs, proc, service
 from h3kit.errors import H3kitError, UsageError
 from h3kit.paths import repo_root
 
@@ -31,6 +35,11 @@ TINY = {"dit": ("diffusion_models/h3kit_tiny_dit.safetensors", 1),
         "te": ("text_encoders/h3kit_tiny_te.safetensors", 2),
         "video_vae": ("vae/h3kit_tiny_video_vae.safetensors", 3),
         "audio_vae": ("vae/h3kit_tiny_audio_vae.safetensors", 4)}
+# --weights int8: the demo DiT (same seed) with its block linears in INT8, in place of "dit"
+TINY_INT8_DIT = ("dit_int8", ("diffusion_models/h3kit_tiny_dit_int8.safetensors", 1))
+WEIGHTS = ("float", "int8")
+# what comfy/npu_quant.py logs once its INT8 arm has served a call (reference kernels on cpu, torch_npu on npu)
+INT8_ARM_LOG = "NPU INT8: int8 linears on "
 PARITY_GATE = 1e-5  # the DiT parity gate (fp32), applied to the whole pipeline's latents
 PROMPT_TIMEOUT = 900.0
 HISTORY_WAIT = 30.0
@@ -69,6 +78,7 @@ class DemoOptions:
     python: str | None = None
     port: int = service.DEFAULT_PORT
     timeout: float = PROMPT_TIMEOUT
+    weights: str = "float"
     transport: str = "auto"
 
 
@@ -107,12 +117,20 @@ class _Stages:
                                                    "log": self.server_log, "stages": self.done, "error": extra})
 
 
-def write_tiny_checkpoints(home: Path, python: str) -> dict:
+def tiny_components(weights: str = "float") -> dict:
+    """{component: (models path, seed)} of the four files the demo runs with these weights."""
+    if weights == "int8":
+        return {TINY_INT8_DIT[0]: TINY_INT8_DIT[1], **{c: v for c, v in TINY.items() if c != "dit"}}
+    return dict(TINY)
+
+
+def write_tiny_checkpoints(home: Path, python: str, weights: str = "float") -> dict:
     """Write whichever tiny components are missing under <home>/models, in one ComfyUI interpreter."""
     models = home / "models"
-    missing = {c: (models / rel, seed) for c, (rel, seed) in TINY.items() if not (models / rel).is_file()}
+    wanted = tiny_components(weights)
+    missing = {c: (models / rel, seed) for c, (rel, seed) in wanted.items() if not (models / rel).is_file()}
     if not missing:
-        return {"written": [], "present": sorted(TINY)}
+        return {"written": [], "present": sorted(wanted)}
     for path, _ in missing.values():
         path.parent.mkdir(parents=True, exist_ok=True)
     script = ("import sys, json\nfrom h3kit import tiny_models\n"
@@ -127,16 +145,19 @@ def write_tiny_checkpoints(home: Path, python: str) -> dict:
     if proc_.returncode != 0:
         raise DemoFailed("writing the tiny checkpoints failed: " + (proc_.stderr.strip().splitlines() or ["?"])[-1],
                          hint=f"run {python} -m h3kit.tiny_models dit /tmp/x.safetensors from {home} to see why")
-    return {"written": sorted(missing), "present": sorted(set(TINY) - set(missing))}
+    return {"written": sorted(missing), "present": sorted(set(wanted) - set(missing))}
 
 
-def demo_prompt(npu_count: int, tag: str) -> dict:
-    """The shipped demo workflow (API format) with `npu_count` set and outputs named by `tag`."""
+def demo_prompt(npu_count: int, tag: str, weights: str = "float") -> dict:
+    """The shipped demo workflow (API format) with `npu_count` set, outputs named by `tag`, and with weights
+    "int8" the tiny INT8 DiT in the UNETLoader."""
     prompt = json.loads((repo_root() / DEMO_WORKFLOW).read_text())
     for node in prompt.values():
         node.pop("_meta", None)
         if node["class_type"] == CONFIG_NODE:
             node["inputs"]["npu_count"] = npu_count
+        if node["class_type"] == "UNETLoader" and weights == "int8":
+            node["inputs"]["unet_name"] = Path(TINY_INT8_DIT[1][0]).name
         prefix = node["inputs"].get("filename_prefix")
         if isinstance(prefix, str):
             folder, _, name = prefix.rpartition("/")
@@ -187,6 +208,19 @@ def run_prompt(rec: service.Record, prompt: dict, timeout: float, log=None) -> t
         time.sleep(0.05)
 
 
+def int8_arm_line(log: str) -> str:
+    """The server log's line saying the INT8 linears ran on the NPU arm; DemoFailed when there is none."""
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError as e:
+        raise DemoFailed(f"cannot read the server log {log}: {e}") from None
+    line = next((ln for ln in text.splitlines() if INT8_ARM_LOG in ln), None)
+    if line is None:
+        raise DemoFailed("the INT8 DiT ran, but not on the NPU INT8 arm (no 'NPU INT8:' line in the server log)",
+                         hint="the tree lacks npu-int8-linear.patch (h3kit install), or H3KIT_NPU_INT8=off is set")
+    return line[line.index(INT8_ARM_LOG):].strip()
+
+
 def _output_file(home: Path, outputs_: dict, node_id: str, key: str) -> Path:
     items = (outputs_.get(node_id) or {}).get(key) or []
     if not items:
@@ -204,16 +238,31 @@ def _node_id(prompt: dict, class_type: str, contains: str = "") -> str:
 
 def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
     from h3kit import install as installer
-    from h3kit import workflow
 
     home = Path(opts.comfy_home).expanduser().absolute()
     if opts.npu_count not in h3devices.ALLOWED_COUNTS:
         raise UsageError(f"--npu-count {opts.npu_count}: H3 runs on 1, 2, 4 or 8 devices")
+    if opts.weights not in WEIGHTS:
+        raise UsageError(f"--weights {opts.weights}: use one of {', '.join(WEIGHTS)}")
+    installer.check_home_path(home)
+    try:  # the lock lives in the home: an empty folder is still a fresh one for install
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoFailed(f"cannot create {home}: {e.strerror or e}", hint="choose a folder you can write to") from None
+    with locks.tree_lock(home, progress=log):
+        return _run_demo(opts, home, log)
+
+
+def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
+    from h3kit import install as installer
+    from h3kit import workflow
+
     device_type = h3devices.resolve_device_type(opts.device_type)
     devices = list(range(opts.npu_count))
     settings = group.resolve(device_type, opts.transport)
     report: dict = {"ok": False, "comfy_home": str(home), "device_type": device_type,
-                    "npu_count": opts.npu_count, "devices": devices, "transport": settings.transport}
+                    "npu_count": opts.npu_count, "devices": devices, "weights": opts.weights,
+                    "transport": settings.transport}
     st = _Stages(log)
 
     with st("install") as s:
@@ -226,7 +275,7 @@ def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
     python = service.resolve_python(home, opts.python)
 
     with st("checkpoints") as s:
-        wrote = write_tiny_checkpoints(home, python)
+        wrote = write_tiny_checkpoints(home, python, opts.weights)
         s["detail"] = f"wrote {', '.join(wrote['written'])}" if wrote["written"] else "all four present"
 
     root = service.runtime_root(home)
@@ -246,7 +295,8 @@ def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
     report["service"] = {"url": rec.url, "log": rec.log, "started_by_demo": not started.already_running}
 
     try:
-        prompt = demo_prompt(opts.npu_count, f"npu{opts.npu_count}")
+        tag = f"npu{opts.npu_count}" + ("_int8" if opts.weights == "int8" else "")
+        prompt = demo_prompt(opts.npu_count, tag, opts.weights)
         with st("check-workflow") as s:
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(prompt, f)
@@ -268,13 +318,16 @@ def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
             if "soun" not in tracks or "vide" not in tracks:
                 raise DemoFailed(f"{video} lacks a video or an audio track (tracks: {tracks})")
             s["detail"] = ", ".join(f"{k} {v} s" for k, v in stage_seconds(trace).items())
+            if opts.weights == "int8":
+                report["int8_arm"] = int8_arm_line(rec.log)
+                s["detail"] += f"; {report['int8_arm']}"
         report["run"] = trace.to_dict()
         report["prompt_stages"] = stage_seconds(trace)
         report["video"] = {"path": str(video), "tracks": tracks, "bytes": video.stat().st_size}
 
         if opts.npu_count > 1:
             with st("parity") as s:
-                single = demo_prompt(1, "npu1")
+                single = demo_prompt(1, "npu1" + ("_int8" if opts.weights == "int8" else ""), opts.weights)
                 _, outs1 = run_prompt(rec, single, opts.timeout, log)
                 rows = {}
                 for kind in ("video", "audio"):

@@ -23,6 +23,15 @@ CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SIM_DEVICES_ENV = "H3KIT_SIM_DEVICES"
 
 VISIBLE_ENV = {"npu": ASCEND_VISIBLE_ENV, "cuda": CUDA_VISIBLE_ENV, "cpu": SIM_DEVICES_ENV}
+MAX_DEVICE_ID = 65535
+SHOWN_CHARS = 40   # of a bad list or entry, in an error message: a 5,000-id list is not echoed whole
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` quoted for a message, cut to `limit` characters with the full length said."""
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def parse_device_list(text: str, *, allowed_counts: tuple[int, ...] = ALLOWED_COUNTS) -> list[int]:
@@ -34,30 +43,45 @@ def parse_device_list(text: str, *, allowed_counts: tuple[int, ...] = ALLOWED_CO
     if text is None or not str(text).strip():
         raise DeviceListError("empty device list", hint="give device ids like 0,1,2,3")
     raw = str(text)
+    items = raw.split(",")
+    counts = ", ".join(str(c) for c in allowed_counts)
+    if len(items) > max(allowed_counts):  # said before any entry is read: a huge list is not walked
+        raise DeviceListError(f"device list {shown(raw)} has {len(items)} devices; H3 runs on {counts}",
+                              hint="MultiNPUParallelConfig's npu_count must be 1, 2, 4 or 8 and match the devices of "
+                                   "the service (this list, times the hosts of a multi-host group)")
     ids: list[int] = []
-    for pos, item in enumerate(raw.split(",")):
+    for pos, item in enumerate(items):
         if not item or not item.isascii() or not item.isdigit():
             raise DeviceListError(
-                f"device list {raw!r}: entry {pos + 1} ({item!r}) is not a non-negative integer",
+                f"device list {shown(raw)}: entry {pos + 1} ({shown(item)}) is not a non-negative integer",
                 hint="write ids separated by commas, without spaces: 0,1,2,3 "
                      "(the Ascend runtime silently ignores everything after a bad entry)")
+        # compared as text first: int() refuses more than 4,300 digits, and such an id is out of range anyway
+        if len(item.lstrip("0")) > len(str(MAX_DEVICE_ID)) or int(item) > MAX_DEVICE_ID:
+            raise DeviceListError(f"device list {shown(raw)}: id {shown(item)} is out of range (0-{MAX_DEVICE_ID})")
         value = int(item)
-        if value > 65535:
-            raise DeviceListError(f"device list {raw!r}: id {value} is out of range")
         if value in ids:
-            raise DeviceListError(f"device list {raw!r}: id {value} appears twice",
+            raise DeviceListError(f"device list {shown(raw)}: id {value} appears twice",
                                   hint="list each device once")
         if ids and value < ids[-1]:
             raise DeviceListError(
-                f"device list {raw!r}: id {value} comes after {ids[-1]}; ids must be ascending",
+                f"device list {shown(raw)}: id {value} comes after {ids[-1]}; ids must be ascending",
                 hint=f"write them in order: {','.join(str(i) for i in sorted(set(ids + [value])))}...")
         ids.append(value)
     if len(ids) not in allowed_counts:
-        counts = ", ".join(str(c) for c in allowed_counts)
-        raise DeviceListError(f"device list {raw!r} has {len(ids)} devices; H3 runs on {counts}",
+        raise DeviceListError(f"device list {shown(raw)} has {len(ids)} devices; H3 runs on {counts}",
                               hint="MultiNPUParallelConfig's npu_count must be 1, 2, 4 or 8 and match the devices of "
                                    "the service (this list, times the hosts of a multi-host group)")
     return ids
+
+
+def check_device_ids(ids, *, allowed_counts: tuple[int, ...] = ALLOWED_COUNTS) -> list[int]:
+    """A list of ids (from a record, a spec) checked by the same rules as a typed list."""
+    if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+        raise DeviceListError(f"devices {shown(str(ids))} is not a list of integers")
+    if any(i < 0 for i in ids):
+        raise DeviceListError(f"devices {shown(str(ids))}: ids must be non-negative")
+    return parse_device_list(format_device_list(list(ids)), allowed_counts=allowed_counts)
 
 
 def format_device_list(ids: list[int]) -> str:

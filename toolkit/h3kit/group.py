@@ -155,6 +155,32 @@ def agent_argv(python: str) -> list[str]:
     return [python, "-B", "-m", AGENT_MODULE]
 
 
+WORKER_MODULE = "comfy.multinpu_worker"
+
+
+def runs_module(cmdline, module: str) -> bool:
+    """Does this command line run `python ... -m module`?"""
+    cmd = list(cmdline)
+    return any(a == "-m" and i + 1 < len(cmd) and cmd[i + 1] == module for i, a in enumerate(cmd))
+
+
+def module_owner(comfy_home: str, module: str):
+    """The check that a live process is the group process h3kit launched from `comfy_home`: it runs
+    `-m module` (the agent or a worker) in that tree. Returns a function of a psutil.Process giving the reason
+    it is not, or None."""
+    home = os.path.realpath(comfy_home)
+
+    def check(p) -> str | None:
+        if not runs_module(p.cmdline(), module):
+            return f"it does not run {module}"
+        where = os.path.realpath(p.cwd())
+        if where != home:
+            return f"it runs in {where}, not in {home}"
+        return None
+
+    return check
+
+
 def read_ranks(root: Path) -> dict | None:
     """The runtime's ranks file, or None when there is none (yet) or it is not readable JSON."""
     path = root / RANKS_FILE
@@ -167,10 +193,12 @@ def read_ranks(root: Path) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("ranks"), list) else None
 
 
-def ranks_view(root: Path, server_pid: int, node_rank: int) -> dict:
-    """What status shows: the group's state and every rank, with `alive` verified here for the ranks of
-    this host (pid, start time and command line must still match) and taken from rank 0's monitor for the
-    others. {"state", "error", "generation", "world_size", "ranks": [...], "file": bool}."""
+def ranks_view(root: Path, server_pid: int, node_rank: int, comfy_home: str) -> dict:
+    """What status shows: the group's state and every rank, with `alive` verified here for the workers of
+    this host (pid, start time and command line must still match, and it must be a worker running in
+    `comfy_home`) and taken from rank 0's monitor for the others. {"state", "error", "generation",
+    "world_size", "ranks": [...], "file": bool}."""
+    worker = module_owner(comfy_home, WORKER_MODULE)
     data = read_ranks(root)
     if data is None:
         return {"state": "unknown", "error": f"no {RANKS_FILE} under {root} yet", "ranks": [], "file": False}
@@ -186,7 +214,10 @@ def ranks_view(root: Path, server_pid: int, node_rank: int) -> dict:
         item = {k: r.get(k) for k in ("rank", "node", "local_rank", "host", "device", "pid", "create_time",
                                        "joined", "restarts", "last_exit")}
         if r.get("node") == node_rank and isinstance(r.get("pid"), int) and r.get("create_time"):
-            item["alive"] = proc.verify(r["pid"], r["create_time"], r.get("cmdline") or []).alive
+            if r["pid"] == server_pid:
+                item["alive"] = True  # rank 0 itself: the record's process, verified by the caller
+            else:
+                item["alive"] = proc.verify(r["pid"], r["create_time"], r.get("cmdline") or [], owner=worker).alive
         else:
             item["alive"] = bool(r.get("alive"))
         ranks.append(item)

@@ -7,23 +7,27 @@ revert   reverse the series and remove the shipped files the user did not edit.
 
 State lives in <comfy-home>/.h3kit/: state.json (pin, interpreter, patches with sha256, installed files with
 sha256) and applied-patches/ (the patch files as applied, so a newer h3kit can reverse an older series).
+
+Install and revert hold the tree lock (h3kit.locks) and write through a journal (h3kit.journal): state.json
+and applied-patches/ are written in the same journaled step as the tree's files, so a run killed at any
+point is finished or rolled back by the next install, revert or verify, and a command that would change
+nothing writes nothing at all.
 """
 
 from __future__ import annotations
 
-import atexit
+import errno
 import json
 import os
 import shutil
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h3kit import gitutil, manifest, pyenv
-from h3kit.errors import H3kitError
+from h3kit import gitutil, journal, locks, manifest, pyenv, testhooks
+from h3kit.errors import H3kitError, UsageError
 from h3kit.patches import PatchConflict, Series, plan_forward, plan_reverse, read_tree_files, series_result, write_tree_files
 from h3kit.paths import repo_root
 
@@ -66,34 +70,70 @@ def load_state(home: Path) -> dict | None:
         raise InstallError(f"{path} is not valid JSON ({e})", hint="remove it and run h3kit install --force") from None
 
 
-def _write_state(home: Path, state: dict, series: Series) -> None:
+def _state_files(home: Path, state: dict | None, series: Series | None) -> tuple[dict, dict]:
+    """(before, after) of the files under .h3kit/ that record the install: state.json and applied-patches/.
+    `state` None: they are removed (revert)."""
     sdir = home / STATE_DIR
-    sdir.mkdir(exist_ok=True)
+    rel_state = f"{STATE_DIR}/{STATE_FILE}"
+    before: dict[str, bytes | None] = {rel_state: _read_file(sdir / STATE_FILE)}
     applied = sdir / APPLIED_DIR
-    tmp_applied = sdir / (APPLIED_DIR + ".tmp")
-    shutil.rmtree(tmp_applied, ignore_errors=True)
-    tmp_applied.mkdir()
-    for p in series.patches:
-        (tmp_applied / p.name).write_bytes(p.raw)
-    (tmp_applied / "series").write_text("".join(n + "\n" for n in series.names))
-    shutil.rmtree(applied, ignore_errors=True)
-    tmp_applied.rename(applied)
-    tmp = sdir / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    tmp.replace(sdir / STATE_FILE)
-    _exclude_state_dir(home)
+    if applied.is_dir():
+        for f in sorted(applied.iterdir()):
+            if f.is_file():
+                before[f"{STATE_DIR}/{APPLIED_DIR}/{f.name}"] = _read_file(f)
+    after: dict[str, bytes | None] = {rel: None for rel in before}
+    if state is not None:
+        after[rel_state] = (json.dumps(state, indent=2) + "\n").encode()
+        for p in series.patches:
+            after[f"{STATE_DIR}/{APPLIED_DIR}/{p.name}"] = p.raw
+        after[f"{STATE_DIR}/{APPLIED_DIR}/series"] = "".join(n + "\n" for n in series.names).encode()
+    for rel in after:
+        before.setdefault(rel, _read_file(home / rel))
+    return before, after
+
+
+def _read_file(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _journaled_write(home: Path, op: str, before: dict, after: dict, modes: dict | None = None) -> list[str]:
+    """Write `after` over `before` through the journal (see h3kit.journal); the changed paths."""
+    changed = [p for p in after if after[p] != before.get(p)]
+    if not changed:
+        return []
+    try:
+        journal.begin(home, op, before, after, modes)
+        write_tree_files(home, before, after, modes)
+    except OSError as e:  # write_tree_files has restored what it could, and says what it could not
+        lost = getattr(e, "h3kit_not_restored", [])
+        if not lost:
+            journal.finish(home)
+        outcome = ("every file was restored" if not lost else
+                   "these files could not be restored and differ from before: " + ", ".join(lost)
+                   + " (the next h3kit install or revert puts them back from the journal)")
+        raise InstallError(f"could not write {e.filename or 'the tree'}: {e.strerror or e}; {outcome}",
+                           code="write_failed", hint="check the folder's permissions and free space",
+                           details={"not_restored": lost}) from None
+    except BaseException as e:
+        if not getattr(e, "h3kit_not_restored", None):
+            journal.finish(home)  # interrupted (Ctrl-C, SIGTERM): every file is back as it was
+        raise
+    testhooks.point("files-written")
+    journal.finish(home)
+    return sorted(changed)
 
 
 def _exclude_state_dir(home: Path) -> None:
     exclude = home / ".git" / "info" / "exclude"
     try:
         text = exclude.read_text() if exclude.exists() else ""
+        if "/.h3kit/" not in text.splitlines():
+            exclude.parent.mkdir(parents=True, exist_ok=True)
+            with exclude.open("a") as f:
+                f.write(("" if text.endswith("\n") or not text else "\n")
+                        + "# h3kit install state and runtime files\n/.h3kit/\n")
     except OSError:
-        return
-    if "/.h3kit/" not in text.splitlines():
-        exclude.parent.mkdir(parents=True, exist_ok=True)
-        with exclude.open("a") as f:
-            f.write(("" if text.endswith("\n") or not text else "\n") + "# h3kit install state and runtime files\n/.h3kit/\n")
+        return  # only keeps `git status` quiet about .h3kit/: not worth failing an install for
 
 
 def _applied_series(home: Path) -> Series | None:
@@ -101,13 +141,24 @@ def _applied_series(home: Path) -> Series | None:
     applied = home / STATE_DIR / APPLIED_DIR
     if not (applied / "series").is_file():
         return None
-    fake_root = Path(tempfile.mkdtemp(prefix="h3kit-applied-"))
-    atexit.register(shutil.rmtree, fake_root, True)  # the engine reads the patch files until the command ends
     try:
-        shutil.copytree(applied, fake_root / "patches")
-        return Series.load(fake_root)
+        return Series.load_dir(applied)
     except H3kitError:
         return None
+
+
+def _recover(home: Path) -> dict | None:
+    """Finish or roll back a write an earlier h3kit run did not complete (the caller holds the tree lock)."""
+    rec = journal.recover(home) if home.is_dir() else None
+    return rec.to_dict() if rec is not None else None
+
+
+def _fs_error(e: OSError, what: str) -> InstallError:
+    reason = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+              errno.EPERM: "permission denied", errno.ENOSPC: "no space left on the device",
+              errno.ENOTDIR: "a part of the path is a file, not a folder"}.get(e.errno, e.strerror or str(e))
+    return InstallError(f"cannot {what}: {reason} ({e.filename or ''})".replace(" ()", ""), code="write_failed",
+                        hint="choose a folder you can write to, or fix its permissions")
 
 
 # --- what install ships -----------------------------------------------------------------------------
@@ -204,37 +255,66 @@ class InstallReport:
     purged_bytecode: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     python: dict = field(default_factory=dict)
+    pin_verified: bool = True
+    recovered: dict | None = None
 
     def to_dict(self) -> dict:
         return {"ok": True, **self.__dict__}
 
 
+CLONE_PREFIX = "h3kit-clone-"
+
+
+def _is_fresh(home: Path) -> bool:
+    """Nothing installed here yet: the folder is missing, empty, or holds only h3kit's own .h3kit/ (its lock,
+    a journal) without an install state."""
+    if not home.exists():
+        return True
+    if not home.is_dir():
+        return False
+    names = {p.name for p in home.iterdir()}
+    return names <= {STATE_DIR} and not state_path(home).exists()
+
+
+def _clone_into(home: Path, source: str, pin: str, data: dict, report: InstallReport, opts: InstallOptions,
+                log) -> None:
+    """Clone into a temporary sibling owned by this run (a killed run's is swept by the next), check out the
+    pin there, then move the entries into the home under a "clone" journal, `.git` last: the home holds a
+    checkout only once every file is in place."""
+    with locks.owned_tempdir(home.parent, f".{home.name}.{CLONE_PREFIX}") as tmp:
+        tree = tmp / "tree"
+        log(f"cloning {source} (no checkout) ...")
+        gitutil.clone_no_checkout(source, tree, progress=opts.progress)
+        if not gitutil.has_commit(tree, pin):
+            raise InstallError(f"{source} does not hold the commit {pin}", code="pin_missing",
+                               hint="use a mirror that holds the pin (--source or H3KIT_COMFY_SOURCE)")
+        log(f"checking out {pin[:12]} ...")
+        missing = gitutil.checkout_detached(tree, pin)
+        _judge_missing(missing, data, report)
+        testhooks.point("clone-made")
+        entries = sorted((p.name for p in tree.iterdir()), key=lambda n: n == ".git")
+        if STATE_DIR in entries:
+            raise InstallError(f"{source} holds a {STATE_DIR} folder, which h3kit keeps its state in",
+                               code="incomplete_source", hint="use a plain mirror of ComfyUI")
+        journal.begin_clone(home, entries)
+        opts._moved = []
+        for name in entries:
+            os.rename(tree / name, home / name)
+            opts._moved.append(name)
+            testhooks.point("clone-moving")
+        journal.finish(home)
+
+
 def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, report: InstallReport, log) -> Path | None:
-    """Return the checkout to patch (None in a dry run that would clone). Clones into a temporary sibling
-    and renames it into place, so a failed clone leaves nothing behind."""
+    """Return the checkout to patch (None in a dry run that would clone). A fresh home is cloned into (see
+    _clone_into); a failed clone leaves the home as it was."""
     home = opts.comfy_home
-    if not home.exists() or (home.is_dir() and not any(home.iterdir())):
+    if _is_fresh(home):
         if opts.dry_run:
             log(f"would clone {source} into {home} and check out {pin[:12]}")
             report.cloned = True
             return None
-        home.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}.h3kit-clone-", dir=home.parent))
-        try:
-            log(f"cloning {source} (no checkout) ...")
-            gitutil.clone_no_checkout(source, tmp / "tree", progress=opts.progress)
-            if not gitutil.has_commit(tmp / "tree", pin):
-                raise InstallError(f"{source} does not hold the commit {pin}", code="pin_missing",
-                                   hint="use a mirror that holds the pin (--source or H3KIT_COMFY_SOURCE)")
-            log(f"checking out {pin[:12]} ...")
-            missing = gitutil.checkout_detached(tmp / "tree", pin)
-            _judge_missing(missing, data, report)
-            if home.exists():
-                home.rmdir()
-            (tmp / "tree").rename(home)
-            opts._cloned = True
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _clone_into(home, source, pin, data, report, opts, log)
         report.cloned = True
         return home
     if not home.is_dir() or not gitutil.is_checkout(home):
@@ -243,7 +323,10 @@ def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, r
     head = gitutil.head(home)
     if head != pin:
         if not opts.force:
-            raise InstallRefused(f"{home} is at commit {head[:12]}, not the pin {pin[:12]}",
+            state = load_state(home) or {}
+            how = (" (installed with --commit)" if state.get("pin") == head and state.get("pin_verified") is False
+                   else "")
+            raise InstallRefused(f"{home} is at commit {head[:12]}{how}, not the pin {pin[:12]}",
                                  hint="use a new folder, or --force to check out the pin here (local changes to "
                                       "tracked files are discarded)")
         if opts.dry_run:
@@ -318,31 +401,91 @@ def _shipped_plan(home: Path, root: Path, state: dict | None, force: bool, repor
     return before, after, modes
 
 
+def check_home_path(home: Path, flag: str = "--comfy-home") -> None:
+    """A home that is a file, or lies under one, is bad input (not an internal error later)."""
+    probe = home
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is a file" if probe == home else f"goes through {probe}, which is a file"
+        raise UsageError(f"{flag} {home} {where}, not a folder", code="not_a_folder",
+                         hint=f"give {flag} a folder (it is created when missing)")
+
+
 def install(opts: InstallOptions, log=_nolog) -> InstallReport:
     """Install as described in the module docstring; raises on any refusal or conflict, changing nothing."""
-    home = Path(opts.comfy_home).expanduser().absolute()
-    existed = home.exists()
-    report: InstallReport | None = None
+    home = opts.comfy_home = Path(opts.comfy_home).expanduser().absolute()
+    check_home_path(home)
+    if opts.commit:  # refused before anything is written or cloned
+        commit = gitutil.check_commit_arg(opts.commit)
+        pin = manifest.pin(manifest.load())
+        if not pin.startswith(commit) and not opts.force:
+            raise InstallRefused(f"--commit {commit} is not the pin {pin[:12]} that h3kit's patch series is "
+                                 "verified on", code="not_the_pin",
+                                 hint="leave --commit out; or add --force to install that commit anyway (it is "
+                                      "recorded as not the verified pin, and verify checks the tree against it)")
+    created: list[Path] = []  # folders this run made for a fresh home: removed again if it fails
+    if not opts.dry_run:
+        probe = home
+        while not probe.exists():
+            created.append(probe)
+            probe = probe.parent
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _fs_error(e, f"create {home}") from None
+    state_dir_existed = (home / STATE_DIR).exists()
+    opts._moved = []
     try:
-        report = _install(opts, log)
-        return report
-    except BaseException:
-        # a clone made by this run is part of what failed: leave the folder as it was (absent or empty)
-        if getattr(opts, "_cloned", False) and home.exists():
-            shutil.rmtree(home, ignore_errors=True)
-            if existed:
-                home.mkdir()
-        raise
+        with locks.tree_lock(home, create=not opts.dry_run, progress=log):
+            recovered = None
+            if opts.dry_run:
+                if home.is_dir() and journal.pending(home) is not None:
+                    raise InstallRefused("an interrupted h3kit write is pending in this tree",
+                                         code="interrupted_write",
+                                         hint="run h3kit install (without --dry-run) or h3kit revert: either "
+                                              "finishes or rolls it back first")
+            else:
+                recovered = _recover(home)
+            fresh = _is_fresh(home)
+            try:
+                return _install(opts, log, recovered)
+            except BaseException:
+                if fresh:  # a clone made by this run is part of what failed: leave the folder as it was
+                    for name in opts._moved:
+                        p = home / name
+                        if p.is_dir() and not p.is_symlink():
+                            shutil.rmtree(p, ignore_errors=True)
+                        else:
+                            p.unlink(missing_ok=True)
+                    journal.finish(home)
+                # the lock file this run created goes too, unless a journal must stay for the next run
+                if not state_dir_existed and not journal.journal_dir(home).exists():
+                    shutil.rmtree(home / STATE_DIR, ignore_errors=True)
+                raise
+    except OSError as e:
+        raise _fs_error(e, f"write {home}") from None
+    finally:
+        for d in created:  # deepest first; only while still empty (a failed run)
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
 
 
-def _install(opts: InstallOptions, log) -> InstallReport:
+def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport:
     data = manifest.load()
     root = repo_root()
     series = Series.load(root)
     source = resolve_source(opts.source, data)
-    pin = gitutil.check_commit_arg(opts.commit) if opts.commit else manifest.pin(data)
-    opts.comfy_home = Path(opts.comfy_home).expanduser().absolute()
-    report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=pin, dry_run=opts.dry_run)
+    pin = manifest.pin(data)
+    if opts.commit and not pin.startswith(gitutil.check_commit_arg(opts.commit)):
+        pin = gitutil.check_commit_arg(opts.commit)
+    report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=pin, dry_run=opts.dry_run,
+                           pin_verified=pin == manifest.pin(data), recovered=recovered)
+    if recovered:
+        report.warnings.append(journal.Recovery(**recovered).describe())
+    if not report.pin_verified:
+        report.warnings.append(f"installing commit {pin[:12]} (--commit --force): not the pin "
+                               f"{manifest.pin(data)[:12]} h3kit's patch series is verified on")
 
     python = opts.python or sys.executable
     env = pyenv.check(python, data)
@@ -365,6 +508,9 @@ def _install(opts: InstallOptions, log) -> InstallReport:
     old_series = _applied_series(home)
     if old_series is not None:
         touched = sorted(set(touched) | set(old_series.touched_files()))
+    if not opts.dry_run:  # what a killed write left beside the files it was replacing
+        recorded_files = list((load_state(home) or {}).get("files", {}))
+        journal.remove_temporaries(home, touched + list(shipped_files(root)) + recorded_files)
     pin_files = gitutil.read_blobs(home, pin, touched)
     current = read_tree_files(home, touched)
 
@@ -420,26 +566,6 @@ def _install(opts: InstallOptions, log) -> InstallReport:
     overlap = set(f_after) & set(touched)
     if overlap:
         raise InstallError(f"shipped files collide with patched files: {sorted(overlap)}")
-    before = {**current, **f_before}
-    after = {**{k: expected.get(k, pin_files[k]) for k in touched}, **f_after}
-    report.changed = sorted(p for p in after if after[p] != before.get(p))
-
-    if opts.dry_run:
-        return report
-
-    if report.changed:
-        log(f"applying {sum(s['state'] == 'apply' for s in report.patches)} of {len(series.patches)} patches, "
-            f"writing {len(report.changed)} files ...")
-    try:
-        write_tree_files(home, before, after, modes)
-    except OSError as e:  # write_tree_files has restored what it could, and says what it could not
-        lost = getattr(e, "h3kit_not_restored", [])
-        outcome = ("every file was restored" if not lost else
-                   "these files could not be restored and differ from before: " + ", ".join(lost))
-        raise InstallError(f"could not write {e.filename or 'the tree'}: {e.strerror or e}; {outcome}",
-                           code="write_failed", hint="check the folder's permissions and free space",
-                           details={"not_restored": lost}) from None
-    report.purged_bytecode = purge_bytecode(home, touched + list(f_after))
 
     # a kept (user-edited) file stays recorded with the checksum of what h3kit installed, so that it keeps
     # counting as edited on the next run instead of being taken for ours and overwritten
@@ -448,16 +574,37 @@ def _install(opts: InstallOptions, log) -> InstallReport:
     # (a file that was there before h3kit ever installed it is the user's alone: not recorded at all)
     files_sha = {rel: (recorded[rel] if rel in kept else manifest.sha256_bytes(data_))
                  for rel, data_ in f_after.items() if data_ is not None and (rel not in kept or rel in recorded)}
-    _write_state(home, {
+    new_state = {
         "schema": 1,
         "pin": pin,
+        "pin_verified": report.pin_verified,
+        "verified_pin": manifest.pin(data),
         "source": source,
         "python": python,
         "h3kit_root": str(root),
         "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "patches": [{"name": p.name, "sha256": manifest.sha256_bytes(p.raw)} for p in series.patches],
         "files": files_sha,
-    }, series)
+    }
+    if state is not None and {k: v for k, v in state.items() if k != "installed_at"} == \
+            {k: v for k, v in new_state.items() if k != "installed_at"}:
+        new_state["installed_at"] = state.get("installed_at")  # nothing else changed: a no-op writes nothing
+    s_before, s_after = _state_files(home, new_state, series)
+    before = {**current, **f_before, **s_before}
+    after = {**{k: expected.get(k, pin_files[k]) for k in touched}, **f_after, **s_after}
+    report.changed = sorted(p for p in after if after[p] != before.get(p))
+
+    if opts.dry_run:
+        return report
+
+    if report.changed:
+        log(f"applying {sum(s['state'] == 'apply' for s in report.patches)} of {len(series.patches)} patches, "
+            f"writing {len(report.changed)} files ...")
+    _journaled_write(home, "install", before, after, modes)
+    if report.changed or stale_bytecode(home, touched + list(f_after)):
+        report.purged_bytecode = purge_bytecode(home, touched + list(f_after))
+    if report.changed:
+        _exclude_state_dir(home)
     return report
 
 
@@ -487,10 +634,28 @@ def verify(comfy_home: Path) -> dict:
     if not home.is_dir() or not gitutil.is_checkout(home):
         raise InstallError(f"{home} is not a ComfyUI checkout", code="not_installed",
                            hint="run h3kit install --comfy-home " + str(home))
+    recovered = None
+    if journal.pending(home) is not None or journal.journal_dir(home).exists():
+        holder = locks.is_locked(home)
+        if holder is not None:
+            problems.append(f"an h3kit command is writing this tree right now: {holder}")
+        else:
+            try:
+                with locks.tree_lock(home, wait=0):
+                    recovered = _recover(home)
+            except OSError as e:  # a read-only tree: say what is pending instead of failing
+                problems.append(f"an interrupted h3kit write is pending and could not be rolled back: "
+                                f"{_fs_error(e, 'write the tree').message}")
+            if recovered:
+                warnings.append(journal.Recovery(**recovered).describe())
     state = load_state(home)
     pin = manifest.pin(data)
     if state is None:
         problems.append("no install state (.h3kit/state.json): this tree was not installed by h3kit")
+    elif state.get("pin_verified") is False and state.get("pin"):
+        pin = state["pin"]  # installed with --commit --force: checked against what was installed
+        warnings.append(f"installed at commit {pin[:12]} (--commit --force), not the pin "
+                        f"{manifest.pin(data)[:12]} h3kit's patch series is verified on")
     head = gitutil.head(home)
     if head != pin:
         problems.append(f"HEAD is {head[:12]}, not the pin {pin[:12]}")
@@ -520,16 +685,24 @@ def verify(comfy_home: Path) -> dict:
                 problems.append(f"patch {name} is not applied ({'applies cleanly' if st == 'apply' else 'conflicts'})")
         for rel in touched:
             if rel in expected and tree_files[rel] != expected[rel]:
-                problems.append(f"{rel} differs from what the series produces")
+                if tree_files[rel] is None:
+                    how = "adds" if pin_files[rel] is None else "changes"
+                    problems.append(f"{rel} is missing (the series {how} it)")
+                else:
+                    problems.append(f"{rel} differs from what the series produces")
 
+    recorded_files = list(((state or {}).get("files") or {}).keys())
     for rel, sha in ((state or {}).get("files") or {}).items():
         dest = home / rel
         if not dest.is_file():
             problems.append(f"installed file {rel} is missing")
         elif manifest.sha256_file(dest) != sha:
             problems.append(f"installed file {rel} was modified")
-    for st in stale_bytecode(home, touched + list(((state or {}).get("files") or {}).keys())):
+    for st in stale_bytecode(home, touched + recorded_files):
         problems.append(f"stale bytecode: {st}")
+    state_rel = [f"{STATE_DIR}/{STATE_FILE}"]
+    for tmp in journal.find_temporaries(home, touched + recorded_files + list(shipped_files(root)) + state_rel):
+        problems.append(f"leftover temporary file {tmp} from an interrupted h3kit write (h3kit install removes it)")
 
     known_absent = set(data["upstream"].get("absent_from_mirrors", []))
     for code, rel in gitutil.status(home):
@@ -540,20 +713,35 @@ def verify(comfy_home: Path) -> dict:
         if code != "??":
             warnings.append(f"local change outside the series: {code.strip()} {rel}")
     return {"ok": not problems, "comfy_home": str(home), "pin": pin, "head": head, "problems": problems,
-            "warnings": warnings, "patches": [p.name for p in series.patches]}
+            "warnings": warnings, "patches": [p.name for p in series.patches],
+            "pin_verified": pin == manifest.pin(data), "recovered": recovered}
 
 
 # --- revert ---------------------------------------------------------------------------------------------
 
 def revert(comfy_home: Path, force: bool = False, log=_nolog) -> dict:
     home = Path(comfy_home).expanduser().absolute()
-    data = manifest.load()
     if not home.is_dir() or not gitutil.is_checkout(home):
         raise InstallError(f"{home} is not a ComfyUI checkout", code="not_installed")
+    try:
+        with locks.tree_lock(home, progress=log):
+            recovered = _recover(home)
+            if recovered:
+                log(journal.Recovery(**recovered).describe())
+            report = _revert(home, force, log)
+            report["recovered"] = recovered
+            return report
+    except OSError as e:
+        raise _fs_error(e, f"write {home}") from None
+
+
+def _revert(home: Path, force: bool, log) -> dict:
+    data = manifest.load()
     state = load_state(home)
     series = _applied_series(home) or Series.load(repo_root())
     pin = (state or {}).get("pin") or manifest.pin(data)
     touched = series.touched_files()
+    journal.remove_temporaries(home, touched + list(((state or {}).get("files") or {})))
     current = read_tree_files(home, touched)
     pin_files = gitutil.read_blobs(home, pin, touched)
     plan = plan_reverse(series, current)
@@ -583,10 +771,13 @@ def revert(comfy_home: Path, force: bool = False, log=_nolog) -> dict:
             after[rel] = cur
             if cur is not None:
                 report["kept"].append(rel)
+    s_before, s_after = _state_files(home, None, None)
+    before.update(s_before)
+    after.update(s_after)
     log(f"reversing {sum(s.state == 'reverse' for s in plan.states)} patches, removing {len(report['removed'])} files ...")
-    write_tree_files(home, before, after)
-    purge_bytecode(home, list(after))
-    sdir = home / STATE_DIR
-    shutil.rmtree(sdir / APPLIED_DIR, ignore_errors=True)
-    state_path(home).unlink(missing_ok=True)
+    _journaled_write(home, "revert", before, after)
+    purge_bytecode(home, [rel for rel in after if not rel.startswith(STATE_DIR + "/")])
+    applied = home / STATE_DIR / APPLIED_DIR
+    if applied.is_dir() and not any(applied.iterdir()):
+        applied.rmdir()
     return report

@@ -9,15 +9,19 @@ What ComfyUI writes when a node fails (execution.py at the pin), each a separate
     [INFO] Memory summary: ...                       (OOM only)
     [ERROR] Got an OOM, unloading all loaded models. (OOM only)
 
-The level tags come with ANSI colours even in a file. The scanner strips the colours, groups such lines
+A server that dies while parsing its arguments prints argparse's usage and then one line,
+`main.py: error: <why>` (exit 2): that line is an error block too, so `status` shows why the server did not
+start. The level tags come with ANSI colours even in a file. The scanner strips the colours, groups such lines
 into blocks, and marks a block as an OOM when its exception names one or when the "Got an OOM" line
 follows it before the next error: the first error of a run is what the OOM runbook starts from.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +34,7 @@ OOM_MARKER = "Got an OOM, unloading all loaded models"
 # the CPU allocator says "can't allocate memory", which ComfyUI itself does not treat as an OOM.
 OOM_PATTERN = re.compile(r"OutOfMemoryError|out of memory|Got an OOM|can't allocate memory", re.IGNORECASE)
 TRACEBACK = "Traceback (most recent call last):"
+ARGPARSE_ERROR = re.compile(r"^[\w.-]+\.py: error: ")
 NODE_EXCEPTION = "!!! Exception during processing !!!"
 
 
@@ -104,7 +109,8 @@ class ErrorScanner:
 
     @staticmethod
     def _starts(line: str, body: str) -> bool:
-        return body.startswith((TRACEBACK, NODE_EXCEPTION, OOM_MARKER)) or line.startswith(("[ERROR]", "[CRITICAL]"))
+        return (body.startswith((TRACEBACK, NODE_EXCEPTION, OOM_MARKER)) or line.startswith(("[ERROR]", "[CRITICAL]"))
+                or ARGPARSE_ERROR.match(body) is not None)
 
     def _continues(self, body: str) -> bool:
         blk = self.current
@@ -132,8 +138,22 @@ class ErrorScanner:
 
 
 def _iter_lines(path: Path):
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
+    with open_log(path) as f:
         yield from f
+
+
+def open_log(path: str | os.PathLike):
+    """A log opened for reading text; OSError (ENOENT, or EINVAL for a FIFO, a device or a link to one)
+    unless it is a regular file: a FIFO would block and /dev/zero never end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return open(fd, "r", encoding="utf-8", errors="replace")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def error_blocks(path: str | os.PathLike, limit: int | None = None) -> list[ErrorBlock]:
@@ -170,9 +190,9 @@ def tail(path: str | os.PathLike, lines: int = 20) -> list[str]:
 def read_since(path: str | os.PathLike, offset: int) -> tuple[bytes, int]:
     """The bytes appended to `path` since `offset`, and the new offset; (b"", offset) when unreadable."""
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
+        with open_log(path) as f:
+            f.buffer.seek(offset)
+            data = f.buffer.read()
     except OSError:
         return b"", offset
     return data, offset + len(data)

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h3kit import manifest
+from h3kit import locks, manifest, testhooks
 from h3kit.errors import H3kitError
 from h3kit.patchfile import PatchFile, PatchFormatError, parse_patch, render_new_file_section, render_patch
 
@@ -89,7 +87,13 @@ class Series:
 
     @classmethod
     def load(cls, root: Path) -> "Series":
-        series_file = root / "patches" / "series"
+        return cls.load_dir(root / "patches", root)
+
+    @classmethod
+    def load_dir(cls, patches_dir: Path, root: Path | None = None) -> "Series":
+        """The series in `patches_dir` (its `series` file and the patches it lists)."""
+        root = root if root is not None else patches_dir.parent
+        series_file = patches_dir / "series"
         try:
             lines = series_file.read_text().splitlines()
         except OSError as e:
@@ -106,11 +110,13 @@ class Series:
             names.append(entry)
         patches = []
         for name in names:
-            path = root / "patches" / name
+            path = patches_dir / name
             if not path.is_file():
                 raise SeriesError(f"patches/series lists {name}, which does not exist")
             patches.append(parse_patch(path))
-        return cls(root, names, patches)
+        series = cls(root, names, patches)
+        series.patches_dir = patches_dir
+        return series
 
     def touched_files(self) -> list[str]:
         return sorted({p for patch in self.patches for p in patch.files})
@@ -126,22 +132,32 @@ class Series:
 # --- the scratch directory -------------------------------------------------------------------------
 
 class Scratch:
-    """A throwaway copy of the touched files, where `git apply` runs outside any repository."""
+    """A throwaway copy of the touched files, where `git apply` runs outside any repository.
+
+    It lives in h3kit's private temporary folder and is owned by this process (h3kit.locks.owned_tempdir):
+    one left by a killed run is removed by the next."""
+
+    SCRATCH_PREFIX = "h3kit-scratch-"
 
     def __init__(self, files: dict[str, bytes | None]):
-        self.dir = Path(tempfile.mkdtemp(prefix="h3kit-scratch-"))
+        self._owner = locks.owned_tempdir(locks.scratch_parent(), self.SCRATCH_PREFIX)
+        self.dir = self._owner.__enter__()
         self.paths = sorted(files)
-        for rel, data in files.items():
-            if data is not None:
-                dest = self.dir / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(data)
+        try:
+            for rel, data in files.items():
+                if data is not None:
+                    dest = self.dir / rel
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(data)
+        except BaseException:
+            self._owner.__exit__(None, None, None)
+            raise
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self._owner.__exit__(None, None, None)
 
     def git_apply(self, patch: PatchFile, *, reverse=False, check=False) -> subprocess.CompletedProcess:
         args = ["git", "apply", "--whitespace=nowarn"]
@@ -278,8 +294,10 @@ def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[st
                 tmp = dest.with_name(f".{dest.name}.h3kit-tmp")
                 tmp.write_bytes(data)
                 os.chmod(tmp, mode)
+                testhooks.point("tmp-written")
                 os.replace(tmp, dest)
             done.append(rel)
+            testhooks.point("file-written")
     except BaseException as e:
         not_restored = []
         for rel in done:

@@ -2,7 +2,9 @@
 
 Safety rules, in the order the code applies them:
 - A process is ours only when its pid, its start time (psutil create_time) and its command line all match
-  the record written when h3kit spawned it. A bare pid is never enough: pids are recycled.
+  the record written when h3kit spawned it, and the caller's owner check (for the server: its main.py is
+  the tree's, its executable the interpreter h3kit launched) accepts it. A bare pid is never enough: pids
+  are recycled, and a record on disk can be edited.
 - Nothing is signalled on HTTP evidence alone, and nothing that fails the identity check is signalled at all.
 - The server runs as the leader of its own session and process group (pgid == pid), so one signal reaches
   the children it spawned; the SIGKILL phase re-checks each process before signalling it.
@@ -116,14 +118,18 @@ def server_args(cmdline) -> list[str]:
     return cmd
 
 
-def verify(pid: int, create_time: float, cmdline) -> Verdict:
-    """Is `pid` still the process that was recorded with this start time and command line?"""
+def verify(pid: int, create_time: float, cmdline, owner=None) -> Verdict:
+    """Is `pid` still the process that was recorded with this start time and command line?
+
+    `owner(psutil.Process)`, when given, returns why the process is not the program the caller started (or
+    None): a process it rejects is not ours even when pid, start time and command line match."""
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
             now_ct = proc.create_time()
             now_cmd = proc.cmdline()
             zombie = proc.status() == psutil.STATUS_ZOMBIE
+            why_not = owner(proc) if owner is not None and not zombie else None
     except psutil.NoSuchProcess:
         return Verdict(GONE, f"process {pid} has exited")
     except (psutil.ZombieProcess, psutil.AccessDenied) as e:
@@ -140,6 +146,8 @@ def verify(pid: int, create_time: float, cmdline) -> Verdict:
     if zombie:
         _reap(pid)
         return Verdict(GONE, f"process {pid} has exited")
+    if why_not:
+        return Verdict(RECYCLED, f"pid {pid} is not the server h3kit started: {why_not}", describe(pid))
     return Verdict(ALIVE, f"process {pid} is running")
 
 
@@ -172,7 +180,11 @@ def terminate_group(identity: Identity, grace: float, kill_wait: float = 5.0) ->
     """
     t0 = time.monotonic()
     result = Teardown(identity.pid)
-    leader = psutil.Process(identity.pid)
+    try:
+        leader = psutil.Process(identity.pid)
+    except psutil.NoSuchProcess:  # it exited between the caller's check and now: nothing left to stop
+        result.seconds = time.monotonic() - t0
+        return result
     try:
         members = [leader] + leader.children(recursive=True)
     except PSUTIL_GONE:

@@ -1,7 +1,9 @@
 """Check the interpreter that will run ComfyUI: its version and its torch / torch-npu pairing.
 
-Versions are read from package metadata in a subprocess, never by importing torch: with torch-npu installed
-and no CANN, `import torch` itself fails, and that is one of the things this check must report cleanly.
+Versions are read from package metadata in a subprocess (envprobe.py), never by importing torch: with
+torch-npu installed and no CANN, `import torch` itself fails, and that is one of the things this check must
+report cleanly. What torch was built for comes from its own files (torch/version.py, lib/libtorch_cuda*.so):
+the default x86_64 wheel on PyPI is a CUDA build whose version carries no "+cu" tag.
 """
 
 from __future__ import annotations
@@ -10,23 +12,11 @@ import json
 import re
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from h3kit.errors import H3kitError
 
-_PROBE = r"""
-import json, sys
-import importlib.metadata as md
-def v(*names):
-    for n in names:
-        try:
-            return md.version(n)
-        except md.PackageNotFoundError:
-            pass
-    return None
-print(json.dumps({"python": list(sys.version_info[:3]), "executable": sys.executable,
-                  "torch": v("torch"), "torch_npu": v("torch-npu", "torch_npu"),
-                  "torchaudio": v("torchaudio"), "torchvision": v("torchvision")}))
-"""
+PROBE = Path(__file__).with_name("envprobe.py")  # run by the interpreter being checked
 
 
 class PythonEnvError(H3kitError):
@@ -46,7 +36,7 @@ class EnvReport:
 
 def probe(python: str) -> dict:
     try:
-        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([python, str(PROBE)], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PythonEnvError(f"cannot run {python}: {e}", hint="give --python the interpreter that runs ComfyUI") from None
     if proc.returncode != 0:
@@ -58,6 +48,21 @@ def probe(python: str) -> dict:
 def _base(version: str) -> tuple[int, ...]:
     """'2.14.0.post2' -> (2, 14, 0); '2.14.1+cu130' -> (2, 14, 1)."""
     return tuple(int(x) for x in re.match(r"^(\d+(?:\.\d+)*)", version).group(1).split(".")[:3])
+
+
+def gpu_build(version: str, build: dict | None) -> str | None:
+    """"CUDA 12.8 build (...)" when torch was built for CUDA or ROCm, judged by what it is (torch/version.py,
+    the shipped libtorch_cuda / libtorch_hip libraries) and by its local version tag; None for a CPU build."""
+    build = build or {}
+    evidence = [f"torch.version.{k} = {build[k]}" for k in ("cuda", "hip") if build.get(k)]
+    evidence += [f"{lib} present" for lib in build.get("libs", [])[:2]]
+    local = version.split("+", 1)[1] if "+" in version else ""
+    if local.startswith(("cu", "rocm")):
+        evidence.append(f"version tag +{local}")
+    if not evidence:
+        return None
+    kind = f"ROCm {build['hip']}" if build.get("hip") else f"CUDA {build.get('cuda') or local}"
+    return f"{kind} build ({', '.join(evidence)})"
 
 
 def _vt(text: str) -> tuple[int, ...]:
@@ -82,10 +87,11 @@ def evaluate(python: str, info: dict, spec: dict) -> EnvReport:
         if torch is None:
             report.errors.append(f"torch-npu {npu} is installed without torch")
         else:
-            local = torch.split("+", 1)[1] if "+" in torch else ""
-            if local.startswith("cu") or local.startswith("rocm"):
-                report.errors.append(f"torch {torch} is a {local} build; torch-npu {npu} needs the CPU/aarch64 "
-                                     "build of the same version")
+            build = gpu_build(torch, info.get("torch_build"))
+            if build:
+                report.errors.append(f"torch {torch} is a {build}; torch-npu {npu} needs the CPU build of the same "
+                                     f"version (pip install 'torch=={'.'.join(map(str, _base(torch)))}' --index-url "
+                                     "https://download.pytorch.org/whl/cpu into " + python + ")")
             if _base(npu) != _base(torch):
                 want = ".".join(map(str, _base(npu)))
                 report.errors.append(f"torch-npu {npu} needs torch {want}.*, but torch {torch} is installed "

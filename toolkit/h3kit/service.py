@@ -12,8 +12,14 @@ other device; on the other hosts of a group the record names the host's agent in
 runtime keeps `ranks.json` (every rank's pid, start time, device, alive, joined) beside the record.
 
 The record names the process by pid, start time and command line; every command re-checks all three
-(h3kit.proc.verify) before it trusts the pid, and a record that fails the check is "stale": reported,
-cleaned up by `stop` and `start`, and never acted on. After a failed start, or once the server has died, the
+(h3kit.proc.verify), and that the process is the ComfyUI server of this tree (its main.py is the tree's,
+its interpreter the one h3kit launched), before it trusts the pid. A record that fails the check is
+"stale": reported, cleaned up by `stop` and `start`, and never acted on. Every field of a record is
+validated when it is read (read_record): a record that is not what h3kit writes is `bad_record`, and
+nothing is signalled on its word.
+
+Locks: the tree lock of the ComfyUI home (h3kit.locks) first, then service.lock of the runtime root; every
+command that starts or stops the server takes both in that order. After a failed start, or once the server has died, the
 record stays behind naming the dead process, so `status` can show the last log's first error and `restart`
 can start the same settings again.
 
@@ -25,11 +31,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import fcntl
 import ipaddress
 import json
+import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -37,8 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from h3kit import comfyargs, group, health, locks, logscan, proc
 from h3kit import devices as h3devices
-from h3kit import group, health, logscan, proc
 from h3kit.errors import H3kitError, UsageError
 
 DEFAULT_PORT = 8189
@@ -57,9 +66,6 @@ RECORD_NAME = "server.json"
 LOCK_NAME = "service.lock"
 LOG_DIR = "logs"
 LATEST = "latest"
-
-# Arguments h3kit sets itself; passing them again after `--` would make the record lie.
-RESERVED_ARGS = ("--listen", "--port")
 
 Progress = Callable[[str], None]
 
@@ -90,6 +96,10 @@ class NotStarted(ServiceError):
 
 class LockBusy(ServiceError):
     code = "lock_busy"
+
+
+class BadRecord(ServiceError):
+    code = "bad_record"
 
 
 def _noop(_msg: str) -> None:
@@ -151,7 +161,8 @@ class Record:
                                    self.master_port, self.join_timeout)
 
     def verify(self) -> proc.Verdict:
-        return proc.verify(self.pid, self.create_time, self.cmdline)
+        return proc.verify(self.pid, self.create_time, self.cmdline,
+                           owner=server_owner(self.comfy_home, self.python, self.cmdline))
 
     def identity(self) -> proc.Identity:
         return proc.Identity(self.pid, self.create_time, tuple(self.cmdline))
@@ -162,16 +173,201 @@ class Record:
                          extra_args=list(self.extra_args), group=self.group)
 
 
-def read_record(root: Path) -> Record | None:
+def server_owner(comfy_home: str, python: str, cmdline: list[str]):
+    """The check that a live process is the ComfyUI server of `comfy_home` that h3kit launched (its main.py is
+    the tree's, resolved against the process's own working folder), or, on another host of a process group,
+    the group's agent h3kit launched from that tree (h3kit.group.module_owner), and that its executable is
+    the recorded interpreter (for a wrapper script, which execs Python, the executable the record's command
+    line names). Returns the reason it is not, or None."""
+    main = os.path.realpath(os.path.join(comfy_home, "main.py"))
+    wrapper = _is_script(python)
+    allowed = {os.path.realpath(shutil.which(cmdline[0]) or cmdline[0])} if wrapper else {os.path.realpath(python)}
+    agent = group.module_owner(comfy_home, group.AGENT_MODULE) if group.runs_module(cmdline, group.AGENT_MODULE) else None
+
+    def check(p) -> str | None:
+        cmd = p.cmdline()
+        if agent is not None:
+            why = agent(p)
+            if why:
+                return why
+        else:
+            arg = next((a for a in cmd if os.path.basename(a) == "main.py"), None)
+            if arg is None:
+                return "it runs no main.py"
+            where = os.path.realpath(os.path.join(p.cwd(), arg))
+            if where != main:
+                return f"it runs {where}, not {main}"
+        exe = os.path.realpath(p.exe())
+        if exe not in allowed:
+            return f"its interpreter is {exe}, not the one h3kit launched ({python})"
+        return None
+
+    return check
+
+
+def _is_script(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
+
+
+# The fields of server.json and how each is checked; `_cross_check` then ties them together. A new field
+# (the worker processes of a multi-process runtime, say) is one entry here and one field of Record.
+MAX_STR = 4096
+
+
+def _int_range(lo: int, hi: int):
+    def check(v, ctx):
+        if type(v) is not int or not lo <= v <= hi:
+            raise ValueError(f"must be an integer from {lo} to {hi}")
+        return v
+    return check
+
+
+def _time(v, ctx):
+    if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
+        raise ValueError("must be a positive number of seconds")
+    return float(v)
+
+
+def _text(v, ctx):
+    if not isinstance(v, str) or len(v) > MAX_STR or "\0" in v:
+        raise ValueError(f"must be a string under {MAX_STR} characters")
+    return v
+
+
+def _abs_path(v, ctx):
+    if not _text(v, ctx) or not os.path.isabs(v):
+        raise ValueError("must be an absolute path")
+    return v
+
+
+def _str_list(v, ctx):
+    if not isinstance(v, list) or len(v) > comfyargs.MAX_ARGS + 16:
+        raise ValueError("must be a list of strings")
+    return [_text(x, ctx) for x in v]
+
+
+def _cmdline(v, ctx):
+    v = _str_list(v, ctx)
+    if not any(os.path.basename(a) == "main.py" for a in v) and not group.runs_module(v, group.AGENT_MODULE):
+        raise ValueError(f"runs neither main.py nor the group agent ({group.AGENT_MODULE})")
+    return v
+
+
+def _transport(v, ctx):
+    if v not in group.TRANSPORTS:
+        raise ValueError(f"must be one of {', '.join(group.TRANSPORTS)}")
+    return v
+
+
+def _listen(v, ctx):
+    try:
+        return str(ipaddress.ip_address(_text(v, ctx)))
+    except ValueError:
+        raise ValueError("must be one IP address") from None
+
+
+def _device_type(v, ctx):
+    if v not in h3devices.DEVICE_TYPES:
+        raise ValueError(f"must be one of {', '.join(h3devices.DEVICE_TYPES)}")
+    return v
+
+
+def _devices(v, ctx):
+    try:
+        return h3devices.check_device_ids(v)
+    except UsageError as e:
+        raise ValueError(e.message) from None
+
+
+def _log(v, ctx):
+    path = Path(_abs_path(v, ctx))
+    logs = (ctx["root"] / LOG_DIR).resolve()
+    if path.parent.resolve() != logs or not path.name.startswith("comfyui-"):
+        raise ValueError(f"must be a log under {logs}")
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO or a link to /dev/zero
+        raise ValueError("is not a regular file")
+    return v
+
+
+RECORD_FIELDS = {
+    # name: (check, required)
+    "pid": (_int_range(2, 2 ** 22), True),        # never 0, 1 or negative: kill(0) would hit our own group
+    "create_time": (_time, True),
+    "cmdline": (_cmdline, True),
+    "port": (_int_range(1, 65535), True),
+    "listen": (_listen, True),
+    "device_type": (_device_type, True),
+    "devices": (_devices, True),
+    "python": (_abs_path, True),
+    "comfy_home": (_abs_path, True),
+    "log": (_log, True),
+    "extra_args": (_str_list, False),
+    "started_at": (_text, False),
+    # the process group (h3kit.group): absent in a one-process server's record
+    "transport": (_transport, False),
+    "nnodes": (_int_range(1, 64), False),
+    "node_rank": (_int_range(0, 63), False),
+    "master_addr": (_listen, False),
+    "master_port": (_int_range(0, 65535), False),
+    "join_timeout": (_time, False),
+}
+
+
+def _cross_check(rec: Record, comfy_home: str | None) -> None:
+    if comfy_home and os.path.realpath(rec.comfy_home) != os.path.realpath(comfy_home):
+        raise ValueError(f"it names another ComfyUI tree ({rec.comfy_home})")
+    if rec.node_rank >= rec.nnodes or (rec.nnodes > 1 and rec.transport != "process"):
+        raise ValueError(f"node {rec.node_rank} of {rec.nnodes} with the {rec.transport} transport is not a group")
+    spec = rec.spec()
+    if spec.group.is_agent:
+        expected = group.agent_argv(rec.python)[1:]  # an agent runs no main.py: all but the interpreter
+        if rec.cmdline[1:] != expected:
+            raise ValueError(f"its command line is not the group agent's ({' '.join(expected)})")
+    elif proc.server_args(rec.cmdline) != server_argv(rec.python, spec)[2:]:  # from main.py on
+        raise ValueError("its command line does not match its port, address, device type and extra arguments")
+    try:
+        comfyargs.check(Path(rec.comfy_home), rec.extra_args, _own_args(spec), rec.device_type)
+    except UsageError as e:
+        raise ValueError(f"extra_args: {e.message}") from None
+
+
+def read_record(root: Path, comfy_home: str | os.PathLike | None = None) -> Record | None:
+    """The record under `root`, every field validated; None when there is none. Raises BadRecord for
+    anything h3kit would not have written (nothing is signalled on the word of such a record)."""
     path = record_path(root)
     try:
+        if path.is_file() and path.stat().st_size > 1 << 20:
+            raise ValueError("it is larger than any record h3kit writes")
         data = json.loads(path.read_text())
-        return Record(**{k: data[k] for k in Record.__dataclass_fields__ if k in data})
+        if not isinstance(data, dict):
+            raise ValueError("it is not a JSON object")
+        unknown = sorted(set(data) - set(RECORD_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)[:200]}")
+        ctx = {"root": root}
+        values = {}
+        for name, (check, required) in RECORD_FIELDS.items():
+            if name not in data:
+                if required:
+                    raise ValueError(f"{name} is missing")
+                continue
+            try:
+                values[name] = check(data[name], ctx)
+            except ValueError as e:
+                raise ValueError(f"{name} {e}") from None
+        rec = Record(**values)
+        _cross_check(rec, str(comfy_home) if comfy_home else None)
+        return rec
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError, KeyError) as e:
-        raise ServiceError(f"{path} is not a valid server record ({e})", code="bad_record",
-                           hint="nothing was signalled; if no server runs, delete the file") from None
+    except (OSError, ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError
+        raise BadRecord(f"{path} is not a valid server record: {e}",
+                        hint="nothing was signalled; if no server runs, delete the file (then h3kit start)"
+                        ) from None
 
 
 def write_record(root: Path, rec: Record) -> None:
@@ -186,29 +382,47 @@ def remove_record(root: Path) -> None:
         record_path(root).unlink()
 
 
+def _not_writable(root: Path, e: OSError) -> ServiceError:
+    why = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
+           errno.EPERM: "permission denied", errno.ENOTDIR: "a part of the path is a file",
+           errno.ENOSPC: "no space left on the device"}.get(e.errno, e.strerror or str(e))
+    return ServiceError(f"cannot write the runtime root {root}: {why}", code="runtime_root_not_writable",
+                        hint="h3kit keeps the server's record, lock and logs there: choose a folder you can "
+                             "write to (--runtime-root or H3KIT_RUNTIME_ROOT); nothing was started or signalled")
+
+
 @contextlib.contextmanager
-def service_lock(root: Path, wait: float = LOCK_WAIT):
-    """Hold `<root>/service.lock` while starting or stopping; another holder makes this wait, then fail."""
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                    raise LockBusy(f"another h3kit command (pid {holder}) is starting or stopping the server "
-                                   f"under {root}", hint="wait for it to finish, then run this again") from None
-                time.sleep(0.1)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
+def service_lock(root: Path, wait: float = LOCK_WAIT, *, home: str | os.PathLike | None = None,
+                 progress: Progress | None = None):
+    """Hold the tree lock of `home` (when given), then `<root>/service.lock`, while starting or stopping;
+    another holder makes this wait, then fail naming it."""
+    # the tree lock is created only in a ComfyUI tree: a record naming another folder must not litter it
+    tree = Path(home) if home else None
+    with (locks.tree_lock(tree, create=(tree / "main.py").is_file(), progress=progress) if tree
+          else contextlib.nullcontext()):
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _not_writable(root, e) from None
+        try:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                        raise LockBusy(f"another h3kit command (pid {holder}) is starting or stopping the "
+                                       f"server under {root}", hint="wait for it to finish, then run this again"
+                                       ) from None
+                    time.sleep(0.1)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
 
 
 # ---------------------------------------------------------------------------------------------- start
@@ -260,13 +474,12 @@ def is_public(listen: str) -> bool:
     return not ipaddress.ip_address(listen).is_loopback
 
 
-def validate_extra_args(extra: list[str]) -> list[str]:
-    for arg in extra:
-        name = arg.split("=", 1)[0]
-        if name in RESERVED_ARGS:
-            raise UsageError(f"{name} after -- would override h3kit's own setting", code="bad_extra_args",
-                             hint=f"use h3kit's {name} option instead")
-    return list(extra)
+def _own_args(spec: "StartSpec") -> list[str]:
+    """The arguments h3kit itself gives main.py, before the extra ones."""
+    own = ["--listen", spec.listen, "--port", str(spec.port)]
+    if spec.device_type == "cpu" and "--cpu" not in spec.extra_args:
+        own.append("--cpu")
+    return own
 
 
 def resolve_python(comfy_home: Path, python: str | None) -> str:
@@ -289,7 +502,7 @@ def resolve_python(comfy_home: Path, python: str | None) -> str:
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise UsageError(f"the Python interpreter {python} (from {source}) is not an executable file",
                          code="bad_python", hint="pass --python with the interpreter that runs ComfyUI")
-    return str(path)
+    return os.path.abspath(path)  # the server runs in the tree: a relative path would name another file
 
 
 def child_environment(device_type: str, devices: list[int], base: dict | None = None) -> dict:
@@ -307,10 +520,7 @@ def child_environment(device_type: str, devices: list[int], base: dict | None = 
 def server_argv(python: str, spec: StartSpec) -> list[str]:
     if spec.group.is_agent:
         return group.agent_argv(python)
-    argv = [python, "-B", "main.py", "--listen", spec.listen, "--port", str(spec.port)]
-    if spec.device_type == "cpu" and "--cpu" not in spec.extra_args:
-        argv.append("--cpu")
-    return argv + list(spec.extra_args)
+    return [python, "-B", "main.py", *_own_args(spec), *spec.extra_args]
 
 
 def _new_log(root: Path, header: str) -> Path:
@@ -373,20 +583,28 @@ def start(root: Path, spec: StartSpec, *, timeout: float = DEFAULT_START_TIMEOUT
     Raises PortInUse when anything else holds the port, StartFailed when the child exits or the deadline
     passes (the child is stopped first; the log's last lines are in the error's details).
     """
-    spec = validated(spec)  # before the lock creates anything under the runtime root
-    with service_lock(root):
+    spec = validated(spec)  # before the locks create anything under the runtime root
+    with service_lock(root, home=spec.comfy_home, progress=progress):
         return start_locked(root, spec, timeout=timeout, progress=progress)
 
 
 def validated(spec: StartSpec) -> StartSpec:
-    """The spec with its tree, address, interpreter and extra arguments checked (UsageError otherwise)."""
+    """The spec with its tree, devices, address, port, interpreter and extra arguments checked as `start`
+    checks a command line (UsageError otherwise): restart and watch start from a record with the same
+    checks."""
     home = Path(spec.comfy_home).expanduser().resolve()
     if not (home / "main.py").is_file():
         raise UsageError(f"{home} is not a ComfyUI tree (no main.py)", code="no_comfy_tree",
                          hint="pass the --comfy-home that h3kit install created")
-    return StartSpec(comfy_home=str(home), devices=list(spec.devices), device_type=spec.device_type,
-                     port=spec.port, listen=validate_listen(spec.listen), python=resolve_python(home, spec.python),
-                     extra_args=validate_extra_args(spec.extra_args), group=spec.group)
+    if spec.device_type not in h3devices.DEVICE_TYPES:
+        raise UsageError(f"unknown device type {spec.device_type!r}", hint="use npu, cuda or cpu")
+    if type(spec.port) is not int or not 1 <= spec.port <= 65535:
+        raise UsageError(f"port {spec.port!r} is not a port number (1-65535)", code="bad_port")
+    out = StartSpec(comfy_home=str(home), devices=h3devices.check_device_ids(spec.devices),
+                    device_type=spec.device_type, port=spec.port, listen=validate_listen(spec.listen),
+                    python=resolve_python(home, spec.python), extra_args=list(spec.extra_args), group=spec.group)
+    out.extra_args = comfyargs.check(home, out.extra_args, _own_args(out), out.device_type)
+    return out
 
 
 def _settings(spec_or_record) -> dict:
@@ -471,11 +689,9 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
 
     expected = None if spec.device_type == "cpu" else len(spec.devices)
     try:
-        got = _wait_healthy(child, rec, expected, t0, timeout, progress, root)
-        final = proc.identify(child.pid).cmdline  # a wrapper interpreter has exec'd Python by now
-        if final and list(final) != rec.cmdline:
-            rec.cmdline = list(final)
-            write_record(root, rec)
+        got = _wait_healthy(child, rec, expected, t0, timeout, progress, root,
+                            on_poll=lambda: _follow_exec(root, rec))
+        _follow_exec(root, rec)
     except BaseException as e:
         # A failed (or interrupted) start leaves no server behind; the record stays, naming the dead
         # process, so `status` shows why and `restart` can try the same settings again. The child is
@@ -491,16 +707,31 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
     return StartResult(rec, False, time.monotonic() - t0, got.devices, stale=stale)
 
 
+def _follow_exec(root: Path, rec: Record) -> None:
+    """A wrapper interpreter execs Python: record the command line it now runs, so that the identity check
+    (which compares the executable too) recognises the server from the moment of the exec."""
+    try:
+        now = list(proc.identify(rec.pid).cmdline)
+    except proc.PSUTIL_GONE:
+        return
+    if now and now != rec.cmdline and proc.server_args(now) == proc.server_args(rec.cmdline):
+        rec.cmdline = now
+        write_record(root, rec)
+
+
 def _wait_healthy(child: subprocess.Popen, rec: Record, expected: int | None, t0: float, timeout: float,
-                  progress: Progress, root: Path) -> health.Health:
+                  progress: Progress, root: Path, on_poll: Callable[[], None] = lambda: None) -> health.Health:
     interval = _poll_interval()
     next_note = t0 + PROGRESS_EVERY
     last = health.Health(False, "not polled yet")
     while True:
         rc = child.poll()
         if rc is not None:
-            raise StartFailed(f"the server exited with code {rc} before it was healthy",
+            blk = logscan.first_error(rec.log)
+            why = f": {blk.summary}" if blk else ""
+            raise StartFailed(f"the server exited with code {rc} before it was healthy{why}",
                               code="server_exited", hint=f"read the log: {rec.log}")
+        on_poll()
         # a refused connection returns at once; the timeout only matters for a server that is busy
         last = check(rec, root, expected, timeout=2.0)
         if last.ok:
@@ -537,7 +768,7 @@ def check(rec: Record, root: Path, expected: int | None = None, timeout: float =
         got = health.check_health(rec.url, expected, timeout=timeout)
         if not got.ok or not rec.group.is_process:
             return got
-    ok, why = group.ready(group.ranks_view(root, rec.pid, rec.node_rank), rec.node_rank)
+    ok, why = group.ready(group.ranks_view(root, rec.pid, rec.node_rank, rec.comfy_home), rec.node_rank)
     return got if ok else health.Health(False, f"group: {why}", got.stats)
 
 
@@ -553,15 +784,19 @@ class StopResult:
     note: str = ""
 
 
-def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop) -> StopResult:
+def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop,
+         comfy_home: str | os.PathLike | None = None) -> StopResult:
     """Stop the recorded server if it is still the process h3kit started; return when its port is free.
 
     No record: nothing to do. A stale record (the process exited, or its pid now names another process)
     is removed and nothing is signalled. Raises StopFailed, keeping the record, when a process survives
     SIGKILL; raises StopFailed when the port stays busy after the process has gone.
     """
-    with service_lock(root):
-        rec = read_record(root)
+    rec = read_record(root, comfy_home)
+    if rec is None:
+        return StopResult(False, note="no server recorded; nothing to stop")
+    with service_lock(root, home=rec.comfy_home, progress=progress):
+        rec = read_record(root, comfy_home)  # again, under the locks: another command may have acted
         if rec is None:
             return StopResult(False, note="no server recorded; nothing to stop")
         return stop_locked(root, rec, grace=grace, progress=progress)
@@ -610,16 +845,18 @@ class RestartResult:
 
 
 def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
-            timeout: float = DEFAULT_START_TIMEOUT, progress: Progress = _noop) -> RestartResult:
+            timeout: float = DEFAULT_START_TIMEOUT, progress: Progress = _noop,
+            comfy_home: str | os.PathLike | None = None) -> RestartResult:
     """Stop the recorded server (if still running) and start it again with the recorded settings.
 
     Refuses with QueueBusy while GET /queue shows running or pending prompts, unless `force`. Works when
     the server has already died: the record's settings are used and nothing is signalled.
     """
     t_all = time.monotonic()
-    rec = read_record(root)
+    rec = read_record(root, comfy_home)
     if rec is None:
         raise NotStarted(f"no server record under {root}", hint="start it once with h3kit start")
+    validated(rec.spec())  # the settings are checked as start checks them before anything is stopped
     phases: dict[str, float] = {}
     t0 = time.monotonic()
     alive = rec.verify().alive
@@ -637,8 +874,8 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
     previous_error = blk.to_dict() if blk else None
     phases["check"] = time.monotonic() - t0
 
-    with service_lock(root):
-        current = read_record(root)
+    with service_lock(root, home=rec.comfy_home, progress=progress):
+        current = read_record(root, comfy_home)
         if current is None or current.pid != rec.pid:
             raise ServiceError("the server record changed while restarting (another h3kit command ran)",
                                code="record_changed", hint="check h3kit status, then retry")
@@ -661,9 +898,9 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
 # ---------------------------------------------------------------------------------------------- status
 
 
-def status(root: Path, *, timeout: float = 3.0) -> dict:
+def status(root: Path, *, timeout: float = 3.0, comfy_home: str | os.PathLike | None = None) -> dict:
     """What runs, as a JSON-ready dict; `running` is about the process, not the record file."""
-    rec = read_record(root)
+    rec = read_record(root, comfy_home)
     out: dict = {"running": False, "healthy": False, "runtime_root": str(root), "record": rec is not None}
     if rec is not None:
         verdict = rec.verify()
@@ -672,7 +909,7 @@ def status(root: Path, *, timeout: float = 3.0) -> dict:
                    python=rec.python, comfy_home=rec.comfy_home, extra_args=rec.extra_args,
                    transport=rec.transport)
         if rec.group.is_process:
-            out["group"] = {**rec.group.as_dict(), **group.ranks_view(root, rec.pid, rec.node_rank)}
+            out["group"] = {**rec.group.as_dict(), **group.ranks_view(root, rec.pid, rec.node_rank, rec.comfy_home)}
         if verdict.alive:
             out["uptime_s"] = round(time.time() - rec.create_time, 1)
             got = check(rec, root, timeout=timeout)

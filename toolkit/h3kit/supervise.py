@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import health, logscan, service
+from h3kit import health, locks, logscan, service
 from h3kit.errors import H3kitError
 
 
@@ -118,12 +118,13 @@ class _OomWatch:
 
 
 def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] = lambda e: None,
-          clock: Callable[[], float] = time.monotonic) -> WatchOutcome:
+          clock: Callable[[], float] = time.monotonic, comfy_home: str | None = None) -> WatchOutcome:
     """Run the supervision loop until the record disappears, `max_seconds` pass or Ctrl-C/SIGTERM.
 
-    Raises NotStarted when there is no record to watch, CrashLoop when the restart limit is hit.
+    Raises NotStarted when there is no record to watch, CrashLoop when the restart limit is hit, BadRecord
+    when the record is not one h3kit wrote (or, with `comfy_home`, names another tree).
     """
-    rec = service.read_record(root)
+    rec = service.read_record(root, comfy_home)
     if rec is None:
         raise service.NotStarted(f"nothing to watch: no server record under {root}",
                                  hint="start the server with h3kit start first")
@@ -160,7 +161,7 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
             if time_left() <= 0:
                 outcome.reason, outcome.message = "time_limit", f"stopped watching after {policy.max_seconds:g} s"
                 return outcome
-            rec = service.read_record(root)
+            rec = service.read_record(root, comfy_home)
             if rec is None:
                 outcome.reason = "stopped"
                 outcome.message = "the server record is gone (h3kit stop ran): nothing left to watch"
@@ -245,31 +246,39 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
 
 
 def _restart_once(root: Path, rec: service.Record, policy: WatchPolicy, emit) -> service.Record | None:
-    """Stop (if needed) and start again under the lock. Returns the record now in force, or None."""
-    with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30)):
-        cur = service.read_record(root)
-        if cur is None:
-            return None
-        alive = cur.verify().alive
-        if cur.pid != rec.pid and alive:
-            emit("adopted", f"pid {cur.pid} was started meanwhile by another command")
-            return cur
-        try:
-            if alive:
-                service.stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
-            res = service.start_locked(root, cur.spec(), timeout=policy.start_timeout,
-                                        progress=lambda m: None, replacing=cur.pid)
-        except H3kitError as e:
-            emit("start_failed", f"restart failed: {e.message}")
-            return service.read_record(root) or cur
-        emit("started", f"pid {res.record.pid} healthy after {res.seconds:.1f} s", pid=res.record.pid)
-        return res.record
+    """Stop (if needed) and start again under the locks. Returns the record now in force, or None."""
+    try:
+        with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30), home=rec.comfy_home):
+            return _restart_locked(root, rec, policy, emit)
+    except (locks.TreeBusy, service.LockBusy) as e:  # an install or a start holds the tree: try again later
+        emit("busy", f"not restarting now: {e.message}")
+        return rec
+
+
+def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit) -> service.Record | None:
+    cur = service.read_record(root)
+    if cur is None:
+        return None
+    alive = cur.verify().alive
+    if cur.pid != rec.pid and alive:
+        emit("adopted", f"pid {cur.pid} was started meanwhile by another command")
+        return cur
+    try:
+        if alive:
+            service.stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
+        res = service.start_locked(root, cur.spec(), timeout=policy.start_timeout,
+                                    progress=lambda m: None, replacing=cur.pid)
+    except H3kitError as e:
+        emit("start_failed", f"restart failed: {e.message}")
+        return service.read_record(root) or cur
+    emit("started", f"pid {res.record.pid} healthy after {res.seconds:.1f} s", pid=res.record.pid)
+    return res.record
 
 
 def _crash_loop(root: Path, rec: service.Record, problem: str, count: int, policy: WatchPolicy, emit
                 ) -> CrashLoop:
     stopped = ""
-    with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30)):
+    with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30), home=rec.comfy_home):
         cur = service.read_record(root)
         if cur is not None and cur.verify().alive:
             # a server that keeps failing its health checks still holds the devices: release them

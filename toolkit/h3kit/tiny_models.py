@@ -8,7 +8,9 @@ Runs inside the ComfyUI interpreter with the ComfyUI tree on sys.path (it import
   dimensions in the "config" metadata entry, which h3-checkpoint-declared-dimensions.patch adds. The text
   encoder keeps all 50 layers (upstream detects the H3 encoder by its layer 49) at width 16.
 
-Everything is fp32 so that multi-device runs can be compared with one device at the fp32 gates.
+Everything is fp32 so that multi-device runs can be compared with one device at the fp32 gates, except
+dit_int8: the same DiT with its transformer blocks' linears quantized as the published H3 INT8 DiTs are
+(int8_tensorwise with ConvRot), by the pin's own TensorWiseINT8Layout.
 """
 
 from __future__ import annotations
@@ -62,6 +64,46 @@ def dit_state_dict(seed: int = 0, dims: dict | None = None, rope_base: float = 1
     n = sd["rope.inv_freq"].shape[0]
     sd["rope.inv_freq"] = 1.0 / (rope_base ** (torch.arange(n, dtype=torch.float32) / n))
     return sd
+
+
+# The published H3 INT8 DiTs (minimax_h3_*_int8_convrot) store the transformer blocks' linears as int8_tensorwise
+# with ConvRot; the tiny INT8 DiT quantizes those four linears of every block and of the text refiner's blocks,
+# the layers that hold nearly all the weights, and keeps the fp32 islands and the adaLN path in float.
+INT8_LAYERS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+# ConvRot rotates K in Hadamard groups (a power of 4): 64 fits the tiny widths (64 and 128); the published use 256
+INT8_CONVROT_GROUPSIZE = 64
+
+
+def int8_state_dict(sd: dict, convrot_groupsize: int = INT8_CONVROT_GROUPSIZE, layers=INT8_LAYERS) -> dict:
+    """`sd` with the blocks' `layers` quantized as the pin stores INT8 weights and loads them back.
+
+    Per layer, as upstream's MixedPrecisionOps.Linear.state_dict() writes it: `weight` (int8 [N, K], ConvRot-
+    rotated), `weight_scale` (float32 [N, 1], per output channel) and `comfy_quant` (the JSON
+    {"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": G} as uint8 bytes), made by the pin's
+    TensorWiseINT8Layout (comfy-kitchen). comfy.utils.detect_layer_quantization finds the comfy_quant entries
+    and the loader builds the model with mixed_precision_ops.
+    """
+    import torch
+
+    import comfy.quant_ops
+
+    conf = json.dumps({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": convrot_groupsize})
+    out = {}
+    for key, value in sd.items():
+        layer = key[:-len(".weight")] if key.endswith(".weight") else ""
+        if "blocks." in layer and layer.endswith(tuple(layers)):
+            qt = comfy.quant_ops.QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True,
+                                                            convrot=True, convrot_groupsize=convrot_groupsize)
+            out.update(qt.state_dict(key))
+            out[f"{layer}.comfy_quant"] = torch.tensor(list(conf.encode("utf-8")), dtype=torch.uint8)
+        else:
+            out[key] = value
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def dit_int8_state_dict(seed: int = 0, dims: dict | None = None, rope_base: float = 10000.0) -> dict:
+    """dit_state_dict(seed, dims, rope_base) with its block linears quantized (int8_state_dict)."""
+    return int8_state_dict(dit_state_dict(seed, dims, rope_base))
 
 
 def _randomize(module, seed: int, keep=()) -> dict:
@@ -120,6 +162,7 @@ def audio_vae_state_dict(seed: int = 0, dims: dict | None = None) -> dict:
 # component: (state dict builder, the metadata key its loader reads, default dims)
 COMPONENTS = {
     "dit": (dit_state_dict, "transformer", TINY_DIT),
+    "dit_int8": (dit_int8_state_dict, "transformer", TINY_DIT),
     "te": (te_state_dict, "minimax_h3_text_encoder", TINY_TE),
     "video_vae": (video_vae_state_dict, "minimax_h3_video_vae", TINY_VIDEO_VAE),
     "audio_vae": (audio_vae_state_dict, "minimax_h3_audio_vae", TINY_AUDIO_VAE),
@@ -132,12 +175,13 @@ def write(component: str, path: str, seed: int = 0, dims: dict | None = None) ->
     import safetensors.torch
 
     build, key, dims0 = COMPONENTS[component]
-    if dims and component == "dit":
+    dit = component in ("dit", "dit_int8")
+    if dims and dit:
         raise ValueError("the DiT loader reads its dimensions from the weights: use dit_state_dict(dims=...)")
     dims = dict(dims0, **(dims or {}))
     sd = build(seed, dims)
     config = {"minimax_h3_text_encoder": {"qwen3vl_32b_model_config": dims}} if component == "te" else {key: dims}
-    metadata = {"config": json.dumps(config) if component != "dit" else json.dumps({}),
+    metadata = {"config": json.dumps(config) if not dit else json.dumps({}),
                 "h3kit_tiny": json.dumps({"component": component, "seed": seed})}
     safetensors.torch.save_file(sd, path, metadata=metadata)
     return sum(v.numel() * v.element_size() for v in sd.values())

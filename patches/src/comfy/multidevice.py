@@ -5,9 +5,11 @@ NPU arms of set_torch_device, synchronize, current_stream and the device context
 answers the multi-device ones: which kind of device the process computes on, which devices rank 0..N-1
 use, and how many devices a CPU-only host simulates.
 
-CPU simulation: with --cpu, the environment variable H3KIT_SIM_DEVICES (a count, "4", which
-`h3kit start --device-type cpu` sets) makes the process report that many "cpu" devices, so every multi-device path runs
-(threads, collectives, the MultiNPUParallelConfig checks) on a host without an accelerator.
+Simulation: the environment variable H3KIT_SIM_DEVICES (a count, "4") makes the process report that
+many devices of its kind. With --cpu (`h3kit start --device-type cpu` sets it) they are "cpu" devices,
+so every multi-device path runs (threads, collectives, the MultiNPUParallelConfig checks) on a host
+without an accelerator. On CUDA or NPU they are the process's one device repeated: N ranks share one
+card, so the same paths run with the accelerator's real kernels and streams (parity on a one-GPU host).
 """
 
 from __future__ import annotations
@@ -47,14 +49,26 @@ def sim_device_count(environ=None) -> int:
     return 1
 
 
+_sim_logged = set()
+
+
 def get_devices() -> list[torch.device]:
     """Every device this process can put a rank on, in index order.
 
     NPU and CUDA: the devices torch sees (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES already
-    applied). CPU: one "cpu" entry per simulated device, at least one.
+    applied), or with H3KIT_SIM_DEVICES=N the process's device N times. CPU: one "cpu" entry per
+    simulated device, at least one.
     """
+    sim = sim_device_count()
     if device_kind() == "cpu":
-        return [torch.device("cpu")] * max(1, sim_device_count())
+        return [torch.device("cpu")] * max(1, sim)
+    if sim:
+        device = comfy.model_management.get_torch_device()
+        if (device, sim) not in _sim_logged:
+            _sim_logged.add((device, sim))
+            logging.warning(f"MultiDevice: {SIM_DEVICES_ENV}={sim}: {sim} ranks share {device} (a simulation; "
+                            f"unset {SIM_DEVICES_ENV} to use every visible device)")
+        return [device] * sim
     return comfy.model_management.get_all_torch_devices()
 
 
@@ -64,7 +78,7 @@ def devices_for(primary: torch.device, count: int) -> list[torch.device]:
     devices = get_devices()
     if len(devices) < count:
         return None
-    if primary.type == "cpu":
+    if primary.type == "cpu" or sim_device_count():
         return devices[:count]
     others = [d for d in devices if d != primary]
     return ([primary] + others)[:count]
@@ -75,10 +89,12 @@ def describe_devices(devices=None) -> str:
     devices = get_devices() if devices is None else devices
     kind = devices[0].type if devices else device_kind()
     noun = "device" if len(devices) == 1 else "devices"
+    sim = sim_device_count()
     if kind == "cpu":
-        sim = sim_device_count()
         how = f"{SIM_DEVICES_ENV}={os.environ.get(SIM_DEVICES_ENV)}" if sim else f"{SIM_DEVICES_ENV} unset"
         return f"{len(devices)} simulated cpu {noun} ({how})"
+    if sim:
+        return f"{len(devices)} simulated {kind} {noun} on {devices[0]} ({SIM_DEVICES_ENV}={sim})"
     return f"{len(devices)} {kind} {noun} ({', '.join(str(d) for d in devices)})"
 
 

@@ -60,9 +60,9 @@ class _HostCopy:
                 continue
             if not isinstance(current, torch.nn.Parameter):
                 module._buffers[name] = host
-            elif torch._has_compatible_shallow_copy_type(current, host):
+            elif not _is_quantized(current) and torch._has_compatible_shallow_copy_type(current, host):
                 current.data = host
-            else:  # what Module._apply itself does for such a pair (a meta or backend tensor type)
+            else:  # what Module._apply itself does for such a pair (a meta, backend or quantized tensor)
                 module._parameters[name] = torch.nn.Parameter(host, requires_grad=current.requires_grad)
 
 
@@ -79,7 +79,7 @@ def _moves_to(fn, host: torch.Tensor) -> bool:
             return False
     except (NotImplementedError, RuntimeError):
         pass
-    target = fn(host.new_empty((0,)))
+    target = fn(torch.empty(0, dtype=host.dtype, device=host.device))
     return target.device == host.device and target.dtype == host.dtype
 
 
@@ -94,20 +94,45 @@ def _is_plain(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
+def _is_quantized(t) -> bool:
+    """A comfy-kitchen QuantizedTensor (INT8, FP8 ... weights): its data lives in t._qdata, its scales in t._params."""
+    return hasattr(t, "_qdata") and hasattr(t, "_layout_cls") and hasattr(t, "_params")
+
+
+def _host_handle(t):
+    """What an anchor keeps for a host tensor: a view of a plain one; for a quantized one a tensor of its class
+    over the same int8 data and scales (detach() would clone the scales)."""
+    return type(t)(t._qdata, t._layout_cls, t._params) if _is_quantized(t) else t.detach()
+
+
+def _data(t) -> torch.Tensor:
+    return t._qdata if _is_quantized(t) else t
+
+
+def _nbytes(t) -> int:
+    if _is_quantized(t):
+        scale = getattr(t._params, "scale", None)
+        return t._qdata.numel() * t._qdata.element_size() + (scale.numel() * scale.element_size() if scale is not None else 0)
+    return t.numel() * t.element_size()
+
+
 def anchor_host_copy(module: torch.nn.Module) -> int:
     """Make the host tensors `module` holds now the ones its moves back to the host return to.
 
-    Every submodule with parameters or buffers on the host (cpu) gets an anchor per tensor; tensors on
-    a device, and quantized tensor subclasses, are left to upstream's path. Anchoring again replaces the
-    anchors (a tensor-parallel shard anchors its slices). Returns the bytes anchored.
+    Every submodule with parameters or buffers on the host (cpu) gets an anchor per tensor, quantized
+    weights (comfy-kitchen's QuantizedTensor: an INT8 checkpoint's linears) included: their int8 data comes
+    back to the anchor; upstream's _quantized_apply re-wraps them on every move, which copies only the
+    per-channel scales (1/K of the weight). Tensors on a device and other tensor subclasses are left to
+    upstream's path. Anchoring again replaces the anchors (a tensor-parallel shard anchors its slices).
+    Returns the bytes anchored.
     """
     total = 0
     for m in module.modules():
         tensors = {}
         for name, t in itertools.chain(m._parameters.items(), m._buffers.items()):
-            if t is not None and _is_plain(t) and t.device.type == "cpu":
-                tensors[name] = t.detach()
-                total += t.numel() * t.element_size()
+            if t is not None and (_is_plain(t) or _is_quantized(t)) and t.device.type == "cpu":
+                tensors[name] = _host_handle(t)
+                total += _nbytes(t)
         if tensors:
             m.__dict__[ANCHOR_ATTR] = _HostCopy(tensors)
             m.__dict__["_apply"] = types.MethodType(_anchored_apply, m)
@@ -127,7 +152,7 @@ def host_storages(module: torch.nn.Module) -> set:
     for m in module.modules():
         anchors = m.__dict__.get(ANCHOR_ATTR)
         if anchors is not None:
-            out.update(t.untyped_storage().data_ptr() for t in anchors.tensors.values())
+            out.update(_data(t).untyped_storage().data_ptr() for t in anchors.tensors.values())
     return out
 
 

@@ -31,15 +31,19 @@ def _log(msg: str) -> None:
 @click.option("--port", type=click.IntRange(1, 65535), default=service.DEFAULT_PORT, show_default=True)
 @click.option("--timeout", type=click.FloatRange(min=1), default=PROMPT_TIMEOUT, show_default=True,
               help="Seconds one prompt may take.")
+@click.option("--weights", type=click.Choice(["float", "int8"]), default="float", show_default=True,
+              help="int8: the tiny DiT with its block linears in INT8 (ConvRot, as the published H3 INT8 files), "
+                   "run on the NPU INT8 arm (its reference kernels on cpu).")
 @json_option
 @handle_errors
-def demo(comfy_home, device_type, npu_count, transport, keep_running, source, python, port, timeout, as_json):
+def demo(comfy_home, device_type, npu_count, transport, keep_running, source, python, port, timeout, weights, as_json):
     """Run a real H3 prompt with tiny weights through the patched server.
 
     Installs if needed, writes four tiny H3 checkpoints (h3kit_tiny_*), starts the service on N devices,
     checks the shipped demo workflow, submits it, follows it, and prints where the video (with its audio
     track) was written and the time of each stage. With N > 1 the same prompt runs with npu_count 1 and the
-    largest latent difference must stay within the DiT parity gate (max_rel 1e-5), else exit 1.
+    largest latent difference must stay within the DiT parity gate (max_rel 1e-5), else exit 1. With
+    --weights int8 the DiT is the INT8 one, and the server log must show the NPU INT8 arm ran.
     """
     from pathlib import Path
 
@@ -47,14 +51,15 @@ def demo(comfy_home, device_type, npu_count, transport, keep_running, source, py
 
     opts = DemoOptions(comfy_home=Path(comfy_home), device_type=device_type, npu_count=int(npu_count),
                        keep_running=keep_running, source=source, python=python, port=port, timeout=timeout,
-                       transport=transport)
+                       transport=transport, weights=weights)
     report = run_demo(opts, log=_log if not as_json else (lambda m: None))
     if as_json:
         emit_json(report)
         return
     click.echo(f"h3kit demo: {report['npu_count']} {report['device_type']} device(s) "
                f"{'(simulated) ' if report['device_type'] == 'cpu' and report['transport'] == 'threads' else ''}"
-               f"({report['transport']} transport) at {report['comfy_home']}")
+               f"({report['transport']} transport) at {report['comfy_home']}"
+               + (", INT8 DiT" if report["weights"] == "int8" else ""))
     for s in report["stages"]:
         click.echo(f"  {s['stage']:15s} {s['seconds']:7.2f} s  {s['detail']}")
     v = report["video"]
@@ -70,7 +75,7 @@ def demo(comfy_home, device_type, npu_count, transport, keep_running, source, py
 @click.command()
 @click.argument("workflow", type=click.Path(exists=True, dir_okay=False))
 @comfy_home_option(required=False)
-@click.option("--runtime-root", metavar="DIR", type=click.Path(file_okay=False),
+@click.option("--runtime-root", metavar="DIR", type=click.Path(),
               help="Where the service record is (default <comfy-home>/.h3kit/run).")
 @click.option("--runs", type=click.IntRange(1, 100), default=3, show_default=True)
 @click.option("--switch", "switch", type=click.Path(exists=True, dir_okay=False), metavar="WORKFLOW2",

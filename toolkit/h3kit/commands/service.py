@@ -13,10 +13,10 @@ import click
 
 from h3kit import devices as h3devices
 from h3kit import group, logscan, service, supervise
-from h3kit.cliutil import sigterm_as_interrupt, comfy_home_option, emit_json, err, handle_errors, json_option
+from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
 
 runtime_root_option = click.option(
-    "--runtime-root", metavar="DIR", envvar=service.RUNTIME_ROOT_ENV, type=click.Path(file_okay=False),
+    "--runtime-root", metavar="DIR", envvar=service.RUNTIME_ROOT_ENV, type=click.Path(),
     help=f"Where the record, lock and logs live (env {service.RUNTIME_ROOT_ENV}; "
          "default <comfy-home>/.h3kit/run).")
 grace_option = click.option("--grace", type=click.FloatRange(min=0), default=service.DEFAULT_GRACE,
@@ -118,7 +118,7 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
                 err(f"  | {line}")
         raise
     rec = res.record
-    ranks = group.ranks_view(root, rec.pid, rec.node_rank)["ranks"] if rec.group.is_process else []
+    ranks = group.ranks_view(root, rec.pid, rec.node_rank, rec.comfy_home)["ranks"] if rec.group.is_process else []
     if as_json:
         emit_json({"ok": True, "already_running": res.already_running, "pid": rec.pid, "url": rec.url,
                    "port": rec.port, "device_type": rec.device_type, "devices": res.devices, "health": res.health,
@@ -150,7 +150,7 @@ def stop(comfy_home, runtime_root, grace, as_json):
     removed without signalling anything.
     """
     root = service.runtime_root(comfy_home, runtime_root)
-    res = service.stop(root, grace=grace, progress=_progress)
+    res = service.stop(root, grace=grace, progress=_progress, comfy_home=comfy_home)
     if as_json:
         emit_json({"ok": True, "stopped": res.stopped, "pid": res.pid, "signals": res.signals,
                    "seconds": round(res.seconds, 2), "note": res.note})
@@ -175,7 +175,8 @@ def restart(comfy_home, runtime_root, force, grace, timeout, as_json):
     stops the server (if it still runs), waits for the port, starts it again and waits until healthy.
     """
     root = service.runtime_root(comfy_home, runtime_root)
-    res = service.restart(root, force=force, grace=grace, timeout=timeout, progress=_progress)
+    res = service.restart(root, force=force, grace=grace, timeout=timeout, progress=_progress,
+                          comfy_home=comfy_home)
     phases = {k: round(v, 2) for k, v in res.phases.items()}
     if as_json:
         emit_json({"ok": True, "previous_pid": res.previous_pid, "was_running": res.was_running,
@@ -204,7 +205,7 @@ def status(comfy_home, runtime_root, as_json):
     Exits 0 when the recorded process runs, 1 when it does not.
     """
     root = service.runtime_root(comfy_home, runtime_root)
-    st = service.status(root)
+    st = service.status(root, comfy_home=comfy_home)
     if as_json:
         emit_json(st)
     else:
@@ -250,12 +251,17 @@ def _status_lines(st: dict) -> list[str]:
 def logs(comfy_home, runtime_root, follow, errors, lines):
     """Print or follow the server log."""
     root = service.runtime_root(comfy_home, runtime_root)
-    rec = service.read_record(root)
+    rec = service.read_record(root, comfy_home)
     path = Path(rec.log) if rec else service.latest_log(root)
     if not path.exists():
         raise service.ServiceError(f"no server log under {root}", code="no_log",
                                    hint="start the server with h3kit start")
     path = path.resolve()
+    try:
+        logscan.open_log(path).close()
+    except OSError as e:
+        raise service.ServiceError(f"cannot read the server log {path}: {e.strerror or e}", code="bad_log",
+                                   hint="h3kit's logs are regular files under <runtime-root>/logs") from None
     if not follow:
         if errors:
             blocks = logscan.error_blocks(path)
@@ -263,14 +269,14 @@ def logs(comfy_home, runtime_root, follow, errors, lines):
                 for line in _error_lines(blk.to_dict(), "error", max_lines=logscan.ErrorScanner.MAX_BLOCK_LINES):
                     click.echo(line)
             return
-        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        with logscan.open_log(path) as f:
+            text = f.read().splitlines()
         for line in text[-lines:] if lines else text:
             click.echo(line)
         return
-    sigterm_as_interrupt()
     try:
         _follow(root, path, errors, lines)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: following ends, as asked
         pass
 
 
@@ -286,10 +292,11 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
                 for line in _error_lines(blk.to_dict(), "error"):
                     click.echo(line)
 
-    existing = path.read_text(encoding="utf-8", errors="replace")
+    with logscan.open_log(path) as f:
+        existing = f.read()
     start = existing.splitlines()
     show("\n".join(start[-lines:] if lines else start))
-    f = open(path, "r", encoding="utf-8", errors="replace")
+    f = logscan.open_log(path)
     f.seek(0, 2)
     partial = ""
     try:
@@ -303,9 +310,14 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
             else:
                 newest = service.latest_log(root)
                 if newest.exists() and newest.resolve() != path:
+                    try:
+                        nf = logscan.open_log(newest.resolve())
+                    except OSError:  # not a regular file: not a log h3kit wrote, keep following this one
+                        time.sleep(0.2)
+                        continue
                     path = newest.resolve()
                     f.close()
-                    f = open(path, "r", encoding="utf-8", errors="replace")
+                    f = nf
                     partial = ""
                     click.echo(f"==> {path} (new server log) <==")
                     scanner = logscan.ErrorScanner(merge_oom=False)
@@ -351,8 +363,7 @@ def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, cr
                                    backoff_max=backoff_max, crash_limit=crash_limit, crash_window=crash_window,
                                    stable_after=stable_after, grace=grace, start_timeout=timeout,
                                    max_seconds=max_seconds)
-    sigterm_as_interrupt()
-    outcome = supervise.watch(root, policy,
+    outcome = supervise.watch(root, policy, comfy_home=comfy_home,
                               on_event=lambda e: err(f"h3kit watch: {e['time']} {e['event']}: {e['message']}"))
     if as_json:
         emit_json({"ok": True, "reason": outcome.reason, "message": outcome.message,

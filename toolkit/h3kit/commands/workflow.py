@@ -15,7 +15,7 @@ from h3kit.cliutil import comfy_home_option, emit_json, handle_errors, json_opti
               help="Devices the service exposes, as for `h3kit start` (e.g. 0,1,2,3). Default: "
                    "ASCEND_RT_VISIBLE_DEVICES, else the running service of --comfy-home.")
 @comfy_home_option(required=False)
-@click.option("--runtime-root", metavar="DIR", type=click.Path(file_okay=False),
+@click.option("--runtime-root", metavar="DIR", type=click.Path(),
               help="Where the service record is (default <comfy-home>/.h3kit/run).")
 @json_option
 @handle_errors

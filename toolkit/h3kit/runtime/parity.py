@@ -4,32 +4,42 @@ The worker (parity_worker.py, beside this module) builds a tiny random-weight mo
 tree's own code, runs it on one device and through the MultiNPUParallelConfig node on N, and writes
 one row per case (dit: layout and attention mode; te: layout and split; vae: latent length) with
 max_abs, max_rel, cos, rel_rms, the bytes moved and (te, vae) how often the weight file was read. This
-module finds the interpreter, starts the worker in its own session with a deadline (killing only that
-session on expiry), and turns its failures into H3kitErrors.
+module finds the interpreter, starts the worker (h3kit.runtime.worker: its own session, a deadline,
+only that session killed on expiry), and turns its failures into H3kitErrors. With transport "process" the
+worker is rank 0 of a process group of N processes (comfy.multinpu_process), started and ended in that
+session.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import tempfile
 from pathlib import Path
 
 from h3kit import service
 from h3kit.errors import H3kitError, UsageError
+from h3kit.runtime import worker
 
 WORKER = Path(__file__).with_name("parity_worker.py")
 COMPONENTS = ("dit", "te", "vae")
-GATES = {"dit": "max_rel <= 1e-05 (fp32)",
-         "te": "cos >= 0.99999 and rel_rms <= 1e-04 (fp32), identical on every rank, weight_reads == 1",
+GATES = {"dit": "max_rel <= 1e-05 (fp32) or 3e-02 (bf16) on each output (video, audio) of each forward, every rank "
+                "ran every forward and data moved, a LoRA applied exactly once on every rank",
+         "dit/int8": "max_rel <= 1e-05 (fp32 compute; 2e-02 in bf16) on each output of each forward, every rank ran "
+                     "every forward and data moved, and the NPU INT8 arm's W8A8 and W8A16 calls on both sides",
+         "te": "max_rel <= 1e-05, cos >= 0.99999 and rel_rms <= 1e-04 (fp32 and bf16 checkpoints: upstream computes "
+               "the text encoder in fp32), identical on every rank, weight_reads == 1",
          "vae": "max_abs == 0, weight_reads == 1"}
+# --inject-fault NAME per component (the first is the default); parity_worker.FAULTS describes each
+FAULTS = {"dit": ("shard", "rope", "heads", "noise", "lora-twice", "lora-missing"),
+          "te": ("reduce",), "vae": ("chunks",)}
 DEFAULT_TIMEOUT = 900.0
 PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
-                 "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py")
-PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_group.py", "comfy/multinpu_worker.py", "comfy/multinpu_models.py")
+                 "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py", "comfy/npu_quant.py")
+WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block linears in INT8 (ConvRot)
+PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_group.py", "comfy/multinpu_worker.py",
+                 "comfy/multinpu_models.py")
 TRANSPORTS = ("threads", "process")
+# with processes a LoRA that differs on a worker stops the run at the handshake (ConfigMismatch, before any
+# forward): there is no device copy in rank 0's process to break
+PROCESS_UNREACHABLE = ("lora-twice", "lora-missing")
 
 
 class ParityFailed(H3kitError):
@@ -48,70 +58,63 @@ def check_tree(comfy_home: Path, transport: str = "threads") -> None:
                          code="not_patched", hint=f"run h3kit install --comfy-home {home}")
 
 
-def run(comfy_home, component: str, device_type: str, npu_count: int, *, python: str = None,
-        inject_fault: bool = False, timeout: float = DEFAULT_TIMEOUT, extra_args=(), transport: str = "threads") -> dict:
-    """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows.
-
-    transport "process": the worker becomes rank 0 of a process group of npu_count processes (gloo on cpu,
-    hccl on npu, nccl on cuda), started and ended inside the worker's own session."""
+def check_request(component: str, npu_count: int, fault: str = None, weights: str = "float",
+                  transport: str = "threads") -> None:
+    """Refuse, with the fix, a parity run that could not mean anything (UsageError, exit 2)."""
     if component not in COMPONENTS:
         raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
     if transport not in TRANSPORTS:
         raise UsageError(f"unknown transport {transport!r}", hint=f"use one of {', '.join(TRANSPORTS)}")
+    if transport == "process" and fault in PROCESS_UNREACHABLE:
+        raise UsageError(f"--inject-fault {fault} breaks a device copy in rank 0's process, which the process "
+                         "transport does not have (a worker whose LoRA differs fails the digest check before any "
+                         "forward, tests/test_multinpu_process.py)", code="fault_not_applicable",
+                         hint=f"use --transport threads for {fault}, or another fault")
+    if transport == "process" and weights != "float":
+        raise UsageError(f"--weights {weights} runs with the thread transport only", code="bad_weights",
+                         hint="drop --transport process (its INT8 call counts are per process)")
+    if npu_count < 2:
+        raise UsageError(f"--npu-count {npu_count}: parity compares a run on several devices with one device; "
+                         "on one device it would compare a model with itself", code="meaningless_count",
+                         hint="use --npu-count 2 or 4, with that many devices visible")
+    if fault is not None and fault not in FAULTS[component]:
+        raise UsageError(f"--inject-fault {fault}: {component} has no such fault",
+                         hint=f"use one of {', '.join(FAULTS[component])}")
+    if weights not in WEIGHTS or (weights != "float" and component != "dit"):
+        raise UsageError(f"--weights {weights} applies to --component dit only", code="bad_weights",
+                         hint="run --weights int8 with --component dit")
+
+
+def gate(component: str, weights: str = "float") -> str:
+    return GATES.get(f"{component}/{weights}", GATES[component])
+
+
+def run(comfy_home, component: str, device_type: str, npu_count: int, *, python: str = None,
+        fault: str = None, timeout: float = DEFAULT_TIMEOUT, weights: str = "float", extra_args=(),
+        transport: str = "threads") -> dict:
+    """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows.
+
+    fault: one of FAULTS[component], injected on purpose (the gates must then fail), or None. transport
+    "process": the parallel side runs on npu_count processes (gloo on cpu, hccl on npu, nccl on cuda).
+    """
+    check_request(component, npu_count, fault, weights, transport)
+    if weights != "float":
+        extra_args = ("--weights", weights, *extra_args)
     home = Path(comfy_home).resolve()
     check_tree(home, transport)
     py = service.resolve_python(home, python)
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
-        out = Path(tmp) / "report.json"
-        log = Path(tmp) / "worker.log"
-        cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
-               "--npu-count", str(npu_count), "--transport", transport, "--out", str(out), *extra_args]
-        if inject_fault:
-            cmd.append("--inject-fault")
-        with open(log, "wb") as logf:
-            try:
-                proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
-            except OSError as e:
-                raise UsageError(f"cannot run {py}: {e}", code="bad_python",
-                                 hint="pass --python with the interpreter that runs ComfyUI") from e
-            try:
-                rc = proc.wait(timeout=timeout)
-            except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: the worker holds the devices
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # our own session: the worker and its rank threads
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-                if not isinstance(e, subprocess.TimeoutExpired):
-                    raise
-                raise H3kitError(f"the parity worker did not finish within {timeout:g} s and was killed",
-                                 code="parity_timeout", details={"log_tail": _tail(log)},
-                                 hint="a device or collective hung: run with a larger --timeout only if it was merely slow")
-        report = _read(out)
-        if report is None:
-            raise H3kitError(f"the parity worker exited with {rc} without a report", code="worker_failed",
-                             details={"log_tail": _tail(log)}, hint=f"read the log above; the interpreter was {py}")
-        error = report.get("error")
-        if error:
-            if error.get("code") == "device_check":
-                raise UsageError(error["message"], code="device_mismatch",
-                                 hint=f"run with exactly {npu_count} devices visible, as the server will "
-                                      "(ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or change --npu-count")
-            raise H3kitError(f"parity worker: {error.get('message')}", code=error.get("code", "worker_failed"),
-                             details={"log_tail": _tail(log)})
-        return report
+    cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
+           "--npu-count", str(npu_count), "--transport", transport, *extra_args]
+    if fault is not None:
+        cmd += ["--faults", fault]
+    report = worker.run(cmd, timeout=timeout, what="the parity worker", timeout_code="parity_timeout")
+    error = report.get("error")
+    if error:
+        if error.get("code") == "device_check":
+            raise UsageError(error["message"], code="device_mismatch",
+                             hint=f"run with exactly {npu_count} devices visible, as the server will "
+                                  "(ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or change --npu-count")
+        raise H3kitError(f"parity worker: {error.get('message')}", code=error.get("code", "worker_failed"),
+                         details={"log_tail": report["log_tail"]})
+    return report
 
-
-def _read(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _tail(path: Path, lines: int = 40) -> list:
-    try:
-        return path.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []

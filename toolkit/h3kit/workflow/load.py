@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 from h3kit.errors import UsageError
 
@@ -39,20 +40,46 @@ class Workflow:
 
 
 def read_workflow(path: str) -> Workflow:
+    return parse_workflow(read_capped(path, MAX_FILE_BYTES, "workflow"), path)
+
+
+def read_capped(path: str, limit: int, what: str) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; anything else raises WorkflowFileError.
+
+    Opened without blocking and checked on the open descriptor: a FIFO with no writer would block a plain
+    open forever, and /dev/zero or a growing file would be read until memory runs out."""
     try:
-        size = os.path.getsize(path)
-        if size > MAX_FILE_BYTES:
-            raise WorkflowFileError(f"{path}: {size} bytes is too large for a workflow",
-                                    hint=f"workflows are JSON documents under {MAX_FILE_BYTES // 2**20} MiB")
-        with open(path, "rb") as f:
-            raw = f.read()
-    except WorkflowFileError:
-        raise
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except IsADirectoryError:
-        raise WorkflowFileError(f"{path} is a directory", hint="pass workflow JSON files") from None
+        raise WorkflowFileError(f"{path} is a directory", hint=f"pass {what} JSON files") from None
     except OSError as e:
         raise WorkflowFileError(f"cannot read {path}: {e.strerror or e}", hint="check the path") from None
-    return parse_workflow(raw, path)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise WorkflowFileError(f"{path} is a directory", hint=f"pass {what} JSON files")
+        if not stat.S_ISREG(st.st_mode):
+            raise WorkflowFileError(f"{path} is not a regular file (a device, a pipe or a socket)",
+                                    hint=f"save the {what} to a file and pass that")
+        if st.st_size > limit:
+            raise WorkflowFileError(f"{path}: {st.st_size} bytes is too large for a {what}",
+                                    hint=f"{what}s are JSON documents under {limit // 2**20} MiB")
+        os.set_blocking(fd, True)
+        chunks, total = [], 0
+        while True:  # at most limit + 1 bytes, even if the file grows while it is read
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise WorkflowFileError(f"{path} grew past {limit // 2**20} MiB while it was read",
+                                        hint=f"{what}s are JSON documents under {limit // 2**20} MiB")
+        return b"".join(chunks)
+    except OSError as e:
+        raise WorkflowFileError(f"cannot read {path}: {e.strerror or e}", hint="check the path") from None
+    finally:
+        os.close(fd)
 
 
 def parse_workflow(raw: bytes | str, path: str = "<input>") -> Workflow:

@@ -111,20 +111,16 @@ class Install:
         for problem in self.problems:
             graph.add_finding("H3503", problem)
         self._check_types(graph)
-        for node in graph.nodes.values():
-            if node.id not in live:
+        for node, input_name, kind, name in model_references(graph, value, live):
+            if self.vae_exists(name) if kind == "vae" else self.find_model(kind, name):
                 continue
-            for input_name, kind in LOADER_INPUTS.get(node.class_type, ()):
-                name = value(graph, node, input_name)
-                if not isinstance(name, str) or not name:
-                    continue
-                found = self.vae_exists(name) if kind == "vae" else self.find_model(kind, name)
-                if found:
-                    continue
-                dirs = ", ".join(self._show(d) for d in self.model_dirs.get(kind, [])) or "(no folder)"
-                graph.add_finding("H3501", f"{node.class_type} {input_name} {name!r} is not in {dirs}: download "
-                                  f"it into models/{kind}/ (or a folder listed in "
-                                  "extra_model_paths.yaml), or pick a file that is there", node)
+            graph.add_finding("H3501", f"{node.class_type} {input_name} {name!r} is not in {self.folders(kind)}: "
+                              f"download it into models/{kind}/ (or a folder listed in "
+                              "extra_model_paths.yaml), or pick a file that is there", node)
+
+    def folders(self, kind: str) -> str:
+        """The folders searched for `kind`, relative to the tree where they are inside it."""
+        return ", ".join(self._show(d) for d in self.model_dirs.get(kind, [])) or "(no folder)"
 
     def _check_types(self, graph) -> None:
         if self.known_types is None:
@@ -146,6 +142,18 @@ class Install:
         except ValueError:
             return path
         return path if rel.startswith("..") else rel + "/"
+
+
+def model_references(graph, value, live=None):
+    """(node, input name, model kind, file name) for every loader input that names a model file statically
+    (only the nodes in `live` when given); `value` is h3kit.workflow.resolve.value."""
+    for node in graph.nodes.values():
+        if live is not None and node.id not in live:
+            continue
+        for input_name, kind in LOADER_INPUTS.get(node.class_type, ()):
+            name = value(graph, node, input_name)
+            if isinstance(name, str) and name:
+                yield node, input_name, kind, name
 
 
 def open_install(home: str, *, object_info: dict | None = None, service_args: list[str] | None = None) -> Install:

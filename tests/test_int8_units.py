@@ -1,0 +1,125 @@
+"""INT8 pieces that need no ComfyUI tree: the reference of the NPU kernels (patches/src/comfy/npu_quant.py,
+imported directly), the per-layer choice, and the demo's and parity's INT8 options."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from h3kit import demo
+from h3kit.errors import UsageError
+from h3kit.runtime import parity as parity_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def nq():
+    pytest.importorskip("torch", reason="needs torch (run with the ComfyUI environment)")
+    pytest.importorskip("comfy_kitchen", reason="needs comfy-kitchen (the pin's INT8 layouts)")
+    spec = importlib.util.spec_from_file_location("h3kit_src_npu_quant", ROOT / "patches/src/comfy/npu_quant.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dynamic_quant_rounds_half_to_even_per_token(nq):
+    import torch
+    # row max 127 gives scale 1.0 exactly, so x / scale keeps the ties: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -0.5 -> 0
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -127.0], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.bfloat16)
+    y, scale = nq.ReferenceOps.npu_dynamic_quant(x)
+    assert y.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (2,)
+    assert y[0].tolist() == [127, 0, 2, 2, 0, -2, -127]
+    assert scale.tolist() == [1.0, 0.0] and y[1].tolist() == [0] * 7, "a zero row quantizes to zeros"
+
+
+def test_the_kernels_refuse_what_the_npu_ops_refuse(nq):
+    import torch
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        nq.ReferenceOps.npu_dynamic_quant(torch.zeros(2, 4))  # fp32: aclnnDynamicQuant takes FLOAT16/BFLOAT16
+    x8 = torch.zeros(3, 4, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"\(1,\) or \(N,\)"):
+        nq.ReferenceOps.npu_quant_matmul(x8, torch.zeros(4, 5, dtype=torch.int8), torch.ones(3),
+                                         output_dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError):
+        nq.ReferenceOps.npu_quant_matmul(x8, torch.zeros(4, 5, dtype=torch.int8), torch.ones(5))  # int8 output
+    with pytest.raises(ValueError, match="dtype"):
+        nq.ReferenceOps.npu_weight_quant_batchmatmul(torch.zeros(3, 4, dtype=torch.bfloat16),
+                                                     torch.zeros(4, 5, dtype=torch.int8), torch.ones(5))
+
+
+def test_quant_matmul_is_int32_accumulation_then_one_rounding(nq):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randint(-128, 128, (6, 300), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (5, 300), dtype=torch.int8, generator=g)
+    scale, tok = torch.rand(5, generator=g), torch.rand(6, generator=g)
+    bias = torch.randn(5, generator=g)
+    out = nq.ReferenceOps.npu_quant_matmul(x1, w.t(), scale, pertoken_scale=tok, bias=bias, output_dtype=torch.bfloat16)
+    exact = (x1.double() @ w.double().t()) * scale.double() * tok.double().unsqueeze(-1) + bias.double()
+    assert out.dtype == torch.bfloat16
+    # one rounding to bf16 (8 significant bits): within half a bf16 ulp of the exact value, up to fp32's rounding
+    half_ulp = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 8)
+    assert ((out.double() - exact).abs() <= half_ulp * (1 + 1e-4)).all()
+
+
+def test_weight_quant_batchmatmul_dequantizes_in_x_dtype(nq):
+    import torch
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    w = torch.randint(-128, 128, (8, 64), dtype=torch.int8, generator=g)
+    s = (torch.rand(8, generator=g) / 100).to(torch.bfloat16)
+    out = nq.ReferenceOps.npu_weight_quant_batchmatmul(x, w.t(), s)
+    ref = x.double() @ (w.double() * s.double().unsqueeze(-1)).to(torch.bfloat16).double().t()
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref, rtol=2 ** -8, atol=0)
+
+
+def test_linear_mode(nq):
+    assert nq.linear_mode(9503, environ={}) == nq.W8A8
+    assert nq.linear_mode(3, environ={}) == nq.W8A16
+    assert nq.linear_mode(9503, "swiglu", convrot=True, environ={}) == nq.W8A8
+    assert nq.linear_mode(9503, "swiglu", convrot=False, environ={}) == nq.W8A16
+    assert nq.linear_mode(3, environ={nq.LINEAR_ENV: "W8A8"}) == nq.W8A8
+    assert nq.linear_mode(9503, environ={nq.LINEAR_ENV: "junk"}) == nq.W8A8
+
+
+def test_demo_int8_uses_the_int8_dit():
+    prompt = demo.demo_prompt(2, "t", "int8")
+    loader = next(n for n in prompt.values() if n["class_type"] == "UNETLoader")
+    assert loader["inputs"]["unet_name"] == "h3kit_tiny_dit_int8.safetensors"
+    assert set(demo.tiny_components("int8")) == {"dit_int8", "te", "video_vae", "audio_vae"}
+    assert demo.tiny_components("float") == demo.TINY
+    assert next(n for n in demo.demo_prompt(2, "t").values() if n["class_type"] == "UNETLoader")["inputs"][
+        "unet_name"] == "h3kit_tiny_dit.safetensors"
+
+
+def test_demo_int8_requires_the_arm_in_the_server_log(tmp_path):
+    log = tmp_path / "comfyui.log"
+    log.write_text("Starting server\nRequested to load MiniMaxH3\n")
+    with pytest.raises(demo.DemoFailed, match="not on the NPU INT8 arm") as e:
+        demo.int8_arm_line(str(log))
+    assert "npu-int8-linear.patch" in e.value.hint
+    log.write_text("x\n2026-12-01 INFO NPU INT8: int8 linears on cpu run on reference kernels (docs/int8.md)\n")
+    assert demo.int8_arm_line(str(log)) == "NPU INT8: int8 linears on cpu run on reference kernels (docs/int8.md)"
+
+
+def test_parity_weights_apply_to_the_dit_only():
+    parity_lib.check_request("dit", 2, None, "int8")
+    parity_lib.check_request("te", 2, None, "float")
+    with pytest.raises(UsageError, match="dit only"):
+        parity_lib.check_request("vae", 2, None, "int8")
+    assert "W8A8 and W8A16" in parity_lib.gate("dit", "int8") and parity_lib.gate("te", "int8") == parity_lib.GATES["te"]
+
+
+def test_the_call_rule_leaves_what_the_kernels_cannot_take_to_upstream(nq, monkeypatch):
+    import torch
+    monkeypatch.setenv(nq.MODE_ENV, "reference")
+    call = lambda k, n, scales: {"x": torch.zeros(2, k, dtype=torch.bfloat16),  # noqa: E731
+                                 "weight": torch.zeros(n, k, dtype=torch.int8), "weight_scale": torch.ones(scales)}
+    assert nq._applies(call(64, 8, 8)).success and nq._applies(call(64, 8, 1)).success
+    assert nq._applies(call(70000, 1, 1)).failed_param == "weight", "K above 65535"
+    assert nq._applies(call(64, 8, 3)).failed_param == "weight_scale"
+    monkeypatch.setenv(nq.MODE_ENV, "off")
+    assert nq._applies(call(64, 8, 8)).failed_param == "x"

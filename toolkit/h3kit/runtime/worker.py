@@ -1,0 +1,63 @@
+"""Run a script inside the ComfyUI interpreter and read the JSON report it writes (parity, calibrate).
+
+The worker runs in its own session with a deadline: on expiry, Ctrl-C or SIGTERM that session (the worker,
+its rank threads and any rank processes it spawned) is killed, and nothing else. Its output goes to a log
+whose tail is attached to every failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+from h3kit.errors import H3kitError, UsageError
+
+
+def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | None = None) -> dict:
+    """Run `cmd + ["--out", FILE]`; returns the JSON it wrote, with "log_tail" added.
+
+    Raises UsageError when the interpreter cannot be started, H3kitError with `timeout_code` when the
+    worker outlives `timeout`, and with "worker_failed" when it exits without a report. `what` names the
+    worker in messages ("the parity worker").
+    """
+    with tempfile.TemporaryDirectory(prefix="h3kit-worker-") as tmp:
+        out, log = Path(tmp) / "report.json", Path(tmp) / "worker.log"
+        with open(log, "wb") as logf:
+            try:
+                proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=logf, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+            except OSError as e:
+                raise UsageError(f"cannot run {cmd[0]}: {e}", code="bad_python",
+                                 hint="pass --python with the interpreter that runs ComfyUI") from e
+            try:
+                rc = proc.wait(timeout=timeout)
+            except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: the worker holds the devices
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # our own session only
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+                if not isinstance(e, subprocess.TimeoutExpired):
+                    raise
+                raise H3kitError(f"{what} did not finish within {timeout:g} s and was killed",
+                                 code=timeout_code,
+                                 details={"log_tail": tail(log)},
+                                 hint="a device or collective hung: run with a larger --timeout only if it was merely slow")
+        try:
+            report = json.loads(out.read_text())
+        except (OSError, ValueError):
+            raise H3kitError(f"{what} exited with {rc} without a report", code="worker_failed",
+                             details={"log_tail": tail(log)}, hint=f"read the log above; the interpreter was {cmd[0]}")
+        report["log_tail"] = tail(log)
+        return report
+
+
+def tail(path: Path, lines: int = 40) -> list:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
