@@ -1,8 +1,9 @@
 """The process transport in the real server: two "hosts" on 127.0.0.1, 2 + 2 ranks on cpu/gloo.
 
 Node 0 is `h3kit start --transport process --nnodes 2 --node-rank 0` (ComfyUI, rank 0, and its worker rank
-1) and node 1 `h3kit start --nnodes 2 --node-rank 1` from another runtime root (the agent, ranks 2 and 3),
-both on the patched tree with the demo's tiny H3 checkpoints. One group serves the tests below, in file
+1) and node 1 `h3kit start --nnodes 2 --node-rank 1` (the agent, ranks 2 and 3) from a second copy of the
+patched tree with its own runtime root, as another host would run it; node 0's tree holds the demo's tiny H3
+checkpoints, which node 1's workers load by the paths rank 0 names (the same paths on every host). One group serves the tests below, in file
 order: status lists every rank; an out-of-memory error on a worker reaches ComfyUI as an OOM and the next
 prompt runs; the whole H3 pipeline on the 4-rank group (DiT sequence parallel, text encoder tensor parallel,
 VAE decode) matches npu_count 1; a worker SIGKILLed mid-prompt fails that prompt at once naming its rank and
@@ -40,16 +41,17 @@ def h3kit(*args, env=None, timeout=BOOT + 60):
 
 
 class Group:
-    def __init__(self, home: Path, python: str, port: int, master_port: int, root1: Path):
+    def __init__(self, home: Path, python: str, port: int, master_port: int, home1: Path):
         self.home, self.python, self.port, self.master_port = home, python, port, master_port
-        self.root0, self.root1 = home / ".h3kit" / "run", root1
+        self.home1 = home1
+        self.root0, self.root1 = home / ".h3kit" / "run", home1 / ".h3kit" / "run"
         self.key = os.urandom(32).hex()
 
     def node_args(self, node: int):
-        args = ["--comfy-home", self.home, "--devices", "0,1", "--device-type", "cpu", "--transport", "process",
-                "--nnodes", 2, "--node-rank", node, "--master-port", self.master_port, "--python", self.python,
-                "--timeout", BOOT, "--join-timeout", BOOT, "--json"]
-        return args + (["--port", self.port] if node == 0 else ["--runtime-root", self.root1])
+        args = ["--comfy-home", self.home if node == 0 else self.home1, "--devices", "0,1", "--device-type", "cpu",
+                "--transport", "process", "--nnodes", 2, "--node-rank", node, "--master-port", self.master_port,
+                "--python", self.python, "--timeout", BOOT, "--join-timeout", BOOT, "--json"]
+        return args + (["--port", self.port] if node == 0 else [])
 
     def env(self, **extra):
         return dict(os.environ, H3KIT_GROUP_KEY=self.key, **extra)
@@ -61,10 +63,14 @@ class Group:
         return json.loads((self.root0 / "ranks.json").read_text())["ranks"]
 
     def status(self, node: int) -> dict:
-        root = self.root0 if node == 0 else self.root1
-        r = subprocess.run([sys.executable, "-m", "h3kit", "status", "--comfy-home", self.home, "--runtime-root",
-                            root, "--json"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "h3kit", "status", "--comfy-home",
+                            self.home if node == 0 else self.home1, "--json"], capture_output=True, text=True, timeout=60)
         return json.loads(r.stdout)
+
+    def stop(self, node: int):
+        return subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home",
+                               self.home if node == 0 else self.home1, "--json"], capture_output=True, text=True,
+                              timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +84,10 @@ def tree(installed_tree, comfy_python, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def group(tree, comfy_python):
-    home = tree
-    g = Group(home, comfy_python, free_port(8600, 8619), free_port(29500, 29599), home.parent / "node1-run")
+    home1 = tree.parent / "host1" / "ComfyUI"  # "another host": its own tree and runtime root
+    shutil.copytree(tree, home1, symlinks=True,  # not the checkpoints: its workers load node 0's by path
+                    ignore=lambda d, names: [n for n in names if n == ".git" or (d == str(tree) and n in ("models", "output"))])
+    g = Group(tree, comfy_python, free_port(8600, 8619), free_port(29500, 29599), home1)
     nodes = [h3kit("start", *g.node_args(0), env=g.env()),
              h3kit("start", *g.node_args(1), env=g.env(H3KIT_MULTINPU_FAULT="dit_forward:oom"))]
     try:
@@ -89,9 +97,8 @@ def group(tree, comfy_python):
         g.started = [json.loads(out) for out, _ in outs]
         yield g
     finally:
-        for node, root in ((1, g.root1), (0, g.root0)):
-            subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home", home, "--runtime-root", root],
-                           capture_output=True, timeout=60)
+        for node in (1, 0):
+            g.stop(node)
 
 
 def prompt(n: int, tag: str, steps: int = 3) -> dict:
@@ -232,9 +239,8 @@ def test_an_interrupted_prompt_is_followed_by_one_that_runs(group):
 def test_stop_leaves_no_process_behind(group):
     pids = [r["pid"] for r in group.ranks()] + [group.status(1)["pid"]]
     assert all(pid_running(p) for p in pids)
-    for root in (group.root1, group.root0):
-        r = subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home", group.home, "--runtime-root", root,
-                            "--json"], capture_output=True, text=True, timeout=60)
+    for node in (1, 0):
+        r = group.stop(node)
         assert r.returncode == 0 and json.loads(r.stdout)["stopped"], r.stderr
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if pid_running(p)], timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"

@@ -98,6 +98,11 @@ def _walk(h, obj):
         for k in sorted(obj, key=str):
             h.update(str(k).encode())
             _walk(h, obj[k])
+    elif isinstance(obj, (set, frozenset)):
+        # in a sorted order: a set's own order follows string hashing, which differs from process to process
+        h.update(f"{{{len(obj)}".encode())
+        for o in sorted(obj, key=repr):
+            _walk(h, o)
     elif hasattr(obj, "__dict__") and not callable(obj):
         h.update(type(obj).__qualname__.encode())
         _walk(h, vars(obj))
