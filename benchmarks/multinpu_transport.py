@@ -10,8 +10,8 @@ comfy.sd.load_diffusion_model, as a worker loads it) runs direct DiT forwards on
 N threads (apply_sequence_parallel with devices) and on N processes (a process group of N ranks, rank 0 this
 process, apply_sequence_parallel with the runtime), median of --repeats after a warm-up. Beside each: an
 empty command's round trip on the group (header in the store, closing barrier: the fixed cost a forward pays
-on top of its collectives), the bytes each rank received per forward against the cost model's busiest
-device, and max_rel against one device.
+on top of its collectives), the bytes each rank received per forward against the cost model's figure for
+that rank, and max_rel against one device.
 
 pss (--pss N): the host memory of the pipeline's weights (the ~1 GiB set of benchmarks/multinpu_host_memory.py:
 DiT, text encoder, video and audio VAEs, fp32) in one process with npu_count 1, against N processes with
@@ -20,7 +20,8 @@ npu_count N (every worker loading the same files, comfy.multinpu_models mapping 
 PSS of an idle worker before it loads anything (the interpreter, torch and ComfyUI modules).
 
 On the CPU simulation all ranks share the host's cores: the timings show the transport's overhead, not a
-speed-up. Numbers vary with the machine's load; run it on an idle host.
+speed-up. Each process rank gets cores / N intra-op threads (comfy.multinpu_group.cpu_threads, unless
+OMP_NUM_THREADS is set), as the N threads of the thread transport share one process's pool. Numbers vary with the machine's load; run it on an idle host.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def forward_part(args, tmp):
         rows.append({"npu_count": n, "transport": "process", "seconds_per_forward": sec, "max_rel": max_rel(out),
                      "bytes_per_forward": sum(wrapper.rank_bytes), "rank_bytes_per_forward": wrapper.rank_bytes,
                      "model_bytes_per_forward": model["total"] * 4,
-                     "model_busiest_device_per_forward": model["per_device_max"] * 4,
+                     "model_rank_bytes_per_forward": [x * 4 for x in model["per_device"]],
                      "empty_command_seconds": empty, "backend": runtime.spec.backend})
         mp.stop_runtime()
         comfy.model_management.unload_all_models()
@@ -263,14 +264,14 @@ def _print(report):
         print(f"H3 DiT small (hidden 512, 8x64 heads, 2 blocks), {f['geometry']}, S = {f['seq_len']}, {f['device_type']}, "
               f"median of {f['repeats']}")
         print(f"{'devices':>7} {'transport':>9} {'ms/forward':>11} {'empty cmd ms':>12} {'bytes/forward':>14} "
-              f"{'model':>10} {'busiest rank':>12} {'model':>10} {'max_rel':>9}")
+              f"{'model':>10} {'max_rel':>9}  bytes per rank (model)")
         for r in f["rows"]:
-            busiest = max(r["rank_bytes_per_forward"]) if "rank_bytes_per_forward" in r else None
+            ranks = (f"{r['rank_bytes_per_forward']} ({r['model_rank_bytes_per_forward']})"
+                     if "rank_bytes_per_forward" in r else "")
             print(f"{r['npu_count']:>7} {r['transport']:>9} {r['seconds_per_forward'] * 1e3:>11.2f} "
                   f"{format(r['empty_command_seconds'] * 1e3, '.2f') if 'empty_command_seconds' in r else '-':>12} "
                   f"{r.get('bytes_per_forward', '-'):>14} {r.get('model_bytes_per_forward', '-'):>10} "
-                  f"{busiest if busiest is not None else '-':>12} {r.get('model_busiest_device_per_forward', '-'):>10} "
-                  f"{r['max_rel']:>9.2e}")
+                  f"{r['max_rel']:>9.2e}  {ranks}")
     for arm in report.get("pss", []):
         print(f"pss, npu_count {arm['npu_count']}: weights {_mib(arm['weights_bytes'])} MiB; PSS per rank idle "
               f"{', '.join(_mib(p) for p in arm['pss_idle'])} MiB, after the pipeline "

@@ -426,6 +426,9 @@ class LocalWorkers:
         env[PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever rank 0 simulates
+        threads = cpu_threads(self.spec)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         if self.info[rank]["incarnation"]:
             env.pop(FAULT_ENV, None)
         return env
@@ -537,6 +540,16 @@ def destroy_group():
             torch.distributed.destroy_process_group()
         except Exception as e:
             logging.debug(f"MultiNPU: destroy_process_group: {e}")
+
+
+def cpu_threads(spec: GroupSpec):
+    """The intra-op threads of one rank on the CPU simulation: the host's cores divided among its local
+    ranks (torchrun's rule), so P processes do not each spin a full OpenMP team on the same cores. None
+    elsewhere (an accelerator's ranks compute on their device) or when OMP_NUM_THREADS is set."""
+    if spec.device_type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // spec.local_size)
 
 
 def set_hccl_timeout(spec: GroupSpec):

@@ -102,6 +102,7 @@ class GroupRuntime:
         self._local = None
         self._thread = None
         self._sock = None
+        self._threads = None           # torch's intra-op threads before start() took a share of the cores
         self.ctl = None
 
     # -- start and stop --
@@ -111,6 +112,10 @@ class GroupRuntime:
         if spec.device_type == "cpu" and group.is_loopback(spec.master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", group.loopback_interface())
         group.set_hccl_timeout(spec)
+        threads = group.cpu_threads(spec)
+        if threads is not None:  # rank 0 takes its share of the cores too (given back at shutdown)
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
         store, self._sock, self.port = group.host_store(spec.master_addr, spec.master_port, spec.timeout)
         spec.master_port = self.port  # the workers connect to the port the store got (0 asks for a free one)
         self._base = store
@@ -134,6 +139,9 @@ class GroupRuntime:
         if self._thread is not None:
             self._thread.join(5.0)
         self._write_ranks()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
     # -- the monitor --
 
