@@ -18,6 +18,7 @@ from h3kit.errors import DeviceListError, UsageError
 from h3kit.workflow import report
 from h3kit.workflow.checks import adapt_canvas, align_frame_count
 from tests.support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
+from tests.support import jsondoc
 
 API = load_data("api_t2va.json")
 NESTED = load_data("ui_nested_subgraphs.json")
@@ -403,7 +404,7 @@ def test_cli_json_document_and_exit_codes(tmp_path, runner):
     result = runner.invoke(main, ["check-workflow", "--json", "--devices", "0,1,2,3", str(tmp_path / "bad.json"),
                                   str(tmp_path / "good.json")])
     assert result.exit_code == 1
-    doc = json.loads(result.stdout)
+    doc = jsondoc.data(result.stdout, result.exit_code)
     assert {tuple(sorted(f)) for f in doc["findings"]} == {("code", "file", "message", "node", "path", "severity")}
     assert {(f["code"], f["severity"], f["node"]) for f in doc["findings"]} == {
         ("H3101", "error", "6"), ("H3203", "warning", "7")}

@@ -17,6 +17,7 @@ import pytest
 
 from h3kit.demo import PARITY_GATE, TINY, demo_prompt
 from tests.support.comfy_server import free_port
+from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 WROTE_ALL = "wrote audio_vae, dit, te, video_vae"
@@ -50,8 +51,8 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
               "--python", python, "--keep-running", "--json")
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        rep = json.loads(r.stdout)
-        assert rep["ok"] and [s["stage"] for s in rep["stages"]] == \
+        rep = jsondoc.data(r.stdout, r.returncode)
+        assert [s["stage"] for s in rep["stages"]] == \
             ["install", "checkpoints", "start", "check-workflow", "prompt", "parity"]
         assert all(s["seconds"] is not None for s in rep["stages"])
         assert rep["stages"][0]["detail"] == "already installed and verified"
@@ -78,7 +79,7 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
         shipped = Path(__file__).resolve().parents[1] / "workflows" / "api" / "demo_t2va_tiny.json"
         b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "3", "--switch", wf_b, "--json")
         assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
-        bench = json.loads(b.stdout)
+        bench = jsondoc.data(b.stdout, b.returncode)
         assert [(x["kind"], x["models_loaded"]) for x in bench["runs"]] == \
             [("cold", 4), ("switch", 1), ("warm", 0), ("switch", 0), ("warm", 0)]
         assert bench["summary"]["warm_models_loaded"] == 0 and bench["varied_inputs"] == ["8.noise_seed"]
@@ -88,11 +89,11 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
         assert bench["runs"][0]["device_loads"] > 0
 
         b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "1", "--no-cold", "--json")
-        assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in json.loads(b.stdout)["runs"]] == \
+        assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in jsondoc.data(b.stdout, b.returncode)["runs"]] == \
             [("warm", 0, 0)]  # same workflow again, no switch: nothing read, nothing moved
     finally:
         h3kit("stop", "--comfy-home", home)
-    assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
+    assert jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
 
 
 def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
@@ -102,7 +103,7 @@ def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
               "--keep-running", "--json")
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        rep = json.loads(r.stdout)
+        rep = jsondoc.data(r.stdout, r.returncode)
         assert [s["stage"] for s in rep["stages"]] == ["install", "checkpoints", "start", "check-workflow", "prompt"]
         assert rep["stages"][0]["detail"] == "already installed and verified"
         assert rep["stages"][1]["detail"] in ("all four present", WROTE_ALL)  # the two-device test may have run
@@ -118,15 +119,15 @@ def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
         time.sleep(2)
         r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
         assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-        err = json.loads(r.stdout)["error"]
+        err = jsondoc.error(r.stdout, r.returncode)
         assert err["code"] == "demo_failed" and err["details"]["stage"] == "prompt"
         assert "stage 'prompt' failed" in err["message"] and "CLIPLoader" in err["message"]
-        assert err["details"]["log_line"] and "server log" in err["hint"]
+        assert err["details"]["log_line"] and "server log" in err["fix"]
         assert "Traceback" not in r.stderr
-        assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is True
+        assert jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is True
     finally:
         h3kit("stop", "--comfy-home", home)
-    assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
+    assert jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
     (home / "models" / TINY["te"][0]).unlink()  # the next demo writes it again
 
 
@@ -144,7 +145,7 @@ def test_demo_installs_a_fresh_folder_and_names_a_failed_start(tmp_path, comfy_s
         r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port,
                   "--source", comfy_source, "--python", comfy_python, "--json")
         assert r.returncode == 1
-        err = json.loads(r.stdout)["error"]
+        err = jsondoc.error(r.stdout, r.returncode)
         done = [(s["stage"], s["detail"]) for s in err["details"]["stages"]]
         assert done == [("install", "installed"), ("checkpoints", WROTE_ALL)]
         assert err["details"]["stage"] == "start" and err["details"]["cause"] == "port_in_use"
@@ -159,7 +160,7 @@ def test_demo_refuses_a_bad_count_and_bench_needs_a_server(tmp_path):
     wf = tmp_path / "w.json"
     wf.write_text(json.dumps(demo_prompt(1, "b")))
     r = h3kit("bench", wf, "--comfy-home", tmp_path / "x", "--json")
-    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "not_running"
+    assert r.returncode == 1 and jsondoc.error(r.stdout, r.returncode)["code"] == "not_running"
     ui = tmp_path / "ui.json"
     ui.write_text(json.dumps({"nodes": [], "links": []}))
     r = h3kit("bench", ui, "--comfy-home", tmp_path / "x")
@@ -193,7 +194,7 @@ def test_sigterm_stops_the_server_the_demo_started(demo_home):
     reader.start()
     try:
         assert started.wait(600), "".join(lines[-20:])
-        pid = json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["pid"]
+        pid = jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["pid"]
         # the demo holds the tree lock: an install meanwhile is refused, naming it
         busy = subprocess.run([sys.executable, "-m", "h3kit", "install", "--comfy-home", str(home)],
                               capture_output=True, text=True, timeout=60, env=dict(os.environ, H3KIT_LOCK_WAIT="0"))
@@ -208,7 +209,7 @@ def test_sigterm_stops_the_server_the_demo_started(demo_home):
     text = "".join(lines)
     assert "terminated (SIGTERM)" in text and "Traceback" not in text
     assert "stop: " in text  # the demo's own stop stage ran
-    st = json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)
+    st = jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)
     assert st["running"] is False and not psutil_alive(pid)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -3,7 +3,6 @@ parallel run is in tests/test_parity_dit.py)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from h3kit.cli import main
 from h3kit.runtime import costmodel
+from tests.support import jsondoc
 
 
 def test_packed_sequence_at_768p_124_frames():
@@ -76,7 +76,7 @@ def test_plan_json_and_calibration_flags(runner):
     result = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "4",
                                   "--tflops", "200", "--link-gbs", "50", "--json"])
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.output)
+    doc = jsondoc.data(result.stdout, result.exit_code)
     (p,) = doc["plans"]
     assert doc["model"]["hidden"] == 5376 and p["npu_count"] == 4 and p["attention"] == "ulysses"
     assert p["seconds_compute_step"] == pytest.approx(p["flops_per_device_step"] / 200e12)

@@ -172,12 +172,13 @@ def status(comfy_home, as_json):
     if not (tree / "main.py").is_file():
         raise UsageError(f"{tree} is not a ComfyUI tree (no main.py)")
     plan = plan_forward(series, read_tree_files(tree, series.touched_files()))
+    applied = all(s.state == "applied" for s in plan.states)
     if as_json:
-        emit_json({"patches": [s.to_dict() for s in plan.states]})
+        emit_json({"patches": [s.to_dict() for s in plan.states]}, ok=applied)
     else:
         for s in plan.states:
             click.echo(f"{s.state:9} {s.name}")
             for f in s.failures:
                 click.echo(f"          {f}")
     # 0: every patch applied; 1: some would still apply; 2 is bad input; conflicts are 1 as well
-    sys.exit(0 if all(s.state == "applied" for s in plan.states) else 1)
+    sys.exit(0 if applied else 1)

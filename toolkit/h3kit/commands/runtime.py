@@ -69,11 +69,11 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
     report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout,
                             weights=weights)
     rows = report["rows"]
+    failed = [r for r in rows if not r["pass"]]
     if as_json:
-        emit_json(rows)
+        emit_json(rows, ok=not failed)
     else:
         _print_rows(rows, report["config"], component)
-    failed = [r for r in rows if not r["pass"]]
     if failed:
         err(f"h3kit: parity FAILED: {len(failed)} of {len(rows)} row(s) miss {parity_lib.gate(component, weights)}")
         raise SystemExit(1)

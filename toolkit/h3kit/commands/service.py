@@ -177,7 +177,7 @@ def status(comfy_home, runtime_root, as_json):
     root = service.runtime_root(comfy_home, runtime_root)
     st = service.status(root, comfy_home=comfy_home)
     if as_json:
-        emit_json(st)
+        emit_json(st, ok=st["running"])
     else:
         for line in _status_lines(st):
             click.echo(line)

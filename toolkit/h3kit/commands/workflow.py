@@ -31,7 +31,8 @@ def check_workflow(files, devices, comfy_home, runtime_root, as_json):
 
     result = check_paths(list(files), devices=devices, comfy_home=comfy_home, runtime_root=runtime_root)
     if as_json:
-        emit_json({"findings": [f.to_dict() for f in result.findings], "summary": result.summary})
+        emit_json({"findings": [f.to_dict() for f in result.findings], "summary": result.summary},
+                  ok=result.exit_code == 0)
     else:
         click.echo(report.render_text(result.findings, list(files), result.summary))
     sys.exit(result.exit_code)
