@@ -1,11 +1,14 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from h3kit.cli import COMMANDS, main
 from h3kit.devices import parse_device_list
 from h3kit.errors import DeviceListError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_lists_every_command(runner):
@@ -25,10 +28,15 @@ def test_every_registered_command_resolves_and_has_help(runner):
         assert "Usage: " in result.output and name in result.output
 
 
-def test_help_imports_no_heavy_module():
+HEAVY = ('torch', 'git', 'numpy', 'websocket', 'requests', 'yaml')
+
+
+@pytest.mark.parametrize("args", [["--help"], ["check-workflow", "--devices", "0,1,2,3", "--json",
+                                               str(ROOT / "workflows" / "t2va_8steps_lora.json")]])
+def test_help_and_check_workflow_import_no_heavy_module(args):
     code = ("import sys; from h3kit.cli import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('HEAVY=' + ','.join(m for m in ('torch', 'git', 'numpy') if m in sys.modules))")
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+            f"print('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "HEAVY="
 

@@ -384,3 +384,16 @@ def test_missing_source_is_a_clear_error(refreshed, runner, tmp_path):
     assert r.exit_code == 1
     assert payload(r)["error"]["code"] == "no_source"
     assert not (tmp_path / "home").exists()
+
+
+def test_clone_shows_gits_progress_and_names_a_failed_source(upstream, tmp_path, capsys):
+    from h3kit import gitutil
+
+    up, pin = upstream
+    gitutil.clone_no_checkout(f"file://{up}", tmp_path / "c", progress=True)  # file:// makes git transfer objects
+    shown = capsys.readouterr().err
+    assert "\r  Receiving objects: 100%" in shown and shown.endswith("\n"), shown
+    assert gitutil.has_commit(tmp_path / "c", pin) and not (tmp_path / "c" / "comfy").exists()  # no checkout
+    with pytest.raises(gitutil.GitError) as e:
+        gitutil.clone_no_checkout(f"file://{tmp_path}/nope", tmp_path / "d", progress=False)
+    assert e.value.code == "clone_failed" and "nope" in e.value.message and not (tmp_path / "d").exists()

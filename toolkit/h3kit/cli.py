@@ -2,7 +2,7 @@
 
 Each command lives in h3kit/commands/<module>.py and is imported only when it runs, and `--help` lists the
 commands from the table below without importing any of them, so `h3kit --help` and `check-workflow` start
-without torch or GitPython.
+without torch, numpy or websocket-client.
 """
 
 from __future__ import annotations
