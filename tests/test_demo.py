@@ -57,6 +57,9 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
         assert all(s["seconds"] is not None for s in rep["stages"])
         assert rep["stages"][0]["detail"] == "already installed and verified"
         assert rep["stages"][1]["detail"] == WROTE_ALL
+        # the prompt's progress came from the server's events, on stderr (plain lines: not a terminal)
+        assert "h3kit:   running SamplerCustomAdvanced" in r.stderr
+        assert "h3kit:   SamplerCustomAdvanced: step 3/3" in r.stderr, r.stderr[-3000:]
         video = Path(rep["video"]["path"])
         assert video.is_file() and video.name.startswith("npu2_video")
         assert audio_streams(python, video) == (1, 1)  # a video file with an audio track
@@ -87,6 +90,7 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
                    for x in bench["runs"])
         # after a switch the model is moved onto the device again (a device load), but not read from disk
         assert bench["runs"][0]["device_loads"] > 0
+        assert b.stderr.count("SamplerCustomAdvanced: step 3/3") == 5  # every run's progress, on stderr
 
         b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "1", "--no-cold", "--json")
         assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in jsondoc.data(b.stdout, b.returncode)["runs"]] == \

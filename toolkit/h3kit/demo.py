@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3kit import comfyws, devices as h3devices, health, locks, logscan, outputs, proc, service
+from h3kit import comfyws, devices as h3devices, health, locks, logscan, outputs, proc, progress, service
 from h3kit.errors import H3kitError, UsageError
 from h3kit.paths import repo_root
 
@@ -165,7 +165,8 @@ def demo_prompt(npu_count: int, tag: str, weights: str = "float") -> dict:
 
 
 def run_prompt(rec: service.Record, prompt: dict, timeout: float, log=None) -> tuple[comfyws.PromptTrace, dict]:
-    """Submit `prompt` to the recorded server, follow it on /ws; (trace, history outputs)."""
+    """Submit `prompt` to the recorded server, follow it on /ws; (trace, history outputs). With `log`, its
+    progress is shown as it runs (h3kit.progress: a bar on a terminal, lines through `log` otherwise)."""
     host = proc.probe_host(rec.listen)
     client_id = uuid.uuid4().hex
     ws = comfyws.WebSocket(host, rec.port, client_id)
@@ -183,9 +184,12 @@ def run_prompt(rec: service.Record, prompt: dict, timeout: float, log=None) -> t
             raise DemoFailed(f"the server refused the prompt: {msg}" + ("; " + " | ".join(errors) if errors else ""),
                              details=body) from None
         classes = {k: v["class_type"] for k, v in prompt.items()}
-        trace = comfyws.follow(ws, answer["prompt_id"], classes, t0, timeout,
-                               on_event=(lambda k, d: log(f"  running {classes.get(str(d.get('node')), '')}")
-                                         if log and k == "executing" and d.get("node") else None))
+        shown = progress.PromptProgress(classes, log) if log else None
+        try:
+            trace = comfyws.follow(ws, answer["prompt_id"], classes, t0, timeout, on_event=shown)
+        finally:
+            if shown:
+                shown.close()
     finally:
         ws.close()
     if trace.status == "timeout":

@@ -49,7 +49,7 @@ def demo(comfy_home, device_type, npu_count, keep_running, source, python, port,
     opts = DemoOptions(comfy_home=Path(comfy_home), device_type=device_type, npu_count=int(npu_count),
                        keep_running=keep_running, source=source, python=python, port=port, timeout=timeout,
                        weights=weights)
-    report = run_demo(opts, log=_log if not as_json else (lambda m: None))
+    report = run_demo(opts, log=_log)  # progress on stderr, also with --json
     if as_json:
         emit_json(report)
         return
@@ -98,8 +98,7 @@ def bench(workflow, comfy_home, runtime_root, runs, switch, no_cold, npu_count, 
         raise click.UsageError("give --comfy-home (or H3KIT_COMFY_HOME) or --runtime-root")
     result = run_bench(comfy_home, runtime_root, Path(workflow), runs=runs,
                        switch=Path(switch) if switch else None, cold=not no_cold, timeout=timeout,
-                       npu_count=int(npu_count) if npu_count else None,
-                       log=_log if not as_json else (lambda m: None))
+                       npu_count=int(npu_count) if npu_count else None, log=_log)
     if as_json:
         emit_json(result)
         return
