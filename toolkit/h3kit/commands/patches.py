@@ -96,13 +96,13 @@ def refresh(source, additions):
     (sha256, touched files, base blobs read from the pin in --source)."""
     from h3kit import gitutil, manifest
     from h3kit.patches import Series, add_source_sections, manifest_entries, regenerate, series_result
-    from h3kit.paths import repo_root
+    from h3kit.paths import require_checkout
 
     import shutil
     import tempfile
     from pathlib import Path
 
-    root = repo_root()
+    root = require_checkout("patches refresh")
     src = _local_source(source, required=True)
     if not src:
         raise UsageError("refresh needs the pin's files", hint="pass --source or set H3KIT_COMFY_SOURCE to a local mirror")
