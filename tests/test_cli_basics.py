@@ -55,3 +55,28 @@ def test_device_list_invalid(text, fragment):
     with pytest.raises(DeviceListError) as e:
         parse_device_list(text)
     assert fragment in e.value.message
+
+
+def complete(runner, words: str) -> list[str]:
+    """What click's bash completion (README, 'Shell completion') offers for `words`."""
+    r = runner.invoke(main, [], prog_name="h3kit", env={"_H3KIT_COMPLETE": "bash_complete", "COMP_WORDS": words,
+                                                        "COMP_CWORD": str(len(words.split(" ")) - 1)})
+    assert r.exit_code == 0, r.output
+    return r.output.splitlines()
+
+
+def test_shell_completion_is_clicks_own_and_knows_paths(runner):
+    r = runner.invoke(main, [], prog_name="h3kit", env={"_H3KIT_COMPLETE": "bash_source"})
+    assert "_h3kit_completion" in r.output and "complete " in r.output
+    assert complete(runner, "h3kit ins") == ["plain,install"]
+    assert complete(runner, "h3kit patches st") == ["plain,status"]
+    assert {"plain,npu", "plain,cpu"} <= set(complete(runner, "h3kit start --device-type "))
+    # paths are click.Path: the shell completes folders or files for them
+    assert complete(runner, "h3kit install --models-dir ") == ["dir,"]
+    assert complete(runner, "h3kit install --python ") == ["file,"]
+    assert complete(runner, "h3kit check-workflow ") == ["file,"]
+
+
+def test_top_level_help_points_a_new_user_at_demo(runner):
+    out = runner.invoke(main, ["--help"]).output
+    assert "New here? `h3kit demo --comfy-home DIR`" in out

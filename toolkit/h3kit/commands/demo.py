@@ -24,7 +24,8 @@ def _log(msg: str) -> None:
                    "npu_count 1 and the latents are compared.")
 @click.option("--keep-running", is_flag=True, help="Leave the server running afterwards.")
 @click.option("--source", metavar="URL_OR_PATH", help="Where install clones ComfyUI from, if it must (as for install).")
-@click.option("--python", metavar="PY", help="The interpreter that runs ComfyUI (default: install's record).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="The interpreter that runs ComfyUI (default: install's record).")
 @click.option("--port", type=click.IntRange(1, 65535), default=service.DEFAULT_PORT, show_default=True)
 @click.option("--timeout", type=click.FloatRange(min=1), default=PROMPT_TIMEOUT, show_default=True,
               help="Seconds one prompt may take.")

@@ -11,7 +11,7 @@ import click
 from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
 from h3kit.errors import UsageError
 
-source_option = click.option("--source", metavar="PATH", envvar="H3KIT_COMFY_SOURCE",
+source_option = click.option("--source", metavar="PATH", envvar="H3KIT_COMFY_SOURCE", type=click.Path(),
                              help="A local mirror or checkout holding the pin (env H3KIT_COMFY_SOURCE).")
 
 

@@ -27,7 +27,8 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
-@click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--inject-fault", is_flag=True,
               help="Make the parallel path wrong on purpose (dit: one device's shard left out of the gathers; "
                    "te: out of the reductions and hand-overs; vae: other devices' chunks zeroed): the command "

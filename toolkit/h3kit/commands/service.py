@@ -59,7 +59,8 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
 @click.option("--listen", default=service.DEFAULT_LISTEN, show_default=True, metavar="IP",
               help="Address to listen on. 0.0.0.0 exposes ComfyUI, which has no authentication.")
 @runtime_root_option
-@click.option("--python", metavar="PY", help="Interpreter for ComfyUI (default: the one install recorded).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter for ComfyUI (default: the one install recorded).")
 @timeout_option
 @json_option
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_COMFY_ARGS]")

@@ -10,7 +10,7 @@ from h3kit.cliutil import comfy_home_option, emit_json, handle_errors, json_opti
 
 
 @click.command("check-workflow")
-@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...", type=click.Path())
 @click.option("--devices", metavar="LIST",
               help="Devices the service exposes, as for `h3kit start` (e.g. 0,1,2,3). Default: "
                    "ASCEND_RT_VISIBLE_DEVICES, else the running service of --comfy-home.")
