@@ -28,11 +28,24 @@ def h3kit(*args, timeout=900):
                           timeout=timeout)
 
 
+SHARED_DIT = "minimax_h3_fl2va_bf16.safetensors"  # the DiT the shipped t2va / fl2va workflows load
+
+
+def write_small_safetensors(path: Path) -> None:
+    header = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+
+
 @pytest.fixture(scope="module")
 def demo_home(tmp_path_factory, comfy_source, comfy_python):
-    """An installed tree without tiny checkpoints: the first demo here writes them."""
-    home = tmp_path_factory.mktemp("demo") / "ComfyUI"
-    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python)
+    """An installed tree without tiny checkpoints (the first demo here writes them), its models also looked
+    for in a shared folder (install --models-dir) that holds one file named as the shipped workflows' DiT."""
+    base = tmp_path_factory.mktemp("demo")
+    home, shared = base / "ComfyUI", base / "shared models"
+    (shared / "diffusion_models").mkdir(parents=True)
+    write_small_safetensors(shared / "diffusion_models" / SHARED_DIT)
+    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python,
+              "--models-dir", shared)
     assert r.returncode == 0, r.stderr
     return home, comfy_python
 
@@ -95,6 +108,8 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
         b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "1", "--no-cold", "--json")
         assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in jsondoc.data(b.stdout, b.returncode)["runs"]] == \
             [("warm", 0, 0)]  # same workflow again, no switch: nothing read, nothing moved
+
+        check_shared_models(home, rep)
     finally:
         h3kit("stop", "--comfy-home", home)
     assert jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
@@ -227,3 +242,25 @@ def psutil_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def check_shared_models(home: Path, rep: dict) -> None:
+    """The shared models folder install wrote into extra_model_paths.yaml, as the running pin and h3kit's
+    readers see it: the server's start-up lines and /models listing, verify, check-workflow and doctor."""
+    from h3kit import health
+
+    shared = home.parent / "shared models"
+    log = Path(rep["service"]["log"]).read_text(errors="replace")
+    for kind in ("diffusion_models", "text_encoders", "vae", "loras"):
+        assert f"Adding extra search path {kind} {shared / kind}" in log, kind
+    listed = health.request_json(rep["service"]["url"] + "/models/diffusion_models")
+    assert SHARED_DIT in listed and "h3kit_tiny_dit.safetensors" in listed
+    v = h3kit("verify", "--comfy-home", home, "--json")
+    assert jsondoc.data(v.stdout, v.returncode)["models"]["files"] == {"diffusion_models": [SHARED_DIT]}
+    wf = home / "user" / "default" / "workflows" / "h3kit" / "t2va_8steps_lora.json"
+    c = h3kit("check-workflow", "--comfy-home", home, "--devices", "0,1,2,3", "--json", wf)
+    messages = " ".join(f["message"] for f in jsondoc.data(c.stdout, c.returncode)["findings"])
+    assert "minimax_h3_fl2v_turbo" in messages and SHARED_DIT not in messages  # the LoRA is missing, the DiT found
+    d = h3kit("doctor", "--comfy-home", home, "--device-type", "cpu", "--devices", "0,1", "--json")
+    models = [f for f in jsondoc.data(d.stdout, d.returncode)["findings"] if f["check"] == "models"]
+    assert any(str(shared / "diffusion_models" / SHARED_DIT) in line for f in models for line in f.get("lines", [])), models
