@@ -64,7 +64,3 @@ def h3kit_import_code() -> str:
             f"_spec = _iu.spec_from_file_location('h3kit', {init!r}, submodule_search_locations=[{folder!r}])\n"
             "_sys.modules['h3kit'] = _iu.module_from_spec(_spec)\n"
             "_spec.loader.exec_module(_sys.modules['h3kit'])\n")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("H3KIT_CACHE") or Path.home() / ".cache" / "h3kit")
