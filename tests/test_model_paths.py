@@ -43,6 +43,9 @@ def test_merge_keeps_the_users_file_and_adds_one_section_per_folder():
     alone = modelpaths.merge(None, TEMPLATE, ["/nfs/h3"])
     assert alone.startswith(modelpaths.BEGIN.encode()) and modelpaths.merge(alone, TEMPLATE, []) is None
     assert modelpaths.merge(None, TEMPLATE, []) is None
+    # removing the block never judges the user's part: a file they broke since still loses only h3kit's lines
+    broken = ("oops: [\n" + again).encode()
+    assert modelpaths.merge(broken, TEMPLATE, []).decode() == "oops: [\n" + USER
 
 
 @pytest.mark.parametrize("data, fragment", [

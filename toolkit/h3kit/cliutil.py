@@ -12,8 +12,9 @@ With --json every command prints exactly one document on stdout, the same shape 
 verdict is negative: verify finding problems, status of a stopped server, a failed parity row); "error" when
 it could not (bad input, a refused or failed operation, Ctrl-C, a bug). A usage error that click itself finds
 (a missing option, a bad choice) takes the "error" form too when --json was on the command line
-(h3kit.cli.LazyGroup). Progress and warnings always go to stderr. It also makes SIGTERM behave like
-Ctrl-C for the command it wraps: both raise KeyboardInterrupt where the command runs, so the same cleanup
+(h3kit.cli.LazyGroup). Progress and warnings always go to stderr.
+
+`handle_errors` also makes SIGTERM behave like Ctrl-C for the command it wraps: both raise KeyboardInterrupt where the command runs, so the same cleanup
 runs (a temporary clone removed, a write rolled back, a server the command started stopped), and the exit
 code is 130 (SIGINT) or 143 (SIGTERM).
 """

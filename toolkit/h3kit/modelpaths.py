@@ -103,14 +103,14 @@ def merge(current: bytes | None, template: str, dirs: list[str]) -> bytes | None
     that held only h3kit's block. Raises ModelPathsError when the user's part cannot be kept intact."""
     text = _text(current) if current is not None else ""
     user, _ = split(text)
+    if not dirs:  # only h3kit's block goes: the user's part is kept as it is, whatever it holds
+        return user.encode("utf-8") if current is not None and user.strip() else None
     mine = _load(user, CONFIG)
     taken = sorted(k for k in mine if str(k).startswith(SECTION_PREFIX))
     if taken:
         raise ModelPathsError(f"{CONFIG} has sections named like h3kit's own, outside its markers: "
                               + ", ".join(map(str, taken)), hint=f"rename them (h3kit writes {SECTION_PREFIX}1, ...)")
     block = render(template, dirs)
-    if not block:
-        return None if current is not None and not user.strip() else (user.encode() if current is not None else None)
     merged = user + ("" if not user or user.endswith("\n") else "\n") + ("\n" if user.strip() else "") + block
     refused = ModelPathsError(f"h3kit's section cannot follow what {CONFIG} holds without changing your own "
                               "entries (a flow-style {...} mapping, or a last entry left open)",
