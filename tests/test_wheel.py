@@ -31,21 +31,23 @@ def _run(cmd, cwd, timeout=600, env=None):
 def wheel_env(tmp_path_factory):
     """(the venv's h3kit command, the environment to run it with, a folder outside the checkout)."""
     base = tmp_path_factory.mktemp("wheel")
+    # nothing may lead back to the checkout: with PYTHONPATH=toolkit, pip would even take the checkout's
+    # h3kit.egg-info (from an editable install) for an installed h3kit and skip the wheel
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "H3KIT_ROOT", "H3KIT_COMFY_HOME")}
     src = base / "src"  # the checkout's files as git sees them (committed or not, ignored ones left out)
     files = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], ROOT).stdout.split("\0")
     for rel in filter(None, files):
         if (ROOT / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
-    r = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", base / "dist", src], base)
+    r = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", base / "dist", src], base, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (wheel,) = (base / "dist").glob("h3kit-*.whl")
     venv = base / "venv"
-    r = _run([sys.executable, "-m", "venv", venv], base)
+    r = _run([sys.executable, "-m", "venv", venv], base, env=env)
     assert r.returncode == 0, r.stderr
-    r = _run([venv / "bin" / "python", "-m", "pip", "install", "-q", wheel], base)
+    r = _run([venv / "bin" / "python", "-m", "pip", "install", "-q", wheel], base, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "H3KIT_ROOT", "H3KIT_COMFY_HOME")}
     work = base / "work"
     work.mkdir()
     return venv / "bin" / "h3kit", env, work
