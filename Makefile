@@ -4,6 +4,8 @@ COMFY_HOME ?= $(CURDIR)/comfyui
 NPU_COUNT ?= 2
 DEVICE_TYPE ?= auto
 PYTEST_ARGS ?=
+# the other supported Pythons that run the torch-free tests beside the main run (empty: none)
+TEST_PYTHONS ?= 3.10 3.13
 
 .PHONY: demo test env
 env:
@@ -14,4 +16,4 @@ demo:
 	  --python "$$py" --device-type "$(DEVICE_TYPE)" --npu-count "$(NPU_COUNT)"
 
 test:
-	@py=$$(tools/ensure-venv.sh) && "$$py" -m pytest $(PYTEST_ARGS)
+	@py=$$(tools/ensure-venv.sh) && H3KIT_TEST_PYTHONS="$(TEST_PYTHONS)" tools/run-tests.sh "$$py" $(PYTEST_ARGS)

@@ -2,12 +2,13 @@
 
 Tests that need the real upstream read H3KIT_COMFY_SOURCE (a git URL or a local mirror holding the pin) and
 skip, with the reason shown in the summary, where it is not set. Tests that run the pinned ComfyUI need
-torch in this interpreter (or H3KIT_COMFY_PYTHON) and skip likewise.
+torch in this interpreter (or H3KIT_COMFY_PYTHON) and skip likewise. Under H3KIT_REQUIRE_UPSTREAM=1 (.ci/run)
+those skips are failures; in make test's torch-free runs on other Pythons (H3KIT_TORCH_FREE_RUN=1) the tests
+that need torch skip by design. The rules: tests/support/requires.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
+from tests.support import requires
 
 ROOT = Path(__file__).resolve().parents[1]
 # Test this checkout's h3kit, whichever checkout the environment's editable install points at, here and in
@@ -30,6 +33,17 @@ def _git(*args, cwd=None, check=True):
     return subprocess.run(["git", *args], cwd=cwd, check=check, capture_output=True, text=True)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch: needs torch (the ComfyUI environment); skipped by design in "
+                                       "make test's torch-free runs on other Pythons")
+
+
+def pytest_runtest_setup(item):
+    # before any fixture runs: a test that needs torch gets one verdict, whichever fixture would have noticed
+    if not requires.HAVE_TORCH and requires.needs_torch(item):
+        requires.missing_torch()
+
+
 @pytest.fixture
 def runner():
     return CliRunner()
@@ -40,8 +54,9 @@ def comfy_source():
     """Where the pinned upstream comes from; skips when H3KIT_COMFY_SOURCE is unset."""
     source = os.environ.get("H3KIT_COMFY_SOURCE")
     if not source:
-        pytest.skip("H3KIT_COMFY_SOURCE is not set: point it at a mirror holding the ComfyUI pin "
-                    f"{PIN[:12]} (README, 'Tests') to run the upstream tests")
+        requires.skip_or_fail("H3KIT_COMFY_SOURCE is not set: point it at a mirror holding the ComfyUI pin "
+                              f"{PIN[:12]} (README, 'Tests': git clone --mirror https://github.com/kat3ri/ComfyUI.git) "
+                              "to run the upstream tests")
     if Path(source).exists():
         probe = _git("--git-dir" if (Path(source) / "objects").is_dir() else "-C", source,
                      "cat-file", "-e", f"{PIN}^{{commit}}", check=False)
@@ -56,9 +71,8 @@ def comfy_python():
     py = os.environ.get("H3KIT_COMFY_PYTHON")
     if py:
         return py
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed in this interpreter: run the tests with the environment from "
-                    "tools/ensure-venv.sh (make test) or set H3KIT_COMFY_PYTHON")
+    if not requires.HAVE_TORCH:
+        requires.missing_torch()
     return sys.executable
 
 
@@ -84,7 +98,7 @@ def templates_dir():
         d = base / "comfyui_workflow_templates_json" / "templates"
         if d.is_dir():
             return d
-    pytest.skip("upstream workflow templates not installed: run tools/ensure-venv.sh (make test does)")
+    requires.skip_or_fail("upstream workflow templates not installed: run tools/ensure-venv.sh (make test does)")
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +111,11 @@ def installed_tree(tmp_path_factory, comfy_source, comfy_python):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_av_models(tmp_path_factory, installed_tree, comfy_python):
+    """The four tiny H3 checkpoints (DiT, text encoder, video and audio VAE) the server-level tests load, written
+    once per session: {component: path} (tests/support/av_pipeline.py)."""
+    from tests.support import av_pipeline
+    return av_pipeline.write_models(comfy_python, installed_tree, tmp_path_factory.mktemp("tiny_av"))

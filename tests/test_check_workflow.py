@@ -18,7 +18,11 @@ from h3kit.errors import DeviceListError, UsageError
 from h3kit.workflow import report
 from h3kit.workflow.checks import adapt_canvas, align_frame_count
 from tests.support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
+from tests.support.pin_source import pin_functions
+from tests.support.service_helpers import PORT_OFFSET
 from tests.support import jsondoc
+
+FAKE_PORT = 8607 + PORT_OFFSET  # a stand-in service; each parallel run of make test has its own port band
 
 API = load_data("api_t2va.json")
 NESTED = load_data("ui_nested_subgraphs.json")
@@ -470,7 +474,7 @@ class _FakeComfy(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_service():
-    server = HTTPServer(("127.0.0.1", 8607), _FakeComfy)
+    server = HTTPServer(("127.0.0.1", FAKE_PORT), _FakeComfy)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -517,14 +521,14 @@ def _home(tmp_path, record, node_types=None):
 
 def test_devices_from_the_running_service(tmp_path, fake_service):
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
-    home = _home(tmp_path, {"port": 8607, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
+    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3102") == [("H3102", "6")]
     assert result.summary["device_count"] == 2
-    assert "8607" in result.summary["device_source"]
+    assert str(FAKE_PORT) in result.summary["device_source"]
     # a CPU server in simulation mode: the record's device list is the simulated one
     _FakeComfy.stats = {"system": {"argv": ["main.py", "--use-sage-attention"]}, "devices": [{"name": "cpu"}]}
-    home = _home(tmp_path / "b", {"port": 8607, "listen": "0.0.0.0", "device_type": "cpu", "devices": [0, 1, 2, 3]})
+    home = _home(tmp_path / "b", {"port": FAKE_PORT, "listen": "0.0.0.0", "device_type": "cpu", "devices": [0, 1, 2, 3]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert result.summary["device_count"] == 4
     assert found(result, "H3102") == [] and found(result, "H3305") == [("H3305", None)]
@@ -535,7 +539,7 @@ def test_a_proxy_in_the_environment_does_not_hide_the_local_service(tmp_path, fa
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
-    home = _home(tmp_path, {"port": 8607, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
+    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3102") == [("H3102", "6")]
 
@@ -543,7 +547,7 @@ def test_a_proxy_in_the_environment_does_not_hide_the_local_service(tmp_path, fa
 def test_a_record_whose_process_is_gone_says_nothing(tmp_path, fake_service):
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    home = _home(tmp_path, {"port": 8607, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1],
+    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1],
                             "pid": int(dead.stdout), "create_time": 1.0})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3102") == [] and found(result, "H3105") == [("H3105", "6")]
@@ -551,7 +555,7 @@ def test_a_record_whose_process_is_gone_says_nothing(tmp_path, fake_service):
 
 
 def test_no_device_source_is_a_note(tmp_path):
-    home = _home(tmp_path, {"port": 8608, "listen": "127.0.0.1", "device_type": "npu", "devices": [0]})
+    home = _home(tmp_path, {"port": FAKE_PORT + 1, "listen": "127.0.0.1", "device_type": "npu", "devices": [0]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3105") == [("H3105", "6")]
     assert "does not answer" in result.summary["device_source"]
@@ -673,8 +677,10 @@ def test_every_code_is_documented():
     assert used == set(report.CODES)
 
 
-def test_geometry_helpers_match_upstream():
-    # values from comfy_extras/nodes_minimax_h3.py at the pin (align_frame_count, adapt_canvas)
-    assert [align_frame_count(n) for n in (5, 6, 22, 120, 124, 360, 362)] == [5, 22, 22, 124, 124, 362, 362]
-    assert adapt_canvas(1920, 1080) == (1344, 768) and adapt_canvas(768, 1344) == (768, 1344)
-    assert adapt_canvas(1000, 1000) == (768, 768) and adapt_canvas(480, 1920) == (512, 2016)
+@pytest.mark.upstream
+def test_geometry_helpers_match_upstream(pin_tree):
+    # the pin's own align_frame_count and adapt_canvas (comfy_extras/nodes_minimax_h3.py), not values copied from it
+    pin = pin_functions(pin_tree, "comfy_extras/nodes_minimax_h3.py", ("align_frame_count", "adapt_canvas"))
+    assert all(align_frame_count(n) == pin["align_frame_count"](n) for n in range(1, 4000))
+    sides = range(16, 4097, 16)
+    assert all(adapt_canvas(w, h) == pin["adapt_canvas"](w, h) for w in sides for h in sides)

@@ -234,6 +234,7 @@ def test_an_interpreter_that_cannot_answer(host, runner, tmp_path):
     assert code == 1 and "is not an executable file" in only_message(rep, "interpreter", "error")
 
 
+@pytest.mark.torch  # the probe runs in this interpreter, which must be the ComfyUI environment
 def test_the_real_interpreter_answers_without_torch_in_doctors_process(tmp_path):
     """The real probe in the real interpreter (torch imported there), and no torch in h3kit's process."""
     code = ("import sys, json\nfrom h3kit.cli import main\n"

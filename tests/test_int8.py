@@ -122,7 +122,7 @@ def test_int8_parity_rows(installed_tree, comfy_python, n):
     rows = jsondoc.data(proc.stdout, proc.returncode)
     assert len(rows) == 6 and {r["weights"] for r in rows} == {"int8"}
     for r in rows:
-        assert r["pass"] and r["max_rel"] <= 1e-5 and r["gate_max_rel"] == 1e-5, r
+        assert r["pass"] and r["max_rel"] <= 1e-5 and r["gate"] == "max_rel <= 1e-05", r
         for side in ("int8_calls_single", "int8_calls_parallel"):
             assert set(r[side]) == {"w8a8/reference", "w8a16/reference"}, r
         # every rank ran its blocks' four INT8 linears in W8A8: 3 blocks x 4 linears x n ranks x 4 forwards
@@ -132,7 +132,7 @@ def test_int8_parity_rows(installed_tree, comfy_python, n):
 
 def test_int8_parity_injected_fault_fails(installed_tree, comfy_python):
     # the gather fault on two layouts (the CLI's exit code for it is covered by tests/test_parity_dit.py)
-    report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, inject_fault=True, weights="int8",
+    report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, fault="shard", weights="int8",
                             extra_args=("--layouts", "t2va,ref2va"))
     rows = report["rows"]
     assert not report["ok"] and len(rows) == 4 and not any(r["pass"] for r in rows)

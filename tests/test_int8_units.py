@@ -106,10 +106,10 @@ def test_demo_int8_requires_the_arm_in_the_server_log(tmp_path):
 
 
 def test_parity_weights_apply_to_the_dit_only():
-    parity_lib.check_weights("dit", "int8")
-    parity_lib.check_weights("te", "float")
+    parity_lib.check_request("dit", 2, None, "int8")
+    parity_lib.check_request("te", 2, None, "float")
     with pytest.raises(UsageError, match="dit only"):
-        parity_lib.check_weights("vae", "int8")
+        parity_lib.check_request("vae", 2, None, "int8")
     assert "W8A8 and W8A16" in parity_lib.gate("dit", "int8") and parity_lib.gate("te", "int8") == parity_lib.GATES["te"]
 
 

@@ -15,7 +15,7 @@ import pytest
 from tests.support import comfy_server
 
 ROOT = Path(__file__).resolve().parents[1]
-pytest.importorskip("torch", reason="the cache module needs torch (run with the ComfyUI environment)")
+pytestmark = pytest.mark.torch  # the cache module imports torch
 
 
 @pytest.fixture

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.support import requires
+
+torch = requires.torch_module()
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 import multinpu_cases  # noqa: E402
@@ -49,7 +51,7 @@ def run_gloo(tmp_path, worlds, case, timeout=20.0, deadline=60.0, **params):
 def test_collectives_threads(world):
     _, results = run_threads(world, multinpu_cases.case_collectives)
     assert [r["rank"] for r in results] == list(range(world))
-    assert all(len(r["checked"]) == 6 for r in results)
+    assert all(len(r["checked"]) == 8 for r in results)
 
 
 def test_collectives_gloo_processes(tmp_path):
@@ -58,7 +60,7 @@ def test_collectives_gloo_processes(tmp_path):
     for g in groups:
         for rank in g["ranks"]:
             assert rank["status"] == "ok", f"P={g['world']} rank {rank['rank']}: {rank.get('traceback') or rank}"
-            assert rank["exitcode"] == 0 and len(rank["result"]["checked"]) == 6
+            assert rank["exitcode"] == 0 and len(rank["result"]["checked"]) == 8
 
 
 def test_world_size_one_moves_nothing():
@@ -90,6 +92,20 @@ def test_thread_copies_are_real_and_counted():
     assert not any(results[0][0].data_ptr() == p for p in other_ptrs)
     # pad to max(sizes) = 3 rows of 6 fp32, P * (P - 1) shards cross ranks
     assert group.bytes_moved == world * (world - 1) * 3 * 6 * 4
+
+
+def test_gather_v_moves_each_shard_once_to_one_rank():
+    # the DiT's final gather: only the destination receives, every other shard crosses once, unpadded
+    world, sizes = 4, [3, 3, 2, 2]
+    full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+
+    def fn(comm, mn):
+        start = sum(sizes[:comm.rank])
+        return mn.gather_v(full[start:start + sizes[comm.rank]].clone(), comm, sizes=sizes, dst=0)
+
+    group, results = run_threads(world, fn)
+    assert torch.equal(results[0], full) and results[1:] == [None] * 3
+    assert group.bytes_moved == (10 - 3) * 6 * 4
 
 
 def test_heads_not_divisible_names_the_shapes():

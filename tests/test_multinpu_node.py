@@ -2,27 +2,28 @@
 
 tests/support/multinpu_node_checks.py runs once in the ComfyUI interpreter with 3 simulated devices
 and reports what each check observed; the tests below assert on it. test_server_* boots the patched
-server (simulating 2 devices) and drives the node through /object_info and /prompt.
+server (simulating 2 devices) and drives the node through /object_info and /prompt, and runs the tiny
+pipeline at npu_count 2 and 1, whose decoded frames and waveform must agree.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import time
+import urllib.error
 from pathlib import Path
 
 import pytest
 
 from h3kit.runtime import costmodel
 from h3kit.runtime import parity_worker
+from tests.support import av_pipeline, comfy_server
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 SUPPORT = Path(__file__).resolve().parent / "support"
 RUNTIME = Path(parity_worker.__file__).resolve().parent
-PORTS = range(8540, 8560)  # inside the runtime area's range 8500-8599
+PORTS = (8540, 8560)  # inside the runtime area's range 8500-8599
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +105,31 @@ def test_node_device_check(checks):
 
 def test_wrapper_matches_one_device_and_shares_host_weights(checks):
     v = value(checks, "wrapper_paths")
-    assert v["equal"] and v["forwards"] == 1
+    assert v["equal"] and v["forwards"] == 1 and v["rank_forwards"] == [1, 1, 1]
     tiny = parity_worker.TINY
     ex = costmodel.exchange_elements(71, 3, hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
                                      head_dim=tiny["attention_head_dim"], blocks=tiny["num_layers"])
     assert ex["attention"] == "kv_gather" and v["bytes"] == ex["total"] * 4
+    assert v["bytes_received"] == [x * 4 for x in ex["per_device"]]
     assert v["replicas"] == 3 and v["extra_models"] == 2 and v["replicas_share_weights"]
     assert v["blocks_without_wrapper_equal"]
     assert v["reapplied_wrappers"] == 1 and v["reapplied_extra_models"] == 2
+
+
+def test_the_final_output_is_gathered_to_rank0_only(checks):
+    v = value(checks, "wrapper_paths")
+    assert v["final_layer_calls"] == [1, 0, 0], "ranks 1..P-1 stop after the last block"
+    # only rank 0 received the last hidden states (the per-device figures above include the final gather)
+    tiny = parity_worker.TINY
+    ex = costmodel.exchange_elements(71, 3, hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
+                                     head_dim=tiny["attention_head_dim"], blocks=tiny["num_layers"])
+    assert ex["final_gather"] == (71 - costmodel.shard_sizes(71, 3)[0]) * tiny["hidden_size"]
+    assert v["bytes_received"][0] - v["bytes_received"][1] == ex["final_gather"] * 4
+
+
+def test_workers_copy_their_inputs_before_rank0_works(checks):
+    v = value(checks, "inputs_copied_before_rank0_works")
+    assert v["copies"] == 2 and v["rank0_started_after"]
 
 
 def test_refusals_name_the_problem(checks):
@@ -131,57 +149,23 @@ def test_rank_failure_surfaces_at_once(checks):
 def test_stalled_rank_surfaces_within_the_bound(checks):
     v = value(checks, "stall")
     assert v["error"]["type"] == "CollectiveTimeout"
-    assert "rank(s) 1 (cpu) did not reach collective #1 within 1 s" in v["error"]["message"]
+    assert "rank(s) 1 (cpu) did not reach collective #2 within 1 s" in v["error"]["message"]
     assert v["seconds"] < 2 * v["timeout"] + 1.5
     assert v["pool_broken"] and v["recovered"] and v["new_pool"] and v["old_workers_exited"]
 
 
 # ---- the real server -------------------------------------------------------------------------
 
-def _free_port():
-    for port in PORTS:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) != 0:
-                return port
-    pytest.skip(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
-
-
 @pytest.fixture(scope="module")
-def server(patched_tree, comfy_python, checks, tmp_path_factory):
-    requests = pytest.importorskip("requests")
-    tiny = checks[1] / "tiny.safetensors"
-    models = patched_tree / "models" / "diffusion_models"
-    models.mkdir(parents=True, exist_ok=True)
-    (models / "h3kit_tiny_h3.safetensors").write_bytes(tiny.read_bytes())
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "comfyui.log"
-    env = dict(os.environ, H3KIT_SIM_DEVICES="2", PYTHONUNBUFFERED="1")  # the log is read while the server runs
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([comfy_python, "-B", "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)],
-                                cwd=patched_tree, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(url + "/system_stats", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 120 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url, requests, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+def server(patched_tree, comfy_python, checks, tiny_av_models, tmp_path_factory):
+    """The patched server on 2 simulated devices, in its own folders, with the tiny pipeline's models."""
+    work = tmp_path_factory.mktemp("server2")
+    av_pipeline.install_models(work / "models", tiny_av_models)
+    (work / "models" / "diffusion_models" / "h3kit_tiny_h3.safetensors").symlink_to(checks[1] / "tiny.safetensors")
+    # a busy port band is an error (free_port raises), never a skip
+    with comfy_server.running(patched_tree, work, comfy_python, PORTS, env={"H3KIT_SIM_DEVICES": "2"},
+                              extra_args=av_pipeline.server_args(work)) as srv:
+        yield srv
 
 
 def _prompt(npu_count):
@@ -191,33 +175,32 @@ def _prompt(npu_count):
 
 
 def test_server_lists_the_node(server):
-    url, requests, _ = server
-    info = requests.get(url + "/object_info/MultiNPUParallelConfig", timeout=10).json()["MultiNPUParallelConfig"]
+    info = comfy_server.http("GET", server.url + "/object_info/MultiNPUParallelConfig")["MultiNPUParallelConfig"]
     assert info["category"] == "advanced/multigpu"
     assert info["input"]["required"]["npu_count"][1]["options"] == [1, 2, 4]
     assert info["output"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
 
 def test_server_rejects_a_count_the_process_lacks(server):
-    url, requests, _ = server
-    r = requests.post(url + "/prompt", json={"prompt": _prompt(4)}, timeout=30)
-    assert r.status_code == 400
-    errors = json.dumps(r.json()["node_errors"]["2"])
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        comfy_server.http("POST", server.url + "/prompt", {"prompt": _prompt(4)}, timeout=30)
+    assert refused.value.code == 400
+    errors = json.dumps(json.loads(refused.value.read())["node_errors"]["2"])
     assert "npu_count is 4 but this ComfyUI process sees 2 simulated cpu devices" in errors
 
 
 def test_server_runs_the_node(server):
-    url, requests, log = server
-    r = requests.post(url + "/prompt", json={"prompt": _prompt(2)}, timeout=30)
-    assert r.status_code == 200, r.text
-    pid = r.json()["prompt_id"]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        hist = requests.get(f"{url}/history/{pid}", timeout=10).json()
-        if pid in hist and hist[pid]["status"].get("completed") is not None:
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"prompt did not finish:\n{log.read_text()[-3000:]}")
-    assert hist[pid]["status"]["status_str"] == "success", hist[pid]["status"]
-    assert "MultiNPU: MiniMax H3 DiT sequence-parallel on 2 simulated cpu devices" in log.read_text()
+    server.run_prompt(_prompt(2), timeout=120)
+    assert "MultiNPU: MiniMax H3 DiT sequence-parallel on 2 simulated cpu devices" in server.log_text()
+
+
+def test_server_two_devices_match_one_in_decoded_frames_and_audio(server):
+    """The same prompt at npu_count 2 and 1: what a user gets (decoded frames, waveform) must agree."""
+    two = server.run_prompt(av_pipeline.prompt(2, 1, "npu2"), timeout=240)
+    one = server.run_prompt(av_pipeline.prompt(1, 1, "npu1"), timeout=240)
+    log = server.log_text()
+    assert "MultiNPU: text encoder tensor-parallel on 2 simulated cpu devices" in log
+    assert "MultiNPU: video VAE decodes temporal chunks on 2 simulated cpu devices" in log
+    parity = av_pipeline.compare(av_pipeline.decoded(server, one), av_pipeline.decoded(server, two))
+    assert parity["frames"]["shape"] == [39, 64, 64, 3] and parity["waveform"]["shape"][:2] == [1, 2]
+    assert av_pipeline.within_gate(parity), parity

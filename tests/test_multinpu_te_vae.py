@@ -1,9 +1,10 @@
 """The text-encoder split, the VAE decode across devices and weights-read-once inside a patched tree.
 
 tests/support/multinpu_te_vae_checks.py runs once in the ComfyUI interpreter with 4 simulated devices and
-reports what each check observed; the tests below assert on it. test_server_reads_each_file_once boots
-the patched server on 4 simulated devices with every weight-file read logged, and runs the tiny t2va
-pipeline with a first frame through MultiNPUParallelConfig (npu_count 4) twice.
+reports what each check observed; the tests below assert on it. The server test boots the patched server on
+4 simulated devices with every weight-file read logged, and runs the tiny pipeline with a first frame
+through MultiNPUParallelConfig (npu_count 4) twice, then with npu_count 1: the decoded frames and waveform
+of 4 devices must match one device's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import comfy_server
+from tests.support import av_pipeline, comfy_server
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 SUPPORT = Path(__file__).resolve().parent / "support"
@@ -104,6 +105,13 @@ def test_te_uneven_gqa_groups(checks):
 def test_te_rank_failure_names_the_rank(checks):
     v = value(checks, "te_rank_failure")
     assert v["raised"] == "MemoryError" and v["notes"] == ["raised on rank 2 (cpu) of 4"]
+    assert v["recovered"], "the next encode equals the one before the failure"
+
+
+@pytest.mark.parametrize("component, copies", [("te", 3), ("vae", 3)])
+def test_workers_copy_their_inputs_before_rank0_works(checks, component, copies):
+    v = value(checks, f"{component}_inputs_copied_before_rank0_works")
+    assert v["copies"] == copies and v["rank0_started_after"]
 
 
 def test_a_lora_after_the_node_is_refused(checks):
@@ -145,51 +153,20 @@ def test_each_file_read_once_in_the_checks(checks):
 
 # ---- the real server -------------------------------------------------------------------------
 
-def _prompt(seed):
-    return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3kit_tiny_dit.safetensors", "weight_dtype": "default"}},
-        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "h3kit_tiny_te.safetensors", "type": "minimax",
-                                                     "device": "default"}},
-        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "h3kit_tiny_video_vae.safetensors"}},
-        "4": {"class_type": "VAELoader", "inputs": {"vae_name": "h3kit_tiny_audio_vae.safetensors"}},
-        "5": {"class_type": "MultiNPUParallelConfig", "inputs": {"npu_count": 4, "model": ["1", 0], "clip": ["2", 0],
-                                                                 "vae": ["3", 0], "audio_vae": ["4", 0]}},
-        "6": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0x8040c0}},
-        "7": {"class_type": "MiniMaxH3ImageToVideo", "inputs": {"clip": ["5", 1], "vae": ["5", 2], "width": 64, "height": 64,
-                                                                "prompt": "A red fox trots through fresh snow.",
-                                                                "length": 39, "first_frame": ["6", 0]}},
-        "8": {"class_type": "BasicGuider", "inputs": {"model": ["5", 0], "conditioning": ["7", 0]}},
-        "9": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
-        "10": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
-        "11": {"class_type": "BasicScheduler", "inputs": {"model": ["5", 0], "scheduler": "simple", "steps": 2, "denoise": 1.0}},
-        "12": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["9", 0], "guider": ["8", 0], "sampler": ["10", 0],
-                                                                 "sigmas": ["11", 0], "latent_image": ["7", 1]}},
-        "13": {"class_type": "VAEDecode", "inputs": {"samples": ["12", 0], "vae": ["5", 2]}},
-        "14": {"class_type": "VAEDecodeAudio", "inputs": {"samples": ["12", 0], "vae": ["5", 3]}},
-        "15": {"class_type": "PreviewImage", "inputs": {"images": ["13", 0]}},
-        "16": {"class_type": "PreviewAudio", "inputs": {"audio": ["14", 0]}},
-    }
-
-
-def test_server_reads_each_file_once(patched_tree, comfy_python, tmp_path):
+def test_server_reads_each_file_once_and_matches_one_device(patched_tree, comfy_python, tiny_av_models, tmp_path):
     work = tmp_path / "server"
+    av_pipeline.install_models(work / "models", tiny_av_models)
     env = dict(os.environ, H3KIT_SIM_DEVICES="4",
                PYTHONPATH=os.pathsep.join([str(TOOLKIT), os.environ.get("PYTHONPATH", "")]))
-    files = {"dit": "diffusion_models", "te": "text_encoders", "video_vae": "vae", "audio_vae": "vae"}
-    for d in set(files.values()):
-        (work / "models" / d).mkdir(parents=True, exist_ok=True)
-    paths = {c: str(work / "models" / folder / f"h3kit_tiny_{c}.safetensors") for c, folder in files.items()}
-    write = ("import sys, json; from h3kit import tiny_models; "
-             "[tiny_models.write(c, p) for c, p in json.loads(sys.argv[1]).items()]")  # one interpreter for all four
-    subprocess.run([comfy_python, "-c", write, json.dumps(paths)], cwd=patched_tree, env=env, check=True,
-                   capture_output=True, timeout=300)
     with comfy_server.running(patched_tree, work, comfy_python, PORTS, count_loads=True, env=env,
-                              extra_args=("--verbose", "DEBUG")) as srv:
-        first = srv.run_prompt(_prompt(1), timeout=240)
-        second = srv.run_prompt(_prompt(2), timeout=240)
+                              extra_args=("--verbose", "DEBUG", *av_pipeline.server_args(work))) as srv:
+        first = srv.run_prompt(av_pipeline.prompt(4, 1, "npu4"), timeout=240)
+        second = srv.run_prompt(av_pipeline.prompt(4, 2, "npu4"), timeout=240)
+        one = srv.run_prompt(av_pipeline.prompt(1, 1, "npu1"), timeout=240)  # the first prompt on one device
         log = srv.log_text()
+        parity = av_pipeline.compare(av_pipeline.decoded(srv, one), av_pipeline.decoded(srv, first))
     reads = [ln.split()[-1] for ln in log.splitlines() if ln.startswith("H3KIT-LOAD") and "h3kit_tiny_" in ln]
-    assert sorted(Path(p).name for p in reads) == sorted(f"h3kit_tiny_{c}.safetensors" for c in files), reads
+    assert sorted(Path(p).name for p in reads) == sorted(Path(p).name for p in tiny_av_models.values()), reads
     assert "MultiNPU: text encoder tensor-parallel on 4 simulated cpu devices" in log
     assert "MultiNPU: video VAE decodes temporal chunks on 4 simulated cpu devices" in log
     assert "the audio VAE stays on one device, in fp32" in log
@@ -197,7 +174,10 @@ def test_server_reads_each_file_once(patched_tree, comfy_python, tmp_path):
     # each prompt's decode with its 2 chunks on 2 devices
     assert log.count("MultiNPU: text encoder forward (tensor) on 4 devices") == 1
     assert log.count("MultiNPU: video VAE decode of 2 chunks on 4 devices") == 2
-    for entry in (first, second):
+    for entry in (first, second, one):
         images = entry["outputs"]["15"]["images"]
         assert len(images) == 39, "every decoded frame reaches the output"
         assert entry["outputs"]["16"]["audio"]
+    # what a user gets, decoded frames and waveform, on 4 devices against 1 (the same prompt and seed)
+    assert parity["frames"]["shape"] == [39, 64, 64, 3] and parity["waveform"]["shape"][:2] == [1, 2]
+    assert av_pipeline.within_gate(parity), parity

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs torch (run with the ComfyUI environment)")
+from tests.support import requires
+
+torch = requires.torch_module()
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,5 +1,6 @@
-"""`h3kit plan` and the cost model behind it (no upstream needed; the byte-exact check against a real
-parallel run is in tests/test_parity_dit.py)."""
+"""`h3kit plan` and the cost model behind it. The frame and latent arithmetic is compared with the pin's
+own functions; the exchange bytes, per run and per device, and the packed sequence length are measured
+against a real parallel run in tests/test_parity_dit.py."""
 
 from __future__ import annotations
 
@@ -11,25 +12,27 @@ import pytest
 from h3kit.cli import main
 from h3kit.runtime import costmodel
 from tests.support import jsondoc
+from tests.support.pin_source import pin_functions
 
 
-def test_packed_sequence_at_768p_124_frames():
-    seq = costmodel.packed_sequence(1344, 768, 124)
-    # 124 frames -> 37 latents (7 clips of 17 frames -> 5 latents, +2), 768/16 x 1344/16 latents,
-    # 2x2 patches: 24 x 42 = 1008 tokens a frame; 124 / 24 s x 40 Hz = 207 audio latents, stereo
-    assert seq["frames"] == 124 and seq["latent"] == [37, 48, 84] and seq["audio_latents"] == 207
-    assert seq["segments"] == {"text": 300, "cond": 0, "audio": 414, "video": 37 * 1008}
-    assert seq["seq_len"] == 38010  # "about 38k" (H3_FACTS section 3)
-
-
-@pytest.mark.parametrize("frames, snapped", [(1, 5), (5, 5), (6, 22), (120, 124), (124, 124), (362, 362)])
-def test_frames_snap_to_the_17k_plus_5_grid(frames, snapped):
-    assert costmodel.align_frame_count(frames) == snapped
+@pytest.mark.upstream
+def test_frames_and_latents_follow_the_pin(pin_tree):
+    # the pin's align_frame_count / video_latent_t / temporal_shape (comfy_extras/nodes_minimax_h3.py)
+    pin = pin_functions(pin_tree, "comfy_extras/nodes_minimax_h3.py",
+                        ("align_frame_count", "video_latent_t", "temporal_shape"))
+    for frames in range(1, 800):
+        count, latent_t, audio_t = pin["temporal_shape"](frames)
+        seq = costmodel.packed_sequence(1344, 768, frames)
+        assert costmodel.align_frame_count(frames) == count == seq["frames"]
+        assert costmodel.video_latent_t(count) == latent_t == seq["latent"][0]
+        assert seq["audio_latents"] == audio_t and seq["segments"]["audio"] == 2 * audio_t  # stereo rows
 
 
 def test_keyframes_add_one_latent_frame_each():
-    base = costmodel.packed_sequence(1344, 768, 124)["seq_len"]
-    assert costmodel.packed_sequence(1344, 768, 124, keyframes=2)["seq_len"] == base + 2 * 1008
+    base = costmodel.packed_sequence(1344, 768, 124)
+    lt, lh, lw = base["latent"]
+    assert base["segments"]["video"] == lt * (lh // 2) * (lw // 2)  # 2x2 patches
+    assert costmodel.packed_sequence(1344, 768, 124, keyframes=2)["seq_len"] == base["seq_len"] + 2 * (lh // 2) * (lw // 2)
 
 
 def test_parameters_and_weights_match_the_33b_model():
@@ -39,19 +42,29 @@ def test_parameters_and_weights_match_the_33b_model():
     assert 66e9 < mem["weights"] < 66.6e9  # "about 66 GB at BF16", on every device
 
 
-def test_exchange_model():
+def test_exchange_model_modes():
+    # the byte counts themselves are measured against real runs (tests/test_parity_dit.py); here the choices
     kw = dict(hidden=5376, heads=56, head_dim=128, blocks=50)
     assert costmodel.exchange_elements(38010, 1, **kw)["total"] == 0
-    u = costmodel.exchange_elements(38010, 4, **kw)
-    assert u["attention"] == "ulysses"
-    assert u["per_block"] == 4 * 38010 * 3 * (7168 // 4)  # q, k, v there and the output back, 3/4 of it remote
-    sizes = costmodel.shard_sizes(38010, 4)
-    assert sizes == [9503, 9503, 9502, 9502]
-    assert u["final_gather"] == 4 * 3 * 9503 * 5376
-    g = costmodel.exchange_elements(38010, 3, **kw)  # 56 heads do not split over 3: K/V gather
-    assert g["attention"] == "kv_gather" and g["per_block"] == 3 * 2 * 12670 * 2 * 7168
+    assert costmodel.exchange_elements(38010, 4, **kw)["attention"] == "ulysses"
+    assert costmodel.exchange_elements(38010, 3, **kw)["attention"] == "kv_gather"  # 56 heads do not split over 3
     with pytest.raises(ValueError, match="divisible"):
         costmodel.exchange_elements(38010, 3, attention="ulysses", **kw)
+
+
+def test_one_forward_per_step_unless_cfg(runner):
+    basic, cfg = (costmodel.plan(1344, 768, 124, 4, guider=g) for g in ("basic", "cfg"))
+    assert basic["forwards_per_step"] == 1 and basic["bytes_per_step"] == basic["bytes_per_forward"]
+    assert cfg["forwards_per_step"] == 2 and cfg["bytes_per_step"] == 2 * basic["bytes_per_step"]
+    assert cfg["flops_per_device_step"] == 2 * basic["flops_per_device_step"]
+    argv = ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "4"]
+    out = runner.invoke(main, argv).output
+    assert "BasicGuider, 1 forward per step" in out and "pass --cfg for a CFG guider" in out
+    out = runner.invoke(main, argv + ["--cfg"]).output
+    assert "CFG guider, 2 forwards per step" in out
+    r = runner.invoke(main, argv + ["--cfg", "--json"])
+    doc = jsondoc.data(r.stdout, r.exit_code)
+    assert doc["plans"][0]["guider"] == "cfg" and doc["plans"][0]["forwards_per_step"] == 2
 
 
 def test_more_devices_less_work_each():

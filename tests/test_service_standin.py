@@ -131,7 +131,7 @@ def test_start_again_reports_the_running_instance(home):
     assert "already running" in again.stdout and str(pid) in again.stdout
     assert len(home.boots()) == 1
     other = h3kit("start", "--comfy-home", home.path, "--runtime-root", home.root, "--devices", "0",
-                  "--device-type", "cpu", "--port", free_port(home.port + 1, 8469))
+                  "--device-type", "cpu", "--port", free_port(8410, 8469, exclude=(home.port,)))
     assert other.returncode == 1 and "already_running" in other.stderr
     assert len(home.boots()) == 1
 

@@ -58,10 +58,15 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_text()[-3000:]}")
             try:
-                http("GET", self.url + "/system_stats", timeout=2)
-                return self
+                stats = http("GET", self.url + "/system_stats", timeout=2)
             except OSError:
                 time.sleep(0.3)
+                continue
+            # the answer must come from this server: another run's server may hold the port (ours then exits
+            # on its failed bind, which the poll above reports)
+            if str(self.output) in (stats.get("system") or {}).get("argv", []):
+                return self
+            time.sleep(0.3)
         raise RuntimeError(f"server not healthy in {timeout} s:\n{self.log_text()[-3000:]}")
 
     def stop(self):

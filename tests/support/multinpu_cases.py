@@ -99,6 +99,32 @@ def case_collectives(comm, mn, heads=56, head_dim=4):
     _check(torch.equal(mn.broadcast(mine, comm, src=p - 1), src_data), "broadcast from the last rank")
     checked.append("all_reduce, reduce, broadcast")
 
+    # 16-bit partial sums: added in fp32 and rounded once, as one device's fp32-accumulating matmul does.
+    # Magnitudes in [0.5, 4) keep every fp32 sum of P bf16 values exact, so the reference (the exact sum,
+    # rounded once to bf16) is the one right answer; adding in bf16 rounds after every addition and misses it
+    g = torch.Generator().manual_seed(17)
+    mags = torch.rand((p, 64), generator=g) * 3.5 + 0.5
+    signs = torch.randint(0, 2, (p, 64), generator=g) * 2 - 1
+    halves = (mags * signs).to(torch.bfloat16)
+    exact = halves.double().sum(0).to(torch.bfloat16)
+    got = mn.all_reduce(halves[r].clone(), comm)
+    _check(got.dtype == torch.bfloat16 and torch.equal(got, exact), "bf16 all_reduce sums in fp32, rounds once")
+    red = mn.reduce(halves[r].clone(), comm, dst=0)
+    if r == 0:
+        _check(red.dtype == torch.bfloat16 and torch.equal(red, exact), "bf16 reduce sums in fp32, rounds once")
+    checked.append("bf16 all_reduce, reduce")
+
+    # gather_v onto one rank: uneven shards, dims 0 and 1, sizes known and exchanged
+    total = 3 * p + 1
+    sizes = mn.shard_sizes(total, p)
+    full = _full((2, total, 5), seed=18)
+    for dst in {0, p - 1}:
+        got = mn.gather_v(_shard(full, sizes, r, 1).contiguous(), comm, sizes=sizes, dst=dst, dim=1)
+        _check(torch.equal(got, full) if r == dst else got is None, f"gather_v onto rank {dst}")
+    got = mn.gather_v(_shard(full, sizes, r, 1).contiguous(), comm, dst=0, dim=1)
+    _check(torch.equal(got, full) if r == 0 else got is None, "gather_v with exchanged sizes")
+    checked.append("gather_v")
+
     # peer copy 0 -> P-1; on dst the buffer is filled, and is not the sender's memory
     payload = _full((3, 4), seed=16)
     buf = payload.clone() if r == 0 else torch.zeros(3, 4)

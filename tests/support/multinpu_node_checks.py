@@ -178,7 +178,14 @@ def wrapper_paths():
     ref = _forward(patcher)
     m = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu"] * 3)
     w = comfy.multinpu_dit.get_wrapper(m)
+    # the final layer must run once, on rank 0: the others stop after the last block
+    final_calls = [0, 0, 0]
+    models = [patcher.model] + w.replicas[1:]
+    hooks = [mdl.diffusion_model.final_layer.register_forward_hook(
+        lambda mod, a, o, r=r: final_calls.__setitem__(r, final_calls[r] + 1)) for r, mdl in enumerate(models)]
     par = _forward(m)
+    for h in hooks:
+        h.remove()
     replicas_share = all(r.diffusion_model is not patcher.model.diffusion_model and
                          r.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr()
                          == patcher.model.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr()
@@ -188,7 +195,9 @@ def wrapper_paths():
     no_wrapper = _forward(bare)
     again = comfy.multinpu_dit.apply_sequence_parallel(m, w.devices)
     return {"equal": all(torch.equal(a, b) for a, b in zip(ref, par)), "forwards": w.forwards,
-            "bytes": w.bytes_moved, "attention_heads": 8, "replicas_share_weights": replicas_share,
+            "rank_forwards": w.rank_forwards, "final_layer_calls": final_calls,
+            "bytes": w.bytes_moved, "bytes_received": w.bytes_received, "attention_heads": 8,
+            "replicas_share_weights": replicas_share,
             "replicas": len(w.replicas), "extra_models": len(m.get_additional_models_with_key(comfy.multinpu_dit.KEY)),
             "blocks_without_wrapper_equal": all(torch.equal(a, b) for a, b in zip(ref, no_wrapper)),
             "reapplied_wrappers": len(again.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, comfy.multinpu_dit.KEY)),
@@ -228,7 +237,36 @@ def _sp_model(timeout):
 
 
 @check
+def inputs_copied_before_rank0_works():
+    """The workers copy their inputs off rank 0's device before rank 0 queues its own work there (where their
+    copies would wait behind it): each worker's copy is slowed down, and rank 0's first op must come after."""
+    import comfy.multinpu_dit
+    m, w = _sp_model(timeout=30.0)
+    copied, started = [], []
+    real = comfy.multinpu_dit.take_inputs
+
+    def slow_copy(inputs, comm):
+        if comm.rank == 0:  # rank 0 copies nothing
+            return real(inputs, comm)
+        time.sleep(0.3)
+        out = real(inputs, comm)
+        copied.append(time.monotonic())
+        return out
+
+    hook = m.model.diffusion_model.video_patch_proj.register_forward_pre_hook(
+        lambda mod, args: started.append(time.monotonic()))
+    comfy.multinpu_dit.take_inputs = slow_copy
+    try:
+        _forward(m)
+    finally:
+        comfy.multinpu_dit.take_inputs = real
+        hook.remove()
+    return {"copies": len(copied), "rank0_started_after": bool(started) and min(started) >= max(copied)}
+
+
+@check
 def rank_failure():
+    import torch
     import comfy.multinpu
     m, w = _sp_model(timeout=30.0)
     real = comfy.multinpu.all_gather_v
@@ -248,12 +286,15 @@ def rank_failure():
     finally:
         comfy.multinpu.all_gather_v = real
     elapsed = time.monotonic() - t0
-    recovered = _forward(m) is not None
+    # the next forward on the same model is the one-device result, bit for bit
+    patcher, _ = _tiny_patcher()
+    recovered = all(torch.equal(a, b) for a, b in zip(_forward(m), _forward(patcher)))
     return {"error": err, "seconds": elapsed, "recovered": recovered}
 
 
 @check
 def stall():
+    import torch
     import comfy.multinpu
     timeout = 1.0
     m, w = _sp_model(timeout=timeout)
@@ -275,7 +316,8 @@ def stall():
         comfy.multinpu.all_gather_v = real
     elapsed = time.monotonic() - t0
     old = w._threads
-    recovered = _forward(m) is not None
+    patcher, _ = _tiny_patcher()
+    recovered = all(torch.equal(a, b) for a, b in zip(_forward(m), _forward(patcher)))
     # the abandoned worker wakes up, hits the broken group and exits: it must not outlive the process
     old_exited = old.join(15.0)
     return {"error": err, "seconds": elapsed, "timeout": timeout, "pool_broken": old.broken, "recovered": recovered,

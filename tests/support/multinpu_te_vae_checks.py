@@ -230,10 +230,13 @@ def te_gqa_uneven_groups():
 
 @check
 def te_rank_failure():
-    """A rank that raises inside the split text encoder surfaces as its own error, naming the rank."""
+    """A rank that raises inside the split text encoder surfaces as its own error, naming the rank; the next
+    encode on the same text encoder gives the result it gave before, bit for bit."""
+    import torch
     import comfy.multinpu
     import comfy.multinpu_te as te
     par = te.apply_tensor_parallel(_clip(), ["cpu"] * 4, timeout=5)
+    before = _encode(par)
     real = comfy.multinpu.all_reduce
 
     def failing(x, comm):
@@ -244,11 +247,59 @@ def te_rank_failure():
     comfy.multinpu.all_reduce = failing
     try:
         _encode(par)
-        return {"raised": None}
+        out = {"raised": None}
     except MemoryError as e:
-        return {"raised": type(e).__name__, "notes": getattr(e, "__notes__", [])}
+        out = {"raised": type(e).__name__, "notes": getattr(e, "__notes__", [])}
     finally:
         comfy.multinpu.all_reduce = real
+    out["recovered"] = torch.equal(_encode(par), before)
+    return out
+
+
+def _rank0_starts_after_copies(slow_module, name, run, start_module, is_copy=lambda *args: True):
+    """Slow every worker's input copy (slow_module.name, where is_copy(*args)) by 0.3 s and tell whether rank 0's
+    first op (a forward pre-hook on start_module) came after all of them: the workers must copy their inputs off
+    rank 0's device before rank 0 queues its own work there, where their copies would wait behind it."""
+    import time
+    real = getattr(slow_module, name)
+    copied, started = [], []
+
+    def slow(*args, **kwargs):
+        if not is_copy(*args):
+            return real(*args, **kwargs)
+        time.sleep(0.3)
+        out = real(*args, **kwargs)
+        copied.append(time.monotonic())
+        return out
+
+    hook = start_module.register_forward_pre_hook(lambda mod, args: started.append(time.monotonic()))
+    setattr(slow_module, name, slow)
+    try:
+        run()
+    finally:
+        setattr(slow_module, name, real)
+        hook.remove()
+    return {"copies": len(copied), "rank0_started_after": bool(copied) and bool(started) and min(started) >= max(copied)}
+
+
+@check
+def te_inputs_copied_before_rank0_works():
+    import comfy.multinpu_te as te
+    par = te.apply_tensor_parallel(_clip(), ["cpu"] * 4, timeout=30)
+    return _rank0_starts_after_copies(te, "take_inputs", lambda: _encode(par, image=False),
+                                      te.find_decoder(par.cond_stage_model).layers[0],
+                                      is_copy=lambda inputs, comm, moved: comm.rank > 0)
+
+
+@check
+def vae_inputs_copied_before_rank0_works():
+    import torch
+    import comfy.multinpu_vae as mv
+    par = mv.apply_decode_parallel(_vae(), ["cpu"] * 4, timeout=30)
+    z = torch.randn(1, 24, 22, 2, 2, generator=torch.Generator().manual_seed(2))  # 4 chunks: one wave on 4 ranks
+    # rank 0 decodes its own slice (no copy); its first op is its own VAE's post_quant_conv (the replicas have theirs)
+    return _rank0_starts_after_copies(mv, "take_latents", lambda: par.decode(z), par.first_stage_model.post_quant_conv,
+                                      is_copy=lambda chunk, comm: comm.rank > 0)
 
 
 @check

@@ -23,9 +23,17 @@ STANDIN_CLI_ARGS = SUPPORT / "standin_cli_args.py"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def free_port(lo: int, hi: int) -> int:
-    """The first port in [lo, hi] nothing listens on (ports 8400-8499 belong to the service tests)."""
-    for port in range(lo, hi + 1):
+# make test runs the torch-free tests on other Pythons beside the main run: each run shifts every test's port
+# band by its own offset, so runs in parallel never pick the same free port
+PORT_OFFSET = int(os.environ.get("H3KIT_TEST_PORT_OFFSET", "0"))
+
+
+def free_port(lo: int, hi: int, exclude=()) -> int:
+    """The first port in [lo, hi] (shifted by PORT_OFFSET) nothing listens on, other than `exclude`
+    (ports 8400-8499 belong to the service tests)."""
+    for port in range(lo + PORT_OFFSET, hi + PORT_OFFSET + 1):
+        if port in exclude:
+            continue
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -33,7 +41,7 @@ def free_port(lo: int, hi: int) -> int:
                 return port
             except OSError:
                 continue
-    raise RuntimeError(f"no free port in {lo}-{hi}")
+    raise RuntimeError(f"no free port in {lo + PORT_OFFSET}-{hi + PORT_OFFSET}")
 
 
 def port_is_free(port: int) -> bool:

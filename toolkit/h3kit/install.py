@@ -768,7 +768,7 @@ def _verify_models(home: Path, root: Path, state: dict | None, problems: list, w
                             "(h3kit install removes it)")
     except H3kitError as e:
         problems.append(e.message)
-    search = wf_models.open_install(str(home)).model_dirs
+    search = wf_models.open_install(str(home)).model_dirs if dirs else {}
     found: dict[str, list[str]] = {}
     for d in dirs:
         if not os.path.isdir(d):

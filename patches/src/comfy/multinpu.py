@@ -43,6 +43,29 @@ class CollectiveTimeout(CollectiveError):
     """A rank did not reach a collective (or finish its work) within the group's timeout."""
 
 
+# 16-bit partial results are summed in fp32 and rounded once: adding P bf16 partials in bf16 rounds
+# after every addition, an error one device (whose matmul accumulates in fp32) never makes
+ACCUMULATE_DTYPES = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def _sum_in_rank_order(parts: list, dtype: torch.dtype) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in rank order (so every rank gets bit-identical sums), accumulated in fp32
+    for 16-bit dtypes, returned in `dtype` (a new tensor)."""
+    out = parts[0].to(ACCUMULATE_DTYPES.get(dtype, dtype), copy=True)
+    for p in parts[1:]:
+        out += p
+    return out.to(dtype)
+
+
+def _add_note(exc: BaseException, note: str):
+    # BaseException.add_note is Python 3.11+. On 3.10 the note goes where 3.11 keeps it (__notes__); either
+    # way the exception keeps its type, so an OOM on rank 2 still reads as an OOM to ComfyUI's handler
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
 def _stream_sync(device: torch.device):
     # Peer copies read another rank's tensor outside that rank's stream order: the producer must have
     # finished writing it before it is published, and the reader must have finished copying before the
@@ -62,7 +85,8 @@ class ThreadGroup:
     devices[r] is rank r's device; the same device may appear several times (the CPU simulation is
     ["cpu"] * P). One group serves one SPMD run: once a rank failed or timed out the group stays
     broken and every later collective on it raises at once, so create a new group per run.
-    bytes_moved counts the bytes copied between ranks (a rank's own data is not counted).
+    bytes_moved counts the bytes copied between ranks (a rank's own data is not counted), bytes_received[r]
+    the part of them that rank r received.
     """
 
     def __init__(self, devices, timeout: float = DEFAULT_TIMEOUT):
@@ -72,6 +96,7 @@ class ThreadGroup:
         self.world_size = len(self.devices)
         self.timeout = float(timeout)
         self.bytes_moved = 0
+        self.bytes_received = [0] * self.world_size
         self._lock = threading.Lock()
         self._mail_cv = threading.Condition(self._lock)
         self._barrier = threading.Barrier(self.world_size)
@@ -151,13 +176,14 @@ class ThreadGroup:
             root = failure[1] if failure is not None else errors[min(errors)]
             rank = failure[0] if failure is not None else min(errors)
             if rank is not None and not isinstance(root, CollectiveError):
-                root.add_note(f"raised on rank {rank} ({self.devices[rank]}) of {self.world_size}")
+                _add_note(root, f"raised on rank {rank} ({self.devices[rank]}) of {self.world_size}")
             raise root
         return results
 
-    def _count(self, nbytes: int):
+    def _count(self, nbytes: int, rank: int):
         with self._lock:
             self.bytes_moved += nbytes
+            self.bytes_received[rank] += nbytes
 
     def _wait(self, rank: int, op: str):
         try:
@@ -203,7 +229,7 @@ class ThreadComm:
 
     def _copy_in(self, t: torch.Tensor) -> torch.Tensor:
         # copy=True: on the CPU simulation (and two ranks on one card) .to() would otherwise alias
-        self.group._count(t.numel() * t.element_size())
+        self.group._count(t.numel() * t.element_size(), self.rank)
         return t.to(self.device, non_blocking=True, copy=True)
 
     def _rendezvous(self, op: str, value, take):
@@ -235,21 +261,28 @@ class ThreadComm:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # sum in rank order on every rank, so all ranks hold bit-identical results
-        parts = self.all_gather(x)
-        out = parts[0].clone()
-        for p in parts[1:]:
-            out += p
-        return out
+        return _sum_in_rank_order(self.all_gather(x), x.dtype)
 
     def reduce(self, x: torch.Tensor, dst: int):
         def take(slots):
             if self.rank != dst:
                 return None
-            out = x.clone() if dst == 0 else self._copy_in(slots[0])
-            for i in range(1, self.world_size):
-                out += x if i == dst else self._copy_in(slots[i])
-            return out
+            return _sum_in_rank_order([x if i == dst else self._copy_in(slots[i]) for i in range(self.world_size)],
+                                      x.dtype)
         return self._rendezvous("reduce", x, take)
+
+    def gather(self, x: torch.Tensor, dst: int, rows: list):
+        """On dst: P tensors, [i] from rank i with rows[i] rows in dim 0; None on the other ranks."""
+        def take(slots):
+            if self.rank != dst:
+                return None
+            return [x if i == self.rank else self._copy_in(slots[i]) for i in range(self.world_size)]
+        got = self._rendezvous("gather", x, take)
+        for i, t in enumerate(got or []):
+            if t.shape[0] != rows[i]:
+                raise CollectiveError(f"gather: rank {self.rank} expected {rows[i]} rows from rank {i}, "
+                                      f"got shape {tuple(t.shape)}")
+        return got
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         return self._rendezvous("broadcast", x, lambda slots: x if self.rank == src else self._copy_in(slots[src]))
@@ -302,7 +335,7 @@ class ThreadComm:
             done.set()
             raise CollectiveError(f"recv: rank {self.rank} expected {tuple(buf.shape)} {buf.dtype} from rank {src}, "
                                   f"got {tuple(x.shape)} {x.dtype}")
-        g._count(x.numel() * x.element_size())
+        g._count(x.numel() * x.element_size(), self.rank)
         buf.copy_(x, non_blocking=True)
         _stream_sync(self.device)
         done.set()
@@ -360,18 +393,29 @@ class ProcessComm:
         return list(recv.split(list(recv_rows)))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in ACCUMULATE_DTYPES:
+            # the partials themselves, summed here in fp32: the backend would add them in their own dtype
+            return _sum_in_rank_order(self.all_gather(x), x.dtype).reshape(x.shape)
         out = x.clone()
         self._call("all_reduce", torch.distributed.all_reduce, out)
         self._count((self.world_size - 1) * x.numel() * x.element_size())
         return out
 
     def reduce(self, x: torch.Tensor, dst: int):
-        out = x.clone()
+        out = x.to(ACCUMULATE_DTYPES.get(x.dtype, x.dtype), copy=True)
         self._call("reduce", torch.distributed.reduce, out, self._global(dst))
         if self.rank != dst:
             return None
-        self._count((self.world_size - 1) * x.numel() * x.element_size())
-        return out
+        self._count((self.world_size - 1) * out.numel() * out.element_size())
+        return out.to(x.dtype)
+
+    def gather(self, x: torch.Tensor, dst: int, rows: list):
+        # point to point: shards of different lengths move at their own length (gather needs equal sizes)
+        if self.rank != dst:
+            self.send(x, dst)
+            return None
+        return [x if i == self.rank else self.recv(x.new_empty((rows[i],) + tuple(x.shape[1:])), i)
+                for i in range(self.world_size)]
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
         out = x.contiguous() if self.rank == src else torch.empty_like(x)
@@ -485,6 +529,19 @@ def _exchange_sizes(n: int, comm) -> list:
     return [int(t.item()) for t in comm.all_gather(local)]
 
 
+def _shard_sizes_of(x: torch.Tensor, comm, sizes, dim: int, op: str):
+    """(dim normalised, the P shard sizes as ints): exchanged when not given, checked against x."""
+    dim = dim % x.dim()
+    if sizes is None:
+        sizes = _exchange_sizes(x.shape[dim], comm)
+    sizes = [int(n) for n in sizes]
+    assert len(sizes) == comm.world_size, f"{op}: {len(sizes)} sizes for {comm.world_size} ranks"
+    assert x.shape[dim] == sizes[comm.rank], (
+        f"{op}: rank {comm.rank} holds x {tuple(x.shape)}, {x.shape[dim]} rows in dim {dim}, "
+        f"but sizes[{comm.rank}] = {sizes[comm.rank]}")
+    return dim, sizes
+
+
 def all_gather_v(x: torch.Tensor, comm, sizes=None, dim: int = 0) -> torch.Tensor:
     """Gather uneven shards along `dim`: [.., s_r, ..] on rank r -> [.., S, ..] on every rank, in rank order.
 
@@ -494,20 +551,29 @@ def all_gather_v(x: torch.Tensor, comm, sizes=None, dim: int = 0) -> torch.Tenso
     """
     if comm.world_size == 1:
         return x
-    dim = dim % x.dim()
-    if sizes is None:
-        sizes = _exchange_sizes(x.shape[dim], comm)
-    sizes = [int(n) for n in sizes]
-    assert len(sizes) == comm.world_size, f"all_gather_v: {len(sizes)} sizes for {comm.world_size} ranks"
-    assert x.shape[dim] == sizes[comm.rank], (
-        f"all_gather_v: rank {comm.rank} holds x {tuple(x.shape)}, {x.shape[dim]} rows in dim {dim}, "
-        f"but sizes[{comm.rank}] = {sizes[comm.rank]}")
+    dim, sizes = _shard_sizes_of(x, comm, sizes, dim, "all_gather_v")
     rows = x.movedim(dim, 0)                                               # [s_r, ...]
     pad = max(sizes) - sizes[comm.rank]
     if pad:
         rows = torch.cat([rows, rows.new_zeros((pad,) + tuple(rows.shape[1:]))])  # [max s, ...]
     parts = comm.all_gather(rows.contiguous())                             # P x [max s, ...]
     out = torch.cat([p[:n] for p, n in zip(parts, sizes)])                 # [S, ...]
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):
+    """Gather uneven shards onto one rank: [.., s_r, ..] on rank r -> [.., S, ..] on dst, None on the others.
+
+    sizes: the P values s_r if the caller knows them (else they are exchanged first). Each shard moves
+    once, at its own length (no padding): S - s_dst rows arrive on dst. World size 1 returns x.
+    """
+    if comm.world_size == 1:
+        return x
+    dim, sizes = _shard_sizes_of(x, comm, sizes, dim, "gather_v")
+    parts = comm.gather(x.movedim(dim, 0).contiguous(), dst, sizes)    # on dst: P x [s_i, ...]
+    if parts is None:
+        return None
+    out = torch.cat(parts)                                                 # [S, ...]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 

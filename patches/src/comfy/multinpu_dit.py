@@ -13,8 +13,9 @@ A forward on P devices (MiniMaxH3Model is not edited; comfy/ldm/minimax/model.py
    each rank either trades heads for sequence with two all-to-alls (Ulysses: H/P whole-sequence heads
    per rank, when P divides the heads; 56 heads: P = 2, 4, 7, 8) or gathers K and V along the
    sequence (any P). Attention itself is upstream's backend on the exact K/V, so the result is exact.
-5. The last block's replacement all-gathers the shards; the final layer sees the full sequence with
-   its absolute video/audio slices, and rank 0's output is the model's output.
+5. The last block's replacement gathers the shards onto rank 0 only, whose final layer sees the full
+   sequence with its absolute video/audio slices; its output is the model's output. Ranks 1..P-1 stop
+   after the last block (they have nothing left to compute).
 
 Every rank holds the full DiT weights (about 66 GB at BF16 for H3): sequence parallelism splits the
 activations and the attention work, not the weights.
@@ -43,6 +44,22 @@ if TYPE_CHECKING:
 RANK_KEY = "multinpu_rank"           # transformer_options: this rank's _RankState during a forward
 KEY = "multinpu_sequence_parallel"   # wrapper key and additional-models key on the ModelPatcher
 ATTENTION_MODES = ("auto", "ulysses", "kv_gather")
+
+# Test seam for `h3kit parity --inject-fault`: None in normal runs. The parity worker sets a callable
+# (stage, rank_state, tensor) -> tensor that corrupts one stage of the parallel path on purpose, to show
+# that its gates catch it. Stages: "rope" (the full RoPE table, before the rank takes its rows), "ulysses"
+# (q, k, v after the all-to-all, [3B, H/P, S, D]), "attention" (the rank's attention output, [B, s_r, H*D]),
+# "gathered" (the final gather on rank 0, [S, hidden]).
+fault_hook = None
+
+
+def _fault(stage: str, state, t: torch.Tensor) -> torch.Tensor:
+    return t if fault_hook is None else fault_hook(stage, state, t)
+
+
+class _RankDone(BaseException):
+    """Raised on ranks 1..P-1 after the last block, caught by SequenceParallelDiT: nothing left to compute
+    there. A BaseException, so no `except Exception` between the block and the wrapper can take it for an error."""
 
 
 def rebase_segments(segments, start: int, stop: int):
@@ -75,7 +92,7 @@ class _RankState:
         self.start = sum(self.sizes[:self.comm.rank])
         self.stop = self.start + self.sizes[self.comm.rank]
         self.mod_segments = rebase_segments(args["mod_segments"], self.start, self.stop)
-        rope = args["rope_freqs"]  # [1, S, 1, rot/2, 2, 2]
+        rope = _fault("rope", self, args["rope_freqs"])  # [1, S, 1, rot/2, 2, 2]
         if rope is None or rope.shape[1] != total:
             raise RuntimeError(f"MultiNPU: expected a RoPE table with {total} rows, got {None if rope is None else tuple(rope.shape)}")
         self.rope_freqs = rope[:, self.start:self.stop]
@@ -125,22 +142,23 @@ class SequenceParallelAttention:
             hp = h // comm.world_size
             qkv = torch.cat([q, k, v])                                             # [3B, H, s_r, D]
             qkv = comfy.multinpu.all_to_all_scatter_heads(qkv, comm, st.sizes)     # [3B, H/P, S, D]
-            q, k, v = qkv.chunk(3)
+            q, k, v = _fault("ulysses", st, qkv).chunk(3)
             out = self._local(func, q, k, v, hp, *args, **kwargs)                  # [B, S, H/P*D]
             out = out.reshape(b, -1, hp, d)                                        # [B, S, H/P, D]
             out = comfy.multinpu.all_to_all_gather_heads(out, comm, st.sizes)      # [B, s_r, H, D]
-            return out.reshape(b, s, h * d)                                        # [B, s_r, H*D]
+            return _fault("attention", st, out.reshape(b, s, h * d))               # [B, s_r, H*D]
         kv = torch.cat([k, v])                                                     # [2B, H, s_r, D]
         kv = comfy.multinpu.all_gather_v(kv, comm, sizes=st.sizes, dim=2)          # [2B, H, S, D]
         k, v = kv.chunk(2)
-        return self._local(func, q, k, v, h, *args, **kwargs)                      # [B, s_r, H*D]
+        return _fault("attention", st, self._local(func, q, k, v, h, *args, **kwargs))  # [B, s_r, H*D]
 
 
 class SequenceParallelBlock:
     """patches_replace["dit"][("double_block", index)]: run the block on this rank's shard.
 
-    Block 0 takes the shard, the last block all-gathers the shards back into the full sequence.
-    Outside SequenceParallelDiT (no rank state in transformer_options) it runs the block unchanged.
+    Block 0 takes the shard, the last block gathers the shards back into the full sequence on rank 0 (the
+    other ranks stop there). Outside SequenceParallelDiT (no rank state in transformer_options) it runs the
+    block unchanged.
     """
 
     def __init__(self, index: int, last: bool):
@@ -156,7 +174,10 @@ class SequenceParallelBlock:
                                        "rope_freqs": state.rope_freqs,
                                        "transformer_options": state.block_options})["img"]
         if self.last:
-            out = comfy.multinpu.all_gather_v(out, state.comm, sizes=state.sizes)  # [s_r, hidden] -> [S, hidden]
+            out = comfy.multinpu.gather_v(out, state.comm, sizes=state.sizes, dst=0)  # [s_r, hidden] -> [S, hidden] on rank 0
+            if out is None:
+                raise _RankDone()
+            out = _fault("gathered", state, out)
         return {"img": out}
 
 
@@ -170,12 +191,17 @@ def _to(obj, device):
     return obj
 
 
+def take_inputs(inputs: tuple, comm) -> tuple:
+    """Rank comm.rank's own copy of the forward's inputs on its device (rank 0 runs on them as they are)."""
+    return inputs if comm.rank == 0 else _to(inputs, comm.device)
+
+
 class SequenceParallelDiT:
     """DIFFUSION_MODEL wrapper running MiniMaxH3Model._forward sequence-parallel on `devices`.
 
     replicas[r] (r >= 1) is the BaseModel whose diffusion_model rank r runs; replicas[0] is None (rank 0
-    is the wrapped model itself). One forward at a time per wrapper. forwards and bytes_moved count what
-    ran, for logs and `h3kit parity`.
+    is the wrapped model itself). One forward at a time per wrapper. forwards, rank_forwards (per rank),
+    bytes_moved and bytes_received (per rank) count what ran, for logs and `h3kit parity`.
     """
 
     def __init__(self, devices, replicas, attention: str = "auto", timeout: float = comfy.multinpu.DEFAULT_TIMEOUT):
@@ -186,7 +212,9 @@ class SequenceParallelDiT:
         self.attention = attention
         self.timeout = timeout
         self.forwards = 0
+        self.rank_forwards = [0] * len(self.devices)
         self.bytes_moved = 0
+        self.bytes_received = [0] * len(self.devices)
         self._threads = None
         self._lock = threading.Lock()
 
@@ -215,21 +243,29 @@ class SequenceParallelDiT:
         def rank_forward(comm):
             options = transformer_options.copy()
             options[RANK_KEY] = _RankState(comm, self.attention)
-            if comm.rank == 0:
-                return executor(x, timestep, context, options, *args, **kwargs)
-            # the rest of the wrapper chain, ending in the replica's own _forward
-            replica = self.replicas[comm.rank].diffusion_model
-            run = comfy.patcher_extension.WrapperExecutor.new_class_executor(
-                replica._forward, replica, executor.wrappers, idx=executor.idx + 1)
-            dev = comm.device
-            return run.execute(_to(x, dev), _to(timestep, dev), _to(context, dev), options,
-                               *_to(args, dev), **_to(kwargs, dev))
+            run = executor
+            if comm.rank > 0:
+                # the rest of the wrapper chain, ending in the replica's own _forward
+                replica = self.replicas[comm.rank].diffusion_model
+                run = comfy.patcher_extension.WrapperExecutor.new_class_executor(
+                    replica._forward, replica, executor.wrappers, idx=executor.idx + 1).execute
+            inputs = take_inputs((x, timestep, context, args, kwargs), comm)
+            # the workers copy their inputs from rank 0's device before rank 0 queues its own work there,
+            # where their copies would otherwise wait behind it
+            comfy.multinpu.barrier(comm)
+            self.rank_forwards[comm.rank] += 1
+            x_r, timestep_r, context_r, args_r, kwargs_r = inputs
+            try:
+                return run(x_r, timestep_r, context_r, options, *args_r, **kwargs_r)
+            except _RankDone:
+                return None
 
         t0 = time.perf_counter()
         with self._lock:
             out = group.run(rank_forward, self._pool())[0]
         self.forwards += 1
         self.bytes_moved += group.bytes_moved
+        self.bytes_received = [a + b for a, b in zip(self.bytes_received, group.bytes_received)]
         logging.debug(f"MultiNPU: DiT forward on {len(self.devices)} devices in {time.perf_counter() - t0:.3f} s, "
                       f"{group.bytes_moved / 2**20:.1f} MiB exchanged")
         return out

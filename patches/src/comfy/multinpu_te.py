@@ -237,6 +237,11 @@ def _copy_to(obj, device, moved: list):
     return obj
 
 
+def take_inputs(inputs: dict, comm, moved: list) -> dict:
+    """Rank comm.rank's own copy of the forward's keyword inputs (rank 0 runs on them as they are)."""
+    return inputs if comm.rank == 0 else _copy_to(inputs, comm.device, moved)
+
+
 class TextEncoderParallel:
     """Runs a Llama2_ forward on every rank: rank 0 in the caller's thread on ParallelLlama (the CLIP's
     own decoder), ranks 1..P-1 in worker threads on their shards.
@@ -285,9 +290,13 @@ class TextEncoderParallel:
             ctx = self.contexts[comm.rank]
             ctx.comm = comm
             try:
+                inputs = take_inputs(kwargs if comm.rank == 0 else others, comm, moved)
+                # the workers copy their inputs from rank 0's device before rank 0 queues its own work there,
+                # where their copies would otherwise wait behind it
+                comfy.multinpu.barrier(comm)
                 if comm.rank == 0:
-                    return comfy.text_encoders.llama.Llama2_.forward(decoder0, x, **kwargs)
-                return self.decoders[comm.rank](None, **_copy_to(others, comm.device, moved))
+                    return comfy.text_encoders.llama.Llama2_.forward(decoder0, x, **inputs)
+                return self.decoders[comm.rank](None, **inputs)
             finally:
                 ctx.comm = None
 

@@ -52,6 +52,11 @@ def plan_chunks(vae, z: torch.Tensor) -> list:
     return [z[:, :, i * size:i * size + size + vae.token_overlap, :, :] for i in range(num_chunks)]
 
 
+def take_latents(chunk: torch.Tensor, comm) -> torch.Tensor:
+    """Rank comm.rank's own copy of the latent chunk it decodes (rank 0 decodes the planned slice itself)."""
+    return chunk if comm.rank == 0 else chunk.to(comm.device, copy=True)
+
+
 def fetch_chunk(chunk: torch.Tensor, device: torch.device, src_rank: int) -> torch.Tensor:
     """A decoded chunk from the device of rank src_rank onto rank 0's `device` (a real copy, also when
     both are the same device in the CPU simulation, so no rank ever aliases another's output)."""
@@ -113,10 +118,13 @@ class VideoDecodeParallel:
 
         def rank_decode(comm):
             i = first + comm.rank
-            if i >= len(chunks):
+            z = take_latents(chunks[i], comm) if i < len(chunks) else None
+            # the workers copy their latents from rank 0's device before rank 0 queues its decode there:
+            # their copies would otherwise wait behind it, and the wave would decode one chunk at a time
+            comfy.multinpu.barrier(comm)
+            if z is None:
                 return None
             vae = vae0 if comm.rank == 0 else self.replicas[comm.rank]
-            z = chunks[i] if comm.rank == 0 else chunks[i].to(comm.device, copy=True)
             # upstream's chunk decode (spatial tiles inside), not the override that hands chunks back
             out = comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(vae, z)
             # rank 0 reads it from another thread: the kernels that wrote it must have finished

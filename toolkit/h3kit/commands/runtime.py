@@ -29,10 +29,13 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
 @click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
               help="Interpreter that runs ComfyUI (default: the one install recorded).")
-@click.option("--inject-fault", is_flag=True,
-              help="Make the parallel path wrong on purpose (dit: one device's shard left out of the gathers; "
-                   "te: out of the reductions and hand-overs; vae: other devices' chunks zeroed): the command "
-                   "must then exit 1.")
+@click.option("--inject-fault", "fault", is_flag=False, flag_value="", default=None, metavar="[FAULT]",
+              help="Make the parallel path wrong on purpose; the command must then exit 1. dit: shard (default: "
+                   "the last device's shard zeroed in the final gather), rope (RoPE rows off by one on devices > 0), "
+                   "heads (two heads swapped inside the Ulysses all-to-all), noise (1e-4 relative noise on one "
+                   "device's attention output), lora-twice / lora-missing (on the last device); te: reduce (one "
+                   "device's share left out of the reductions and hand-overs); vae: chunks (other devices' chunks "
+                   "zeroed).")
 @click.option("--timeout", type=click.FloatRange(min=1), default=parity_lib.DEFAULT_TIMEOUT, show_default=True,
               metavar="S", help="Seconds before the worker is killed.")
 @click.option("--weights", type=click.Choice(parity_lib.WEIGHTS), default="float", show_default=True,
@@ -40,17 +43,20 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
                    "published H3 INT8 files), through the NPU INT8 arm (its reference kernels on cpu).")
 @json_option
 @handle_errors
-def parity(comfy_home, component, device_type, npu_count, python, inject_fault, timeout, weights, as_json):
+def parity(comfy_home, component, device_type, npu_count, python, fault, timeout, weights, as_json):
     """Compare a multi-device run with one device (tiny random weights).
 
     dit: samples a tiny random-weight H3 DiT two steps with CFG on one device and through the
     MultiNPUParallelConfig node on --npu-count devices, for the t2va, fl2va and ref2va layouts (Ulysses
-    and K/V-gather attention each), and compares every DiT output. Gate: max_rel = max|parallel -
-    single| / max|single| <= 1e-5 (fp32).
+    and K/V-gather attention each), in fp32, in bf16 and with a random LoRA, and compares the video and
+    the audio output of every forward. Gate: max_rel = max|parallel - single| / max|single| <= 1e-5
+    (fp32) or 3e-2 (bf16) on each, every device ran every forward, and the LoRA is applied once on each.
 
     te: encodes a prompt alone, with a first-frame image and with image/video/audio references through
     a tiny Qwen3-VL text encoder loaded by CLIPLoader, tensor-parallel through the node and split by
-    layers. Gate: cos >= 0.99999 and rel_rms <= 1e-4 (fp32), every rank's hidden states identical.
+    layers, from an fp32 and a bf16 checkpoint (upstream computes the text encoder in fp32 either way).
+    Gate: max_rel <= 1e-5, cos >= 0.99999 and rel_rms <= 1e-4, every rank's hidden states identical; a
+    text encoder with a LoRA passes through the node to one device, unchanged.
 
     vae: decodes latents of 1 to 27 frames (1 to 5 temporal chunks) with a tiny video VAE loaded by
     VAELoader, and an audio latent. Gate: max_abs == 0 (bit-identical).
@@ -62,12 +68,14 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
     these are the acceptance checks: h3kit parity --component dit|te|vae --device-type npu --npu-count 4.
     """
     sigterm_as_interrupt()  # terminated like Ctrl-C: the worker, which holds the devices, is killed too
-    parity_lib.check_weights(component, weights)
-    kind = h3devices.resolve_device_type(device_type)
     n = int(npu_count)
+    if fault == "":
+        fault = parity_lib.FAULTS[component][0]
+    parity_lib.check_request(component, n, fault, weights)  # refused before the device probe, whatever the machine
+    kind = h3devices.resolve_device_type(device_type)
     err(f"h3kit: parity of {component}{' (INT8 weights)' if weights == 'int8' else ''} on {n} {kind} device(s)"
-        f"{' with an injected fault' if inject_fault else ''}")
-    report = parity_lib.run(comfy_home, component, kind, n, python=python, inject_fault=inject_fault, timeout=timeout,
+        f"{f' with the injected fault {fault}' if fault else ''}")
+    report = parity_lib.run(comfy_home, component, kind, n, python=python, fault=fault, timeout=timeout,
                             weights=weights)
     rows = report["rows"]
     failed = [r for r in rows if not r["pass"]]
@@ -84,28 +92,35 @@ def parity(comfy_home, component, device_type, npu_count, python, inject_fault, 
 def _print_rows(rows, config, component):
     devices = ", ".join(config.get("devices", []))
     if component == "dit":
-        click.echo(f"{component}: {config.get('dtype')}, {config.get('steps')} steps, cfg {config.get('cfg')}, "
-                   f"devices {devices}" + (", INT8 weights" if config.get("weights") == "int8" else ""))
         int8 = config.get("weights") == "int8"
-        click.echo(f"{'layout':8} {'attention':10} {'S':>5} {'fwd':>4} {'max_abs':>10} {'max_rel':>10} {'cos':>12} "
-                   f"{'rel_rms':>10} {'bytes':>10}  gate" + ("  INT8 calls (parallel side)" if int8 else ""))
+        click.echo(f"{component}: {', '.join(config.get('dtypes', []))}, {config.get('steps')} steps, "
+                   f"cfg {config.get('cfg')}, devices {devices}" + (", INT8 weights" if int8 else ""))
+        click.echo(f"{'layout':8} {'attention':10} {'dtype':9} {'lora':4} {'S':>5} {'fwd':>4} {'max_abs':>10} "
+                   f"{'max_rel':>10} {'worst':17} {'cos':>12} {'bytes':>9}  gate"
+                   + ("  INT8 calls (parallel side)" if int8 else ""))
         for r in rows:
             calls = ", ".join(f"{k} {v}" for k, v in r.get("int8_calls_parallel", {}).items())
-            click.echo(f"{r['layout']:8} {r['attention']:10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
-                       f"{r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} {r['bytes_moved']:>10}  "
-                       f"{'pass' if r['pass'] else 'FAIL'}" + (f"  {calls or 'none'}" if int8 else ""))
+            click.echo(f"{r['layout']:8} {r['attention']:10} {r['dtype']:9} {'yes' if r['lora'] else '-':4} "
+                       f"{r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} "
+                       f"{r['worst']:17} {r['cos']:>12.9f} {r['bytes_moved']:>9}  {_verdict(r)}"
+                       + (f"  {calls or 'none'}" if int8 else ""))
         return
-    click.echo(f"{component}: {config.get('dtype')}, devices {devices}, weight files read: "
-               f"{', '.join(f'{k} {v}' for k, v in config.get('reads', {}).items())}")
+    click.echo(f"{component}: {', '.join(config.get('dtypes', [config.get('dtype', '')]))}, devices {devices}, "
+               f"weight files read: {', '.join(f'{k} {v}' for k, v in config.get('reads', {}).items())}")
     if component == "te":
-        head, cells = f"{'layout':8} {'split':7} {'S':>4}", lambda r: f"{r['layout']:8} {r['mode']:7} {r['tokens']:>4}"
+        head = f"{'layout':8} {'split':7} {'dtype':9} {'S':>4}"
+        cells = lambda r: f"{r['layout']:8} {r['mode']:7} {r['dtype']:9} {r['tokens']:>4}"  # noqa: E731
     else:
         head = f"{'layout':8} {'frames':>6} {'chunks':>6}"
         cells = lambda r: f"{r['layout']:8} {r['frames']:>6} {r['chunks']:>6}"  # noqa: E731
     click.echo(f"{head} {'max_abs':>10} {'max_rel':>10} {'cos':>12} {'rel_rms':>10} {'reads':>5} {'bytes':>9}  gate")
     for r in rows:
         click.echo(f"{cells(r)} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} {r['cos']:>12.9f} {r['rel_rms']:>10.3g} "
-                   f"{r['weight_reads']:>5} {r['bytes_moved']:>9}  {'pass' if r['pass'] else 'FAIL'}")
+                   f"{r['weight_reads']:>5} {r['bytes_moved']:>9}  {_verdict(r)}")
+
+
+def _verdict(row) -> str:
+    return "pass" if row["pass"] else f"FAIL: {'; '.join(row.get('failed') or ['gate'])}"
 
 
 @click.command()
@@ -119,6 +134,10 @@ def _print_rows(rows, config, component):
 @click.option("--keyframes", type=click.Choice(["0", "1", "2"]), default="0", show_default=True,
               help="fl2va keyframes (first and/or last frame), each adding one latent frame of tokens.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--cfg", "guider", flag_value="cfg", default="basic",
+              help="A CFG guider (CFGGuider, KSampler with cfg > 1): two forwards per step, cond and uncond. "
+                   "Default: BasicGuider, one forward per step (H3 is CFG-distilled; every upstream H3 template "
+                   "and h3kit's workflows use it).")
 @click.option("--tflops", type=click.FloatRange(min=0, min_open=True), metavar="T",
               help="Effective TFLOP/s per device (from a calibration run) to predict compute seconds per step.")
 @click.option("--link-gbs", type=click.FloatRange(min=0, min_open=True), metavar="B",
@@ -128,12 +147,13 @@ def _print_rows(rows, config, component):
                    "and bandwidths (instead of --tflops / --link-gbs).")
 @json_option
 @handle_errors
-def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, tflops, link_gbs, calibration, as_json):
+def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider, tflops, link_gbs, calibration,
+         as_json):
     """Print the sequence-parallel cost model for a resolution and device count.
 
     For the real H3 DiT (50 blocks, hidden 5376, 56x128 heads, ffn 14336): the packed sequence, tokens
-    per device, FLOPs per device, bytes exchanged per block and per step (CFG: two forwards), and memory
-    per device (the full DiT weights plus estimated activations).
+    per device, FLOPs per device, bytes exchanged per block and per step (one forward per step with
+    BasicGuider, two with --cfg), and memory per device (the full DiT weights plus estimated activations).
     """
     counts = sorted({int(c) for c in npu_count})
     if calibration and (tflops or link_gbs):
@@ -141,11 +161,12 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, tflops
     measured = calibration_lib.load(calibration) if calibration else None
     try:
         plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
-                                dtype=dtype, tflops=tflops, link_gbs=link_gbs) for n in counts]
+                                dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider) for n in counts]
     except ValueError as e:
         raise UsageError(str(e), hint="H3 needs width and height in multiples of 32 (e.g. 1344x768, 736 not 720)")
     if measured is not None:
-        one = costmodel.plan(width, height, frames, 1, text_tokens=text_tokens, keyframes=int(keyframes), dtype=dtype)
+        one = costmodel.plan(width, height, frames, 1, text_tokens=text_tokens, keyframes=int(keyframes), dtype=dtype,
+                             guider=guider)
         calibration_lib.apply_all(plans, one, measured)
     if as_json:
         emit_json({"model": costmodel.H3, "plans": plans})
@@ -167,7 +188,8 @@ def format_plans(plans) -> list:
     lt, lh, lw = p0["latent"]
     lines = [
         f"MiniMax H3 DiT, {p0['width']}x{p0['height']}, {p0['frames']} frames, {p0['dtype']}, "
-        f"{'fl2va, %d keyframe(s)' % p0['keyframes'] if p0['keyframes'] else 't2va'}",
+        f"{'fl2va, %d keyframe(s)' % p0['keyframes'] if p0['keyframes'] else 't2va'}, "
+        f"{'BasicGuider, 1 forward' if p0['forwards_per_step'] == 1 else 'CFG guider, 2 forwards'} per step",
         f"latents: video {lt}x{lh}x{lw} (T x H x W), audio {p0['audio_latents']} x 2 channels; "
         f"text {p0['text_tokens']} tokens (assumed)",
         f"packed sequence S = {p0['seq_len']} tokens: text {seg['text']}, cond {seg['cond']}, "
@@ -182,8 +204,9 @@ def format_plans(plans) -> list:
     row("tokens per device (largest shard)", lambda p: str(max(p["tokens_per_device"])))
     row("attention exchange", lambda p: p["attention"])
     row("FLOPs per device per step", lambda p: _si(p["flops_per_device_step"], "FLOP"))
-    row("  of which attention", lambda p: _si(p["flops_per_device_forward"]["attention"] * 2, "FLOP"))
-    row("  of which MLP", lambda p: _si(p["flops_per_device_forward"]["mlp"] * 2, "FLOP"))
+    per_step = lambda p, part: p["flops_per_device_forward"][part] * p["forwards_per_step"]  # noqa: E731
+    row("  of which attention", lambda p: _si(per_step(p, "attention"), "FLOP"))
+    row("  of which MLP", lambda p: _si(per_step(p, "mlp"), "FLOP"))
     row("exchanged per block (all devices)", lambda p: _si(p["bytes_per_block"], "B"))
     row("exchanged per step (all devices)", lambda p: _si(p["bytes_per_step"], "B"))
     row("exchanged per step (busiest device)", lambda p: _si(p["bytes_per_device_step"], "B"))
@@ -195,7 +218,12 @@ def format_plans(plans) -> list:
     if "seconds_exchange_step" in p0:
         row("exchange per step (at --link-gbs)", lambda p: f"{p['seconds_exchange_step']:.2f} s")
     lines.append("")
-    lines.append("A step is two forwards (CFG). Every device holds the full DiT weights in sequence parallelism.")
+    if p0["forwards_per_step"] == 1:
+        lines.append("A step is one forward (BasicGuider: H3 is CFG-distilled; pass --cfg for a CFG guider, two "
+                     "forwards).")
+    else:
+        lines.append("A step is two forwards (--cfg: the guider runs cond and uncond separately).")
+    lines.append("Every device holds the full DiT weights in sequence parallelism.")
     return lines
 
 

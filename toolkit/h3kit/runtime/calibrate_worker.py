@@ -10,7 +10,7 @@ comfy/ldm/minimax/model.py's DiTBlock for the compute. Four stages, in this orde
 process  N real processes (forked on cpu before any torch op, spawned on accelerators) join one group;
          for each tier n >= 2 a subgroup of ranks 0..n-1 times the DiT's three collectives at the
          message sizes h3kit plan predicts (costmodel.exchange_messages): the Ulysses q/k/v all-to-all,
-         the output all-to-all, the final all-gather of the hidden states. Skipped where ranks would
+         the output all-to-all, the final gather of the hidden states onto rank 0. Skipped where ranks would
          share a card (H3KIT_SIM_DEVICES on an accelerator: NCCL and HCCL need one device per rank).
 copy     thread transport: a buffer copied between every ordered pair of devices, one pair at a time,
          then every device copying to its ring neighbour at once (the same buffer: bandwidth under
@@ -87,7 +87,7 @@ def time_collectives(comm, torch, mn, cfg, geometry):
     h = torch.randn(sizes[r], d["hidden"], device=dev, dtype=dtype)                       # [s_r, hidden]
     ops = {"scatter": lambda: mn.all_to_all_scatter_heads(qkv, comm, sizes),
            "gather": lambda: mn.all_to_all_gather_heads(out, comm, sizes),
-           "final": lambda: mn.all_gather_v(h, comm, sizes=sizes)}
+           "final": lambda: mn.gather_v(h, comm, sizes=sizes, dst=0)}
     rows = []
     for op, fn in ops.items():
         counter = comm.group if hasattr(comm, "group") else comm   # threads count per group, processes per rank

@@ -111,7 +111,7 @@ def predicted_bytes(cfg: dict, geometry: dict, world: int) -> dict:
     m = costmodel.exchange_messages(geometry["seq_len"], world, _model_cfg(cfg["dims"]))
     s, p, hp, d = m["sizes"], world, cfg["dims"]["heads"] // world, cfg["dims"]["head_dim"]
     total = {"scatter": sum(3 * (geometry["seq_len"] - x) * hp * d for x in s),
-             "gather": sum((p - 1) * x * hp * d for x in s), "final": p * m["final"]}
+             "gather": sum((p - 1) * x * hp * d for x in s), "final": m["final"]}  # the final gather lands on rank 0 alone
     return {op: {"rank": m[op] * e, "group": total[op] * e} for op in ("scatter", "gather", "final")}
 
 

@@ -13,7 +13,11 @@ Pure arithmetic (no torch), read from the pinned upstream:
 The exchange model matches comfy/multinpu_dit.py exactly (the parity test checks it byte for byte):
 Ulysses moves q, k, v (one packed all-to-all) and the output back, S (P-1)/P x 4 x H D elements per
 block in total; the K/V fallback all-gathers K and V padded to the largest shard; after the last block
-the hidden states are all-gathered, padded likewise.
+the other ranks' shards of the hidden states are gathered onto rank 0 (unpadded), which alone runs the
+final layer.
+
+A sampling step is one forward with BasicGuider (every upstream H3 template and h3kit's workflows: the
+model is CFG-distilled) and two with a CFG guider (cond and uncond run as separate forwards).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ CLIP_FRAMES, CLIP_LATENTS = 17, 5   # 17-frame clips -> ceil(17 / prod(time_down
 FPS = 24
 AUDIO_LATENTS_PER_S = 40
 DEFAULT_TEXT_TOKENS = 300
-CFG_FORWARDS = 2           # cond and uncond are separate forwards
+FORWARDS_PER_STEP = {"basic": 1, "cfg": 2}   # BasicGuider (CFG-distilled H3); CFG: cond and uncond apart
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -77,10 +81,12 @@ def attention_mode(heads: int, world: int) -> str:
 
 def exchange_elements(seq_len: int, world: int, *, hidden: int, heads: int, head_dim: int, blocks: int,
                       attention: str = None) -> dict:
-    """Elements moved between devices in one DiT forward, summed over devices (a device's own data excluded)."""
+    """Elements moved between devices in one DiT forward: in all (a device's own data excluded), and received by
+    each device (per_device, in rank order)."""
     attention = attention or attention_mode(heads, world)
     if world == 1:
-        return {"attention": attention, "per_block": 0, "final_gather": 0, "total": 0, "per_device_max": 0}
+        return {"attention": attention, "per_block": 0, "final_gather": 0, "total": 0, "per_device": [0],
+                "per_device_max": 0}
     p = world
     sizes = shard_sizes(seq_len, p)
     s_max = max(sizes)
@@ -89,16 +95,16 @@ def exchange_elements(seq_len: int, world: int, *, hidden: int, heads: int, head
         if heads % p:
             raise ValueError(f"Ulysses needs heads ({heads}) divisible by the device count ({p})")
         per_block = 4 * seq_len * (p - 1) * (inner // p)
-        per_device_block = max(3 * (seq_len - s) * (inner // p) + (p - 1) * s * (inner // p) for s in sizes)
+        received = [3 * (seq_len - s) * (inner // p) + (p - 1) * s * (inner // p) for s in sizes]
     elif attention == "kv_gather":
         per_block = p * (p - 1) * s_max * 2 * inner
-        per_device_block = (p - 1) * s_max * 2 * inner
+        received = [(p - 1) * s_max * 2 * inner] * p
     else:
         raise ValueError(f"unknown attention mode {attention!r}")
-    final = p * (p - 1) * s_max * hidden
+    final = (seq_len - sizes[0]) * hidden  # onto rank 0 only
+    per_device = [blocks * n + (final if r == 0 else 0) for r, n in enumerate(received)]
     return {"attention": attention, "per_block": per_block, "final_gather": final,
-            "total": blocks * per_block + final,
-            "per_device_max": blocks * per_device_block + (p - 1) * s_max * hidden}
+            "total": blocks * per_block + final, "per_device": per_device, "per_device_max": max(per_device)}
 
 
 def parameter_counts(cfg: dict = H3) -> dict:
@@ -160,9 +166,12 @@ def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict =
 
 
 def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS,
-         keyframes: int = 0, dtype: str = "bf16", tflops: float = None, link_gbs: float = None) -> dict:
-    """The whole model for one configuration. tflops (effective per device) and link_gbs (exchange GB/s per
-    device) are optional calibrations; with them the plan predicts seconds per step."""
+         keyframes: int = 0, dtype: str = "bf16", tflops: float = None, link_gbs: float = None,
+         guider: str = "basic") -> dict:
+    """The whole model for one configuration. guider "basic" (one forward per step) or "cfg" (two). tflops
+    (effective per device) and link_gbs (exchange GB/s per device) are optional calibrations; with them the
+    plan predicts seconds per step."""
+    forwards = FORWARDS_PER_STEP[guider]
     seq = packed_sequence(width, height, frames, text_tokens, keyframes)
     s_len = seq["seq_len"]
     e = DTYPE_BYTES[dtype]
@@ -174,10 +183,11 @@ def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int =
         "text_tokens": text_tokens, "keyframes": keyframes, "latent": seq["latent"],
         "audio_latents": seq["audio_latents"], "segments": seq["segments"], "seq_len": s_len,
         "tokens_per_device": shard_sizes(s_len, world), "attention": ex["attention"],
-        "flops_per_device_forward": flops, "flops_per_device_step": flops["total"] * CFG_FORWARDS,
+        "guider": guider, "forwards_per_step": forwards,
+        "flops_per_device_forward": flops, "flops_per_device_step": flops["total"] * forwards,
         "bytes_per_block": ex["per_block"] * e, "bytes_final_gather": ex["final_gather"] * e,
-        "bytes_per_forward": ex["total"] * e, "bytes_per_step": ex["total"] * e * CFG_FORWARDS,
-        "bytes_per_device_step": ex["per_device_max"] * e * CFG_FORWARDS,
+        "bytes_per_forward": ex["total"] * e, "bytes_per_step": ex["total"] * e * forwards,
+        "bytes_per_device_step": ex["per_device_max"] * e * forwards,
         "memory_per_device": memory_per_device(s_len, world, dtype),
     }
     if tflops:
@@ -208,7 +218,7 @@ def exchange_messages(seq_len: int, world: int, cfg: dict = H3) -> dict:
     Ulysses (heads divisible by the devices, as H3's 56 over 2, 4 and 8): "scatter" is the packed q, k, v
     all-to-all before attention (3 x the other ranks' rows x H/P heads), "gather" the output all-to-all
     after it (this rank's rows of the other ranks' heads); both happen in every block. "final" is the
-    hidden states' all-gather after the last block, padded to the longest shard. Also the shapes the rank
+    hidden states' gather onto rank 0 after the last block (each shard at its own length). Also the shapes the rank
     sends, for a benchmark to reproduce them: qkv [3, H, s_r, D], out [1, S, H/P, D], h [s_r, hidden].
     """
     sizes = shard_sizes(seq_len, world)
@@ -219,5 +229,5 @@ def exchange_messages(seq_len: int, world: int, cfg: dict = H3) -> dict:
     hp = heads // p
     return {"shard": s, "sizes": sizes,
             "scatter": 3 * (seq_len - s) * hp * d, "gather": (p - 1) * s * hp * d,
-            "final": (p - 1) * max(sizes) * hidden if p > 1 else 0,
+            "final": (seq_len - s) * hidden if p > 1 else 0,
             "shapes": {"qkv": [3, heads, s, d], "out": [1, seq_len, hp, d], "h": [s, hidden]}}

@@ -18,10 +18,16 @@ from h3kit.runtime import worker
 
 WORKER = Path(__file__).with_name("parity_worker.py")
 COMPONENTS = ("dit", "te", "vae")
-GATES = {"dit": "max_rel <= 1e-05 (fp32)",
-         "dit/int8": "max_rel <= 1e-05 (fp32 compute; 2e-02 in bf16) and the NPU INT8 arm's W8A8 and W8A16 calls on both sides",
-         "te": "cos >= 0.99999 and rel_rms <= 1e-04 (fp32), identical on every rank, weight_reads == 1",
+GATES = {"dit": "max_rel <= 1e-05 (fp32) or 3e-02 (bf16) on each output (video, audio) of each forward, every rank "
+                "ran every forward and data moved, a LoRA applied exactly once on every rank",
+         "dit/int8": "max_rel <= 1e-05 (fp32 compute; 2e-02 in bf16) on each output of each forward, every rank ran "
+                     "every forward and data moved, and the NPU INT8 arm's W8A8 and W8A16 calls on both sides",
+         "te": "max_rel <= 1e-05, cos >= 0.99999 and rel_rms <= 1e-04 (fp32 and bf16 checkpoints: upstream computes "
+               "the text encoder in fp32), identical on every rank, weight_reads == 1",
          "vae": "max_abs == 0, weight_reads == 1"}
+# --inject-fault NAME per component (the first is the default); parity_worker.FAULTS describes each
+FAULTS = {"dit": ("shard", "rope", "heads", "noise", "lora-twice", "lora-missing"),
+          "te": ("reduce",), "vae": ("chunks",)}
 DEFAULT_TIMEOUT = 900.0
 PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
                  "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py", "comfy/npu_quant.py")
@@ -43,7 +49,17 @@ def check_tree(comfy_home: Path) -> None:
                          code="not_patched", hint=f"run h3kit install --comfy-home {home}")
 
 
-def check_weights(component: str, weights: str) -> None:
+def check_request(component: str, npu_count: int, fault: str = None, weights: str = "float") -> None:
+    """Refuse, with the fix, a parity run that could not mean anything (UsageError, exit 2)."""
+    if component not in COMPONENTS:
+        raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
+    if npu_count < 2:
+        raise UsageError(f"--npu-count {npu_count}: parity compares a run on several devices with one device; "
+                         "on one device it would compare a model with itself", code="meaningless_count",
+                         hint="use --npu-count 2 or 4, with that many devices visible")
+    if fault is not None and fault not in FAULTS[component]:
+        raise UsageError(f"--inject-fault {fault}: {component} has no such fault",
+                         hint=f"use one of {', '.join(FAULTS[component])}")
     if weights not in WEIGHTS or (weights != "float" and component != "dit"):
         raise UsageError(f"--weights {weights} applies to --component dit only", code="bad_weights",
                          hint="run --weights int8 with --component dit")
@@ -54,11 +70,12 @@ def gate(component: str, weights: str = "float") -> str:
 
 
 def run(comfy_home, component: str, device_type: str, npu_count: int, *, python: str = None,
-        inject_fault: bool = False, timeout: float = DEFAULT_TIMEOUT, weights: str = "float", extra_args=()) -> dict:
-    """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows."""
-    if component not in COMPONENTS:
-        raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
-    check_weights(component, weights)
+        fault: str = None, timeout: float = DEFAULT_TIMEOUT, weights: str = "float", extra_args=()) -> dict:
+    """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows.
+
+    fault: one of FAULTS[component], injected on purpose (the gates must then fail), or None.
+    """
+    check_request(component, npu_count, fault, weights)
     if weights != "float":
         extra_args = ("--weights", weights, *extra_args)
     home = Path(comfy_home).resolve()
@@ -66,8 +83,8 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
     py = service.resolve_python(home, python)
     cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
            "--npu-count", str(npu_count), *extra_args]
-    if inject_fault:
-        cmd.append("--inject-fault")
+    if fault is not None:
+        cmd += ["--faults", fault]
     report = worker.run(cmd, timeout=timeout, what="the parity worker", timeout_code="parity_timeout")
     error = report.get("error")
     if error:

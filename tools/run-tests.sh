@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# make test: pytest in the ComfyUI environment (the main run) and, in parallel with it, the same tests on the
+# other supported Pythons in small torch-free environments (tools/ensure-toolkit-venv.sh), where the tests
+# that need torch skip by design (H3KIT_TORCH_FREE_RUN=1, tests/support/requires.py). Exits non-zero when
+# any run fails.
+#
+#   tools/run-tests.sh MAIN_PYTHON [PYTEST_ARGS...]
+#   H3KIT_TEST_PYTHONS   the other Pythons (default "3.10 3.13"; empty: the main run only)
+set -uo pipefail
+main_py=${1:?usage: tools/run-tests.sh MAIN_PYTHON [PYTEST_ARGS...]}
+shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+pythons=${H3KIT_TEST_PYTHONS-3.10 3.13}
+logs=$(mktemp -d "${TMPDIR:-/tmp}/h3kit-tests.XXXXXX")
+trap 'rm -rf "$logs"' EXIT
+
+offset=0
+for v in $pythons; do
+  py=$("$root/tools/ensure-toolkit-venv.sh" "$v") || exit 1
+  offset=$((offset + 1000))   # its own port band (tests/support/service_helpers.py)
+  ( start=$(date +%s)
+    H3KIT_TORCH_FREE_RUN=1 H3KIT_TEST_PORT_OFFSET=$offset "$py" -m pytest -p no:cacheprovider "$@" >"$logs/$v.log" 2>&1
+    echo "$? $(( $(date +%s) - start ))" >"$logs/$v.rc" ) &
+done
+
+start=$(date +%s)
+"$main_py" -m pytest "$@"
+rc=$?
+echo "tests: main run (python $("$main_py" -c 'import platform; print(platform.python_version())')) took $(( $(date +%s) - start )) s"
+wait
+for v in $pythons; do
+  read -r vrc secs <"$logs/$v.rc"
+  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$logs/$v.log" | tail -n 1 | tr -d '=' | xargs)
+  # 5: nothing collected, which a narrow PYTEST_ARGS selection can leave in a torch-free run
+  if [ "$vrc" != 0 ] && [ "$vrc" != 5 ]; then
+    echo "tests: python $v (torch-free run) FAILED (exit $vrc, $secs s); its log:"
+    tail -n 60 "$logs/$v.log"
+    rc=1
+  else
+    echo "tests: python $v (torch-free run): ${summary:-no test selected} ($secs s)"
+  fi
+done
+exit "$rc"
