@@ -27,7 +27,8 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
-@click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--inject-fault", "fault", is_flag=False, flag_value="", default=None, metavar="[FAULT]",
               help="Make the parallel path wrong on purpose; the command must then exit 1. dit: shard (default: "
                    "the last device's shard zeroed in the final gather), rope (RoPE rows off by one on devices > 0), "
@@ -77,11 +78,11 @@ def parity(comfy_home, component, device_type, npu_count, python, fault, timeout
     report = parity_lib.run(comfy_home, component, kind, n, python=python, fault=fault, timeout=timeout,
                             weights=weights)
     rows = report["rows"]
+    failed = [r for r in rows if not r["pass"]]
     if as_json:
-        emit_json(rows)
+        emit_json(rows, ok=not failed)
     else:
         _print_rows(rows, report["config"], component)
-    failed = [r for r in rows if not r["pass"]]
     if failed:
         err(f"h3kit: parity FAILED: {len(failed)} of {len(rows)} row(s) miss {parity_lib.gate(component, weights)}")
         raise SystemExit(1)

@@ -59,7 +59,8 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
 @click.option("--listen", default=service.DEFAULT_LISTEN, show_default=True, metavar="IP",
               help="Address to listen on. 0.0.0.0 exposes ComfyUI, which has no authentication.")
 @runtime_root_option
-@click.option("--python", metavar="PY", help="Interpreter for ComfyUI (default: the one install recorded).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter for ComfyUI (default: the one install recorded).")
 @timeout_option
 @json_option
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_COMFY_ARGS]")
@@ -177,7 +178,7 @@ def status(comfy_home, runtime_root, as_json):
     root = service.runtime_root(comfy_home, runtime_root)
     st = service.status(root, comfy_home=comfy_home)
     if as_json:
-        emit_json(st)
+        emit_json(st, ok=st["running"])
     else:
         for line in _status_lines(st):
             click.echo(line)
