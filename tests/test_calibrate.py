@@ -13,6 +13,7 @@ import pytest
 from h3kit.cli import main
 from h3kit.errors import H3kitError
 from h3kit.runtime import calibration, costmodel
+from tests.support import jsondoc
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def measured(installed_tree, comfy_python, tmp_path_factory):
                            "--device-type", "cpu", "--npu-count", "4", "--repeats", "1", "--python", comfy_python,
                            "--out", str(out), "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads(proc.stdout) == json.loads(out.read_text())
+    assert jsondoc.data(proc.stdout, proc.returncode) == json.loads(out.read_text())
     return json.loads(out.read_text()), out
 
 
@@ -73,7 +74,7 @@ def test_text_output_and_plan_with_the_calibration(measured, runner):
     assert "speed-up vs 1 device (threads)" in r.output and "step (process)" in r.output
     r = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "362", "--npu-count", "1",
                              "--npu-count", "4", "--calibration", str(path), "--json"])
-    one, four = json.loads(r.output)["plans"]
+    one, four = jsondoc.data(r.stdout, r.exit_code)["plans"]
     assert one["calibrated"]["exchange_s_step"] == {"threads": 0.0, "process": 0.0}
     assert one["calibrated"]["speedup"] == {"threads": 1.0, "process": 1.0}
     assert four["calibrated"]["step_s"]["threads"] > four["calibrated"]["compute_s_step"] > 0

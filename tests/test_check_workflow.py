@@ -20,6 +20,7 @@ from h3kit.workflow.checks import adapt_canvas, align_frame_count
 from tests.support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
 from tests.support.pin_source import pin_functions
 from tests.support.service_helpers import PORT_OFFSET
+from tests.support import jsondoc
 
 FAKE_PORT = 8607 + PORT_OFFSET  # a stand-in service; each parallel run of make test has its own port band
 
@@ -419,7 +420,7 @@ def test_cli_json_document_and_exit_codes(tmp_path, runner):
     result = runner.invoke(main, ["check-workflow", "--json", "--devices", "0,1,2,3", str(tmp_path / "bad.json"),
                                   str(tmp_path / "good.json")])
     assert result.exit_code == 1
-    doc = json.loads(result.stdout)
+    doc = jsondoc.data(result.stdout, result.exit_code)
     assert {tuple(sorted(f)) for f in doc["findings"]} == {("code", "file", "message", "node", "path", "severity")}
     assert {(f["code"], f["severity"], f["node"]) for f in doc["findings"]} == {
         ("H3101", "error", "6"), ("H3203", "warning", "7")}

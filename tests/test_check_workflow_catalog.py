@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 
+from h3kit import health
 from h3kit.workflow.catalog import H3KIT_NODES, PIN_CATALOG, compact_object_info, load_catalog
 from h3kit.workflow.models import LOADER_INPUTS, scan_node_types
 
@@ -41,14 +41,14 @@ def pin_object_info(pin_tree, comfy_python, tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"the pinned server exited with {proc.returncode}: {(base / 'server.log').read_text()[-2000:]}")
             try:
-                if requests.get(f"http://127.0.0.1:{PORT}/system_stats", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
+                health.request_json(f"http://127.0.0.1:{PORT}/system_stats", timeout=2)
+                break
+            except health.HttpError:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"the pinned server did not answer within {BOOT_TIMEOUT_S} s")
             time.sleep(0.5)
-        yield requests.get(f"http://127.0.0.1:{PORT}/object_info", timeout=60).json()
+        yield health.request_json(f"http://127.0.0.1:{PORT}/object_info", timeout=60)
     finally:
         proc.terminate()
         try:

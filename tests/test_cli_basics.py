@@ -1,11 +1,14 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from h3kit.cli import COMMANDS, main
 from h3kit.devices import parse_device_list
 from h3kit.errors import DeviceListError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_lists_every_command(runner):
@@ -25,10 +28,15 @@ def test_every_registered_command_resolves_and_has_help(runner):
         assert "Usage: " in result.output and name in result.output
 
 
-def test_help_imports_no_heavy_module():
+HEAVY = ('torch', 'git', 'numpy', 'websocket', 'requests', 'yaml')
+
+
+@pytest.mark.parametrize("args", [["--help"], ["check-workflow", "--devices", "0,1,2,3", "--json",
+                                               str(ROOT / "workflows" / "t2va_8steps_lora.json")]])
+def test_help_and_check_workflow_import_no_heavy_module(args):
     code = ("import sys; from h3kit.cli import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('HEAVY=' + ','.join(m for m in ('torch', 'git', 'numpy') if m in sys.modules))")
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+            f"print('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "HEAVY="
 
@@ -48,3 +56,28 @@ def test_device_list_invalid(text, fragment):
     with pytest.raises(DeviceListError) as e:
         parse_device_list(text)
     assert fragment in e.value.message
+
+
+def complete(runner, words: str) -> list[str]:
+    """What click's bash completion (README, 'Shell completion') offers for `words`."""
+    r = runner.invoke(main, [], prog_name="h3kit", env={"_H3KIT_COMPLETE": "bash_complete", "COMP_WORDS": words,
+                                                        "COMP_CWORD": str(len(words.split(" ")) - 1)})
+    assert r.exit_code == 0, r.output
+    return r.output.splitlines()
+
+
+def test_shell_completion_is_clicks_own_and_knows_paths(runner):
+    r = runner.invoke(main, [], prog_name="h3kit", env={"_H3KIT_COMPLETE": "bash_source"})
+    assert "_h3kit_completion" in r.output and "complete " in r.output
+    assert complete(runner, "h3kit ins") == ["plain,install"]
+    assert complete(runner, "h3kit patches st") == ["plain,status"]
+    assert {"plain,npu", "plain,cpu"} <= set(complete(runner, "h3kit start --device-type "))
+    # paths are click.Path: the shell completes folders or files for them
+    assert complete(runner, "h3kit install --models-dir ") == ["dir,"]
+    assert complete(runner, "h3kit install --python ") == ["file,"]
+    assert complete(runner, "h3kit check-workflow ") == ["file,"]
+
+
+def test_top_level_help_points_a_new_user_at_demo(runner):
+    out = runner.invoke(main, ["--help"]).output
+    assert "New here? `h3kit demo --comfy-home DIR`" in out

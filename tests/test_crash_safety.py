@@ -8,7 +8,6 @@ TMPDIR is private to each test, so the scratch folders the commands make can be 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 
 from tests.support.fakekit import A_PY, git, kit, refreshed, snapshot, upstream  # noqa: F401
 from tests.support.service_helpers import free_port, kill_started_under, wait_for
+from tests.support import jsondoc
 
 TEMP_MARKERS = (".h3kit-tmp", ".h3kit-restore", "h3kit-clone-", "h3kit-scratch-", ".init")
 
@@ -98,7 +98,7 @@ def test_revert_killed_anywhere_then_install_and_revert_recover(env, tmp_path, p
     assert r.returncode == -signal.SIGKILL, (point, r.stdout, r.stderr)
     # verify alone recognises the interrupted write and finishes it (every file written) or rolls it back
     v = run(env, "verify", "--comfy-home", home, "--json")
-    out = json.loads(v.stdout)
+    out = jsondoc.data(v.stdout, v.returncode)
     assert "interrupted h3kit revert" in " ".join(out["warnings"])
     if point == "files-written":
         assert out["recovered"]["outcome"] == "completed" and v.returncode == 1  # reverted: not installed
@@ -129,7 +129,7 @@ def test_a_users_edit_after_the_crash_is_kept(env, tmp_path):
     wf.write_text('{"nodes": ["mine"]}\n')  # ...and the user has edited another since
     r = install(env, home, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    rep = json.loads(r.stdout)
+    rep = jsondoc.data(r.stdout, r.returncode)
     assert rep["recovered"]["outcome"] == "rolled_back"
     assert rep["recovered"]["kept_edits"] == ["user/default/workflows/h3kit/w.json"]
     assert wf.read_text() == '{"nodes": ["mine"]}\n'  # never overwritten without --force
@@ -194,7 +194,7 @@ def test_install_and_install_at_once(env, tmp_path):
     env10 = dict(env, H3KIT_LOCK_WAIT="30")
     procs = [spawn(env10, "install", "--comfy-home", other, "--source", Path(env["H3KIT_ROOT"]).parent / "upstream",
                    "--python", sys.executable, "--json") for _ in range(2)]
-    results = [(p.wait(60), json.loads(p.stdout.read())) for p in procs]
+    results = [(p.wait(60), jsondoc.data(p.stdout.read())) for p in procs]
     assert [rc for rc, _ in results] == [0, 0], results
     assert sorted(bool(rep["changed"]) for _, rep in results) == [False, True]  # one installed, one found it done
     assert run(env, "verify", "--comfy-home", other).returncode == 0

@@ -17,6 +17,7 @@ import pytest
 
 from h3kit.demo import PARITY_GATE, TINY, demo_prompt
 from tests.support.comfy_server import free_port
+from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 WROTE_ALL = "wrote audio_vae, dit, te, video_vae"
@@ -27,11 +28,24 @@ def h3kit(*args, timeout=900):
                           timeout=timeout)
 
 
+SHARED_DIT = "minimax_h3_fl2va_bf16.safetensors"  # the DiT the shipped t2va / fl2va workflows load
+
+
+def write_small_safetensors(path: Path) -> None:
+    header = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+
+
 @pytest.fixture(scope="module")
 def demo_home(tmp_path_factory, comfy_source, comfy_python):
-    """An installed tree without tiny checkpoints: the first demo here writes them."""
-    home = tmp_path_factory.mktemp("demo") / "ComfyUI"
-    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python)
+    """An installed tree without tiny checkpoints (the first demo here writes them), its models also looked
+    for in a shared folder (install --models-dir) that holds one file named as the shipped workflows' DiT."""
+    base = tmp_path_factory.mktemp("demo")
+    home, shared = base / "ComfyUI", base / "shared models"
+    (shared / "diffusion_models").mkdir(parents=True)
+    write_small_safetensors(shared / "diffusion_models" / SHARED_DIT)
+    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python,
+              "--models-dir", shared)
     assert r.returncode == 0, r.stderr
     return home, comfy_python
 
@@ -50,12 +64,15 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
               "--python", python, "--keep-running", "--json")
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        rep = json.loads(r.stdout)
-        assert rep["ok"] and [s["stage"] for s in rep["stages"]] == \
+        rep = jsondoc.data(r.stdout, r.returncode)
+        assert [s["stage"] for s in rep["stages"]] == \
             ["install", "checkpoints", "start", "check-workflow", "prompt", "parity"]
         assert all(s["seconds"] is not None for s in rep["stages"])
         assert rep["stages"][0]["detail"] == "already installed and verified"
         assert rep["stages"][1]["detail"] == WROTE_ALL
+        # the prompt's progress came from the server's events, on stderr (plain lines: not a terminal)
+        assert "h3kit:   running SamplerCustomAdvanced" in r.stderr
+        assert "h3kit:   SamplerCustomAdvanced: step 3/3" in r.stderr, r.stderr[-3000:]
         video = Path(rep["video"]["path"])
         assert video.is_file() and video.name.startswith("npu2_video")
         assert audio_streams(python, video) == (1, 1)  # a video file with an audio track
@@ -78,7 +95,7 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
         shipped = Path(__file__).resolve().parents[1] / "workflows" / "api" / "demo_t2va_tiny.json"
         b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "3", "--switch", wf_b, "--json")
         assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
-        bench = json.loads(b.stdout)
+        bench = jsondoc.data(b.stdout, b.returncode)
         assert [(x["kind"], x["models_loaded"]) for x in bench["runs"]] == \
             [("cold", 4), ("switch", 1), ("warm", 0), ("switch", 0), ("warm", 0)]
         assert bench["summary"]["warm_models_loaded"] == 0 and bench["varied_inputs"] == ["8.noise_seed"]
@@ -86,13 +103,16 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
                    for x in bench["runs"])
         # after a switch the model is moved onto the device again (a device load), but not read from disk
         assert bench["runs"][0]["device_loads"] > 0
+        assert b.stderr.count("SamplerCustomAdvanced: step 3/3") == 5  # every run's progress, on stderr
 
         b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "1", "--no-cold", "--json")
-        assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in json.loads(b.stdout)["runs"]] == \
+        assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in jsondoc.data(b.stdout, b.returncode)["runs"]] == \
             [("warm", 0, 0)]  # same workflow again, no switch: nothing read, nothing moved
+
+        check_shared_models(home, rep)
     finally:
         h3kit("stop", "--comfy-home", home)
-    assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
+    assert jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
 
 
 def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
@@ -102,7 +122,7 @@ def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
               "--keep-running", "--json")
     try:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        rep = json.loads(r.stdout)
+        rep = jsondoc.data(r.stdout, r.returncode)
         assert [s["stage"] for s in rep["stages"]] == ["install", "checkpoints", "start", "check-workflow", "prompt"]
         assert rep["stages"][0]["detail"] == "already installed and verified"
         assert rep["stages"][1]["detail"] in ("all four present", WROTE_ALL)  # the two-device test may have run
@@ -118,15 +138,15 @@ def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
         time.sleep(2)
         r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
         assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-        err = json.loads(r.stdout)["error"]
+        err = jsondoc.error(r.stdout, r.returncode)
         assert err["code"] == "demo_failed" and err["details"]["stage"] == "prompt"
         assert "stage 'prompt' failed" in err["message"] and "CLIPLoader" in err["message"]
-        assert err["details"]["log_line"] and "server log" in err["hint"]
+        assert err["details"]["log_line"] and "server log" in err["fix"]
         assert "Traceback" not in r.stderr
-        assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is True
+        assert jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is True
     finally:
         h3kit("stop", "--comfy-home", home)
-    assert json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
+    assert jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["running"] is False
     (home / "models" / TINY["te"][0]).unlink()  # the next demo writes it again
 
 
@@ -144,7 +164,7 @@ def test_demo_installs_a_fresh_folder_and_names_a_failed_start(tmp_path, comfy_s
         r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port,
                   "--source", comfy_source, "--python", comfy_python, "--json")
         assert r.returncode == 1
-        err = json.loads(r.stdout)["error"]
+        err = jsondoc.error(r.stdout, r.returncode)
         done = [(s["stage"], s["detail"]) for s in err["details"]["stages"]]
         assert done == [("install", "installed"), ("checkpoints", WROTE_ALL)]
         assert err["details"]["stage"] == "start" and err["details"]["cause"] == "port_in_use"
@@ -159,7 +179,7 @@ def test_demo_refuses_a_bad_count_and_bench_needs_a_server(tmp_path):
     wf = tmp_path / "w.json"
     wf.write_text(json.dumps(demo_prompt(1, "b")))
     r = h3kit("bench", wf, "--comfy-home", tmp_path / "x", "--json")
-    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "not_running"
+    assert r.returncode == 1 and jsondoc.error(r.stdout, r.returncode)["code"] == "not_running"
     ui = tmp_path / "ui.json"
     ui.write_text(json.dumps({"nodes": [], "links": []}))
     r = h3kit("bench", ui, "--comfy-home", tmp_path / "x")
@@ -193,7 +213,7 @@ def test_sigterm_stops_the_server_the_demo_started(demo_home):
     reader.start()
     try:
         assert started.wait(600), "".join(lines[-20:])
-        pid = json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)["pid"]
+        pid = jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)["pid"]
         # the demo holds the tree lock: an install meanwhile is refused, naming it
         busy = subprocess.run([sys.executable, "-m", "h3kit", "install", "--comfy-home", str(home)],
                               capture_output=True, text=True, timeout=60, env=dict(os.environ, H3KIT_LOCK_WAIT="0"))
@@ -208,7 +228,7 @@ def test_sigterm_stops_the_server_the_demo_started(demo_home):
     text = "".join(lines)
     assert "terminated (SIGTERM)" in text and "Traceback" not in text
     assert "stop: " in text  # the demo's own stop stage ran
-    st = json.loads(h3kit("status", "--comfy-home", home, "--json").stdout)
+    st = jsondoc.data(h3kit("status", "--comfy-home", home, "--json").stdout)
     assert st["running"] is False and not psutil_alive(pid)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -222,3 +242,25 @@ def psutil_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def check_shared_models(home: Path, rep: dict) -> None:
+    """The shared models folder install wrote into extra_model_paths.yaml, as the running pin and h3kit's
+    readers see it: the server's start-up lines and /models listing, verify, check-workflow and doctor."""
+    from h3kit import health
+
+    shared = home.parent / "shared models"
+    log = Path(rep["service"]["log"]).read_text(errors="replace")
+    for kind in ("diffusion_models", "text_encoders", "vae", "loras"):
+        assert f"Adding extra search path {kind} {shared / kind}" in log, kind
+    listed = health.request_json(rep["service"]["url"] + "/models/diffusion_models")
+    assert SHARED_DIT in listed and "h3kit_tiny_dit.safetensors" in listed
+    v = h3kit("verify", "--comfy-home", home, "--json")
+    assert jsondoc.data(v.stdout, v.returncode)["models"]["files"] == {"diffusion_models": [SHARED_DIT]}
+    wf = home / "user" / "default" / "workflows" / "h3kit" / "t2va_8steps_lora.json"
+    c = h3kit("check-workflow", "--comfy-home", home, "--devices", "0,1,2,3", "--json", wf)
+    messages = " ".join(f["message"] for f in jsondoc.data(c.stdout, c.returncode)["findings"])
+    assert "minimax_h3_fl2v_turbo" in messages and SHARED_DIT not in messages  # the LoRA is missing, the DiT found
+    d = h3kit("doctor", "--comfy-home", home, "--device-type", "cpu", "--devices", "0,1", "--json")
+    models = [f for f in jsondoc.data(d.stdout, d.returncode)["findings"] if f["check"] == "models"]
+    assert any(str(shared / "diffusion_models" / SHARED_DIT) in line for f in models for line in f.get("lines", [])), models

@@ -23,6 +23,7 @@ from h3kit import doctor, smi
 from h3kit.cli import main
 from h3kit.runtime import costmodel
 from tests.conftest import MANIFEST, ROOT
+from tests.support import jsondoc
 
 SMI_DATA = ROOT / "tests" / "data" / "smi"
 GIB = 1024 ** 3
@@ -85,8 +86,8 @@ def host(tmp_path, monkeypatch):
 def doctor_json(runner, *args):
     r = runner.invoke(main, ["doctor", "--json", *args])
     assert "Traceback" not in r.output, r.output
-    report = json.loads(r.stdout)
-    return r.exit_code, report
+    doc = jsondoc.document(r.stdout, r.exit_code)
+    return r.exit_code, {"ok": doc["ok"], **doc["data"]}
 
 
 def findings(report, check, severity=None):
@@ -242,7 +243,7 @@ def test_the_real_interpreter_answers_without_torch_in_doctors_process(tmp_path)
             "print('TORCH=' + str('torch' in sys.modules) + ' RC=' + str(rc), file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "TORCH=False RC=0" in proc.stderr, proc.stderr[-2000:]
-    rep = json.loads(proc.stdout)
+    rep = jsondoc.data(proc.stdout)
     torch = only_message(rep, "torch", "ok")
     assert torch.startswith("torch 2.") and rep["facts"]["probe"]["torch_import"]["ok"] is True
 

@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.fakekit import git, kit, refreshed, snapshot, upstream  # noqa: F401
 from tests.support.service_helpers import StandinHome, free_port, h3kit, kill_started_under, pid_running
+from tests.support import jsondoc
 
 LONG_ID = "7" * 4400
 
@@ -68,7 +69,7 @@ def test_check_workflow_refuses_what_is_not_a_regular_file(tmp_path, kind):
         os.mkfifo(path)  # no writer: a plain open would block forever
     r = h3kit("check-workflow", path, "--json", timeout=20)
     assert r.returncode == 2
-    finding = json.loads(r.stdout)["findings"][0]
+    finding = jsondoc.data(r.stdout, r.returncode)["findings"][0]
     assert finding["code"] == "H3001"
     assert ("not a regular file" if kind != "directory" else "is a directory") in finding["message"]
     if kind == "/dev/zero":
@@ -114,7 +115,7 @@ def test_a_runtime_root_that_is_a_file_is_bad_input(tmp_path, command):
               if command not in ("logs",) else "--errors", timeout=60)
     assert_h3kit_error(r, "not_a_folder")
     if command != "logs":
-        assert json.loads(r.stdout)["error"]["code"] == "not_a_folder"
+        assert jsondoc.error(r.stdout, r.returncode)["code"] == "not_a_folder"
 
 
 def test_install_under_a_read_only_parent_fails_cleanly(refreshed, upstream, tmp_path):
@@ -185,17 +186,17 @@ def test_another_commit_is_refused_without_force_then_marked(refreshed, upstream
     assert not home.exists()
     r = h3kit(*args, "--commit", later, "--force", "--json")
     assert r.returncode == 0, r.stderr
-    rep = json.loads(r.stdout)
+    rep = jsondoc.data(r.stdout, r.returncode)
     assert rep["pin_verified"] is False and any("not the pin" in w for w in rep["warnings"])
     v = h3kit("verify", "--comfy-home", home, "--json")
-    out = json.loads(v.stdout)
+    out = jsondoc.data(v.stdout, v.returncode)
     assert v.returncode == 0 and out["pin_verified"] is False, out  # verifiable against what was installed
     assert any("not the pin" in w for w in out["warnings"])
     r = h3kit(*args)
     assert r.returncode == 1 and "installed with --commit" in r.stderr and "--force" in r.stderr
     assert h3kit(*args, "--force").returncode == 0  # back to the verified pin
     v = h3kit("verify", "--comfy-home", home, "--json")
-    assert v.returncode == 0 and json.loads(v.stdout)["pin_verified"] is True
+    assert v.returncode == 0 and jsondoc.data(v.stdout, v.returncode)["pin_verified"] is True
 
 
 def test_verify_says_missing_for_a_deleted_patched_in_file(refreshed, upstream, tmp_path):

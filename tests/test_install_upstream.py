@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import MANIFEST, PIN
+from tests.support import jsondoc
 
 ABSENT = MANIFEST["upstream"]["absent_from_mirrors"]
 pytestmark = pytest.mark.upstream
@@ -29,7 +29,7 @@ def test_install_verify_rerun_revert_cycle(comfy_source, comfy_python, tmp_path)
     home = tmp_path / "ComfyUI"
     r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    rep = json.loads(r.stdout)
+    rep = jsondoc.data(r.stdout, r.returncode)
     assert rep["cloned"] and rep["pin"] == PIN
     assert all(p["state"] == "apply" for p in rep["patches"])
     # the offline mirror lacks two blobs H3 does not use: each one the source lacks is a warning, not a failure
@@ -49,7 +49,7 @@ def test_install_verify_rerun_revert_cycle(comfy_source, comfy_python, tmp_path)
 
     r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", comfy_python, "--json")
     assert r.returncode == 0
-    rep = json.loads(r.stdout)
+    rep = jsondoc.data(r.stdout, r.returncode)
     assert rep["changed"] == [] and all(p["state"] == "applied" for p in rep["patches"])
 
     r = h3kit("revert", "--comfy-home", home)
@@ -57,13 +57,13 @@ def test_install_verify_rerun_revert_cycle(comfy_source, comfy_python, tmp_path)
     assert status(home) == sorted(f" D {a}" for a in lacking)  # clean but for the blobs the source lacks
     r = h3kit("verify", "--comfy-home", home, "--json")
     assert r.returncode == 1
-    assert any("not applied" in p for p in json.loads(r.stdout)["problems"])
+    assert any("not applied" in p for p in jsondoc.data(r.stdout, r.returncode)["problems"])
 
 
 def test_the_series_checks_against_the_pin(comfy_source):
     r = h3kit("patches", "check", "--source", comfy_source, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    rep = json.loads(r.stdout)
+    rep = jsondoc.data(r.stdout, r.returncode)
     assert rep["applies_to_pin"] is True and rep["problems"] == []
     assert rep["patches"][0] == "global-model-cache.patch"
 

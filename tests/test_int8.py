@@ -8,7 +8,6 @@ check observed; the tests below assert on it. The parity tests run `h3kit parity
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from h3kit.runtime import parity as parity_lib
 from tests.support import checks_runner
 from tests.support.checks_runner import value
 from tests.support.service_helpers import h3kit
+from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 SUPPORT = Path(__file__).resolve().parent / "support"
@@ -119,7 +119,7 @@ def test_int8_parity_rows(installed_tree, comfy_python, n):
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
                  "--npu-count", str(n), "--weights", "int8", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
+    rows = jsondoc.data(proc.stdout, proc.returncode)
     assert len(rows) == 6 and {r["weights"] for r in rows} == {"int8"}
     for r in rows:
         assert r["pass"] and r["max_rel"] <= 1e-5 and r["gate"] == "max_rel <= 1e-05", r
@@ -150,7 +150,7 @@ def test_int8_parity_refusals(installed_tree, comfy_python):
                  "--npu-count", "2", "--weights", "int8", "--python", comfy_python, "--json",
                  env=dict(os.environ, H3KIT_NPU_INT8="off"))
     assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
-    error = json.loads(proc.stdout)["error"]
+    error = jsondoc.error(proc.stdout, proc.returncode)
     assert error["code"] == "int8_arm_unavailable" and "H3KIT_NPU_INT8=reference" in error["message"]
     assert "Traceback" not in proc.stderr
 
@@ -168,8 +168,8 @@ def test_demo_with_int8_weights_end_to_end(tmp_path, comfy_source, comfy_python)
     r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "2", "--weights", "int8",
               "--port", free_port(8590, 8599), "--python", comfy_python, "--json", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rep = json.loads(r.stdout)
-    assert rep["ok"] and rep["weights"] == "int8"
+    rep = jsondoc.data(r.stdout, r.returncode)
+    assert rep["weights"] == "int8"
     assert [s["stage"] for s in rep["stages"]] == ["install", "checkpoints", "start", "check-workflow", "prompt",
                                                   "parity", "stop"]
     assert rep["stages"][1]["detail"] == "wrote audio_vae, dit_int8, te, video_vae"

@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from h3kit import demo, health, outputs, service
+from tests.support import jsondoc
 from tests.support.service_helpers import free_port, http_json, pid_running, wait_for
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
@@ -65,7 +66,7 @@ class Group:
     def status(self, node: int) -> dict:
         r = subprocess.run([sys.executable, "-m", "h3kit", "status", "--comfy-home",
                             self.home if node == 0 else self.home1, "--json"], capture_output=True, text=True, timeout=60)
-        return json.loads(r.stdout)
+        return jsondoc.data(r.stdout, r.returncode)
 
     def stop(self, node: int):
         return subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home",
@@ -94,7 +95,7 @@ def group(tree, comfy_python):
         outs = [p.communicate(timeout=BOOT + 60) for p in nodes]
         for p, (out, err) in zip(nodes, outs):
             assert p.returncode == 0, out[-2000:] + err[-3000:]
-        g.started = [json.loads(out) for out, _ in outs]
+        g.started = [jsondoc.data(out, 0) for out, _ in outs]
         yield g
     finally:
         for node in (1, 0):
@@ -138,7 +139,7 @@ def test_a_node_that_never_arrives_fails_start_naming_it(tree, comfy_python, tmp
     p = h3kit("start", *args, env=g.env())
     out, err = p.communicate(timeout=BOOT + 60)
     assert p.returncode == 1, out + err
-    error = json.loads(out)["error"]
+    error = jsondoc.error(out, p.returncode)
     assert error["code"] == "group_failed", error
     assert "node 1 (ranks 2, 3) never arrived" in error["message"] and "--node-rank 1" in error["message"]
     assert time.monotonic() - t0 < BOOT
@@ -241,7 +242,7 @@ def test_stop_leaves_no_process_behind(group):
     assert all(pid_running(p) for p in pids)
     for node in (1, 0):
         r = group.stop(node)
-        assert r.returncode == 0 and json.loads(r.stdout)["stopped"], r.stderr
+        assert jsondoc.data(r.stdout, r.returncode)["stopped"], r.stderr
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if pid_running(p)], timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
     assert not health.check_health(f"http://127.0.0.1:{group.port}").ok

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from h3kit.runtime import parity as parity_lib
+from tests.support import jsondoc
 from tests.support.service_helpers import h3kit
 
 
@@ -14,9 +13,9 @@ from tests.support.service_helpers import h3kit
 def test_one_device_is_refused_for_every_component(tmp_path, component):
     proc = h3kit("parity", "--comfy-home", tmp_path, "--component", component, "--npu-count", "1", "--json")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    error = json.loads(proc.stdout)["error"]
+    error = jsondoc.error(proc.stdout, proc.returncode)
     assert error["code"] == "meaningless_count" and "compare a model with itself" in error["message"]
-    assert "--npu-count 2 or 4" in error["hint"]
+    assert "--npu-count 2 or 4" in error["fix"]
 
 
 @pytest.mark.parametrize("component, fault", [("te", "rope"), ("vae", "heads"), ("dit", "reduce")])

@@ -10,7 +10,6 @@ device, must equal the cost model's.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from h3kit.runtime import costmodel
 from h3kit.runtime import parity as parity_lib
 from h3kit.runtime import parity_worker
 from tests.support.service_helpers import h3kit
+from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 LAYOUTS = {"t2va", "fl2va", "ref2va"}
@@ -92,7 +92,7 @@ def test_parity_four_devices_cli(installed_tree, comfy_python):
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
                 "--npu-count", "4", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
+    rows = jsondoc.data(proc.stdout, proc.returncode)
     _check_rows(rows, 4)
     assert "parity passed: 14 row(s)" in proc.stderr
 
@@ -105,7 +105,7 @@ def test_parity_over_the_process_group(installed_tree, comfy_python):
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
                 "--npu-count", "2", "--transport", "process", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
+    rows = jsondoc.data(proc.stdout, proc.returncode)
     _check_rows(rows, 2, variants={("float32", False), ("float32", True)})
     assert {r["transport"] for r in rows} == {"process"}
 
@@ -146,8 +146,8 @@ def test_parity_refuses_an_unpatched_tree(pin_tree, comfy_python):
     proc = h3kit("parity", "--comfy-home", str(pin_tree), "--device-type", "cpu", "--npu-count", "2",
                 "--python", comfy_python, "--json")
     assert proc.returncode == 1
-    error = json.loads(proc.stdout)["error"]
-    assert error["code"] == "not_patched" and "h3kit install" in error["hint"]
+    error = jsondoc.error(proc.stdout, proc.returncode)
+    assert error["code"] == "not_patched" and "h3kit install" in error["fix"]
 
 
 def test_a_terminated_parity_run_takes_its_worker_with_it(installed_tree, tmp_path):

@@ -10,13 +10,13 @@ VAE's bytes moved must equal the decoded chunks other devices handed back.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from h3kit.runtime import parity as parity_lib
 from h3kit.runtime import parity_worker
 from tests.support.service_helpers import h3kit
+from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 TE_LAYOUTS = {"t2va", "fl2va", "ref2va"}
@@ -79,7 +79,7 @@ def test_te_parity_four_devices_cli(installed_tree, comfy_python):
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "te", "--device-type", "cpu",
                 "--npu-count", "4", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_te(json.loads(proc.stdout), 4)
+    _check_te(jsondoc.data(proc.stdout, proc.returncode), 4)
     assert "parity passed: 8 row(s)" in proc.stderr
 
 
@@ -102,7 +102,7 @@ def test_vae_parity_four_devices_cli(installed_tree, comfy_python):
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "vae", "--device-type", "cpu",
                 "--npu-count", "4", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_vae(json.loads(proc.stdout), 4)
+    _check_vae(jsondoc.data(proc.stdout, proc.returncode), 4)
     assert "parity passed: 6 row(s)" in proc.stderr
 
 
@@ -110,7 +110,7 @@ def test_vae_injected_fault_fails_the_gate(installed_tree, comfy_python):
     proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "vae", "--device-type", "cpu",
                 "--npu-count", "2", "--python", comfy_python, "--inject-fault", "--json")
     assert proc.returncode == 1, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
+    rows = jsondoc.data(proc.stdout, proc.returncode)
     # every row where another device decoded a chunk fails; the others had nothing to transport
     failed = {r["layout"] for r in rows if not r["pass"]}
     assert failed == {"39f", "73f", "90f"}

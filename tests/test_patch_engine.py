@@ -384,3 +384,40 @@ def test_missing_source_is_a_clear_error(refreshed, runner, tmp_path):
     assert r.exit_code == 1
     assert payload(r)["error"]["code"] == "no_source"
     assert not (tmp_path / "home").exists()
+
+
+def test_clone_shows_gits_progress_and_names_a_failed_source(upstream, tmp_path, capsys):
+    from h3kit import gitutil
+
+    up, pin = upstream
+    gitutil.clone_no_checkout(f"file://{up}", tmp_path / "c", progress=True)  # file:// makes git transfer objects
+    shown = capsys.readouterr().err
+    assert "\r  Receiving objects: 100%" in shown and shown.endswith("\n"), shown
+    assert gitutil.has_commit(tmp_path / "c", pin) and not (tmp_path / "c" / "comfy").exists()  # no checkout
+    with pytest.raises(gitutil.GitError) as e:
+        gitutil.clone_no_checkout(f"file://{tmp_path}/nope", tmp_path / "d", progress=False)
+    assert e.value.code == "clone_failed" and "nope" in e.value.message and not (tmp_path / "d").exists()
+
+
+def test_install_records_the_interpreters_packages_and_verify_reports_drift(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    home = tmp_path / "ComfyUI"
+    rep = payload(install(runner, home, "--source", up))
+    state_file = home / ".h3kit" / "state.json"
+    state = json.loads(state_file.read_text())
+    click_pin = next(p for p in state["python_packages"] if p.lower().startswith("click=="))
+    assert rep["python_packages"] == len(state["python_packages"]) > 5
+    v = payload(h3(runner, "verify", "--comfy-home", home, "--json"))
+    assert v["python_drift"] == {"changed": [], "added": [], "removed": []} and v["problems"] == []
+    # as if click had been upgraded and a package removed since install
+    state["python_packages"] = sorted([p for p in state["python_packages"] if p != click_pin] + ["click==0.1",
+                                                                                               "gone-pkg==1.0"])
+    state_file.write_text(json.dumps(state))
+    r = h3(runner, "verify", "--comfy-home", home, "--json")
+    v = payload(r)
+    assert r.exit_code == 0 and v["python_drift"]["removed"] == ["gone-pkg==1.0"]
+    assert v["python_drift"]["changed"] == [f"{click_pin.split('==')[0]} 0.1 -> {click_pin.split('==')[1]}"]
+    assert any("changed since install" in w and "gone-pkg==1.0" in w for w in v["warnings"])
+    # install records the new set
+    assert ".h3kit/state.json" in payload(install(runner, home, "--source", up))["changed"]
+    assert payload(h3(runner, "verify", "--comfy-home", home, "--json"))["python_drift"]["changed"] == []

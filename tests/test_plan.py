@@ -4,7 +4,6 @@ against a real parallel run in tests/test_parity_dit.py."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 
 from h3kit.cli import main
 from h3kit.runtime import costmodel
+from tests.support import jsondoc
 from tests.support.pin_source import pin_functions
 
 
@@ -62,7 +62,8 @@ def test_one_forward_per_step_unless_cfg(runner):
     assert "BasicGuider, 1 forward per step" in out and "pass --cfg for a CFG guider" in out
     out = runner.invoke(main, argv + ["--cfg"]).output
     assert "CFG guider, 2 forwards per step" in out
-    doc = json.loads(runner.invoke(main, argv + ["--cfg", "--json"]).output)
+    r = runner.invoke(main, argv + ["--cfg", "--json"])
+    doc = jsondoc.data(r.stdout, r.exit_code)
     assert doc["plans"][0]["guider"] == "cfg" and doc["plans"][0]["forwards_per_step"] == 2
 
 
@@ -99,7 +100,7 @@ def test_plan_json_and_calibration_flags(runner):
     result = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "4",
                                   "--tflops", "200", "--link-gbs", "50", "--json"])
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.output)
+    doc = jsondoc.data(result.stdout, result.exit_code)
     (p,) = doc["plans"]
     assert doc["model"]["hidden"] == 5376 and p["npu_count"] == 4 and p["attention"] == "ulysses"
     assert p["seconds_compute_step"] == pytest.approx(p["flops_per_device_step"] / 200e12)

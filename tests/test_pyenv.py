@@ -97,3 +97,25 @@ def test_install_refuses_a_mismatched_interpreter(tmp_path, runner):
     assert r.exit_code == 1
     assert "torch-npu 2.14.0 needs torch 2.14.0.*" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("python, ok", [([3, 10, 0], True), ([3, 13, 9], True), ([3, 9, 18], False),
+                                        ([3, 14, 0], False), ([4, 0, 0], False)])
+def test_python_range_through_packaging(python, ok):
+    assert (judge(python=python).errors == []) is ok
+
+
+def test_package_drift_names_changes_additions_and_removals():
+    recorded = ["torch==2.14.1", "Pillow==13.0.0", "comfy_kitchen==0.2.30", "gone==1"]
+    now = ["torch==2.14.0", "pillow==13.0.0", "comfy-kitchen==0.2.30", "new-one==0.1"]
+    assert pyenv.package_drift(recorded, now) == {"changed": ["torch 2.14.1 -> 2.14.0"], "added": ["new-one==0.1"],
+                                                  "removed": ["gone==1"]}
+    assert pyenv.package_drift(now, now) == {"changed": [], "added": [], "removed": []}
+
+
+def test_probe_lists_the_interpreters_packages():
+    rep = pyenv.check(sys.executable, MANIFEST, packages=True)
+    names = {p.split("==")[0].lower() for p in rep.packages}
+    assert {"click", "psutil", "pyyaml", "websocket-client", "packaging"} <= names
+    assert rep.packages == sorted(rep.packages, key=lambda p: p.split("==")[0].lower().replace("_", "-"))
+    assert "packages" not in rep.to_dict()["info"]  # the report install prints stays short

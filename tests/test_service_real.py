@@ -26,6 +26,7 @@ import pytest
 
 from tests.support.service_helpers import (Home, free_port, http_json, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
+from tests.support import jsondoc
 
 # The tree the server runs from: the patched install. With "pin_tree" (the plain pin) the same tests run,
 # with the h3kit commands in place of the launch scripts install would have put there.
@@ -147,7 +148,7 @@ def test_restart_after_an_idle_run(server):
         assert first["kind"] == "oom" and "can't allocate memory" in first["summary"]
     r = server.run("restart", "--json", timeout=BOOT_TIMEOUT + 60)
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = jsondoc.data(r.stdout, r.returncode)
     assert out["was_running"] and out["previous_pid"] == pid and out["pid"] != pid
     assert out["queue"] == {"running": 0, "pending": 0}
     assert out["phases"]["start"] > 1 and out["phases"]["total"] >= out["phases"]["start"]
@@ -181,7 +182,7 @@ def test_foreign_process_on_the_port_is_refused_and_left_alive(server, comfy_tre
         other = Home(comfy_tree, port, runtime_root=tmp_path / "other-run")
         r = other.start("--python", server.python, "--json")
         assert r.returncode == 1
-        err = json.loads(r.stdout)["error"]
+        err = jsondoc.error(r.stdout, r.returncode)
         assert err["code"] == "port_in_use" and err["details"]["holders"][0]["pid"] == foreign.pid
         assert f"pid {foreign.pid}" in r.stderr and "http.server" in r.stderr
         assert foreign.poll() is None and other.record() is None
@@ -200,7 +201,7 @@ def test_stop_frees_the_port(server):
     pid = ensure_running(server)
     r = server.run("stop", "--json")
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = jsondoc.data(r.stdout, r.returncode)
     assert out["stopped"] and out["pid"] == pid and out["signals"] == ["SIGTERM"]
     assert port_is_free(server.port) and not pid_running(pid)
     assert server.record() is None

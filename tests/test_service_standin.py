@@ -21,6 +21,7 @@ import pytest
 
 from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
+from tests.support import jsondoc
 
 from h3kit import service
 
@@ -209,7 +210,7 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(home):
     pid = started_pid(home)
     r = home.run("stop", "--grace", "1", "--json")
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = jsondoc.data(r.stdout, r.returncode)
     assert out["stopped"] and out["signals"] == ["SIGTERM", "SIGKILL"] and out["pid"] == pid
     assert not pid_running(pid) and port_is_free(home.port) and home.record() is None
 
@@ -241,7 +242,7 @@ def test_restart_shows_the_previous_oom(home):
     assert st["first_error"]["summary"] == "torch.OutOfMemoryError: NPU out of memory. Tried to allocate 2.00 GiB"
     r = home.run("restart", "--json")
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = jsondoc.data(r.stdout, r.returncode)
     assert out["previous_error"]["kind"] == "oom" and out["was_running"]
     assert set(out["phases"]) == {"check", "stop", "port", "start", "total"}
     text = home.run("restart")
@@ -446,7 +447,7 @@ def test_watch_ends_at_max_seconds_and_leaves_the_server_running(home):
     assert home.start().returncode == 0
     r = home.run("watch", "--interval", "0.2", "--max-seconds", "1", "--json")
     assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    out = jsondoc.data(r.stdout, r.returncode)
     assert out["reason"] == "time_limit" and out["restarts"] == 0 and out["events"][0]["event"] == "watching"
     assert pid_running(started_pid(home))
 
@@ -525,13 +526,13 @@ def test_start_refuses_our_server_running_with_other_settings(home):
     pid = started_pid(home)
     r = home.start("--json", devices="0,1,2,3")
     assert r.returncode == 1
-    err = json.loads(r.stdout)["error"]
-    assert err["code"] == "already_running_other_settings" and "h3kit stop" in err["hint"]
+    err = jsondoc.error(r.stdout, r.returncode)
+    assert err["code"] == "already_running_other_settings" and "h3kit stop" in err["fix"]
     assert pid_running(pid) and started_pid(home) == pid  # left exactly as it was
     other_python = home.path.parent / "python-other"
     other_python.symlink_to(sys.executable)
     r = home.start("--json", "--python", str(other_python), devices="0")  # same devices, another interpreter
-    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "already_running_other_settings"
+    assert r.returncode == 1 and jsondoc.error(r.stdout, r.returncode)["code"] == "already_running_other_settings"
 
 
 def test_a_bad_comfy_home_changes_nothing(tmp_path):

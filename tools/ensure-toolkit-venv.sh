@@ -39,7 +39,7 @@ if [ ! -f "$venv/.h3kit-complete" ]; then
   log=$cache/.toolkit-py$version-$key.build.log
   "$venv/bin/python" -m pip install -q -r "$req" >"$log" 2>&1 \
     || { tail -n 40 "$log" >&2; say "building the environment failed (log: $log)"; exit 1; }
-  "$venv/bin/python" -c 'import click, git, psutil, requests, yaml, pytest' >&2
+  "$venv/bin/python" -c 'import click, psutil, yaml, websocket, packaging, pytest' >&2
   touch "$venv/.h3kit-complete"
 fi
 echo "$venv/bin/python"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from h3kit.cli import main
+from tests.support import jsondoc
 
 REAL_ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
@@ -141,6 +142,8 @@ def install(runner, home, *extra):
 
 
 def payload(result):
-    return json.loads(result.stdout)
+    """The command's "data", or {"error": ...} when it could not do its work (the document's shape checked)."""
+    doc = jsondoc.document(result.stdout, result.exit_code)
+    return doc["data"] if "data" in doc else {"error": doc["error"]}
 
 

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+from tests.support import jsondoc
 
 SUPPORT = Path(__file__).resolve().parent
 STANDIN = SUPPORT / "standin_server.py"
@@ -135,7 +136,7 @@ class Home:
     def status(self) -> dict:
         r = self.run("status", "--json")
         assert r.returncode in (0, 1), r.stderr
-        return json.loads(r.stdout)
+        return jsondoc.data(r.stdout, r.returncode)
 
 
 class StandinHome(Home):

@@ -91,7 +91,7 @@ def _one_run(rec: service.Record, prompt: dict, timeout: float, log) -> dict:
     poller = _MemoryPoller(rec.url)
     poller.start()
     try:
-        trace, _ = run_prompt(rec, prompt, timeout)
+        trace, _ = run_prompt(rec, prompt, timeout, log)
     except OSError as e:
         raise BenchError(f"lost the server at {rec.url}: {e}", code="server_unreachable",
                          hint="h3kit status shows whether it still runs, and its log's first error") from None

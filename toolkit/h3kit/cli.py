@@ -2,12 +2,14 @@
 
 Each command lives in h3kit/commands/<module>.py and is imported only when it runs, and `--help` lists the
 commands from the table below without importing any of them, so `h3kit --help` and `check-workflow` start
-without torch or GitPython.
+without torch, numpy or websocket-client.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import sys
 
 import click
 
@@ -35,7 +37,17 @@ COMMANDS = {
 }
 
 
+def _json_requested(args: list[str]) -> bool:
+    """--json on the command line, before any `--` (what follows it belongs to ComfyUI)."""
+    return "--json" in (args[:args.index("--")] if "--" in args else args)
+
+
 class LazyGroup(click.Group):
+    """Commands imported only when they run; usage errors that click finds (a missing option, a bad choice,
+    an unknown command) printed as h3kit's JSON error document too when --json was given."""
+
+    _json = False
+
     def list_commands(self, ctx):
         return list(COMMANDS)
 
@@ -51,11 +63,41 @@ class LazyGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def main(self, args=None, *rest, **kwargs):
+        args = list(sys.argv[1:] if args is None else args)
+        self._json = _json_requested(args)
+        return super().main(args, *rest, **kwargs)
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with self._usage_errors_as_json():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with self._usage_errors_as_json():
+            return super().invoke(ctx)
+
+    @contextlib.contextmanager
+    def _usage_errors_as_json(self):
+        try:
+            yield
+        except click.ClickException as e:
+            if self._json:
+                from h3kit.cliutil import command_name, emit_json_error
+
+                where = command_name(e.ctx) if getattr(e, "ctx", None) is not None else None
+                fix = f"h3kit {where} --help" if where else "h3kit --help"
+                code = "usage" if isinstance(e, click.UsageError) else "bad_input"
+                emit_json_error(code, e.format_message(), f"see {fix}", command=where)
+            raise  # click prints the message on stderr and exits 2 (1 for other ClickExceptions)
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="h3kit")
 def main():
     """Deploy MiniMax H3 in a pinned, patched ComfyUI on 1, 2, 4 or 8 Ascend NPUs.
 
-    Start with `h3kit install --comfy-home DIR`, then `h3kit start`. Every command takes --help.
+    New here? `h3kit demo --comfy-home DIR` does everything once, on tiny weights: installs ComfyUI at the
+    pin with the patch series into DIR, starts the server (devices simulated on a CPU host), runs a real H3
+    prompt and shows the time of each stage. Then `h3kit install`, `h3kit start` and `h3kit check-workflow`
+    for your own models. Every command takes --help; commands that scripts read take --json.
     """

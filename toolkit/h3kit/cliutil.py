@@ -1,8 +1,20 @@
 """Helpers the command modules share: error mapping, JSON output, common options.
 
-Library code raises h3kit.errors.H3kitError; `handle_errors` turns it into a one-line message (or a JSON
-error object with --json) and the error's exit code, never a traceback. It also makes SIGTERM behave like
-Ctrl-C for the command it wraps: both raise KeyboardInterrupt where the command runs, so the same cleanup
+Library code raises h3kit.errors.H3kitError; `handle_errors` turns it into a one-line message (and, with
+--json, the JSON document below) and the error's exit code, never a traceback.
+
+With --json every command prints exactly one document on stdout, the same shape for all of them:
+
+    {"schema": "h3kit/1", "command": "install", "ok": true, "data": {...}}
+    {"schema": "h3kit/1", "command": "install", "ok": false, "error": {"code", "message", "fix", ["details"]}}
+
+"ok" is true exactly when the exit code is 0. "data" is there when the command did its work (also when its
+verdict is negative: verify finding problems, status of a stopped server, a failed parity row); "error" when
+it could not (bad input, a refused or failed operation, Ctrl-C, a bug). A usage error that click itself finds
+(a missing option, a bad choice) takes the "error" form too when --json was on the command line
+(h3kit.cli.LazyGroup). Progress and warnings always go to stderr.
+
+`handle_errors` also makes SIGTERM behave like Ctrl-C for the command it wraps: both raise KeyboardInterrupt where the command runs, so the same cleanup
 runs (a temporary clone removed, a write rolled back, a server the command started stopped), and the exit
 code is 130 (SIGINT) or 143 (SIGTERM).
 """
@@ -25,6 +37,7 @@ import click
 from h3kit.errors import H3kitError, UsageError
 
 COMFY_HOME_ENV = "H3KIT_COMFY_HOME"
+JSON_SCHEMA = "h3kit/1"
 
 
 def comfy_home_option(required: bool = True):
@@ -47,8 +60,38 @@ def _finite(value):
     return value
 
 
-def emit_json(data) -> None:
-    click.echo(json.dumps(_finite(data), indent=2, sort_keys=False, default=str, allow_nan=False))
+def command_name(ctx: click.Context | None = None) -> str | None:
+    """The command as typed after `h3kit` ("install", "patches check"); None for the top level."""
+    ctx = ctx if ctx is not None else click.get_current_context(silent=True)
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(reversed(names)) or None
+
+
+def _print_document(doc: dict) -> None:
+    click.echo(json.dumps(_finite(doc), indent=2, sort_keys=False, default=str, allow_nan=False))
+
+
+def emit_json(data, ok: bool | None = None) -> None:
+    """Print the document of a command that did its work. `ok` (true when the command exits 0) defaults to
+    data["ok"] when data is a dict holding one, which then appears only at the top level, else to True."""
+    if isinstance(data, dict) and "ok" in data:
+        data = dict(data)
+        found = bool(data.pop("ok"))
+        ok = found if ok is None else ok
+    _print_document({"schema": JSON_SCHEMA, "command": command_name(), "ok": True if ok is None else bool(ok),
+                     "data": data})
+
+
+def emit_json_error(code: str, message: str, fix: str | None = None, details=None, command: str | None = None) -> None:
+    """Print the document of a command that could not do its work (see the module docstring)."""
+    error = {"code": code, "message": message, "fix": fix}
+    if details is not None:
+        error["details"] = details
+    _print_document({"schema": JSON_SCHEMA, "command": command if command is not None else command_name(),
+                     "ok": False, "error": error})
 
 
 class Terminated(KeyboardInterrupt):
@@ -133,7 +176,7 @@ def handle_errors(fn):
                 return fn(*args, **kwargs)
         except H3kitError as e:
             if as_json:
-                emit_json({"ok": False, "error": e.to_dict()})
+                emit_json_error(**e.to_dict())
             err(f"h3kit: error [{e.code}]: {e.message}")
             if e.hint:
                 err(f"  fix: {e.hint}")
@@ -142,8 +185,8 @@ def handle_errors(fn):
             signum = getattr(e, "signum", signal.SIGINT)
             what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
             if as_json:
-                emit_json({"ok": False, "error": {"code": "terminated" if signum == signal.SIGTERM else "interrupted",
-                                                  "message": what}})
+                emit_json_error("terminated" if signum == signal.SIGTERM else "interrupted", what,
+                                "what the command had started was undone: run it again")
             err(f"h3kit: {what}; what this command had started was undone")
             sys.exit(128 + signum)
         except BrokenPipeError:  # `h3kit ... | head`: the reader left; nothing more to say
@@ -158,7 +201,8 @@ def handle_errors(fn):
             if os.environ.get("H3KIT_DEBUG"):
                 traceback.print_exc()
             if as_json:
-                emit_json({"ok": False, "error": {"code": "internal", "message": f"{type(e).__name__}: {e}"}})
+                emit_json_error("internal", f"{type(e).__name__}: {e}",
+                                "rerun with H3KIT_DEBUG=1 for the traceback, and report it")
             err(f"h3kit: internal error: {type(e).__name__}: {e}")
             err("  rerun with H3KIT_DEBUG=1 for the traceback, and report it")
             sys.exit(3)

@@ -1,19 +1,18 @@
 """Follow a prompt on ComfyUI's /ws: which node runs when, so stage times come from the server's own events.
 
-A minimal RFC 6455 client on the standard library (the toolkit's dependencies stay click, GitPython, psutil,
-requests, PyYAML): it connects to ws://host:port/ws?clientId=ID, answers pings, skips binary frames (latent
-previews) and yields the JSON text messages. ComfyUI sends, per prompt: execution_start, execution_cached
-(nodes served from cache), executing {node} as each node starts (node None at the end), executed,
-progress, execution_success or execution_error / execution_interrupted.
+The connection is websocket-client's (imported only here, when a prompt is followed): it verifies the
+handshake, answers pings, reassembles fragmented messages, and keeps a frame that a timeout cut in half for
+the next read, so a slow server never desynchronises the stream. Binary frames (latent previews) are skipped;
+text messages are yielded as JSON. Proxies from the environment are ignored, as for h3kit's HTTP requests.
+ComfyUI sends, per prompt: execution_start, execution_cached (nodes served from cache), executing {node}
+as each node starts (node None at the end), progress {value, max, node} as a node advances (the sampler's
+steps), executed, execution_success or execution_error / execution_interrupted.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 
@@ -25,94 +24,59 @@ class WebSocketError(H3kitError):
 
 
 class WebSocket:
+    """ws://host:port/ws?clientId=ID, opened at once; WebSocketError when it cannot be."""
+
     def __init__(self, host: str, port: int, client_id: str, timeout: float = 10.0):
+        import websocket
+
+        self._lib = websocket
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        url = f"ws://{where}/ws?clientId={client_id}"
         try:
-            self.sock = socket.create_connection((host, port), timeout=timeout)
+            # the TCP connection is made here, directly: websocket-client would route it through an
+            # http_proxy from the environment (its no-proxy option only applies to a proxy given explicitly)
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
-            raise WebSocketError(f"cannot connect to ws://{host}:{port}/ws: {e}",
-                                 hint="is the server running? h3kit status shows it") from None
-        key = base64.b64encode(os.urandom(16)).decode()
-        request = (f"GET /ws?clientId={client_id} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                   f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n")
-        self.sock.sendall(request.encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = self.sock.recv(4096)
-            if not chunk:
-                raise WebSocketError("connection closed during the websocket handshake")
-            head += chunk
-        status, _, rest = head.partition(b"\r\n\r\n")
-        first_line = status.split(b"\r\n", 1)[0]
-        if b" 101 " not in first_line:
-            raise WebSocketError(f"websocket handshake refused: {first_line.decode(errors='replace')}")
-        self._buf = rest
-
-    def _read(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise WebSocketError("websocket closed by the server")
-            self._buf += chunk
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return out
-
-    def _send(self, opcode: int, payload: bytes = b"") -> None:
-        mask = os.urandom(4)
-        header = bytes([0x80 | opcode])
-        n = len(payload)
-        if n < 126:
-            header += bytes([0x80 | n])
-        elif n < 65536:
-            header += bytes([0x80 | 126]) + struct.pack(">H", n)
-        else:
-            header += bytes([0x80 | 127]) + struct.pack(">Q", n)
-        self.sock.sendall(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+            raise WebSocketError(f"cannot connect to {url}: {e}", hint="is the server running? h3kit status shows it") from None
+        try:
+            self.ws = websocket.create_connection(url, timeout=timeout, socket=sock, skip_utf8_validation=True)
+        except (websocket.WebSocketException, OSError) as e:
+            sock.close()
+            raise WebSocketError(f"cannot open {url}: {e}", hint="is the server running? h3kit status shows it") from None
 
     def recv_json(self, timeout: float) -> dict | None:
         """The next text message as JSON, or None when `timeout` passes without one."""
         deadline = time.monotonic() + timeout
-        message = b""
+        lib = self._lib
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            self.sock.settimeout(left)
+            self.ws.settimeout(left)
             try:
-                b1, b2 = self._read(2)
-            except socket.timeout:
+                opcode, payload = self.ws.recv_data()
+            except lib.WebSocketTimeoutException:
                 return None
-            except OSError as e:
+            except lib.WebSocketConnectionClosedException:
+                raise WebSocketError("websocket closed by the server") from None
+            except (lib.WebSocketException, OSError) as e:
                 raise WebSocketError(f"the websocket broke: {e}") from None
-            opcode, length = b1 & 0x0F, b2 & 0x7F
-            if length == 126:
-                length = struct.unpack(">H", self._read(2))[0]
-            elif length == 127:
-                length = struct.unpack(">Q", self._read(8))[0]
-            mask = self._read(4) if b2 & 0x80 else None
-            payload = self._read(length)
-            if mask:
-                payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-            if opcode == 0x8:
+            if opcode == lib.ABNF.OPCODE_CLOSE:
                 raise WebSocketError("websocket closed by the server")
-            if opcode == 0x9:
-                self._send(0xA, payload)
+            if opcode != lib.ABNF.OPCODE_TEXT:
+                continue  # previews and other binary frames are of no interest here
+            try:
+                message = json.loads(payload)
+            except ValueError:
                 continue
-            if opcode in (0x1, 0x0):
-                message += payload
-                if b1 & 0x80 and message:
-                    try:
-                        return json.loads(message)
-                    except ValueError:
-                        message = b""
-                continue
-            # binary frames (previews) and pongs are of no interest here
+            if isinstance(message, dict):
+                return message
 
     def close(self) -> None:
         try:
-            self._send(0x8)
-        except OSError:
+            self.ws.close(timeout=1)
+        except (self._lib.WebSocketException, OSError):
             pass
-        self.sock.close()
 
 
 @dataclass

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3kit import comfyws, devices as h3devices, group, health, locks, logscan, outputs, proc, service
+from h3kit import comfyws, devices as h3devices, group, health, locks, logscan, outputs, paths, proc, progress, service
 from h3kit.errors import H3kitError, UsageError
 from h3kit.paths import repo_root
 
@@ -133,18 +133,19 @@ def write_tiny_checkpoints(home: Path, python: str, weights: str = "float") -> d
         return {"written": [], "present": sorted(wanted)}
     for path, _ in missing.values():
         path.parent.mkdir(parents=True, exist_ok=True)
-    script = ("import sys, json\nfrom h3kit import tiny_models\n"
+    script = (paths.h3kit_import_code() + "import sys, json\nfrom h3kit import tiny_models\n"
               "for comp, path, seed in json.loads(sys.argv[1]):\n"
               "    tmp = path + '.tmp'\n"
               "    tiny_models.write(comp, tmp, seed)\n"
               "    __import__('os').replace(tmp, path)\n")
     todo = json.dumps([[c, str(p), s] for c, (p, s) in missing.items()])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(home), str(repo_root() / "toolkit")]))
+    env = dict(os.environ, PYTHONPATH=str(home))
     proc_ = subprocess.run([python, "-c", script, todo], cwd=home, env=env, capture_output=True, text=True,
                            timeout=900)
     if proc_.returncode != 0:
         raise DemoFailed("writing the tiny checkpoints failed: " + (proc_.stderr.strip().splitlines() or ["?"])[-1],
-                         hint=f"run {python} -m h3kit.tiny_models dit /tmp/x.safetensors from {home} to see why")
+                         hint=f"from {home}, PYTHONPATH={paths.package_dir().parent} {python} -m h3kit.tiny_models dit "
+                              "/tmp/x.safetensors shows the whole error")
     return {"written": sorted(missing), "present": sorted(set(wanted) - set(missing))}
 
 
@@ -166,7 +167,8 @@ def demo_prompt(npu_count: int, tag: str, weights: str = "float") -> dict:
 
 
 def run_prompt(rec: service.Record, prompt: dict, timeout: float, log=None) -> tuple[comfyws.PromptTrace, dict]:
-    """Submit `prompt` to the recorded server, follow it on /ws; (trace, history outputs)."""
+    """Submit `prompt` to the recorded server, follow it on /ws; (trace, history outputs). With `log`, its
+    progress is shown as it runs (h3kit.progress: a bar on a terminal, lines through `log` otherwise)."""
     host = proc.probe_host(rec.listen)
     client_id = uuid.uuid4().hex
     ws = comfyws.WebSocket(host, rec.port, client_id)
@@ -184,9 +186,12 @@ def run_prompt(rec: service.Record, prompt: dict, timeout: float, log=None) -> t
             raise DemoFailed(f"the server refused the prompt: {msg}" + ("; " + " | ".join(errors) if errors else ""),
                              details=body) from None
         classes = {k: v["class_type"] for k, v in prompt.items()}
-        trace = comfyws.follow(ws, answer["prompt_id"], classes, t0, timeout,
-                               on_event=(lambda k, d: log(f"  running {classes.get(str(d.get('node')), '')}")
-                                         if log and k == "executing" and d.get("node") else None))
+        shown = progress.PromptProgress(classes, log) if log else None
+        try:
+            trace = comfyws.follow(ws, answer["prompt_id"], classes, t0, timeout, on_event=shown)
+        finally:
+            if shown:
+                shown.close()
     finally:
         ws.close()
     if trace.status == "timeout":

@@ -41,7 +41,6 @@ from h3kit.errors import H3kitError
 from h3kit.paths import repo_root
 from h3kit.runtime import costmodel
 
-SEVERITIES = ("ok", "info", "warning", "error")
 CHECKS = ("interpreter", "torch", "cann", "driver", "devices", "memory", "tree", "service", "models", "disk", "ram")
 PROBE_TIMEOUT = 180.0          # importing torch_npu and touching every card can take a minute
 GB = 1e9

@@ -1,6 +1,7 @@
 """Ask the interpreter that runs ComfyUI what it has. Run as a script by that interpreter:
 
     python envprobe.py                       package versions and the torch build, without importing torch
+    python envprobe.py --packages            the same, and every installed distribution as "name==version"
     python envprobe.py --deep --device-type npu|cuda|cpu
                                              also CANN on disk, torch and torch-npu imported, the devices
 
@@ -95,6 +96,17 @@ def shallow():
             "torch_build": torch_build(), "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}}
 
 
+def installed_packages():
+    """Every distribution on this interpreter's path as "name==version", sorted by name (install records
+    them in state.json; verify compares)."""
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] if dist.metadata else None
+        if name:
+            found.setdefault(re.sub(r"[-_.]+", "-", name).lower(), f"{name}=={dist.version}")
+    return [found[k] for k in sorted(found)]
+
+
 def _error(e):
     return f"{type(e).__name__}: {e}".strip()[:600]
 
@@ -146,6 +158,8 @@ def main(argv):
     if "--device-type" in argv:
         kind = argv[argv.index("--device-type") + 1]
     report = deep(kind) if "--deep" in argv else shallow()
+    if "--packages" in argv:
+        report["packages"] = installed_packages()
     sys.stdout.write(json.dumps(report) + "\n")
     return 0
 

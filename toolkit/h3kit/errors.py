@@ -21,9 +21,8 @@ class H3kitError(Exception):
         self.details = details
 
     def to_dict(self) -> dict:
-        out = {"code": self.code, "message": self.message}
-        if self.hint:
-            out["hint"] = self.hint
+        """The "error" object of the --json document: code, message, fix (the hint, or None), details."""
+        out = {"code": self.code, "message": self.message, "fix": self.hint}
         if self.details is not None:
             out["details"] = self.details
         return out

@@ -1,7 +1,7 @@
 """Guarded git operations on the ComfyUI checkout and its source (a URL, a checkout or a bare mirror).
 
-Every call uses `git -C`, a timeout, and refuses refs that could be read as options. The clone goes through
-GitPython so that a terminal shows its progress; GitPython is imported only here, inside the functions.
+Every call runs the git command line (no library in between), with `git -C`, a timeout, and refuses refs that
+could be read as options. A clone on a terminal shows git's own progress on one updating line.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from h3kit.errors import H3kitError, UsageError
@@ -30,10 +31,14 @@ def check_commit_arg(commit: str) -> str:
     return commit.lower()
 
 
+def _env() -> dict:
+    return dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0")
+
+
 def run(args: list[str], cwd: Path | str | None = None, *, check=True, timeout=GIT_TIMEOUT,
         input: bytes | None = None, text=True) -> subprocess.CompletedProcess:
     cmd = ["git"] + (["-C", str(cwd)] if cwd is not None else []) + args
-    env = dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0")
+    env = _env()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=text, timeout=timeout, env=env, input=input)
     except FileNotFoundError:
@@ -74,14 +79,6 @@ def read_blobs(repo: Path | str, commit: str, paths: list[str]) -> dict[str, byt
     return out
 
 
-def blob_ids(repo: Path | str, commit: str, paths: list[str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for rel in paths:
-        proc = run(["rev-parse", "--verify", "--quiet", f"{commit}:{rel}"], repo, check=False)
-        out[rel] = proc.stdout.strip() if proc.returncode == 0 else None
-    return out
-
-
 def status(tree: Path) -> list[tuple[str, str]]:
     """`git status --porcelain` as (code, path) pairs; untracked files included, ignored ones not."""
     proc = run(["status", "--porcelain", "-z", "--untracked-files=all"], tree)
@@ -96,46 +93,63 @@ def is_local_source(source: str) -> bool:
     return "://" not in source and not re.match(r"^[\w.-]+@[\w.-]+:", source)
 
 
-class _Progress:
-    """GitPython progress printer: one updating line on a terminal."""
-
-    def __new__(cls):
-        import git
-
-        names = {git.RemoteProgress.COUNTING: "counting objects", git.RemoteProgress.COMPRESSING: "compressing",
-                 git.RemoteProgress.RECEIVING: "receiving objects", git.RemoteProgress.RESOLVING: "resolving deltas",
-                 git.RemoteProgress.WRITING: "writing", git.RemoteProgress.FINDING_SOURCES: "finding sources",
-                 git.RemoteProgress.CHECKING_OUT: "checking out"}
-
-        class P(git.RemoteProgress):
-            def update(self, op_code, cur_count, max_count=None, message=""):
-                stage = names.get(op_code & self.OP_MASK, "cloning")
-                pct = f"{100 * cur_count / max_count:5.1f}%" if max_count else f"{int(cur_count)}"
-                sys.stderr.write(f"\r  {stage}: {pct} {message}".ljust(78)[:78])
-                if op_code & self.END:
-                    sys.stderr.write("\n")
-                sys.stderr.flush()
-
-        return P()
+def _show_progress(stream) -> str:
+    """Copy git's progress (lines ended by CR or LF) onto one updating stderr line; return all it wrote."""
+    seen = []
+    line = b""
+    while True:
+        chunk = stream.read1(4096) if hasattr(stream, "read1") else stream.read(4096)
+        if not chunk:
+            break
+        seen.append(chunk)
+        for piece in re.split(rb"([\r\n])", line + chunk):
+            if piece in (b"\r", b"\n"):
+                if line.strip():
+                    sys.stderr.write("\r  " + line.decode(errors="replace").strip()[:76].ljust(76))
+                    sys.stderr.flush()
+                line = b""
+            else:
+                line = piece
+    sys.stderr.write("\n")
+    return b"".join(seen).decode(errors="replace")
 
 
 def clone_no_checkout(source: str, dest: Path, *, progress: bool) -> None:
-    """Clone without checking anything out (the offline mirror lacks blobs that master's checkout needs)."""
-    import git
-
+    """Clone without checking anything out (the offline mirror lacks blobs that master's checkout needs).
+    With `progress`, git's progress is shown on stderr as it goes. Interrupted (Ctrl-C, SIGTERM), the git
+    process is ended before the interruption goes on; the caller removes `dest`."""
     if source.startswith("-"):
         raise UsageError(f"source {source!r} would read as a git option", hint="give a URL or a path")
     if is_local_source(source) and not Path(source).exists():
         raise GitError(f"source {source} does not exist", code="no_source",
                        hint="give --source (or H3KIT_COMFY_SOURCE) a git URL or a local mirror holding the pin")
+    cmd = ["git", "clone", "--no-checkout", "--progress" if progress else "--quiet", "--", source, str(dest)]
     try:
-        git.Repo.clone_from(source, str(dest), multi_options=["--no-checkout"],
-                            progress=_Progress() if progress else None,
-                            env={"GIT_TERMINAL_PROMPT": "0"}, kill_after_timeout=CLONE_TIMEOUT)
-    except git.GitCommandError as e:
-        stderr = (e.stderr or "").strip().replace("stderr: ", "")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                env=_env())
+    except FileNotFoundError:
+        raise GitError("git is not installed", hint="install git (2.30 or newer)") from None
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(_show_progress(proc.stderr) if progress
+                                                          else proc.stderr.read().decode(errors="replace")),
+                              daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=CLONE_TIMEOUT)
+    except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: no git left cloning behind us
+        proc.kill()
+        proc.wait()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise GitError(f"cloning {source} did not finish within {CLONE_TIMEOUT} s", code="clone_failed",
+                           hint="use --source with a local mirror") from None
+        raise
+    finally:
+        reader.join(10)
+        proc.stderr.close()
+    if rc != 0:
+        stderr = (out[0] if out else "").strip()
         raise GitError(f"cloning {source} failed: {stderr[-600:]}", code="clone_failed",
-                       hint="check the URL or mirror path; behind a firewall use --source with a local mirror") from None
+                       hint="check the URL or mirror path; behind a firewall use --source with a local mirror")
 
 
 def fetch_commit(tree: Path, source: str, commit: str) -> None:

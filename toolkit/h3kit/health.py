@@ -1,8 +1,8 @@
-"""Small HTTP client for the ComfyUI endpoints the service commands read (H3_FACTS section 4).
+"""h3kit's one HTTP client, for the ComfyUI endpoints the commands read (H3_FACTS section 4).
 
-Standard library only (no requests): `h3kit start` polls every fraction of a second and should not pay for
-a heavier import. Proxies from the environment are ignored: the server is on this machine, and an
-http_proxy setting must not route health checks elsewhere.
+Standard library only (h3kit does not depend on requests): `h3kit start` polls every fraction of a second,
+and `check-workflow` must start light. Proxies from the environment are ignored: the server is on this
+machine (or one the user names), and an http_proxy setting must not route h3kit's requests elsewhere.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h3kit import gitutil, journal, locks, manifest, pyenv, testhooks
+from h3kit import gitutil, journal, locks, manifest, modelpaths, pyenv, testhooks
 from h3kit.errors import H3kitError, UsageError
 from h3kit.patches import PatchConflict, Series, plan_forward, plan_reverse, read_tree_files, series_result, write_tree_files
 from h3kit.paths import repo_root
@@ -237,6 +237,7 @@ class InstallOptions:
     force: bool = False
     dry_run: bool = False
     progress: bool = False
+    models_dirs: list[str] | None = None  # None: keep the folders the last install recorded
 
 
 @dataclass
@@ -257,6 +258,8 @@ class InstallReport:
     python: dict = field(default_factory=dict)
     pin_verified: bool = True
     recovered: dict | None = None
+    models_dirs: list[str] = field(default_factory=list)
+    python_packages: int = 0
 
     def to_dict(self) -> dict:
         return {"ok": True, **self.__dict__}
@@ -401,6 +404,25 @@ def _shipped_plan(home: Path, root: Path, state: dict | None, force: bool, repor
     return before, after, modes
 
 
+def _models_plan(home: Path, root: Path, state: dict | None, models_dirs: list[str] | None, report: InstallReport):
+    """before/after of extra_model_paths.yaml with h3kit's section for the models folders (the recorded ones
+    when `models_dirs` is None); untouched (empty dicts) when there is no section to write or remove."""
+    dirs = list((state or {}).get("models_dirs") or []) if models_dirs is None else models_dirs
+    report.models_dirs = dirs
+    path = home / modelpaths.CONFIG
+    if not dirs and not modelpaths.block_in(home):
+        return {}, {}
+    current = _read_file(path)
+    for d in dirs:
+        if not os.path.isdir(d):
+            report.warnings.append(f"models folder {d} does not exist (yet): ComfyUI finds no model there until "
+                                   "it does (a shared disk not mounted?)")
+        elif not any(os.path.isdir(os.path.join(d, kind)) for kind in modelpaths.KINDS):
+            report.warnings.append(f"models folder {d} has none of {', '.join(k + '/' for k in modelpaths.KINDS)}")
+    merged = modelpaths.merge(current, modelpaths.read_template(root), dirs)
+    return {modelpaths.CONFIG: current}, {modelpaths.CONFIG: merged}
+
+
 def check_home_path(home: Path, flag: str = "--comfy-home") -> None:
     """A home that is a file, or lies under one, is bad input (not an internal error later)."""
     probe = home
@@ -416,6 +438,8 @@ def install(opts: InstallOptions, log=_nolog) -> InstallReport:
     """Install as described in the module docstring; raises on any refusal or conflict, changing nothing."""
     home = opts.comfy_home = Path(opts.comfy_home).expanduser().absolute()
     check_home_path(home)
+    if opts.models_dirs is not None:
+        opts.models_dirs = modelpaths.check_dirs(opts.models_dirs)
     if opts.commit:  # refused before anything is written or cloned
         commit = gitutil.check_commit_arg(opts.commit)
         pin = manifest.pin(manifest.load())
@@ -488,8 +512,9 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
                                f"{manifest.pin(data)[:12]} h3kit's patch series is verified on")
 
     python = opts.python or sys.executable
-    env = pyenv.check(python, data)
+    env = pyenv.check(python, data, packages=True)
     report.python = env.to_dict()
+    report.python_packages = len(env.packages or [])
     if env.errors:
         raise pyenv.PythonEnvError(f"{python} cannot run ComfyUI at the pin: " + "; ".join(env.errors),
                                    hint="give --python an interpreter with a supported Python and a matching "
@@ -500,6 +525,7 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
     if home is None:  # dry run before a clone: nothing to check patches against yet
         report.patches = [{"patch": n, "state": "apply", "failures": []} for n in series.names]
         report.files["installed"] = sorted(shipped_files(root))
+        report.models_dirs = opts.models_dirs or []
         return report
     if len(pin) < 40:
         pin = report.pin = gitutil.resolve_commit(home, pin)
@@ -510,7 +536,7 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
         touched = sorted(set(touched) | set(old_series.touched_files()))
     if not opts.dry_run:  # what a killed write left beside the files it was replacing
         recorded_files = list((load_state(home) or {}).get("files", {}))
-        journal.remove_temporaries(home, touched + list(shipped_files(root)) + recorded_files)
+        journal.remove_temporaries(home, touched + list(shipped_files(root)) + recorded_files + [modelpaths.CONFIG])
     pin_files = gitutil.read_blobs(home, pin, touched)
     current = read_tree_files(home, touched)
 
@@ -563,7 +589,8 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
 
     state = load_state(home)
     f_before, f_after, modes = _shipped_plan(home, root, state, opts.force, report)
-    overlap = set(f_after) & set(touched)
+    m_before, m_after = _models_plan(home, root, state, opts.models_dirs, report)
+    overlap = (set(f_after) | set(m_after)) & set(touched)
     if overlap:
         raise InstallError(f"shipped files collide with patched files: {sorted(overlap)}")
 
@@ -585,13 +612,16 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
         "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "patches": [{"name": p.name, "sha256": manifest.sha256_bytes(p.raw)} for p in series.patches],
         "files": files_sha,
+        "python_packages": env.packages or [],
     }
+    if report.models_dirs:
+        new_state["models_dirs"] = report.models_dirs
     if state is not None and {k: v for k, v in state.items() if k != "installed_at"} == \
             {k: v for k, v in new_state.items() if k != "installed_at"}:
         new_state["installed_at"] = state.get("installed_at")  # nothing else changed: a no-op writes nothing
     s_before, s_after = _state_files(home, new_state, series)
-    before = {**current, **f_before, **s_before}
-    after = {**{k: expected.get(k, pin_files[k]) for k in touched}, **f_after, **s_after}
+    before = {**current, **f_before, **m_before, **s_before}
+    after = {**{k: expected.get(k, pin_files[k]) for k in touched}, **f_after, **m_after, **s_after}
     report.changed = sorted(p for p in after if after[p] != before.get(p))
 
     if opts.dry_run:
@@ -704,6 +734,9 @@ def verify(comfy_home: Path) -> dict:
     for tmp in journal.find_temporaries(home, touched + recorded_files + list(shipped_files(root)) + state_rel):
         problems.append(f"leftover temporary file {tmp} from an interrupted h3kit write (h3kit install removes it)")
 
+    models = _verify_models(home, root, state, problems, warnings)
+    python_drift = _verify_packages(state, warnings)
+
     known_absent = set(data["upstream"].get("absent_from_mirrors", []))
     for code, rel in gitutil.status(home):
         if rel in touched or rel.startswith(STATE_DIR + "/"):
@@ -714,7 +747,61 @@ def verify(comfy_home: Path) -> dict:
             warnings.append(f"local change outside the series: {code.strip()} {rel}")
     return {"ok": not problems, "comfy_home": str(home), "pin": pin, "head": head, "problems": problems,
             "warnings": warnings, "patches": [p.name for p in series.patches],
-            "pin_verified": pin == manifest.pin(data), "recovered": recovered}
+            "pin_verified": pin == manifest.pin(data), "recovered": recovered, "models": models,
+            "python_drift": python_drift}
+
+
+def _verify_models(home: Path, root: Path, state: dict | None, problems: list, warnings: list) -> dict:
+    """The models folders install recorded: h3kit's section of extra_model_paths.yaml as install writes it,
+    each folder among the search paths ComfyUI will use (read from the tree's files the way the pin reads
+    them, h3kit.workflow.models), and the model files found there per kind."""
+    from h3kit.workflow import models as wf_models
+
+    dirs = list((state or {}).get("models_dirs") or [])
+    try:
+        block = modelpaths.block_in(home)
+        if dirs and block != modelpaths.render(modelpaths.read_template(root), dirs):
+            problems.append(f"{modelpaths.CONFIG}: h3kit's section for the models folders is missing or was edited "
+                            "(h3kit install writes it again)")
+        elif block and not dirs:
+            problems.append(f"{modelpaths.CONFIG} holds an h3kit section that no install recorded "
+                            "(h3kit install removes it)")
+    except H3kitError as e:
+        problems.append(e.message)
+    search = wf_models.open_install(str(home)).model_dirs if dirs else {}
+    found: dict[str, list[str]] = {}
+    for d in dirs:
+        if not os.path.isdir(d):
+            warnings.append(f"models folder {d} is not reachable (a shared disk not mounted?)")
+        for kind in modelpaths.KINDS:
+            folder = os.path.normpath(os.path.join(d, kind))
+            if folder not in search.get(kind, []):
+                problems.append(f"ComfyUI will not search {folder} for {kind}: {modelpaths.CONFIG} does not list it")
+            elif os.path.isdir(folder):
+                found.setdefault(kind, []).extend(sorted(f.name for f in os.scandir(folder) if f.is_file()))
+    return {"dirs": dirs, "search_paths": {kind: search.get(kind, []) for kind in modelpaths.KINDS} if dirs else {},
+            "files": found}
+
+
+def _verify_packages(state: dict | None, warnings: list) -> dict | None:
+    """The drift of the ComfyUI interpreter's packages since install (None when install recorded none)."""
+    recorded = (state or {}).get("python_packages")
+    python = (state or {}).get("python")
+    if recorded is None or not python:
+        return None
+    try:
+        now = pyenv.probe(python, packages=True).get("packages") or []
+    except pyenv.PythonEnvError as e:
+        warnings.append(f"cannot list the packages of {python}, which install recorded: {e.message}")
+        return None
+    drift = pyenv.package_drift(recorded, now)
+    parts = ([f"changed {', '.join(drift['changed'])}"] if drift["changed"] else []) + \
+        ([f"added {', '.join(drift['added'])}"] if drift["added"] else []) + \
+        ([f"removed {', '.join(drift['removed'])}"] if drift["removed"] else [])
+    if parts:
+        warnings.append(f"the packages of {python} changed since install: " + "; ".join(parts)
+                        + " (h3kit install records the new set)")
+    return drift
 
 
 # --- revert ---------------------------------------------------------------------------------------------
@@ -771,6 +858,11 @@ def _revert(home: Path, force: bool, log) -> dict:
             after[rel] = cur
             if cur is not None:
                 report["kept"].append(rel)
+    if modelpaths.block_in(home):  # h3kit's section of extra_model_paths.yaml goes, the user's entries stay
+        cur = _read_file(home / modelpaths.CONFIG)
+        before[modelpaths.CONFIG] = cur
+        after[modelpaths.CONFIG] = modelpaths.merge(cur, "", [])
+        report["removed"].append(f"{modelpaths.CONFIG}: h3kit's section")
     s_before, s_after = _state_files(home, None, None)
     before.update(s_before)
     after.update(s_after)

@@ -29,13 +29,6 @@ def load(root: Path | None = None) -> dict:
     return data
 
 
-def save(data: dict, root: Path | None = None) -> None:
-    path = (root or repo_root()) / MANIFEST_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -121,9 +121,6 @@ class Series:
     def touched_files(self) -> list[str]:
         return sorted({p for patch in self.patches for p in patch.files})
 
-    def added_files(self) -> list[str]:
-        return sorted({s.path for patch in self.patches for s in patch.sections if s.new_file})
-
     def source_of(self, rel_path: str) -> Path | None:
         src = self.src_dir / rel_path
         return src if src.is_file() else None

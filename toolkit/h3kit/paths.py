@@ -1,29 +1,66 @@
-"""Where h3kit finds its own data (patches, manifest, shipped files) and its caches."""
+"""Where h3kit finds its own data (patches, manifest, shipped files) and its caches.
+
+The data is patches/, additional_files/, workflows/, launch/ and source_deps_info.json (DATA_ENTRIES). An
+installed h3kit (`pip install .`, a wheel, pipx) carries it as package data, h3kit/_data/, which setup.py
+copies there when it builds, read through importlib.resources. A source checkout has no _data/: run from it
+(PYTHONPATH=toolkit, or the editable install `make test` uses) the data is the checkout itself, found beside
+the package. `H3KIT_ROOT` names a data root explicitly (a checkout under development, a test's fake kit) and
+wins over both.
+"""
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 from pathlib import Path
 
 from h3kit.errors import H3kitError
 
 MANIFEST_NAME = "source_deps_info.json"
+DATA_DIR = "_data"
+DATA_ENTRIES = ("patches", "additional_files", "workflows", "launch", MANIFEST_NAME)
+ROOT_ENV = "H3KIT_ROOT"
+
+
+def package_dir() -> Path:
+    return Path(__file__).resolve().parent
+
+
+def packaged_data() -> Path | None:
+    """h3kit/_data of an installed h3kit, None in a source checkout (or a zipped install, not supported)."""
+    data = importlib.resources.files("h3kit").joinpath(DATA_DIR)
+    return data if isinstance(data, Path) and (data / MANIFEST_NAME).is_file() else None
 
 
 def repo_root() -> Path:
-    """The h3kit checkout holding patches/, additional_files/ and the manifest.
-
-    `H3KIT_ROOT` overrides; otherwise the checkout this package was installed from (h3kit is installed
-    editable, `pip install -e .`, so its data stays beside the code).
-    """
-    env = os.environ.get("H3KIT_ROOT")
-    root = Path(env) if env else Path(__file__).resolve().parents[2]
+    """The folder holding h3kit's data: $H3KIT_ROOT, else the installed package data, else the checkout."""
+    env = os.environ.get(ROOT_ENV)
+    root = Path(env) if env else packaged_data() or package_dir().parents[1]
     if not (root / MANIFEST_NAME).is_file():
-        raise H3kitError(f"h3kit data not found: {root / MANIFEST_NAME} is missing",
+        where = f"{ROOT_ENV}={env}" if env else f"h3kit at {package_dir()}"
+        raise H3kitError(f"h3kit data not found: {root / MANIFEST_NAME} is missing ({where})",
                          code="no_h3kit_data",
-                         hint="install h3kit editable from its checkout (pip install -e .) or set H3KIT_ROOT")
+                         hint="reinstall h3kit (pip install . from its checkout, or its wheel), or set "
+                              f"{ROOT_ENV} to an h3kit checkout")
     return root
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("H3KIT_CACHE") or Path.home() / ".cache" / "h3kit")
+def require_checkout(what: str) -> Path:
+    """The data root, refused when it is an installed package's data: maintainers' commands write it."""
+    root = repo_root()
+    if not os.environ.get(ROOT_ENV) and root == packaged_data():
+        raise H3kitError(f"{what} changes h3kit's own patch series, and this h3kit is installed ({root})",
+                         code="not_a_checkout", hint=f"run it from an h3kit checkout, or set {ROOT_ENV} to one")
+    return root
+
+
+def h3kit_import_code() -> str:
+    """Python lines that make `import h3kit.<module>` work in another interpreter (the one running ComfyUI,
+    which may not have h3kit installed) from this very package folder, without putting the rest of the
+    folder it is installed in (site-packages, with other versions of ComfyUI's own dependencies) on that
+    interpreter's path."""
+    init, folder = str(package_dir() / "__init__.py"), str(package_dir())
+    return ("import importlib.util as _iu, sys as _sys\n"
+            f"_spec = _iu.spec_from_file_location('h3kit', {init!r}, submodule_search_locations=[{folder!r}])\n"
+            "_sys.modules['h3kit'] = _iu.module_from_spec(_spec)\n"
+            "_spec.loader.exec_module(_sys.modules['h3kit'])\n")

@@ -14,6 +14,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import packaging.specifiers
+import packaging.version
+
 from h3kit.errors import H3kitError
 
 PROBE = Path(__file__).with_name("envprobe.py")  # run by the interpreter being checked
@@ -29,14 +32,17 @@ class EnvReport:
     info: dict
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    packages: list[str] | None = None  # "name==version" of every distribution, when asked for
 
     def to_dict(self) -> dict:
         return {"python": self.python, "info": self.info, "errors": self.errors, "warnings": self.warnings}
 
 
-def probe(python: str) -> dict:
+def probe(python: str, packages: bool = False) -> dict:
+    """envprobe's shallow answer from `python`; with `packages`, also its "packages" list."""
     try:
-        proc = subprocess.run([python, str(PROBE)], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([python, str(PROBE)] + (["--packages"] if packages else []), capture_output=True,
+                              text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PythonEnvError(f"cannot run {python}: {e}", hint="give --python the interpreter that runs ComfyUI") from None
     if proc.returncode != 0:
@@ -46,8 +52,11 @@ def probe(python: str) -> dict:
 
 
 def _base(version: str) -> tuple[int, ...]:
-    """'2.14.0.post2' -> (2, 14, 0); '2.14.1+cu130' -> (2, 14, 1)."""
-    return tuple(int(x) for x in re.match(r"^(\d+(?:\.\d+)*)", version).group(1).split(".")[:3])
+    """'2.14.0.post2' -> (2, 14, 0); '2.14.1+cu130' -> (2, 14, 1); () for what is not a version."""
+    try:
+        return packaging.version.Version(version).release[:3]
+    except packaging.version.InvalidVersion:
+        return ()
 
 
 def gpu_build(version: str, build: dict | None) -> str | None:
@@ -65,16 +74,12 @@ def gpu_build(version: str, build: dict | None) -> str | None:
     return f"{kind} build ({', '.join(evidence)})"
 
 
-def _vt(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split("."))
-
-
 def evaluate(python: str, info: dict, spec: dict) -> EnvReport:
     """Judge a probe result against the manifest's "python" and "torch" entries."""
     report = EnvReport(python=python, info=info)
     py = tuple(info["python"])
-    lo, below = _vt(spec["python"]["min"]), _vt(spec["python"]["below"])
-    if not (lo <= py[:len(lo)] and py[:len(below)] < below):
+    supported = packaging.specifiers.SpecifierSet(f">={spec['python']['min']},<{spec['python']['below']}")
+    if packaging.version.Version(".".join(map(str, py))) not in supported:
         report.errors.append(f"Python {'.'.join(map(str, py))} is outside the supported range "
                              f">={spec['python']['min']},<{spec['python']['below']}")
     torch, npu = info.get("torch"), info.get("torch_npu")
@@ -104,5 +109,23 @@ def evaluate(python: str, info: dict, spec: dict) -> EnvReport:
     return report
 
 
-def check(python: str, spec: dict) -> EnvReport:
-    return evaluate(python, probe(python), spec)
+def check(python: str, spec: dict, packages: bool = False) -> EnvReport:
+    info = probe(python, packages)
+    found = info.pop("packages", None)
+    report = evaluate(python, info, spec)
+    report.packages = found
+    return report
+
+
+def package_drift(recorded: list[str], now: list[str]) -> dict:
+    """What changed between two "name==version" lists: {"changed": ["torch 2.14.1 -> 2.14.0"], "added":
+    [...], "removed": [...]}, each sorted; all empty when nothing did."""
+    def table(items):  # normalised name -> (name as written, version)
+        return {re.sub(r"[-_.]+", "-", name).lower(): (name, version)
+                for name, _, version in (item.partition("==") for item in items)}
+
+    before, after = table(recorded), table(now)
+    changed = [f"{after[k][0]} {before[k][1]} -> {after[k][1]}"
+               for k in sorted(before.keys() & after.keys()) if before[k][1] != after[k][1]]
+    return {"changed": changed, "added": ["==".join(after[k]) for k in sorted(after.keys() - before.keys())],
+            "removed": ["==".join(before[k]) for k in sorted(before.keys() - after.keys())]}

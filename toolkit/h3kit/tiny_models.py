@@ -187,10 +187,6 @@ def write(component: str, path: str, seed: int = 0, dims: dict | None = None) ->
     return sum(v.numel() * v.element_size() for v in sd.values())
 
 
-def write_dit(path: str, seed: int = 0, dims: dict | None = None) -> int:
-    return write("dit", path, seed)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("component", choices=sorted(COMPONENTS))

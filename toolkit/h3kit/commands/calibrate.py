@@ -32,7 +32,8 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
               help="Where to write the JSON report (default <comfy-home>/.h3kit/calibration/<type>-n<N>-<sizes>.json).")
 @click.option("--plot", type=click.Path(dir_okay=False), metavar="FILE",
               help="Also draw the report as a PNG (needs matplotlib in h3kit's interpreter).")
-@click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--timeout", type=click.FloatRange(min=1), default=3600.0, show_default=True, metavar="S",
               help="Seconds before the measuring worker is killed.")
 @json_option

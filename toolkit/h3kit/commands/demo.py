@@ -27,7 +27,8 @@ def _log(msg: str) -> None:
                    "auto: process on npu and cuda, threads on cpu.")
 @click.option("--keep-running", is_flag=True, help="Leave the server running afterwards.")
 @click.option("--source", metavar="URL_OR_PATH", help="Where install clones ComfyUI from, if it must (as for install).")
-@click.option("--python", metavar="PY", help="The interpreter that runs ComfyUI (default: install's record).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="The interpreter that runs ComfyUI (default: install's record).")
 @click.option("--port", type=click.IntRange(1, 65535), default=service.DEFAULT_PORT, show_default=True)
 @click.option("--timeout", type=click.FloatRange(min=1), default=PROMPT_TIMEOUT, show_default=True,
               help="Seconds one prompt may take.")
@@ -52,7 +53,7 @@ def demo(comfy_home, device_type, npu_count, transport, keep_running, source, py
     opts = DemoOptions(comfy_home=Path(comfy_home), device_type=device_type, npu_count=int(npu_count),
                        keep_running=keep_running, source=source, python=python, port=port, timeout=timeout,
                        transport=transport, weights=weights)
-    report = run_demo(opts, log=_log if not as_json else (lambda m: None))
+    report = run_demo(opts, log=_log)  # progress on stderr, also with --json
     if as_json:
         emit_json(report)
         return
@@ -102,8 +103,7 @@ def bench(workflow, comfy_home, runtime_root, runs, switch, no_cold, npu_count, 
         raise click.UsageError("give --comfy-home (or H3KIT_COMFY_HOME) or --runtime-root")
     result = run_bench(comfy_home, runtime_root, Path(workflow), runs=runs,
                        switch=Path(switch) if switch else None, cold=not no_cold, timeout=timeout,
-                       npu_count=int(npu_count) if npu_count else None,
-                       log=_log if not as_json else (lambda m: None))
+                       npu_count=int(npu_count) if npu_count else None, log=_log)
     if as_json:
         emit_json(result)
         return

@@ -20,8 +20,10 @@ MARKS = {"ok": "ok", "info": "--", "warning": "WARN", "error": "FAIL"}
               "default: ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES, else the running service's.")
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto: npu where an Ascend card or npu-smi is present, else cuda, else cpu.")
-@click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
-@click.option("--runtime-root", metavar="DIR", help="Where the service keeps its record (default <comfy-home>/.h3kit/run).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter that runs ComfyUI (default: the one install recorded).")
+@click.option("--runtime-root", metavar="DIR", type=click.Path(),
+              help="Where the service keeps its record (default <comfy-home>/.h3kit/run).")
 @json_option
 @handle_errors
 def doctor(comfy_home, devices, device_type, python, runtime_root, as_json):

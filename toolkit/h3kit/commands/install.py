@@ -19,14 +19,19 @@ def _log(msg: str) -> None:
               help="Git URL or local mirror of ComfyUI holding the pin (default: $H3KIT_COMFY_SOURCE, "
                    "else the public URL).")
 @click.option("--commit", metavar="SHA", help="Install another commit than the pin (the series may not apply).")
-@click.option("--python", metavar="PY", help="The interpreter that will run ComfyUI (default: this one).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="The interpreter that will run ComfyUI (default: this one).")
+@click.option("--models-dir", "models_dirs", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
+              help="A folder of H3 model files on shared storage (diffusion_models/, text_encoders/, vae/, loras/ "
+                   "inside), written into the tree's extra_model_paths.yaml beside your own entries. Repeatable; "
+                   "replaces the folders an earlier install wrote (default: keep them).")
 @click.option("--force", is_flag=True,
               help="Check out the pin over another commit, restore locally edited patched files from the pin, "
                    "and overwrite edited shipped files.")
 @click.option("--dry-run", is_flag=True, help="Check everything and report what would change; change nothing.")
 @json_option
 @handle_errors
-def install(comfy_home, source, commit, python, force, dry_run, as_json):
+def install(comfy_home, source, commit, python, models_dirs, force, dry_run, as_json):
     """Install ComfyUI at the pin with the h3kit patch series.
 
     Clones (without checkout, then checks out the pin) or reuses DIR, checks the interpreter, checks every
@@ -38,7 +43,8 @@ def install(comfy_home, source, commit, python, force, dry_run, as_json):
     from h3kit import install as lib
 
     opts = lib.InstallOptions(comfy_home=Path(comfy_home), source=source, commit=commit, python=python,
-                              force=force, dry_run=dry_run, progress=sys.stderr.isatty() and not as_json)
+                              force=force, dry_run=dry_run, progress=sys.stderr.isatty() and not as_json,
+                              models_dirs=list(models_dirs) or None)
     report = lib.install(opts, log=_log if not as_json else (lambda m: None))
     if as_json:
         emit_json(report.to_dict())
@@ -59,6 +65,8 @@ def install(comfy_home, source, commit, python, force, dry_run, as_json):
     click.echo(f"  files: {len(files['installed'])} new, {len(files['updated'])} updated, "
                f"{len(files['unchanged'])} unchanged, {len(files['kept'])} kept (edited), "
                f"{len(files['removed'])} removed")
+    if report.models_dirs:
+        click.echo(f"  models folders ({lib.modelpaths.CONFIG}): {', '.join(report.models_dirs)}")
     if not report.changed:
         click.echo("Nothing to change: the tree is installed.")
     else:
@@ -81,6 +89,10 @@ def verify(comfy_home, as_json):
     else:
         for w in result["warnings"]:
             err(f"h3kit: warning: {w}")
+        for d in result["models"]["dirs"]:
+            files = result["models"]["files"]
+            click.echo(f"models folder {d}: " + (", ".join(f"{k} {len(v)} file(s)" for k, v in files.items())
+                                                 or "no model file yet"))
         if result["ok"]:
             click.echo(f"OK: {result['comfy_home']} is at the pin {result['pin'][:12]} with "
                        f"{len(result['patches'])} patches applied and its installed files intact.")

@@ -11,7 +11,7 @@ import click
 from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
 from h3kit.errors import UsageError
 
-source_option = click.option("--source", metavar="PATH", envvar="H3KIT_COMFY_SOURCE",
+source_option = click.option("--source", metavar="PATH", envvar="H3KIT_COMFY_SOURCE", type=click.Path(),
                              help="A local mirror or checkout holding the pin (env H3KIT_COMFY_SOURCE).")
 
 
@@ -96,13 +96,13 @@ def refresh(source, additions):
     (sha256, touched files, base blobs read from the pin in --source)."""
     from h3kit import gitutil, manifest
     from h3kit.patches import Series, add_source_sections, manifest_entries, regenerate, series_result
-    from h3kit.paths import repo_root
+    from h3kit.paths import require_checkout
 
     import shutil
     import tempfile
     from pathlib import Path
 
-    root = repo_root()
+    root = require_checkout("patches refresh")
     src = _local_source(source, required=True)
     if not src:
         raise UsageError("refresh needs the pin's files", hint="pass --source or set H3KIT_COMFY_SOURCE to a local mirror")
@@ -172,12 +172,13 @@ def status(comfy_home, as_json):
     if not (tree / "main.py").is_file():
         raise UsageError(f"{tree} is not a ComfyUI tree (no main.py)")
     plan = plan_forward(series, read_tree_files(tree, series.touched_files()))
+    applied = all(s.state == "applied" for s in plan.states)
     if as_json:
-        emit_json({"patches": [s.to_dict() for s in plan.states]})
+        emit_json({"patches": [s.to_dict() for s in plan.states]}, ok=applied)
     else:
         for s in plan.states:
             click.echo(f"{s.state:9} {s.name}")
             for f in s.failures:
                 click.echo(f"          {f}")
     # 0: every patch applied; 1: some would still apply; 2 is bad input; conflicts are 1 as well
-    sys.exit(0 if all(s.state == "applied" for s in plan.states) else 1)
+    sys.exit(0 if applied else 1)

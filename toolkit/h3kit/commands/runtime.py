@@ -30,7 +30,8 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.option("--transport", type=click.Choice(parity_lib.TRANSPORTS), default="threads", show_default=True,
               help="threads: the ranks are threads of one process; process: one process per device in a "
                    "torch.distributed group (gloo on cpu, hccl on npu, nccl on cuda), as h3kit start runs them.")
-@click.option("--python", metavar="PY", help="Interpreter that runs ComfyUI (default: the one install recorded).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--inject-fault", "fault", is_flag=False, flag_value="", default=None, metavar="[FAULT]",
               help="Make the parallel path wrong on purpose; the command must then exit 1. dit: shard (default: "
                    "the last device's shard zeroed in the final gather), rope (RoPE rows off by one on devices > 0), "
@@ -81,11 +82,11 @@ def parity(comfy_home, component, device_type, npu_count, transport, python, fau
     report = parity_lib.run(comfy_home, component, kind, n, python=python, fault=fault, timeout=timeout,
                             weights=weights, transport=transport)
     rows = report["rows"]
+    failed = [r for r in rows if not r["pass"]]
     if as_json:
-        emit_json(rows)
+        emit_json(rows, ok=not failed)
     else:
         _print_rows(rows, report["config"], component)
-    failed = [r for r in rows if not r["pass"]]
     if failed:
         err(f"h3kit: parity FAILED: {len(failed)} of {len(rows)} row(s) miss {parity_lib.gate(component, weights)}")
         raise SystemExit(1)

@@ -66,7 +66,8 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
 @click.option("--listen", default=service.DEFAULT_LISTEN, show_default=True, metavar="IP",
               help="Address to listen on. 0.0.0.0 exposes ComfyUI, which has no authentication.")
 @runtime_root_option
-@click.option("--python", metavar="PY", help="Interpreter for ComfyUI (default: the one install recorded).")
+@click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
+              help="Interpreter for ComfyUI (default: the one install recorded).")
 @click.option("--transport", type=click.Choice(("auto",) + group.TRANSPORTS), default="auto", show_default=True,
               help="process: one process per device in a torch.distributed group (hccl, nccl, gloo on cpu); "
                    "threads: one process, a thread per device. auto: process on npu and cuda, threads on cpu.")
@@ -207,7 +208,7 @@ def status(comfy_home, runtime_root, as_json):
     root = service.runtime_root(comfy_home, runtime_root)
     st = service.status(root, comfy_home=comfy_home)
     if as_json:
-        emit_json(st)
+        emit_json(st, ok=st["running"])
     else:
         for line in _status_lines(st):
             click.echo(line)

@@ -10,7 +10,7 @@ from h3kit.cliutil import comfy_home_option, emit_json, handle_errors, json_opti
 
 
 @click.command("check-workflow")
-@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.argument("files", nargs=-1, required=True, metavar="FILE...", type=click.Path())
 @click.option("--devices", metavar="LIST",
               help="Devices the service exposes, as for `h3kit start` (e.g. 0,1,2,3). Default: "
                    "ASCEND_RT_VISIBLE_DEVICES, else the running service of --comfy-home.")
@@ -31,7 +31,8 @@ def check_workflow(files, devices, comfy_home, runtime_root, as_json):
 
     result = check_paths(list(files), devices=devices, comfy_home=comfy_home, runtime_root=runtime_root)
     if as_json:
-        emit_json({"findings": [f.to_dict() for f in result.findings], "summary": result.summary})
+        emit_json({"findings": [f.to_dict() for f in result.findings], "summary": result.summary},
+                  ok=result.exit_code == 0)
     else:
         click.echo(report.render_text(result.findings, list(files), result.summary))
     sys.exit(result.exit_code)

@@ -4,7 +4,7 @@ load.py reads the three input shapes, graph.py flattens them into the executed g
 bypassed nodes, primitives), resolve.py finds input values statically, checks.py holds the checks,
 models.py the --comfy-home file and node-type checks, service.py talks to the running service, report.py
 formats findings. This package imports only the standard library and h3kit modules at load time: the
-command must start fast and without torch, GitPython or numpy.
+command must start fast and without torch, numpy or websocket-client.
 """
 
 from __future__ import annotations

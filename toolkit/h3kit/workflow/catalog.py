@@ -211,9 +211,9 @@ def _small(value) -> bool:
 
 def refresh(url: str, path: str = PIN_CATALOG) -> int:
     """Rewrite the packaged catalogue from a pin server's /object_info (maintainers only)."""
-    import requests
+    from h3kit import health
 
-    info = requests.get(url.rstrip("/") + "/object_info", timeout=60).json()
+    info = health.request_json(url.rstrip("/") + "/object_info", timeout=60)
     nodes = compact_object_info(info, skip_modules=("comfy_api_nodes", "custom_nodes"))
     data = {
         "source": "GET /object_info of ComfyUI bd34f338ac505ea79e43968753968a464060e609 on CPU, "

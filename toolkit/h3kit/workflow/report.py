@@ -1,4 +1,4 @@
-"""Findings, their stable codes, and the two output forms (text grouped by severity, one JSON document).
+"""Findings, their stable codes, and their text form grouped by severity (--json prints them through cliutil).
 
 Codes never change meaning once released; docs/check-workflow.md lists each with its fix, and a test keeps
 the two in step. Severity: "error" fails the check (exit 1), "warning" and "note" do not.
@@ -6,7 +6,6 @@ the two in step. Severity: "error" fails the check (exit 1), "warning" and "note
 
 from __future__ import annotations
 
-import json
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
 SEVERITY_ORDER = (ERROR, WARNING, NOTE)
@@ -72,10 +71,6 @@ def summarize(findings: list[Finding], files: list[str], context: dict | None = 
     if context:
         summary.update(context)
     return summary
-
-
-def render_json(findings: list[Finding], summary: dict) -> str:
-    return json.dumps({"findings": [f.to_dict() for f in findings], "summary": summary}, indent=2)
 
 
 def render_text(findings: list[Finding], files: list[str], summary: dict) -> str:
