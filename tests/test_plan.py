@@ -90,7 +90,7 @@ def test_plan_accepts_eight_devices(runner):
     result = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124",
                                   "--npu-count", "4", "--npu-count", "8", "--json"])
     assert result.exit_code == 0, result.output
-    four, eight = json.loads(result.output)["plans"]
+    four, eight = jsondoc.data(result.output, result.exit_code)["plans"]
     assert eight["npu_count"] == 8 and eight["attention"] == "ulysses" and max(eight["tokens_per_device"]) == 4752
     assert abs(four["flops_per_device_step"] / eight["flops_per_device_step"] - 2) < 0.01
     assert eight["bytes_per_device_step"] < four["bytes_per_device_step"]
