@@ -36,7 +36,9 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
               help="Make the parallel path wrong on purpose; the command must then exit 1. dit: shard (default: "
                    "the last device's shard zeroed in the final gather), rope (RoPE rows off by one on devices > 0), "
                    "heads (two heads swapped inside the Ulysses all-to-all), noise (1e-4 relative noise on one "
-                   "device's attention output), lora-twice / lora-missing (on the last device); te: reduce (one "
+                   "device's attention output), lora-twice / lora-missing (on the last device), shard-offset (the last "
+                   "device's slice of block 0 taken 4 bytes off), shard-order (two slices of block 0 swapped in the "
+                   "last device's gather); te: reduce (one "
                    "device's share left out of the reductions and hand-overs); vae: chunks (other devices' chunks "
                    "zeroed).")
 @click.option("--timeout", type=click.FloatRange(min=1), default=parity_lib.DEFAULT_TIMEOUT, show_default=True,
@@ -100,14 +102,17 @@ def _print_rows(rows, config, component):
         click.echo(f"{component}: {', '.join(config.get('dtypes', []))}, {config.get('steps')} steps, "
                    f"cfg {config.get('cfg')}, devices {devices}, transport {config.get('transport')}"
                    + (", INT8 weights" if int8 else ""))
-        click.echo(f"{'layout':8} {'attention':10} {'dtype':9} {'lora':4} {'S':>5} {'fwd':>4} {'max_abs':>10} "
-                   f"{'max_rel':>10} {'worst':17} {'cos':>12} {'bytes':>9}  gate"
-                   + ("  INT8 calls (parallel side)" if int8 else ""))
+        click.echo(f"{'layout':8} {'attention':10} {'dtype':9} {'lora':4} {'weights':10} {'S':>5} {'fwd':>4} "
+                   f"{'max_abs':>10} {'max_rel':>10} {'worst':17} {'cos':>12} {'vs_repl':>8} {'bytes':>9} "
+                   f"{'of_weights':>10} {'resident':>9}  gate" + ("  INT8 calls (parallel side)" if int8 else ""))
         for r in rows:
             calls = ", ".join(f"{k} {v}" for k, v in r.get("int8_calls_parallel", {}).items())
+            vs = r.get("max_abs_vs_replicated")
+            resident = r.get("resident_bytes") or [0]
             click.echo(f"{r['layout']:8} {r['attention']:10} {r['dtype']:9} {'yes' if r['lora'] else '-':4} "
-                       f"{r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} "
-                       f"{r['worst']:17} {r['cos']:>12.9f} {r['bytes_moved']:>9}  {_verdict(r)}"
+                       f"{r.get('sharding') or '-':10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
+                       f"{r['max_rel']:>10.3g} {r['worst']:17} {r['cos']:>12.9f} {'-' if vs is None else f'{vs:.3g}':>8} "
+                       f"{r['bytes_moved']:>9} {r.get('weight_bytes', 0):>10} {resident[0]:>9}  {_verdict(r)}"
                        + (f"  {calls or 'none'}" if int8 else ""))
         return
     click.echo(f"{component}: {', '.join(config.get('dtypes', [config.get('dtype', '')]))}, devices {devices}, "
