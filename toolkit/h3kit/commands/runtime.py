@@ -155,23 +155,44 @@ def _verdict(row) -> str:
 @click.option("--calibration", type=click.Path(dir_okay=False), metavar="FILE",
               help="A report from h3kit calibrate: seconds per step and speed-up from its measured throughputs "
                    "and bandwidths (instead of --tflops / --link-gbs).")
+@click.option("--weights", type=click.Choice(["bf16", "int8"]), default=None,
+              help="DiT weight storage: bf16 (default: --dtype), or int8 (INT8 block and refiner linears, the rest "
+                   "at --dtype; docs/int8.md).")
+@click.option("--sharding", type=click.Choice(costmodel.SHARDINGS), default="replicated", show_default=True,
+              help="replicated: every device holds the whole DiT; sharded: every device keeps 1/N of each block's "
+                   "weights and gathers each block per forward (the node's weights input).")
+@click.option("--device-memory", type=click.FloatRange(min=0, min_open=True), metavar="GB", multiple=True,
+              help="Memory of one card in GB (64 for a 910B, 32 for a 910B4): whether each tier fits and its "
+                   "headroom. Repeat it with --tiers for one table per card size.")
+@click.option("--tiers", is_flag=True,
+              help="Print the tier table (1/2/4/8 devices x BF16/INT8 x replicated/sharded, one column per "
+                   "--device-memory, default 64 and 32 GB) in markdown, for this geometry (docs/deployment.md).")
 @json_option
 @handle_errors
 def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider, tflops, link_gbs, calibration,
-         as_json):
+         weights, sharding, device_memory, tiers, as_json):
     """Print the sequence-parallel cost model for a resolution and device count.
 
     For the real H3 DiT (50 blocks, hidden 5376, 56x128 heads, ffn 14336): the packed sequence, tokens
     per device, FLOPs per device, bytes exchanged per block and per step (one forward per step with
-    BasicGuider, two with --cfg), and memory per device (the full DiT weights plus estimated activations).
+    BasicGuider, two with --cfg), and memory per device: the DiT weights (replicated: the whole DiT;
+    --sharding sharded: 1/N of every block plus two gathered blocks; --weights int8) plus estimated
+    activations, with --device-memory whether it fits a card and the headroom, and the extra bytes the
+    sharded weights' gathers move per step.
     """
     counts = sorted({int(c) for c in npu_count})
     if calibration and (tflops or link_gbs):
         raise UsageError("--calibration replaces --tflops and --link-gbs", hint="give one or the other")
     measured = calibration_lib.load(calibration) if calibration else None
+    memory = device_memory[0] if device_memory else None
     try:
+        if tiers:
+            click.echo(tier_table(width, height, frames, text_tokens, int(keyframes), guider,
+                                  list(device_memory) or [64.0, 32.0], as_json))
+            return
         plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
-                                dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider) for n in counts]
+                                dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider, weights=weights,
+                                sharding=sharding, device_memory_gb=memory) for n in counts]
     except ValueError as e:
         raise UsageError(str(e), hint="H3 needs width and height in multiples of 32 (e.g. 1344x768, 736 not 720)")
     if measured is not None:
@@ -220,9 +241,17 @@ def format_plans(plans) -> list:
     row("exchanged per block (all devices)", lambda p: _si(p["bytes_per_block"], "B"))
     row("exchanged per step (all devices)", lambda p: _si(p["bytes_per_step"], "B"))
     row("exchanged per step (busiest device)", lambda p: _si(p["bytes_per_device_step"], "B"))
-    row("weights per device", lambda p: _si(p["memory_per_device"]["weights"], "B"))
+    row(f"weights per device ({p0['weights']}, {p0['sharding']})", lambda p: _si(p["memory_per_device"]["weights"], "B"))
+    if p0["sharding"] == "sharded":
+        row("  resident slices and the rest", lambda p: _si(p["memory_per_device"]["weights_resident"], "B"))
+        row("  two gathered blocks", lambda p: _si(p["memory_per_device"]["weights_gathered"], "B"))
     row("activations per device (estimate)", lambda p: _si(p["memory_per_device"]["activations"], "B"))
     row("memory per device", lambda p: _si(p["memory_per_device"]["total"], "B"))
+    if "fit" in p0:
+        row(f"fits a {p0['fit']['device_memory'] / 1e9:g} GB card (headroom)", lambda p: _fit_cell(p["fit"]))
+    if p0["sharding"] == "sharded":
+        row("weight gathers per step (per device)", lambda p: _si(p["weight_bytes_per_device_step"], "B"))
+        row("weight gathers per step (all devices)", lambda p: _si(p["weight_bytes_per_step"], "B"))
     if "seconds_compute_step" in p0:
         row("compute per step (at --tflops)", lambda p: f"{p['seconds_compute_step']:.2f} s")
     if "seconds_exchange_step" in p0:
@@ -233,8 +262,56 @@ def format_plans(plans) -> list:
                      "forwards).")
     else:
         lines.append("A step is two forwards (--cfg: the guider runs cond and uncond separately).")
-    lines.append("Every device holds the full DiT weights in sequence parallelism.")
+    if p0["sharding"] == "sharded":
+        lines.append("Sharded weights: each of N devices keeps 1/N of every DiT block and all-gathers each block once "
+                     "per forward (one device holds the whole DiT).")
+    else:
+        lines.append("Every device holds the full DiT weights (--sharding sharded keeps 1/N of each block per device).")
     return lines
+
+
+def _fit_cell(f) -> str:
+    return f"yes, {_si(f['headroom'], 'B')}" if f["fits"] else f"no, -{_si(-f['headroom'], 'B')}"
+
+
+TIER_COUNTS = (1, 2, 4, 8)
+
+
+def tier_rows(width, height, frames, text_tokens=costmodel.DEFAULT_TEXT_TOKENS, keyframes=0, guider="basic",
+              memories=(64.0, 32.0)) -> list:
+    """Every tier (1/2/4/8 devices x bf16/int8 weights x replicated/sharded) of one geometry: its memory per
+    device, whether it fits each card size, and the weight gathers per step."""
+    rows = []
+    for n in TIER_COUNTS:
+        for weights in ("bf16", "int8"):
+            for sharding in costmodel.SHARDINGS if n > 1 else ("replicated",):
+                p = costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=keyframes,
+                                   guider=guider, weights=weights, sharding=sharding)
+                need = p["memory_per_device"]["total"]
+                rows.append({"npu_count": n, "weights": weights, "sharding": sharding, "memory_per_device": need,
+                             "weights_per_device": p["memory_per_device"]["weights"],
+                             "activations": p["memory_per_device"]["activations"],
+                             "weight_bytes_per_device_step": p["weight_bytes_per_device_step"],
+                             "bytes_per_device_step": p["bytes_per_device_step"],
+                             "fit": {f"{m:g}": costmodel.fit(need, m) for m in memories}})
+    return rows
+
+
+def tier_table(width, height, frames, text_tokens, keyframes, guider, memories, as_json=False) -> str:
+    rows = tier_rows(width, height, frames, text_tokens, keyframes, guider, memories)
+    if as_json:
+        emit_json({"width": width, "height": height, "frames": costmodel.align_frame_count(frames), "tiers": rows})
+        return ""
+    head = ("| devices | weights | sharding | weights / device | activations | exchange / step | weight gathers / step | "
+            + " | ".join(f"{m:g} GB card" for m in memories) + " |")
+    lines = [head, "|" + " --- |" * (7 + len(memories))]
+    for r in rows:
+        cells = [str(r["npu_count"]), r["weights"].upper(), r["sharding"], _si(r["weights_per_device"], "B"),
+                 _si(r["activations"], "B"), _si(r["bytes_per_device_step"], "B") if r["npu_count"] > 1 else "-",
+                 _si(r["weight_bytes_per_device_step"], "B") if r["sharding"] == "sharded" else "-"]
+        cells += [_fit_cell(r["fit"][f"{m:g}"]) for m in memories]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _secs(x: float) -> str:
