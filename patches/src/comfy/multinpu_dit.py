@@ -518,8 +518,12 @@ def sharded_patcher(patcher: ModelPatcher, device: torch.device, rank: int, worl
 
 def _build_slices(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
     shards = comfy.multinpu_shard.of(patcher.model.diffusion_model)
+    if shards is None:
+        return
+    shards.loaded_by(patcher)
+    shards.fault = _fault
     # only when ComfyUI loaded the slices' module (it had room for it); else they are built per block on use
-    if shards is not None and getattr(shards, "comfy_patched_weights", False):
+    if getattr(shards, "comfy_patched_weights", False):
         shards.build(patcher, fault=_fault)
 
 
@@ -682,9 +686,9 @@ class RankMemory:
                 continue
             fix = ("weights sharded on MultiNPUParallelConfig, INT8 weights" if self.dit.weights == "replicated"
                    else "INT8 weights")
-            logging.warning(f"MultiNPU: {p.load_device} (rank {r}) needs {need / 1e9:.2f} GB for the DiT "
-                            f"({self.dit.weights} weights {p.model_size() / 1e9:.2f} GB, activations "
-                            f"{self.dit.memory_estimates[r][0] / 1e9:.2f} GB) and has {free / 1e9:.2f} GB free: "
+            logging.warning(f"MultiNPU: {p.load_device} (rank {r}) needs {need / 1e9:.3g} GB for the DiT "
+                            f"({self.dit.weights} weights {p.model_size() / 1e9:.3g} GB, activations "
+                            f"{self.dit.memory_estimates[r][0] / 1e9:.3g} GB) and has {free / 1e9:.3g} GB free: "
                             f"ComfyUI loads part of the weights and streams the rest every step. Fix: {fix}, a "
                             "smaller or shorter video, or more devices (h3kit plan --device-memory shows each tier)")
 

@@ -135,6 +135,7 @@ class ShardedBlocks(torch.nn.Module):
         self.device = torch.device(device)
         self.layouts = [BlockLayout(block, f"{prefix}{i}.", world) for i, block in enumerate(dm.blocks)]
         self.built_for = None     # patches_uuid of the patcher the slices were built with
+        self.fault = None         # the fault hook of `h3kit parity --inject-fault` (None in normal runs)
         self.rebuilt = 0          # slices built on the fly, because ComfyUI did not load this module
         self._patcher = None
         for i, lay in enumerate(self.layouts):
@@ -165,11 +166,15 @@ class ShardedBlocks(torch.nn.Module):
             self._set(i, torch.empty(lay.shard, dtype=torch.uint8, device="meta"))
         self.built_for = None
 
+    def loaded_by(self, patcher: ModelPatcher):
+        """The ModelPatcher that loaded the model last: slices built on use take its weight patches."""
+        self._patcher = weakref.ref(patcher)
+
     def build(self, patcher: ModelPatcher, fault=None):
         """Make every slice on the device from the host weights with `patcher`'s weight patches."""
+        self.loaded_by(patcher)
         if self.built_for == patcher.patches_uuid:
             return
-        self._patcher = weakref.ref(patcher)
         for i in range(len(self.layouts)):
             self._set(i, self.build_block(i, patcher, fault))
         self.built_for = patcher.patches_uuid
@@ -209,12 +214,12 @@ class ShardedBlocks(torch.nn.Module):
         patcher = self._patcher() if self._patcher is not None else None
         if patcher is None:
             raise RuntimeError("MultiNPU: the sharded DiT runs without having been loaded by its ModelPatcher")
-        if self.rebuilt == 0:
+        if self.rebuilt % 1000 == 0:
             logging.warning(f"MultiNPU: the DiT's weight slices are not loaded on {self.device} (not enough free "
                             "memory); each block's slice is rebuilt from the host weights on every forward, which "
                             "is slow. Fix: free memory on the device, use INT8 weights or more devices")
         self.rebuilt += 1
-        return self.build_block(i, patcher)
+        return self.build_block(i, patcher, self.fault)
 
     def install(self, i: int, flat: torch.Tensor):
         """Block i's parameters become views of its gathered bytes `flat` [padded]."""
@@ -228,10 +233,22 @@ class ShardedBlocks(torch.nn.Module):
             else:
                 t = views[0]
             s.module._parameters[s.name] = torch.nn.Parameter(t, requires_grad=False)
+            _drop_lowvram_patch(s)
 
     def uninstall(self, i: int):
         for s in self.layouts[i].slots:
             s.module._parameters[s.name] = None
+
+
+def _drop_lowvram_patch(s: _Slot):
+    # A partial load (ComfyUI short of memory) hands a module whose weights it did not load a LowVramPatch, which
+    # applies the weight patches when the weight is cast for use; the slices carry them already, and applying
+    # them twice would be wrong, so a gathered weight is used as it is
+    attr = f"{s.name}_function"
+    fns = getattr(s.module, attr, None)
+    if fns and any(getattr(f, "key", None) == s.key and getattr(f, "is_lowvram_patch", False) for f in fns):
+        setattr(s.module, attr, [f for f in fns if not (getattr(f, "key", None) == s.key
+                                                         and getattr(f, "is_lowvram_patch", False))])
 
 
 class _Where:
