@@ -237,6 +237,25 @@ def test_an_interrupted_prompt_is_followed_by_one_that_runs(group):
     assert status["status_str"] == "success", status
 
 
+def test_restart_restarts_the_whole_group(group):
+    before = {r["rank"]: r["pid"] for r in group.ranks()}
+    agent = group.status(1)["pid"]
+    p = h3kit("restart", "--comfy-home", group.home, "--timeout", BOOT, "--json", env=group.env())
+    out, err = p.communicate(timeout=BOOT + 60)
+    res = jsondoc.data(out, p.returncode)
+    assert res["previous_pid"] == before[0] and res["pid"] != before[0], err[-2000:]
+    # restart returns once the server answers and every rank has joined: node 1's agent followed rank 0
+    # through the restart, stopping its workers when the store went away and starting new ones
+    st = group.status(0)
+    assert st["healthy"] and st["group"]["state"] == "ready", st
+    after = {r["rank"]: r for r in st["group"]["ranks"]}
+    assert all(after[r]["alive"] and after[r]["joined"] and after[r]["pid"] != before[r] for r in range(4)), after
+    assert group.status(1)["pid"] == agent
+    assert not any(pid_running(before[r]) for r in range(4))
+    status = finished(group, submit(group, prompt(4, "after_restart", steps=1)))
+    assert status["status_str"] == "success", [m[1].get("exception_message") for m in status["messages"] if m[0] == "execution_error"]
+
+
 def test_stop_leaves_no_process_behind(group):
     pids = [r["pid"] for r in group.ranks()] + [group.status(1)["pid"]]
     assert all(pid_running(p) for p in pids)

@@ -253,7 +253,7 @@ def _str_list(v, ctx):
 def _cmdline(v, ctx):
     v = _str_list(v, ctx)
     if not any(os.path.basename(a) == "main.py" for a in v) and not group.runs_module(v, group.AGENT_MODULE):
-        raise ValueError(f"runs neither main.py nor the group agent ({group.AGENT_MODULE})")
+        raise ValueError(f"does not run main.py (nor the group agent, {group.AGENT_MODULE})")
     return v
 
 

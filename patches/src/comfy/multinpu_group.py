@@ -54,7 +54,8 @@ LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
 PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
 # Fault injection, for tests and acceptance runs: "PROGRAM:oom" makes a worker's first run of PROGRAM ask for an
-# impossible allocation (the CPU or device allocator's own out-of-memory error). Replacements start without it.
+# impossible allocation (the CPU or device allocator's own out-of-memory error). Replacements start without it,
+# and so do the workers an agent starts after rank 0 restarted: the fault strikes once per launcher.
 FAULT_ENV = "H3KIT_MULTINPU_FAULT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -831,6 +832,7 @@ class Agent:
                             "the workers and waiting for it to come back")
         finally:
             local.stop()
+            os.environ.pop(FAULT_ENV, None)  # once per agent, not again after each restart of rank 0
             self._write(local, "waiting", "rank 0 is gone")
 
     def _write(self, local, state, error, group=None):
