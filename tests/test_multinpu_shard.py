@@ -53,3 +53,7 @@ def test_unload_frees_the_slices_and_the_host_copy_stays_one(checks):
     # resident: the slices and everything outside the blocks; after the unload only the latter (on the host)
     assert all(a < b for a, b in zip(v["after_unload"], v["resident"]))
     assert v["hosts_in_source"] and v["host_tensors"] == 30  # 3 blocks x 10 weights, all the loaded model's
+
+
+def test_the_node_applied_twice_to_a_sharded_model_refuses(checks):
+    assert "already sharded by MultiNPUParallelConfig; apply the node once" in value(checks, "reapply")

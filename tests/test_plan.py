@@ -198,6 +198,16 @@ def test_plan_command_weights_sharding_and_device_memory(runner):
     assert "fits a" not in out and "weight gathers" not in out  # the plain plan as before
 
 
+def test_tiers_as_json(runner):
+    r = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "1",
+                             "--tiers", "--device-memory", "64", "--json"])
+    doc = jsondoc.data(r.stdout, r.exit_code)
+    # 1 device replicated (bf16, int8), then 2, 4 and 8 devices x bf16/int8 x replicated/sharded
+    assert len(doc["tiers"]) == 2 + 3 * 4 and doc["frames"] == 124
+    four = {(t["weights"], t["sharding"]): t for t in doc["tiers"] if t["npu_count"] == 4}
+    assert not four[("bf16", "replicated")]["fit"]["64"]["fits"] and four[("bf16", "sharded")]["fit"]["64"]["fits"]
+
+
 def test_the_tier_table_in_the_docs_is_the_commands():
     """docs/deployment.md's tier tables are `h3kit plan --tiers` output, pasted: they must not drift."""
     from pathlib import Path

@@ -147,7 +147,17 @@ def check_unload_and_host_copies():
             "hosts_in_source": hosts <= source, "host_tensors": len(hosts)}
 
 
-CHECKS = {"partial_load": check_partial_load, "auto": check_auto, "short_card_warns": check_short_card_warns,
+def check_reapply():
+    """A sharded model's blocks hold one rank's slices: the node applied to it again refuses, naming the fix."""
+    m = NODE.execute(model=BASE.clone(), npu_count=2, weights="sharded").args[0]
+    try:
+        NODE.execute(model=m, npu_count=2, weights="sharded")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+CHECKS = {"reapply": check_reapply, "partial_load": check_partial_load, "auto": check_auto, "short_card_warns": check_short_card_warns,
           "unload_and_host_copies": check_unload_and_host_copies}
 
 if __name__ == "__main__":

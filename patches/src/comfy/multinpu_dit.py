@@ -569,6 +569,10 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "au
     dm = patcher.model.diffusion_model
     if not isinstance(dm, comfy.ldm.minimax.model.MiniMaxH3Model):
         raise ValueError(f"MultiNPU: sequence parallelism supports the MiniMax H3 DiT, not {type(dm).__name__}")
+    if comfy.multinpu_shard.of(dm) is not None:
+        # its blocks hold one rank's slices, not weights a new setup could start from
+        raise ValueError("MultiNPU: this DiT's weights are already sharded by MultiNPUParallelConfig; apply the node "
+                         "once, to the loader's model")
     blocks = patcher.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     foreign = [k for k, v in blocks.items() if not isinstance(v, SequenceParallelBlock)]
     if foreign:

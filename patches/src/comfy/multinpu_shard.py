@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import comfy.multinpu
+
 if TYPE_CHECKING:
     from comfy.model_patcher import ModelPatcher
 
@@ -289,8 +291,6 @@ class WeightGather:
     """
 
     def __init__(self, shards: ShardedBlocks, comm, fault=None):
-        import comfy.multinpu
-        self._gather = comfy.multinpu.all_gather_flat
         self.shards = shards
         self.comm = comm
         self.fault = fault
@@ -307,12 +307,12 @@ class WeightGather:
         shard = self.shards.resident(i)
         before = self.comm.bytes_received
         if self.stream is None:
-            flat, event = self._gather(shard, self.comm), None
+            flat, event = comfy.multinpu.all_gather_flat(shard, self.comm), None
         else:
             # the gather may read the slice only once the block's stream has written it (a slice built on the fly)
             self.stream.wait_stream(self.module.current_stream(self.device))
             with self.module.stream(self.stream):
-                flat = self._gather(shard, self.comm)
+                flat = comfy.multinpu.all_gather_flat(shard, self.comm)
                 event = self.stream.record_event()
         self.received += self.comm.bytes_received - before
         self.gathers += 1

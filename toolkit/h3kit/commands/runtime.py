@@ -187,8 +187,13 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider
     memory = device_memory[0] if device_memory else None
     try:
         if tiers:
-            click.echo(tier_table(width, height, frames, text_tokens, int(keyframes), guider,
-                                  list(device_memory) or [64.0, 32.0], as_json))
+            memories = list(device_memory) or [64.0, 32.0]
+            rows = tier_rows(width, height, frames, text_tokens, int(keyframes), guider, memories)
+            if as_json:
+                emit_json({"width": width, "height": height, "frames": costmodel.align_frame_count(frames),
+                           "tiers": rows})
+            else:
+                click.echo(tier_table(rows, memories))
             return
         plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
                                 dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider, weights=weights,
@@ -297,11 +302,8 @@ def tier_rows(width, height, frames, text_tokens=costmodel.DEFAULT_TEXT_TOKENS, 
     return rows
 
 
-def tier_table(width, height, frames, text_tokens, keyframes, guider, memories, as_json=False) -> str:
-    rows = tier_rows(width, height, frames, text_tokens, keyframes, guider, memories)
-    if as_json:
-        emit_json({"width": width, "height": height, "frames": costmodel.align_frame_count(frames), "tiers": rows})
-        return ""
+def tier_table(rows: list, memories) -> str:
+    """The markdown table of tier_rows (docs/deployment.md carries it)."""
     head = ("| devices | weights | sharding | weights / device | activations | exchange / step | weight gathers / step | "
             + " | ".join(f"{m:g} GB card" for m in memories) + " |")
     lines = [head, "|" + " --- |" * (7 + len(memories))]
