@@ -369,7 +369,12 @@ class SequenceParallelDiT:
             def rank0(comm):
                 comfy.model_management.soft_empty_cache()
                 return _rank_counts(comm, [1])
-            counts = self.runtime.run("dit_empty_cache", None, rank0)
+            try:
+                counts = self.runtime.run("dit_empty_cache", None, rank0)
+            except (comfy.multinpu_group.GroupError, comfy.multinpu.CollectiveError) as e:
+                # the sampling itself succeeded; a rank that died since is named again by the next command
+                logging.warning(f"MultiNPU: the workers' caches were not emptied after sampling: {e}")
+                return
             self.caches_emptied = [a + c[0] for a, c in zip(self.caches_emptied, counts)]
             return
         for r, device in enumerate(self.devices):
