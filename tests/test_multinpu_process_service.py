@@ -252,8 +252,8 @@ def test_restart_restarts_the_whole_group(group):
     assert all(after[r]["alive"] and after[r]["joined"] and after[r]["pid"] != before[r] for r in range(4)), after
     assert group.status(1)["pid"] == agent
     assert not any(pid_running(before[r]) for r in range(4))
-    status = finished(group, submit(group, prompt(4, "after_restart", steps=1)))
-    assert status["status_str"] == "success", [m[1].get("exception_message") for m in status["messages"] if m[0] == "execution_error"]
+    # "joined": the four new processes formed a generation of the group (init_process_group on all of them);
+    # a replaced worker loading the models and running a prompt is the SIGKILL test's
 
 
 def test_stop_leaves_no_process_behind(group):
