@@ -8,6 +8,7 @@
 #   H3KIT_RUNTIME_ROOT  runtime root (default: the directory holding this script)
 #   H3KIT_COMFY_HOME    the ComfyUI tree (default: two levels above the runtime root)
 #   H3KIT_DEVICE_TYPE   npu (default), cuda or cpu
+#   H3KIT_TRANSPORT     process (one process per NPU, HCCL; the default on npu), threads or auto
 #   H3KIT               the h3kit command (default: h3kit on PATH)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -16,4 +17,4 @@ home=${H3KIT_COMFY_HOME:-$(cd "$root/../.." && pwd)}
 read -r -a h3kit <<< "${H3KIT:-h3kit}"
 exec "${h3kit[@]}" start --comfy-home "$home" --runtime-root "$root" \
     --devices "${NPU_DEVICES:-0,1,2,3}" --device-type "${H3KIT_DEVICE_TYPE:-npu}" \
-    --port "${COMFYUI_PORT:-8189}" "$@"
+    --port "${COMFYUI_PORT:-8189}" --transport "${H3KIT_TRANSPORT:-auto}" "$@"

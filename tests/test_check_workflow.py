@@ -122,6 +122,18 @@ def test_parallel_config_placement(tmp_path):
     assert found(check_doc(tmp_path, prompt, devices="0,1,2,3")) == []
 
 
+def test_npu_count_eight_only_against_eight_exposed_devices(tmp_path):
+    prompt = deep(API)
+    prompt["6"]["inputs"]["npu_count"] = 8
+    assert found(check_doc(tmp_path, prompt, devices="0,1,2,3,4,5,6,7")) == []
+    assert found(check_doc(tmp_path, prompt, devices="0,1,2,3")) == [("H3102", "6")]
+    result = check_doc(tmp_path, prompt)
+    assert ("H3108", "6") in found(result) and result.exit_code == 1
+    assert "needs 8 exposed devices" in messages(result, "H3108")[0]
+    prompt["6"]["inputs"]["npu_count"] = 4
+    assert "set npu_count to 8" in messages(check_doc(tmp_path, prompt, devices="0,1,2,3,4,5,6,7"), "H3102")[0]
+
+
 def test_npu_count_from_a_primitive_and_unresolvable(tmp_path):
     prompt = deep(API)
     prompt["40"] = {"class_type": "PrimitiveInt", "inputs": {"value": 2}}

@@ -86,18 +86,18 @@ def test_node_schema(checks):
     v = value(checks, "schema")
     assert v["node_id"] == "MultiNPUParallelConfig" and v["category"] == "advanced/multigpu"
     assert v["required"] == ["model", "npu_count"] and v["optional"] == ["clip", "vae", "audio_vae"]
-    assert v["npu_count"] == ["COMBO", [1, 2, 4], 4]
+    assert v["npu_count"] == ["COMBO", [1, 2, 4, 8], 4]
     assert v["return_types"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
 
 def test_node_device_check(checks):
     v = value(checks, "device_check")
     assert v["verdicts"]["1"] is True
-    for n in ("2", "4"):
+    for n in ("2", "4", "8"):
         msg = v["verdicts"][n]
         assert f"npu_count is {n} but this ComfyUI process sees 3 simulated cpu devices (H3KIT_SIM_DEVICES=3)" in msg
         assert "Fix: set npu_count to 3" in msg and f"H3KIT_SIM_DEVICES={n}" in msg
-    assert "must be one of [1, 2, 4], got 3" in v["verdicts"]["3"]
+    assert "must be one of [1, 2, 4, 8], got 3" in v["verdicts"]["3"]
     assert v["raised"] == v["verdicts"]["4"], "execute must refuse with the same message"
     assert v["work_before_check"] == 0, "the check runs before any model work"
     assert v["one_passes_through"]
@@ -177,7 +177,7 @@ def _prompt(npu_count):
 def test_server_lists_the_node(server):
     info = comfy_server.http("GET", server.url + "/object_info/MultiNPUParallelConfig")["MultiNPUParallelConfig"]
     assert info["category"] == "advanced/multigpu"
-    assert info["input"]["required"]["npu_count"][1]["options"] == [1, 2, 4]
+    assert info["input"]["required"]["npu_count"][1]["options"] == [1, 2, 4, 8]
     assert info["output"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
 

@@ -34,9 +34,9 @@ def _exchange(row):
                                        blocks=tiny["num_layers"], attention=row["attention"])
 
 
-def _check_rows(rows, n):
+def _check_rows(rows, n, variants=VARIANTS):
     assert {(r["layout"], r["attention"], r["dtype"], r["lora"]) for r in rows} == \
-        {(lay, a, d, lo) for lay in LAYOUTS for a in ("ulysses", "kv_gather") for d, lo in VARIANTS
+        {(lay, a, d, lo) for lay in LAYOUTS for a in ("ulysses", "kv_gather") for d, lo in variants
          if lay == "t2va" or not lo}  # the LoRA rows: the first layout
     for r in rows:
         assert r["seq_len"] % n != 0, f"{r['layout']}: S={r['seq_len']} divides by {n}; the test must cover uneven shards"
@@ -95,6 +95,28 @@ def test_parity_four_devices_cli(installed_tree, comfy_python):
     rows = jsondoc.data(proc.stdout, proc.returncode)
     _check_rows(rows, 4)
     assert "parity passed: 14 row(s)" in proc.stderr
+
+
+def test_parity_over_the_process_group(installed_tree, comfy_python):
+    """--transport process: the worker is rank 0 of two processes on gloo and the node runs over the group; the
+    same rows and gates as the threads (fp32 and the LoRA, which reaches the worker over the group; bf16 rows
+    need this process's CPU loader patch), every rank ran every forward, and the bytes each rank received equal
+    the cost model's, as with the threads."""
+    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
+                "--npu-count", "2", "--transport", "process", "--python", comfy_python, "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = jsondoc.data(proc.stdout, proc.returncode)
+    _check_rows(rows, 2, variants={("float32", False), ("float32", True)})
+    assert {r["transport"] for r in rows} == {"process"}
+
+
+def test_a_fault_on_a_worker_process_fails_the_gate(installed_tree, comfy_python):
+    # the noise fault strikes the last rank only: a worker process, reached through the hook sent with each forward
+    report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, timeout=600, transport="process",
+                            extra_args=("--faults", "noise,rope", "--dtypes", "float32", "--layouts", "t2va",
+                                        "--no-lora"))
+    for r in report["rows"]:
+        assert r["fault_fired"] > 0 and not r["pass"] and r["split"], r
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -85,6 +85,17 @@ def test_plan_command_prints_three_columns(runner):
     assert "weights per device" in result.output and "66.3 GB" in result.output
 
 
+def test_plan_accepts_eight_devices(runner):
+    # 56 heads / 8 = 7: Ulysses, and each device holds an eighth of the tokens (an 8-card server, or 2 x 4 hosts)
+    result = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124",
+                                  "--npu-count", "4", "--npu-count", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    four, eight = jsondoc.data(result.output, result.exit_code)["plans"]
+    assert eight["npu_count"] == 8 and eight["attention"] == "ulysses" and max(eight["tokens_per_device"]) == 4752
+    assert abs(four["flops_per_device_step"] / eight["flops_per_device_step"] - 2) < 0.01
+    assert eight["bytes_per_device_step"] < four["bytes_per_device_step"]
+
+
 def test_plan_json_and_calibration_flags(runner):
     result = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "4",
                                   "--tflops", "200", "--link-gbs", "50", "--json"])

@@ -72,18 +72,33 @@ def test_start_waits_for_health_and_records_the_process(home):
 @pytest.mark.parametrize("kind, devices, variable", [("npu", "0,1,2,3", "ASCEND_RT_VISIBLE_DEVICES"),
                                                      ("cuda", "1,3", "CUDA_VISIBLE_DEVICES")])
 def test_accelerator_start_exposes_devices_and_checks_them(home, kind, devices, variable):
-    r = home.start(devices=devices, device_type=kind)
+    # the stand-in is one process: the thread transport (npu and cuda default to one process per device)
+    r = home.start("--transport", "threads", devices=devices, device_type=kind)
     assert r.returncode == 0, r.stderr
     boot = home.boots()[0]
     assert boot["env"][variable] == devices
     assert "--cpu" not in boot["argv"]
     st = home.status()
     assert st["running"] and len(st["devices"]) == len(devices.split(","))
+    assert home.record()["transport"] == "threads" and boot["env"]["H3KIT_GROUP"] is None
+
+
+def test_accelerators_default_to_one_process_per_device(home):
+    # a stand-in writes no ranks.json, so start waits for the group and names what it waits for
+    r = home.start(devices="0,1", device_type="npu", timeout=3)
+    assert r.returncode == 1 and "start_timeout" in r.stderr
+    assert "group: the process group is unknown" in r.stderr
+    boot = home.boots()[0]
+    group = json.loads(boot["env"]["H3KIT_GROUP"])
+    assert group["local_size"] == 2 and group["nnodes"] == 1 and group["master_addr"] == "127.0.0.1"
+    assert 0 < group["master_port"] < 65536 and len(boot["env"]["H3KIT_GROUP_KEY"]) == 64
+    assert oct((home.root / "group.key").stat().st_mode)[-3:] == "600"
+    assert not pid_running(boot["pid"]) and port_is_free(home.port)
 
 
 def test_device_count_mismatch_fails_and_stops_the_child(home):
     home.configure(devices=1)
-    r = home.start(devices="0,1", device_type="npu")
+    r = home.start("--transport", "threads", devices="0,1", device_type="npu")
     assert r.returncode == 1
     assert "device_mismatch" in r.stderr and "lists 1 device" in r.stderr
     assert not pid_running(home.boots()[0]["pid"])
@@ -472,7 +487,7 @@ def test_launch_scripts_start_four_devices_and_restart(home):
     launch = Path(__file__).resolve().parents[1] / "launch"
     env = dict(os.environ, NPU_DEVICES="0,1,2,3", COMFYUI_PORT=str(home.port),
                H3KIT_RUNTIME_ROOT=str(home.root), H3KIT_COMFY_HOME=str(home.path),
-               H3KIT=f"{sys.executable} -m h3kit")
+               H3KIT=f"{sys.executable} -m h3kit", H3KIT_TRANSPORT="threads")  # the stand-in is one process
     r = subprocess.run([str(launch / "start-4npu.sh")], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert home.boots()[0]["env"]["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3"

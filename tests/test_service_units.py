@@ -169,6 +169,17 @@ def _valid_record(tmp_path, **over) -> dict:
     return rec
 
 
+def test_a_group_agents_record_round_trips(tmp_path):
+    # node 1 of a multi-host group: the record names the agent, which runs no main.py
+    agent = _valid_record(tmp_path, cmdline=["/usr/bin/python3", "-B", "-m", "comfy.multinpu_group"],
+                          transport="process", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500,
+                          join_timeout=300.0)
+    rec = service.Record(**agent)
+    service.write_record(tmp_path, rec)
+    assert service.read_record(tmp_path) == rec and rec.group.is_agent
+    assert service.server_argv(rec.python, rec.spec()) == ["/usr/bin/python3", "-B", "-m", "comfy.multinpu_group"]
+
+
 def test_record_round_trip_and_a_corrupt_record(tmp_path):
     rec = service.Record(**_valid_record(tmp_path))
     service.write_record(tmp_path, rec)
@@ -188,7 +199,8 @@ BAD_FIELDS = [
     ("create_time", "x", "create_time must be"), ("create_time", -5, "create_time must be"),
     ("create_time", None, "create_time must be"),
     ("cmdline", "main.py", "cmdline must be a list"), ("cmdline", [], "cmdline does not run main.py"),
-    ("cmdline", ["sleep", "1000"], "does not run main.py"), ("cmdline", [1, 2], "must be a string"),
+    ("cmdline", ["sleep", "1000"], "does not run main.py (nor the group agent"), ("cmdline", [1, 2], "must be a string"),
+    ("cmdline", ["/usr/bin/python3", "-m", "comfy.multinpu_group"], "does not match"),
     ("cmdline", ["/usr/bin/python3", "-B", "main.py", "--listen", "0.0.0.0", "--port", "9999"], "does not match"),
     ("port", 0, "port must be"), ("port", 70000, "port must be"), ("port", "8189", "port must be"),
     ("listen", "localhost", "listen must be one IP"), ("listen", 5, "listen must be"),
@@ -202,6 +214,9 @@ BAD_FIELDS = [
     ("extra_args", "--foo", "extra_args must be a list"), ("extra_args", [1], "must be a string"),
     ("extra_args", ["--foo"], "does not match"), ("started_at", 5, "started_at must be"),
     ("started_at", LONG, "started_at must be a string under"),
+    ("transport", "tcp", "transport must be one of"), ("nnodes", 0, "nnodes must be"), ("nnodes", 2, "not a group"),
+    ("node_rank", 1, "node 1 of 1"), ("master_addr", "host-a", "master_addr must be one IP"),
+    ("master_port", 70000, "master_port must be"), ("join_timeout", -1, "join_timeout must be"),
 ]
 
 

@@ -94,7 +94,7 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="h3kit")
 def main():
-    """Deploy MiniMax H3 in a pinned, patched ComfyUI on 1, 2 or 4 Ascend NPUs.
+    """Deploy MiniMax H3 in a pinned, patched ComfyUI on 1, 2, 4 or 8 Ascend NPUs.
 
     New here? `h3kit demo --comfy-home DIR` does everything once, on tiny weights: installs ComfyUI at the
     pin with the patch series into DIR, starts the server (devices simulated on a CPU host), runs a real H3

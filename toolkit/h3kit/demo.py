@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3kit import comfyws, devices as h3devices, health, locks, logscan, outputs, paths, proc, progress, service
+from h3kit import comfyws, devices as h3devices, group, health, locks, logscan, outputs, paths, proc, progress, service
 from h3kit.errors import H3kitError, UsageError
 from h3kit.paths import repo_root
 
@@ -79,6 +79,7 @@ class DemoOptions:
     port: int = service.DEFAULT_PORT
     timeout: float = PROMPT_TIMEOUT
     weights: str = "float"
+    transport: str = "auto"
 
 
 class _Stages:
@@ -245,7 +246,7 @@ def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
 
     home = Path(opts.comfy_home).expanduser().absolute()
     if opts.npu_count not in h3devices.ALLOWED_COUNTS:
-        raise UsageError(f"--npu-count {opts.npu_count}: H3 runs on 1, 2 or 4 devices")
+        raise UsageError(f"--npu-count {opts.npu_count}: H3 runs on 1, 2, 4 or 8 devices")
     if opts.weights not in WEIGHTS:
         raise UsageError(f"--weights {opts.weights}: use one of {', '.join(WEIGHTS)}")
     installer.check_home_path(home)
@@ -263,8 +264,10 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
 
     device_type = h3devices.resolve_device_type(opts.device_type)
     devices = list(range(opts.npu_count))
+    settings = group.resolve(device_type, opts.transport)
     report: dict = {"ok": False, "comfy_home": str(home), "device_type": device_type,
-                    "npu_count": opts.npu_count, "devices": devices, "weights": opts.weights}
+                    "npu_count": opts.npu_count, "devices": devices, "weights": opts.weights,
+                    "transport": settings.transport}
     st = _Stages(log)
 
     with st("install") as s:
@@ -283,7 +286,7 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
     root = service.runtime_root(home)
     with st("start") as s:
         spec = service.StartSpec(comfy_home=str(home), devices=devices, device_type=device_type, port=opts.port,
-                                 python=python)
+                                 python=python, group=settings)
         started = service.start(root, spec, progress=log)
         rec = started.record
         st.server_log = rec.log
@@ -292,7 +295,8 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
                              f"not the {opts.npu_count} {device_type} devices the demo asked for",
                              hint=f"h3kit stop --comfy-home {home}, or run the demo with --npu-count "
                                   f"{len(rec.devices)}")
-        s["detail"] = f"{rec.url} ({'already running' if started.already_running else 'started'})"
+        s["detail"] = (f"{rec.url} ({'already running' if started.already_running else 'started'}, "
+                       f"{rec.transport} transport)")
     report["service"] = {"url": rec.url, "log": rec.log, "started_by_demo": not started.already_running}
 
     try:

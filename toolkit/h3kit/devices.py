@@ -13,7 +13,7 @@ from pathlib import Path
 
 from h3kit.errors import DeviceListError, UsageError
 
-ALLOWED_COUNTS = (1, 2, 4)
+ALLOWED_COUNTS = (1, 2, 4, 8)
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 
 ASCEND_VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
@@ -38,7 +38,7 @@ def parse_device_list(text: str, *, allowed_counts: tuple[int, ...] = ALLOWED_CO
     """Parse "0,1,2,3" into [0, 1, 2, 3].
 
     Ids must be non-negative integers written without spaces or signs, unique and ascending, and there must
-    be 1, 2 or 4 of them. Raises DeviceListError naming the first offending entry otherwise.
+    be 1, 2, 4 or 8 of them. Raises DeviceListError naming the first offending entry otherwise.
     """
     if text is None or not str(text).strip():
         raise DeviceListError("empty device list", hint="give device ids like 0,1,2,3")
@@ -47,7 +47,8 @@ def parse_device_list(text: str, *, allowed_counts: tuple[int, ...] = ALLOWED_CO
     counts = ", ".join(str(c) for c in allowed_counts)
     if len(items) > max(allowed_counts):  # said before any entry is read: a huge list is not walked
         raise DeviceListError(f"device list {shown(raw)} has {len(items)} devices; H3 runs on {counts}",
-                              hint="MultiNPUParallelConfig's npu_count must be 1, 2 or 4 and match this list")
+                              hint="MultiNPUParallelConfig's npu_count must be 1, 2, 4 or 8 and match the devices of "
+                                   "the service (this list, times the hosts of a multi-host group)")
     ids: list[int] = []
     for pos, item in enumerate(items):
         if not item or not item.isascii() or not item.isdigit():
@@ -69,7 +70,8 @@ def parse_device_list(text: str, *, allowed_counts: tuple[int, ...] = ALLOWED_CO
         ids.append(value)
     if len(ids) not in allowed_counts:
         raise DeviceListError(f"device list {shown(raw)} has {len(ids)} devices; H3 runs on {counts}",
-                              hint="MultiNPUParallelConfig's npu_count must be 1, 2 or 4 and match this list")
+                              hint="MultiNPUParallelConfig's npu_count must be 1, 2, 4 or 8 and match the devices of "
+                                   "the service (this list, times the hosts of a multi-host group)")
     return ids
 
 

@@ -7,6 +7,10 @@ Layout under the runtime root (`<comfy-home>/.h3kit/run` unless overridden):
     logs/comfyui-<stamp>.log     one file per start: the server's stdout and stderr
     logs/latest                  link to the newest log
 
+With the process transport (h3kit.group) the server is rank 0 of a process group and starts one worker per
+other device; on the other hosts of a group the record names the host's agent instead of ComfyUI, and the
+runtime keeps `ranks.json` (every rank's pid, start time, device, alive, joined) beside the record.
+
 The record names the process by pid, start time and command line; every command re-checks all three
 (h3kit.proc.verify), and that the process is the ComfyUI server of this tree (its main.py is the tree's,
 its interpreter the one h3kit launched), before it trusts the pid. A record that fails the check is
@@ -25,6 +29,7 @@ This module never imports click; progress goes through an optional `progress(mes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -41,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import comfyargs, health, locks, logscan, proc
+from h3kit import comfyargs, group, health, locks, logscan, proc
 from h3kit import devices as h3devices
 from h3kit.errors import H3kitError, UsageError
 
@@ -138,10 +143,22 @@ class Record:
     log: str
     extra_args: list[str] = field(default_factory=list)
     started_at: str = ""
+    # the process group (h3kit.group); a record without these fields is a one-process server
+    transport: str = "threads"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    join_timeout: float = group.DEFAULT_JOIN_TIMEOUT
 
     @property
     def url(self) -> str:
         return health.base_url(proc.probe_host(self.listen), self.port)
+
+    @property
+    def group(self) -> group.GroupSettings:
+        return group.GroupSettings(self.transport, self.nnodes, self.node_rank, self.master_addr,
+                                   self.master_port, self.join_timeout)
 
     def verify(self) -> proc.Verdict:
         return proc.verify(self.pid, self.create_time, self.cmdline,
@@ -153,26 +170,33 @@ class Record:
     def spec(self) -> "StartSpec":
         return StartSpec(comfy_home=self.comfy_home, devices=list(self.devices), device_type=self.device_type,
                          port=self.port, listen=self.listen, python=self.python,
-                         extra_args=list(self.extra_args))
+                         extra_args=list(self.extra_args), group=self.group)
 
 
 def server_owner(comfy_home: str, python: str, cmdline: list[str]):
-    """The check that a live process is the ComfyUI server of `comfy_home` that h3kit launched: its main.py
-    is the tree's (resolved against the process's own working folder), and its executable is the recorded
-    interpreter (for a wrapper script, which execs Python, the executable the record's command line names).
-    Returns the reason it is not, or None."""
+    """The check that a live process is the ComfyUI server of `comfy_home` that h3kit launched (its main.py is
+    the tree's, resolved against the process's own working folder), or, on another host of a process group,
+    the group's agent h3kit launched from that tree (h3kit.group.module_owner), and that its executable is
+    the recorded interpreter (for a wrapper script, which execs Python, the executable the record's command
+    line names). Returns the reason it is not, or None."""
     main = os.path.realpath(os.path.join(comfy_home, "main.py"))
     wrapper = _is_script(python)
     allowed = {os.path.realpath(shutil.which(cmdline[0]) or cmdline[0])} if wrapper else {os.path.realpath(python)}
+    agent = group.module_owner(comfy_home, group.AGENT_MODULE) if group.runs_module(cmdline, group.AGENT_MODULE) else None
 
     def check(p) -> str | None:
         cmd = p.cmdline()
-        arg = next((a for a in cmd if os.path.basename(a) == "main.py"), None)
-        if arg is None:
-            return "it runs no main.py"
-        where = os.path.realpath(os.path.join(p.cwd(), arg))
-        if where != main:
-            return f"it runs {where}, not {main}"
+        if agent is not None:
+            why = agent(p)
+            if why:
+                return why
+        else:
+            arg = next((a for a in cmd if os.path.basename(a) == "main.py"), None)
+            if arg is None:
+                return "it runs no main.py"
+            where = os.path.realpath(os.path.join(p.cwd(), arg))
+            if where != main:
+                return f"it runs {where}, not {main}"
         exe = os.path.realpath(p.exe())
         if exe not in allowed:
             return f"its interpreter is {exe}, not the one h3kit launched ({python})"
@@ -228,8 +252,14 @@ def _str_list(v, ctx):
 
 def _cmdline(v, ctx):
     v = _str_list(v, ctx)
-    if not any(os.path.basename(a) == "main.py" for a in v):
-        raise ValueError("does not run main.py")
+    if not any(os.path.basename(a) == "main.py" for a in v) and not group.runs_module(v, group.AGENT_MODULE):
+        raise ValueError(f"does not run main.py (nor the group agent, {group.AGENT_MODULE})")
+    return v
+
+
+def _transport(v, ctx):
+    if v not in group.TRANSPORTS:
+        raise ValueError(f"must be one of {', '.join(group.TRANSPORTS)}")
     return v
 
 
@@ -277,15 +307,27 @@ RECORD_FIELDS = {
     "log": (_log, True),
     "extra_args": (_str_list, False),
     "started_at": (_text, False),
+    # the process group (h3kit.group): absent in a one-process server's record
+    "transport": (_transport, False),
+    "nnodes": (_int_range(1, 64), False),
+    "node_rank": (_int_range(0, 63), False),
+    "master_addr": (_listen, False),
+    "master_port": (_int_range(0, 65535), False),
+    "join_timeout": (_time, False),
 }
 
 
 def _cross_check(rec: Record, comfy_home: str | None) -> None:
     if comfy_home and os.path.realpath(rec.comfy_home) != os.path.realpath(comfy_home):
         raise ValueError(f"it names another ComfyUI tree ({rec.comfy_home})")
+    if rec.node_rank >= rec.nnodes or (rec.nnodes > 1 and rec.transport != "process"):
+        raise ValueError(f"node {rec.node_rank} of {rec.nnodes} with the {rec.transport} transport is not a group")
     spec = rec.spec()
-    expected = server_argv(rec.python, spec)[2:]  # from main.py on: what h3kit ran for these settings
-    if proc.server_args(rec.cmdline) != expected:
+    if spec.group.is_agent:
+        expected = group.agent_argv(rec.python)[1:]  # an agent runs no main.py: all but the interpreter
+        if rec.cmdline[1:] != expected:
+            raise ValueError(f"its command line is not the group agent's ({' '.join(expected)})")
+    elif proc.server_args(rec.cmdline) != server_argv(rec.python, spec)[2:]:  # from main.py on
         raise ValueError("its command line does not match its port, address, device type and extra arguments")
     try:
         comfyargs.check(Path(rec.comfy_home), rec.extra_args, _own_args(spec), rec.device_type)
@@ -395,6 +437,7 @@ class StartSpec:
     listen: str = DEFAULT_LISTEN
     python: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    group: group.GroupSettings = field(default_factory=group.GroupSettings)
 
 
 @dataclass
@@ -475,6 +518,8 @@ def child_environment(device_type: str, devices: list[int], base: dict | None = 
 
 
 def server_argv(python: str, spec: StartSpec) -> list[str]:
+    if spec.group.is_agent:
+        return group.agent_argv(python)
     return [python, "-B", "main.py", *_own_args(spec), *spec.extra_args]
 
 
@@ -557,15 +602,18 @@ def validated(spec: StartSpec) -> StartSpec:
         raise UsageError(f"port {spec.port!r} is not a port number (1-65535)", code="bad_port")
     out = StartSpec(comfy_home=str(home), devices=h3devices.check_device_ids(spec.devices),
                     device_type=spec.device_type, port=spec.port, listen=validate_listen(spec.listen),
-                    python=resolve_python(home, spec.python), extra_args=list(spec.extra_args))
+                    python=resolve_python(home, spec.python), extra_args=list(spec.extra_args), group=spec.group)
     out.extra_args = comfyargs.check(home, out.extra_args, _own_args(out), out.device_type)
     return out
 
 
 def _settings(spec_or_record) -> dict:
+    settings = spec_or_record.group.as_dict()
+    if settings["nnodes"] == 1:
+        settings.pop("master_port")  # one host: h3kit picks a free one at every start
     return {"comfy_home": str(Path(spec_or_record.comfy_home).resolve()), "python": spec_or_record.python,
             "devices": list(spec_or_record.devices), "device_type": spec_or_record.device_type,
-            "listen": spec_or_record.listen, "extra_args": list(spec_or_record.extra_args)}
+            "listen": spec_or_record.listen, "extra_args": list(spec_or_record.extra_args), **settings}
 
 
 def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progress,
@@ -588,7 +636,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
                                    f"not the requested {_settings(spec)}", code="already_running_other_settings",
                                    hint="h3kit stop, then start with the new settings (a running server is never "
                                         "reconfigured behind a user's back)")
-            got = health.check_health(rec.url)
+            got = check(rec, root)
             return StartResult(rec, True, 0.0, got.devices, health=got.reason)
         # The stale record is replaced below, once the new server is spawned: until then it keeps the
         # settings, so a start that fails before spawning (port taken) can still be retried by restart.
@@ -596,11 +644,24 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
             stale = verdict.reason
             progress(f"replacing the stale server record: {stale}")
 
-    _check_port(listen, spec.port)
+    settings = spec.group
+    if not settings.is_agent:
+        _check_port(listen, spec.port)
+    if settings.is_process and settings.node_rank == 0:
+        if settings.nnodes == 1:
+            settings = dataclasses.replace(settings, master_port=group.choose_port(settings.master_addr))
+        else:
+            _check_port(settings.master_addr, settings.master_port)
 
     argv = server_argv(python, spec)
     env = child_environment(spec.device_type, spec.devices)
     shown = {k: env[k] for k in (h3devices.VISIBLE_ENV[spec.device_type],)}
+    if settings.is_process:
+        worker_args = (["--cpu"] if spec.device_type == "cpu" and "--cpu" not in spec.extra_args else []) + spec.extra_args
+        env.update(group.environment(settings, spec.device_type, spec.devices, root, group.group_key(root, settings),
+                                     worker_args))
+        shown["transport"] = (f"process, node {settings.node_rank} of {settings.nnodes}, "
+                              f"master {settings.master_addr}:{settings.master_port}")
     log = _new_log(root, f"h3kit: {datetime.datetime.now().isoformat(timespec='seconds')} starting in {home}: "
                          f"{' '.join(argv)} with {' '.join(f'{k}={v}' for k, v in shown.items())}")
     t0 = time.monotonic()
@@ -620,14 +681,16 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
     rec = Record(pid=child.pid, create_time=create_time, cmdline=cmdline, port=spec.port, listen=listen,
                  device_type=spec.device_type, devices=list(spec.devices), python=python,
                  comfy_home=str(home), log=str(log), extra_args=list(spec.extra_args),
-                 started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+                 started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                 **settings.as_dict())
     write_record(root, rec)
     progress(f"started pid {child.pid}: {' '.join(argv)}")
     progress(f"log: {log}")
 
     expected = None if spec.device_type == "cpu" else len(spec.devices)
     try:
-        got = _wait_healthy(child, rec, expected, t0, timeout, progress, on_poll=lambda: _follow_exec(root, rec))
+        got = _wait_healthy(child, rec, expected, t0, timeout, progress, root,
+                            on_poll=lambda: _follow_exec(root, rec))
         _follow_exec(root, rec)
     except BaseException as e:
         # A failed (or interrupted) start leaves no server behind; the record stays, naming the dead
@@ -636,7 +699,8 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         if child.poll() is None:
             proc.terminate_group(rec.identity(), grace=DEFAULT_GRACE, kill_wait=KILL_WAIT)
             child.poll()
-        proc.wait_port_free(listen, spec.port, PORT_WAIT)
+        if not settings.is_agent:
+            proc.wait_port_free(listen, spec.port, PORT_WAIT)
         if isinstance(e, StartFailed):
             e.details = dict(e.details or {}, log=str(log), log_tail=logscan.tail(log, 25))
         raise
@@ -656,7 +720,7 @@ def _follow_exec(root: Path, rec: Record) -> None:
 
 
 def _wait_healthy(child: subprocess.Popen, rec: Record, expected: int | None, t0: float, timeout: float,
-                  progress: Progress, on_poll: Callable[[], None] = lambda: None) -> health.Health:
+                  progress: Progress, root: Path, on_poll: Callable[[], None] = lambda: None) -> health.Health:
     interval = _poll_interval()
     next_note = t0 + PROGRESS_EVERY
     last = health.Health(False, "not polled yet")
@@ -669,24 +733,43 @@ def _wait_healthy(child: subprocess.Popen, rec: Record, expected: int | None, t0
                               code="server_exited", hint=f"read the log: {rec.log}")
         on_poll()
         # a refused connection returns at once; the timeout only matters for a server that is busy
-        last = health.check_health(rec.url, expected, timeout=2.0)
+        last = check(rec, root, expected, timeout=2.0)
         if last.ok:
             return last
-        if last.stats is not None:
+        if last.stats is not None and not last.reason.startswith("group:"):
             # it answers but shows the wrong devices: waiting will not change that
             raise StartFailed(f"the server does not see the requested devices: {last.reason}",
                               code="device_mismatch",
                               hint=f"check that devices {h3devices.format_device_list(rec.devices)} exist and "
                                    f"are free ({h3devices.VISIBLE_ENV[rec.device_type]} was set for it)")
+        if last.reason.startswith("group: the process group failed"):
+            raise StartFailed(f"the {'server' if rec.node_rank == 0 else 'agent'} is up but its {last.reason[7:]}",
+                              code="group_failed",
+                              hint=f"read the log ({rec.log}); every host of the group runs h3kit start with the "
+                                   "same --nnodes, --master-addr, --master-port and device count")
         now = time.monotonic()
         if now - t0 >= timeout:
             raise StartFailed(f"the server was not healthy after {timeout:.0f} s ({last.reason}); stopped it",
                               code="start_timeout",
                               hint=f"read the log ({rec.log}); raise --timeout if the first model load is slow")
         if now >= next_note:
-            progress(f"waiting for {rec.url}/system_stats ({now - t0:.0f} s): {last.reason}")
+            progress(f"waiting for {rec.url if rec.node_rank == 0 else 'the group'} ({now - t0:.0f} s): {last.reason}")
             next_note = now + PROGRESS_EVERY
         time.sleep(interval)
+
+
+def check(rec: Record, root: Path, expected: int | None = None, timeout: float = 2.0) -> health.Health:
+    """Healthy means: the server answers /system_stats (with `expected` devices when given) and, with the
+    process transport, every rank of the group is alive and joined (an agent: its own ranks). A group
+    problem's reason starts with "group:"."""
+    if rec.group.is_agent:
+        got = health.Health(True, "healthy")
+    else:
+        got = health.check_health(rec.url, expected, timeout=timeout)
+        if not got.ok or not rec.group.is_process:
+            return got
+    ok, why = group.ready(group.ranks_view(root, rec.pid, rec.node_rank, rec.comfy_home), rec.node_rank)
+    return got if ok else health.Health(False, f"group: {why}", got.stats)
 
 
 # ---------------------------------------------------------------------------------------------- stop
@@ -728,11 +811,14 @@ def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, ke
         return StopResult(False, rec.pid, note=f"stale record removed, nothing signalled: {verdict.reason}")
     progress(f"stopping pid {rec.pid} (SIGTERM, SIGKILL after {grace:g} s)")
     t0 = time.monotonic()
+    # the group's workers are the server's (or agent's) children, in its process group: they go with it
     down = proc.terminate_group(rec.identity(), grace=grace, kill_wait=KILL_WAIT)
     if down.survivors:
         raise StopFailed(f"process(es) {', '.join(map(str, down.survivors))} survived SIGKILL",
                          hint="they may be stuck in the device driver; the record is kept so stop can be retried")
-    if not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
+    if rec.group.is_agent:
+        pass  # an agent listens on no port
+    elif not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
         holders = proc.port_holders(rec.port)
         if not keep_record:
             remove_record(root)
@@ -799,7 +885,7 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
             stopped = stop_locked(root, rec, grace=grace, progress=progress, keep_record=True)
             phases["stop"] = time.monotonic() - t0
         t0 = time.monotonic()
-        if not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
+        if not rec.group.is_agent and not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
             _check_port(rec.listen, rec.port)  # names the holder
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
@@ -816,18 +902,24 @@ def status(root: Path, *, timeout: float = 3.0, comfy_home: str | os.PathLike | 
     """What runs, as a JSON-ready dict; `running` is about the process, not the record file."""
     rec = read_record(root, comfy_home)
     out: dict = {"running": False, "healthy": False, "runtime_root": str(root), "record": rec is not None}
-    log = Path(rec.log) if rec else latest_log(root)
     if rec is not None:
         verdict = rec.verify()
         out.update(running=verdict.alive, pid=rec.pid, port=rec.port, listen=rec.listen, url=rec.url,
                    device_type=rec.device_type, requested_devices=rec.devices, started_at=rec.started_at,
-                   python=rec.python, comfy_home=rec.comfy_home, extra_args=rec.extra_args)
+                   python=rec.python, comfy_home=rec.comfy_home, extra_args=rec.extra_args,
+                   transport=rec.transport)
+        if rec.group.is_process:
+            out["group"] = {**rec.group.as_dict(), **group.ranks_view(root, rec.pid, rec.node_rank, rec.comfy_home)}
         if verdict.alive:
             out["uptime_s"] = round(time.time() - rec.create_time, 1)
-            got = health.check_health(rec.url, timeout=timeout)
+            got = check(rec, root, timeout=timeout)
             out["healthy"] = got.ok
             out["health"] = got.reason
             out["devices"] = got.devices
+            if rec.group.is_agent:
+                out["queue"] = None
+                out["queue_error"] = "an agent of a multi-host group: the queue is on node 0"
+                return _with_log(out, rec, root)
             try:
                 running, pending = health.queue_counts(rec.url, timeout=timeout)
                 out["queue"] = {"running": running, "pending": pending}
@@ -836,6 +928,11 @@ def status(root: Path, *, timeout: float = 3.0, comfy_home: str | os.PathLike | 
                 out["queue_error"] = str(e)
         else:
             out["stale"] = verdict.reason
+    return _with_log(out, rec, root)
+
+
+def _with_log(out: dict, rec: Record | None, root: Path) -> dict:
+    log = Path(rec.log) if rec else latest_log(root)
     out["log"] = str(log.resolve()) if log.exists() else None
     blk = logscan.first_error(log) if log.exists() else None
     out["first_error"] = blk.to_dict() if blk else None

@@ -153,6 +153,7 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
     healthy_since: float | None = None
     last_free = float("-inf")
     oom = _OomWatch(rec, fresh=False)
+    group_down_since = None         # when the process group was last seen re-forming (it replaces workers itself)
     emit("watching", f"pid {rec.pid} on {rec.url}, every {policy.interval:g} s")
 
     try:
@@ -175,8 +176,18 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
             if not verdict.alive:
                 problem = f"the server is not running: {verdict.reason}"
             else:
-                got = health.check_health(rec.url, timeout=policy.health_timeout)
+                # with the process transport: every rank alive and joined too (the runtime replaces a dead
+                # worker itself; a group that stays broken for `failures` checks is restarted whole)
+                got = service.check(rec, root, timeout=policy.health_timeout)
                 now = clock()
+                recovering = got.reason.startswith("group:") and "failed" not in got.reason
+                if recovering and (group_down_since is None or now - group_down_since <= rec.join_timeout):
+                    # a worker died and is being replaced: the runtime re-forms the group on its own
+                    group_down_since = now if group_down_since is None else group_down_since
+                    emit("group_recovering", got.reason)
+                    pause(policy.interval)
+                    continue
+                group_down_since = None if not recovering else group_down_since
                 if got.ok:
                     if fails:
                         emit("recovered", f"healthy again after {fails} failed check(s)")
@@ -190,7 +201,7 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
                     emit("health_failed", f"check {fails}/{policy.failures} failed: {got.reason}")
                     if fails >= policy.failures:
                         problem = f"{fails} failed health checks in a row ({got.reason})"
-                if problem is None:
+                if problem is None and not rec.group.is_agent:
                     found = oom.poll()
                     if found and clock() - last_free < policy.oom_cooldown:
                         emit("oom", f"out of memory reported again, memory was just freed: {found}")

@@ -6,6 +6,10 @@ between workflows reads tens of gigabytes of weights again on every switch. The 
 (load_diffusion_model, load_clip) and VAELoader ask this cache first: the same files with the same options
 return the same object without reading the files again.
 
+Every loaded object is also recorded with what its loader was asked (comfy.model_cache.source_of): the
+processes of a multi-device group load the same files with the same options from that record
+(comfy.multinpu_models).
+
 A key holds the kind of loader, every file's real path, size and mtime (a replaced file loads again), and
 the load options made hashable (lists to tuples, dicts to sorted items, devices and dtypes to strings).
 The cache keeps at most COMFY_MODEL_CACHE_ENTRIES entries and COMFY_MODEL_CACHE_GB gigabytes of weights,
@@ -20,6 +24,7 @@ import enum
 import logging
 import os
 import threading
+import weakref
 
 import psutil
 import torch
@@ -32,6 +37,44 @@ BUDGET_BYTES = int(float(os.environ.get("COMFY_MODEL_CACHE_GB", "0")) * (1024 **
 _lock = threading.Lock()
 _entries: collections.OrderedDict = collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "evictions": 0}
+_sources = weakref.WeakKeyDictionary()  # loaded module -> the LoadSource it came from
+_clear_listeners = []
+
+
+class LoadSource:
+    """What a cached loader was asked: the kind of loader, the files' real paths and its arguments."""
+
+    def __init__(self, kind, paths, args, kwargs):
+        self.kind = kind
+        self.paths = [os.path.realpath(p) for p in paths]
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs)
+
+    def __repr__(self):
+        return f"LoadSource({self.kind!r}, {self.paths!r})"
+
+
+def _modules(value):
+    # the module each loader's result wraps: ModelPatcher.model, CLIP.cond_stage_model, VAE.first_stage_model
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _modules(v)
+        return
+    for attr in ("model", "cond_stage_model", "first_stage_model"):
+        module = getattr(value, attr, None)
+        if isinstance(module, torch.nn.Module):
+            yield module
+
+
+def source_of(module):
+    """The LoadSource of a loaded model's module (ModelPatcher.model, CLIP.cond_stage_model or
+    VAE.first_stage_model), or None when it did not come from a cached loader."""
+    return _sources.get(module)
+
+
+def add_clear_listener(fn):
+    """fn() runs whenever clear() empties the cache (a multi-device group frees its workers' models too)."""
+    _clear_listeners.append(fn)
 
 
 class _Entry:
@@ -109,6 +152,9 @@ def load(kind, paths, loader, *args, **kwargs):
     # one line per file read, cached or not (a model over the budget is read and returned uncached)
     logging.info(f"Model cache: reading {kind} {os.path.basename(paths[0]) if paths else ''}")
     value = loader(*args, **kwargs)
+    source = LoadSource(kind, paths, args, kwargs)
+    for module in _modules(value):
+        _sources[module] = source
     size = _size(value)
     with _lock:
         if size > BUDGET_BYTES:
@@ -127,6 +173,8 @@ def clear():
         if _entries:
             logging.info(f"Model cache: dropping {len(_entries)} cached models")
         _entries.clear()
+    for fn in _clear_listeners:
+        fn()
 
 
 def stats():

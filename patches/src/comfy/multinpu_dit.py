@@ -19,6 +19,13 @@ A forward on P devices (MiniMaxH3Model is not edited; comfy/ldm/minimax/model.py
 
 Every rank holds the full DiT weights (about 66 GB at BF16 for H3): sequence parallelism splits the
 activations and the attention work, not the weights.
+
+Two transports run the same forward. Threads (above): the ranks are threads of this process. Processes
+(comfy.multinpu_process): the ranks are the processes of a torch.distributed group; rank 0 broadcasts
+each forward's inputs (latents, timestep, context, the payload with its packed layout), every rank runs
+_forward on its own copy of the DiT (loaded by the worker from the same file, with the same weight
+patches, checked by digest: comfy.multinpu_models) and the same block replacements and attention
+override run the collectives over the group.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ import comfy.ldm.minimax.model
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.multinpu_group
+import comfy.multinpu_models
+import comfy.multinpu_process
 import comfy.multinpu_weights
 import comfy.patcher_extension
 
@@ -199,22 +209,30 @@ def take_inputs(inputs: tuple, comm) -> tuple:
 class SequenceParallelDiT:
     """DIFFUSION_MODEL wrapper running MiniMaxH3Model._forward sequence-parallel on `devices`.
 
-    replicas[r] (r >= 1) is the BaseModel whose diffusion_model rank r runs; replicas[0] is None (rank 0
-    is the wrapped model itself). One forward at a time per wrapper. forwards, rank_forwards (per rank),
-    bytes_moved and bytes_received (per rank) count what ran, for logs and `h3kit parity`.
+    Threads: replicas[r] (r >= 1) is the BaseModel whose diffusion_model rank r runs; replicas[0] is None
+    (rank 0 is the wrapped model itself). Processes: `runtime` is rank 0's comfy.multinpu_process
+    runtime, devices is [rank 0's device] and `config` what every worker loads. One forward at a time per
+    wrapper. forwards, rank_forwards (per rank), bytes_moved and bytes_received (per rank) count what ran,
+    for logs and `h3kit parity` (with processes the other ranks' bytes reach rank 0 when count_bytes is set).
     """
 
-    def __init__(self, devices, replicas, attention: str = "auto", timeout: float = comfy.multinpu.DEFAULT_TIMEOUT):
+    def __init__(self, devices, replicas, attention: str = "auto", timeout: float = comfy.multinpu.DEFAULT_TIMEOUT,
+                 runtime=None, config=None):
         if attention not in ATTENTION_MODES:
             raise ValueError(f"MultiNPU: attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.devices = list(devices)
         self.replicas = list(replicas)
         self.attention = attention
         self.timeout = timeout
+        self.runtime = runtime
+        self.config = config
+        self.count_bytes = False   # processes: every forward also gathers the bytes each rank received
+        self.rank_bytes = None     # ... into this list, for the last forward
+        world = runtime.world_size if runtime is not None else len(self.devices)
         self.forwards = 0
-        self.rank_forwards = [0] * len(self.devices)
+        self.rank_forwards = [0] * world
         self.bytes_moved = 0
-        self.bytes_received = [0] * len(self.devices)
+        self.bytes_received = [0] * world
         self._threads = None
         self._lock = threading.Lock()
 
@@ -238,6 +256,8 @@ class SequenceParallelDiT:
         self._check_blocks(dm, transformer_options)
         if x[0].device != self.devices[0]:
             raise RuntimeError(f"MultiNPU: the model runs on {x[0].device} but rank 0 was set up for {self.devices[0]}")
+        if self.runtime is not None:
+            return self._call_processes(executor, x, timestep, context, transformer_options, args, kwargs)
         group = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout)
 
         def rank_forward(comm):
@@ -271,6 +291,107 @@ class SequenceParallelDiT:
         return out
 
 
+    def _call_processes(self, executor, x, timestep, context, transformer_options, args, kwargs):
+        inner = executor.wrappers[executor.idx + 1:]
+        if inner:
+            # they would run on rank 0 only: the other ranks' forwards would differ from rank 0's
+            raise RuntimeError(f"MultiNPU: {len(inner)} diffusion-model wrapper(s) were added after "
+                               "MultiNPUParallelConfig; with the process transport the node must come last")
+        if transformer_options.get("optimized_attention_override") is not None:
+            raise RuntimeError("MultiNPU: another node set an attention override, which cannot run in the worker "
+                               "processes; remove it or start the server with --transport threads")
+        # the fault hook (`h3kit parity --inject-fault`, None otherwise) runs on every rank, as with threads
+        payload = {"config": self.config.id, "attention": self.attention, "count_bytes": self.count_bytes,
+                   "fault_hook": fault_hook, "x": x, "timestep": timestep, "context": context,
+                   "options": plain_options(transformer_options), "args": args, "kwargs": kwargs}
+
+        def rank0(comm):
+            start = comm.bytes_moved
+            options = transformer_options.copy()
+            options[RANK_KEY] = _RankState(comm, self.attention)
+            out = executor(x, timestep, context, options, *args, **kwargs)
+            moved = comm.bytes_moved - start
+            return out, _rank_counts(comm, moved, 0) if self.count_bytes else [(moved, 0)]
+
+        t0 = time.perf_counter()
+        with self._lock:
+            out, counts = self.runtime.run("dit_forward", payload, rank0, configs=[self.config])
+        self.forwards += 1
+        self.rank_forwards = [n + 1 for n in self.rank_forwards]  # the command completed on every rank
+        self.rank_bytes = [moved for moved, _ in counts]
+        self.bytes_received = [a + b for a, b in zip(self.bytes_received, self.rank_bytes + [0] * len(self.bytes_received))]
+        self.bytes_moved += sum(self.rank_bytes)
+        if fault_hook is not None and hasattr(fault_hook, "fired"):
+            fault_hook.fired += sum(fired for _, fired in counts[1:])  # the strikes on the other ranks
+        logging.debug(f"MultiNPU: DiT forward on {self.runtime.world_size} processes in {time.perf_counter() - t0:.3f} s, "
+                      f"{sum(self.rank_bytes) / 2**20:.1f} MiB exchanged")
+        return out
+
+
+def _rank_counts(comm, moved: int, fired: int) -> list:
+    """[(bytes received, fault strikes)] of this forward for every rank, on every rank (one small all-gather)."""
+    local = torch.tensor([moved, fired], dtype=torch.int64, device=comm.device)
+    return [tuple(int(v) for v in t.tolist()) for t in comm.all_gather(local)]
+
+
+def plain_options(options: dict) -> dict:
+    """The entries of transformer_options a worker process can hold: numbers, strings, tensors and
+    containers of them (the sigma shifts, sigmas...); hooks, patches and wrappers stay on rank 0."""
+    def plain(v):
+        if v is None or isinstance(v, (bool, int, float, str, torch.Tensor, torch.dtype)):
+            return True
+        if isinstance(v, (list, tuple)):
+            return all(plain(i) for i in v)
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and plain(i) for k, i in v.items())
+        return False
+    return {k: v for k, v in options.items() if k not in ("patches", "patches_replace", "wrappers", "callbacks")
+            and plain(v)}
+
+
+class _WorkerDiT:
+    """A worker's copy of the DiT for one configuration: its loaded model with rank 0's weight patches."""
+
+    def __init__(self, patcher, digest: dict):
+        self.patcher = patcher
+        self.digest = digest
+        count = len(patcher.model.diffusion_model.blocks)
+        self.blocks = {("double_block", i): SequenceParallelBlock(i, i == count - 1) for i in range(count)}
+
+
+@comfy.multinpu_group.program("dit_config")
+def _load_on_worker(context, comm, payload):
+    src, patches = payload["source"], payload["patches"]
+    base = comfy.multinpu_models.load(src)
+    comfy.multinpu_models.map_file_weights(base.model, src.paths)
+    comfy.multinpu_weights.anchor_host_copy(base.model)
+    patcher = comfy.multinpu_models.patched_clone(base, patches)
+    return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches))
+
+
+@comfy.multinpu_group.program("dit_forward")
+def _forward_on_worker(context, comm, payload):
+    held = context.configs[payload["config"]]
+    comfy.model_management.load_models_gpu([held.patcher])
+    dm = held.patcher.model.diffusion_model
+    dev = held.patcher.load_device
+    options = dict(payload["options"], patches_replace={"dit": held.blocks})
+    options[RANK_KEY] = _RankState(comm, payload["attention"])
+    start = comm.bytes_moved
+    global fault_hook
+    hook = fault_hook = payload["fault_hook"]
+    fired = getattr(hook, "fired", 0)
+    try:
+        dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev), options,
+                    *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
+    except _RankDone:
+        pass  # the final gather took this rank's shard to rank 0: nothing left to compute here
+    finally:
+        fault_hook = None
+    if payload["count_bytes"]:
+        _rank_counts(comm, comm.bytes_moved - start, getattr(hook, "fired", 0) - fired)
+
+
 def _replica_model(model):
     """A structural copy of a BaseModel whose parameters and buffers share the source's storage.
 
@@ -300,13 +421,15 @@ def _replica_patcher(patcher: ModelPatcher, device: torch.device) -> ModelPatche
 
 
 def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "auto",
-                            timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> ModelPatcher:
+                            timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> ModelPatcher:
     """A clone of `patcher` whose MiniMax H3 DiT runs sequence-parallel on `devices` (rank 0 = devices[0]).
 
-    Adds one replica ModelPatcher per extra device as additional models (so sampling loads each onto
-    its device, with upstream's memory management), the DIFFUSION_MODEL wrapper and one block
-    replacement per DiT block. Applying it again replaces the previous setup. Raises ValueError for a
-    model that is not MiniMax H3 or whose blocks another node already replaces.
+    Threads: adds one replica ModelPatcher per extra device as additional models (so sampling loads each
+    onto its device, with upstream's memory management). Processes (`runtime`, devices ignored): every
+    worker of the group loads the same file with rank 0's weight patches, checked before the first
+    forward. Either way: the DIFFUSION_MODEL wrapper and one block replacement per DiT block. Applying it
+    again replaces the previous setup. Raises ValueError for a model that is not MiniMax H3, whose blocks
+    another node already replaces, or (processes) that a worker cannot load the same way.
     """
     dm = patcher.model.diffusion_model
     if not isinstance(dm, comfy.ldm.minimax.model.MiniMaxH3Model):
@@ -316,6 +439,8 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "au
     if foreign:
         raise ValueError(f"MultiNPU: DiT blocks {sorted(k[1] for k in foreign)} are already replaced by another node; "
                          "sequence parallelism needs every block")
+    if runtime is not None:
+        return _apply_processes(patcher, attention, timeout, runtime)
     devices = [torch.device(d) for d in devices]
     if devices[0] != patcher.load_device:
         raise ValueError(f"MultiNPU: rank 0 must be the model's load device {patcher.load_device}, got {devices[0]}")
@@ -330,12 +455,37 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "au
     m.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY)
     m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY,
                            SequenceParallelDiT(devices, [None] + [r.model for r in replicas], attention, timeout))
-    count = len(dm.blocks)
-    for i in range(count):
-        m.set_model_patch_replace(SequenceParallelBlock(i, i == count - 1), "dit", "double_block", i)
+    _replace_blocks(m, len(dm.blocks))
     size_gb = patcher.model_size() / 1e9
     logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {comfy.multidevice.describe_devices(devices)}, "
                  f"attention {attention}; every device holds the full DiT weights ({size_gb:.1f} GB)")
+    return m
+
+
+def _replace_blocks(m, count: int):
+    for i in range(count):
+        m.set_model_patch_replace(SequenceParallelBlock(i, i == count - 1), "dit", "double_block", i)
+
+
+def _apply_processes(patcher: ModelPatcher, attention: str, timeout: float, runtime) -> ModelPatcher:
+    src = comfy.multinpu_models.source(patcher.model, "diffusion model")
+    patches = comfy.multinpu_models.weight_patches(patcher, "diffusion model")
+    comfy.model_management.unload_model_and_clones(patcher)
+    # the host weights become the file's page-cache copy, the one every process of this host maps
+    comfy.multinpu_models.map_file_weights(patcher.model, src.paths)
+    comfy.multinpu_weights.anchor_host_copy(patcher.model)
+    config = comfy.multinpu_process.RemoteConfig(
+        "dit_config", {"source": src, "patches": patches},
+        comfy.multinpu_models.digest(src, patcher.model, patches), f"DiT {src.paths[0]}")
+    m = patcher.clone()
+    m.remove_additional_models(KEY)
+    m.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY)
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY,
+                           SequenceParallelDiT([patcher.load_device], [None], attention, timeout, runtime, config))
+    _replace_blocks(m, len(patcher.model.diffusion_model.blocks))
+    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {runtime.world_size} processes "
+                 f"({runtime.spec.backend}), attention {attention}; every rank holds the full DiT weights "
+                 f"({patcher.model_size() / 1e9:.1f} GB), {len(patches)} weight patch(es) sent to the workers")
     return m
 
 

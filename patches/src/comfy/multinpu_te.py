@@ -27,6 +27,10 @@ result is exactly the one-device result; it splits the weights, not the time.
 
 Weights: each rank's modules are structural copies of the loaded ones whose weights are views (slices)
 of the one host copy (comfy.multinpu_weights), anchored so that unloading returns them to it.
+
+With the process transport (comfy.multinpu_process) the ranks are processes: every worker loads the same
+text encoder file, keeps its own shard of it, and rank 0 broadcasts the embeddings and the forward's
+arguments; the all-reduces run over the process group.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ import torch
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.multinpu_group
+import comfy.multinpu_models
+import comfy.multinpu_process
 import comfy.patcher_extension
 import comfy.multinpu_weights
 import comfy.text_encoders.llama
@@ -250,13 +257,18 @@ class TextEncoderParallel:
     holds every rank's final hidden states of the last forward (the parity check compares them).
     """
 
-    def __init__(self, devices, mode: str, contexts, decoders, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT):
+    def __init__(self, devices, mode: str, contexts, decoders, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT,
+                 layers: int = 0, runtime=None, config=None):
         self.devices = list(devices)
         self.mode = mode
         self.contexts = contexts
-        self.decoders = decoders  # [None, rank 1's Llama2_, ...]: rank 0's is the caller
+        self.decoders = decoders  # [None, rank 1's Llama2_, ...]: rank 0's is the caller (processes: [None])
         self.timeout = timeout
-        self.layer_ranges = layer_ranges(len(decoders[1].layers), len(self.devices)) if mode == "layers" else None
+        self.runtime = runtime    # processes: rank 0's comfy.multinpu_process runtime; config: what workers load
+        self.config = config
+        self.world_size = runtime.world_size if runtime is not None else len(self.devices)
+        self.layers = layers
+        self.layer_ranges = layer_ranges(layers, self.world_size) if mode == "layers" else None
         self.forwards = 0
         self.bytes_moved = 0
         self.keep_rank_outputs = False
@@ -282,6 +294,8 @@ class TextEncoderParallel:
             kwargs["embeds"] = decoder0.embed_tokens(x, out_dtype=kwargs.get("dtype"))
         x = None
         others = dict(kwargs, embeds_info=[])  # the other ranks need no vision inputs: the embeddings carry them
+        if self.runtime is not None:
+            return self._call_processes(decoder0, kwargs, others, intermediate)
         group = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout)
 
         moved = []
@@ -312,12 +326,77 @@ class TextEncoderParallel:
         out = outs[0]
         if self.mode == "layers" and isinstance(intermediate, int):
             # only the rank holding that layer saw it
-            index = intermediate % len(self.decoders[1].layers)
+            index = intermediate % self.layers
             owner = next(r for r, (a, b) in enumerate(self.layer_ranges) if a <= index < b)
             out = (out[0], outs[owner][1].to(self.devices[0])) + tuple(out[2:])
         logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {len(self.devices)} devices in "
                       f"{time.perf_counter() - t0:.3f} s, {group.bytes_moved / 2**20:.1f} MiB exchanged")
         return out
+
+
+    def _call_processes(self, decoder0, kwargs, others, intermediate):
+        if self.mode == "layers" and isinstance(intermediate, int):
+            raise RuntimeError("MultiNPU: the layer-split text encoder returns an intermediate layer with the thread "
+                               "transport only")
+        ctx0 = self.contexts[0]
+        payload = {"config": self.config.id, "kwargs": others, "return_output": self.keep_rank_outputs}
+
+        def rank0(comm):
+            start = comm.bytes_moved
+            ctx0.comm = comm
+            try:
+                out = comfy.text_encoders.llama.Llama2_.forward(decoder0, None, **kwargs)
+            finally:
+                ctx0.comm = None
+            outs = None
+            if self.keep_rank_outputs:
+                outs = [out[0]] + [comm.recv(torch.empty_like(out[0]), r) for r in range(1, comm.world_size)]
+            return out, outs, comm.bytes_moved - start
+
+        t0 = time.perf_counter()
+        with self._lock:
+            out, outs, moved = self.runtime.run("te_forward", payload, rank0, configs=[self.config])
+        self.forwards += 1
+        self.bytes_moved += moved
+        if outs is not None:
+            self.rank_outputs = [o.detach().cpu() for o in outs]
+        logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {self.world_size} processes in "
+                      f"{time.perf_counter() - t0:.3f} s")
+        return out
+
+
+class _WorkerTE:
+    """A worker's shard of the text encoder for one configuration."""
+
+    def __init__(self, ctx, decoder, patcher, digest):
+        self.ctx = ctx
+        self.decoder = decoder
+        self.patcher = patcher
+        self.digest = digest
+
+
+@comfy.multinpu_group.program("te_config")
+def _load_on_worker(context, comm, payload):
+    src, mode = payload["source"], payload["mode"]
+    clip = comfy.multinpu_models.load(src)
+    comfy.multinpu_models.map_file_weights(clip.cond_stage_model, src.paths)
+    ctx = _RankContext(context.rank, context.spec.world_size)
+    decoder = _shard_decoder(find_decoder(clip.cond_stage_model), ctx, mode)
+    patcher = comfy.multinpu_weights.device_patcher(clip.patcher, decoder, clip.patcher.load_device)
+    return _WorkerTE(ctx, decoder, patcher, comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode))
+
+
+@comfy.multinpu_group.program("te_forward")
+def _forward_on_worker(context, comm, payload):
+    held = context.configs[payload["config"]]
+    comfy.model_management.load_models_gpu([held.patcher])
+    held.ctx.comm = comm
+    try:
+        out = held.decoder(None, **_copy_to(payload["kwargs"], held.patcher.load_device, []))
+    finally:
+        held.ctx.comm = None
+    if payload["return_output"]:
+        comm.send(out[0].contiguous(), 0)
 
 
 # Llama2_.forward's arguments after x, for callers that pass some positionally
@@ -364,8 +443,9 @@ def _refuse_weight_patches(patcher, *args):
 
 
 def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
-                          timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> CLIP:
-    """A clone of `clip` whose text encoder runs on `devices` (rank 0 = devices[0], where the CLIP loads).
+                          timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> CLIP:
+    """A clone of `clip` whose text encoder runs on `devices` (rank 0 = devices[0], where the CLIP loads),
+    or on the processes of `runtime` (devices ignored: every worker loads the same file and keeps its shard).
 
     mode "auto" picks tensor parallelism when the device count divides the query heads, else the exact
     layer split; "tensor" and "layers" force one. Rank 1..P-1 shards load onto their devices with the
@@ -373,7 +453,8 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     that is not a Llama2_ decoder (or already parallel), or one with weight patches (a text-encoder LoRA:
     its keys name the unsplit weights).
     """
-    devices = [torch.device(d) for d in devices]
+    devices = [torch.device(d) for d in devices] if runtime is None else [clip.patcher.load_device]
+    world = len(devices) if runtime is None else runtime.world_size
     decoder = find_decoder(clip.cond_stage_model)
     if decoder is None:
         raise ValueError(f"MultiNPU: {type(clip.cond_stage_model).__name__} has no single Llama2_ decoder to split")
@@ -382,14 +463,23 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     if clip.patcher.patches:
         raise ValueError(f"MultiNPU: the text encoder carries {len(clip.patcher.patches)} weight patches (a LoRA); "
                          "tensor parallelism splits the weights they name")
-    mode = choose_mode(decoder, len(devices), mode)
+    mode = choose_mode(decoder, world, mode)
+    src = comfy.multinpu_models.source(clip.cond_stage_model, "text encoder") if runtime is not None else None
     # the loaded weights, back on the host, are the one host copy every rank's shard views
     comfy.model_management.unload_model_and_clones(clip.patcher, all_devices=True)
+    if src is not None:
+        comfy.multinpu_models.map_file_weights(clip.cond_stage_model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(clip.cond_stage_model)
 
-    contexts = [_RankContext(r, len(devices)) for r in range(len(devices))]
+    contexts = [_RankContext(r, world) for r in range(len(devices))]
     decoders = [_shard_decoder(decoder, ctx, mode) for ctx in contexts]
-    runner = TextEncoderParallel(devices, mode, contexts, [None] + decoders[1:], timeout)
+    config = None
+    if runtime is not None:
+        config = comfy.multinpu_process.RemoteConfig(
+            "te_config", {"source": src, "mode": mode},
+            comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode), f"text encoder {src.paths[0]}")
+    runner = TextEncoderParallel(devices, mode, contexts, [None] + decoders[1:], timeout, len(decoder.layers),
+                                 runtime, config)
     decoders[0].__class__ = ParallelLlama
     decoders[0].multinpu = runner
 
@@ -403,8 +493,10 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
 
     n.patcher.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, _refuse_weight_patches)
     size = [p.model_size() / 2**30 for p in [n.patcher] + others]
+    where = (f"{world} processes ({runtime.spec.backend})" if runtime is not None
+             else comfy.multidevice.describe_devices(devices))
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
-                 f"{comfy.multidevice.describe_devices(devices)}; weights per device "
+                 f"{where}; weights per device "
                  f"{', '.join(f'{s:.2f}' for s in size)} GiB (rank 0 also holds the embeddings and vision tower)")
     return n
 

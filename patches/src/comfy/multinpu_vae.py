@@ -18,6 +18,10 @@ Each chunk is decoded by the same code on the same kind of device from the same 
 bit-identical to the one-device decode (h3kit parity --component vae gates max_abs == 0). At most one
 wave of decoded chunks exists at a time, each on the device that decoded it. Encoding (reference images,
 keyframes) and single-frame decodes stay on rank 0.
+
+With the process transport (comfy.multinpu_process) the ranks are processes: rank 0 broadcasts the planned
+chunks, every worker decodes its chunks (i % P == its rank) on the VAE it loaded from the same file and
+sends each to rank 0 in order, and rank 0 blends them as above.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import comfy.ldm.minimax.vae
 import comfy.model_management
 import comfy.multidevice
 import comfy.multinpu
+import comfy.multinpu_group
+import comfy.multinpu_models
+import comfy.multinpu_process
 import comfy.multinpu_weights
 
 if TYPE_CHECKING:
@@ -72,6 +79,7 @@ class _ChunkStream:
         self.chunks = chunks
         self.next = 0
         self.ready = {}
+        self.comm = None  # processes: rank 0's communicator while the command runs
 
     def take(self, z: torch.Tensor) -> torch.Tensor:
         i = self.next
@@ -80,9 +88,12 @@ class _ChunkStream:
             raise RuntimeError(f"MultiNPU: the VAE asked for a chunk (#{i}, {tuple(z.shape)}) that the parallel "
                                f"plan of {len(self.chunks)} chunks does not have at that place")
         if i not in self.ready:
-            self.ready = self.runner.decode_wave(self.vae0, self.chunks, i)
+            self.ready = (self.runner.decode_wave(self.vae0, self.chunks, i) if self.comm is None
+                          else _wave_processes(self.vae0, self.chunks, i, self.comm))
         self.next += 1
         rank, chunk = self.ready.pop(i)
+        if callable(chunk):
+            chunk = chunk()  # decoded by another process: received now, in blend order
         self.runner.bytes_moved += 0 if rank == 0 else chunk.numel() * chunk.element_size()
         return fetch_chunk(chunk, z.device, rank)
 
@@ -94,10 +105,13 @@ class VideoDecodeParallel:
     chunks copied to rank 0, chunk_ranks the rank that decoded each chunk of the last call.
     """
 
-    def __init__(self, devices, replicas, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT):
+    def __init__(self, devices, replicas, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None,
+                 config=None):
         self.devices = list(devices)
         self.replicas = list(replicas)
         self.timeout = timeout
+        self.runtime = runtime  # processes: rank 0's comfy.multinpu_process runtime; config: what workers load
+        self.config = config
         self.forwards = 0
         self.chunks = 0
         self.bytes_moved = 0
@@ -143,18 +157,83 @@ class VideoDecodeParallel:
         stream = _ChunkStream(self, vae0, chunks)
         self.chunk_ranks = []
         t0 = time.perf_counter()
-        with self._lock:
+
+        def blend(comm=None):
+            stream.comm = comm
             vae0.__dict__["_multinpu_stream"] = stream
             try:
-                out = comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal(vae0, z, output_buffer)
+                return comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal(vae0, z, output_buffer)
             finally:
                 vae0.__dict__.pop("_multinpu_stream", None)
+                stream.comm = None
+
+        with self._lock:
+            if self.runtime is None:
+                out = blend()
+            else:
+                self.chunk_ranks = [i % self.runtime.world_size for i in range(len(chunks))]
+                self.chunks += len(chunks)
+                out = self.runtime.run("vae_decode", {"config": self.config.id, "chunks": chunks}, blend,
+                                       configs=[self.config])
         if stream.next != len(chunks):
             raise RuntimeError(f"MultiNPU: the VAE blended {stream.next} of the {len(chunks)} chunks it planned")
         self.forwards += 1
         logging.debug(f"MultiNPU: video VAE decode of {len(chunks)} chunks on {len(self.devices)} devices in "
                       f"{time.perf_counter() - t0:.3f} s")
         return out
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _wave_processes(vae0, chunks: list, first: int, comm) -> dict:
+    """Rank 0's part of a wave: decode chunk `first` here; chunks first+1.. come from ranks 1.. when asked."""
+    out = {first: (0, comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(vae0, chunks[first]))}
+    for r in range(1, comm.world_size):
+        if first + r < len(chunks):
+            out[first + r] = (r, lambda r=r: _recv_chunk(comm, r))
+    return out
+
+
+def _send_chunk(comm, chunk: torch.Tensor):
+    header = torch.zeros(8, dtype=torch.int64, device=comm.device)
+    header[0], header[1] = chunk.dim(), _DTYPES.index(chunk.dtype)
+    header[2:2 + chunk.dim()] = torch.tensor(chunk.shape)
+    comm.send(header, 0)
+    comm.send(chunk.contiguous(), 0)
+
+
+def _recv_chunk(comm, src: int) -> torch.Tensor:
+    header = comm.recv(torch.empty(8, dtype=torch.int64, device=comm.device), src).tolist()
+    shape = header[2:2 + header[0]]
+    return comm.recv(torch.empty(shape, dtype=_DTYPES[header[1]], device=comm.device), src)
+
+
+class _WorkerVAE:
+    """A worker's video VAE for one configuration (the one it loaded)."""
+
+    def __init__(self, vae, digest):
+        self.vae = vae
+        self.digest = digest
+
+
+@comfy.multinpu_group.program("vae_config")
+def _load_on_worker(context, comm, payload):
+    src = payload["source"]
+    vae = comfy.multinpu_models.load(src)
+    comfy.multinpu_models.map_file_weights(vae.first_stage_model, src.paths)
+    comfy.multinpu_weights.anchor_host_copy(vae.first_stage_model)
+    return _WorkerVAE(vae, comfy.multinpu_models.digest(src, vae.first_stage_model))
+
+
+@comfy.multinpu_group.program("vae_decode")
+def _decode_on_worker(context, comm, payload):
+    held = context.configs[payload["config"]]
+    comfy.model_management.load_models_gpu([held.vae.patcher])
+    chunks = payload["chunks"]
+    for i in range(comm.rank, len(chunks), comm.world_size):
+        z = chunks[i].to(held.vae.device)
+        _send_chunk(comm, comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(held.vae.first_stage_model, z))
 
 
 class ParallelVideoVAE(comfy.ldm.minimax.vae.MiniMaxH3VideoVAE):
@@ -170,20 +249,24 @@ class ParallelVideoVAE(comfy.ldm.minimax.vae.MiniMaxH3VideoVAE):
         return stream.take(z)
 
 
-def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> VAE:
-    """A copy of `vae` (a MiniMax H3 video VAE) that decodes on `devices` (rank 0 = devices[0], where it loads).
+def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> VAE:
+    """A copy of `vae` (a MiniMax H3 video VAE) that decodes on `devices` (rank 0 = devices[0], where it loads),
+    or on the processes of `runtime` (devices ignored: every worker loads the same file).
 
     The replicas for devices[1:] share the loaded host weights and load onto their devices with the VAE
     (load_models_gpu, upstream memory management). Raises ValueError for any other VAE (the audio VAE
     stays on one device, in fp32).
     """
-    devices = [torch.device(d) for d in devices]
+    devices = [torch.device(d) for d in devices] if runtime is None else [vae.device]
     source = vae.first_stage_model
     if type(source) is not comfy.ldm.minimax.vae.MiniMaxH3VideoVAE:
         what = "already split across devices" if isinstance(source, ParallelVideoVAE) else f"a {type(source).__name__}"
         raise ValueError(f"MultiNPU: parallel decode is for the MiniMax H3 video VAE; this VAE is {what}")
+    src = comfy.multinpu_models.source(source, "VAE") if runtime is not None else None
     # the loaded weights, back on the host, are the one host copy every replica shares
     comfy.model_management.unload_model_and_clones(vae.patcher, all_devices=True)
+    if src is not None:
+        comfy.multinpu_models.map_file_weights(source, src.paths)
     comfy.multinpu_weights.anchor_host_copy(source)
 
     replicas = []
@@ -191,7 +274,11 @@ def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEF
         r = comfy.multinpu_weights.share_module(source)
         comfy.multinpu_weights.reset_load_state(r)
         replicas.append(r)
-    runner = VideoDecodeParallel(devices, replicas, timeout)
+    config = None
+    if runtime is not None:
+        config = comfy.multinpu_process.RemoteConfig("vae_config", {"source": src},
+                                                     comfy.multinpu_models.digest(src, source), f"VAE {src.paths[0]}")
+    runner = VideoDecodeParallel(devices, replicas, timeout, runtime, config)
     replicas[0].__class__ = ParallelVideoVAE
     replicas[0].multinpu = runner
 
@@ -200,7 +287,9 @@ def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEF
     n.patcher = comfy.multinpu_weights.device_patcher(vae.patcher, replicas[0], devices[0])
     others = [comfy.multinpu_weights.device_patcher(vae.patcher, r, d) for r, d in zip(replicas[1:], devices[1:])]
     comfy.multinpu_weights.attach_device_models(n.patcher, KEY, others)
-    logging.info(f"MultiNPU: video VAE decodes temporal chunks on {comfy.multidevice.describe_devices(devices)} "
+    where = (f"{runtime.world_size} processes" if runtime is not None
+             else comfy.multidevice.describe_devices(devices))
+    logging.info(f"MultiNPU: video VAE decodes temporal chunks on {where} "
                  f"(every device holds the VAE, {vae.patcher.model_size() / 2**30:.2f} GiB)")
     return n
 

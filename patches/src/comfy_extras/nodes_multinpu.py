@@ -13,20 +13,31 @@ if TYPE_CHECKING:
 
 import comfy.multidevice
 import comfy.multinpu_dit
+import comfy.multinpu_process
 import comfy.multinpu_te
 import comfy.multinpu_vae
 
-NPU_COUNTS = [1, 2, 4]
+NPU_COUNTS = [1, 2, 4, 8]
 
 
 def check_npu_count(npu_count) -> str | None:
-    """None when this process can run `npu_count` devices, else the message naming both counts and the fix.
+    """None when this server can run `npu_count` devices, else the message naming both counts and the fix.
 
-    npu_count 1 always runs (on the model's own device). 2 and 4 must equal the number of devices the
-    process sees: the service exposes exactly the cards the workflow is meant for.
+    npu_count 1 always runs (on the model's own device). 2, 4 and 8 must equal the ranks of the server's
+    process group (one process per device, on one host or several) or, with the thread transport, the
+    devices this process sees: the service exposes exactly the cards the workflow is meant for.
     """
     if npu_count not in NPU_COUNTS:
         return f"MultiNPU Parallel Config: npu_count must be one of {NPU_COUNTS}, got {npu_count!r}."
+    runtime = comfy.multinpu_process.get_runtime()
+    if runtime is not None:
+        if npu_count in (1, runtime.world_size):
+            return None
+        spec = runtime.spec
+        return (f"MultiNPU Parallel Config: npu_count is {npu_count} but this ComfyUI server's process group has "
+                f"{runtime.world_size} ranks ({spec.nnodes} node(s) of {spec.local_size} {spec.device_type} "
+                f"device(s)). Fix: set npu_count to {runtime.world_size}, or restart the service with "
+                f"{npu_count} devices.")
     devices = comfy.multidevice.get_devices()
     if npu_count == 1 or npu_count == len(devices):
         return None
@@ -42,13 +53,16 @@ def check_npu_count(npu_count) -> str | None:
 
 
 def _spread(what, apply, obj, primary, npu_count):
-    """apply(obj, devices) with rank 0 on obj's own device; obj unchanged (logged) where it cannot be split."""
-    devices = comfy.multidevice.devices_for(primary, npu_count)
+    """apply(obj, devices) with rank 0 on obj's own device (or apply(obj, runtime=...) over the server's
+    process group); obj unchanged (logged) where it cannot be split."""
     if primary.type == "cpu" and comfy.multidevice.device_kind() != "cpu":
         logging.warning(f"MultiNPU Parallel Config: the {what} is set to run on the CPU; it stays there.")
         return obj
     try:
-        return apply(obj, devices)
+        runtime = comfy.multinpu_process.get_runtime()
+        if runtime is not None:
+            return apply(obj, None, runtime=runtime)
+        return apply(obj, comfy.multidevice.devices_for(primary, npu_count))
     except ValueError as e:
         logging.warning(f"MultiNPU Parallel Config: {str(e).removeprefix('MultiNPU: ')}; the {what} runs on one device.")
         return obj
@@ -56,10 +70,10 @@ def _spread(what, apply, obj, primary, npu_count):
 
 class MultiNPUParallelConfigNode(io.ComfyNode):
     """
-    Run MiniMax H3 on 1, 2 or 4 devices (Ascend NPUs; CUDA GPUs work the same way).
+    Run MiniMax H3 on 1, 2, 4 or 8 devices (Ascend NPUs; CUDA GPUs work the same way).
 
     - npu_count 1: everything passes through unchanged.
-    - npu_count 2 or 4:
+    - npu_count 2, 4 or 8:
       - model: the diffusion model runs sequence-parallel. Each device holds the full DiT weights and
         works on its share of the video/audio/text tokens; attention exchanges the shares between
         devices, so the result matches one device.
@@ -70,8 +84,9 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
       - audio_vae: stays on the first device, in fp32.
       Every device's weights come from the one copy the loaders read: nothing is read twice.
 
-    npu_count must equal the number of devices this ComfyUI server sees (ASCEND_RT_VISIBLE_DEVICES);
-    on a machine with a different count the prompt is rejected before any work, with the fix.
+    npu_count must equal the number of devices this ComfyUI server runs on: the processes of its group
+    (h3kit start --devices, on one host or several), or the devices it sees with the thread transport. On a
+    server with a different count the prompt is rejected before any work, with the fix.
     Put this node last in the model chain, after LoRA and model-sampling nodes, and use its outputs
     everywhere the workflow needs the model, text encoder and VAEs. A text encoder with a LoRA, or a
     VAE that is not the H3 video VAE, passes through on one device (logged).
@@ -90,7 +105,7 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
                 io.Vae.Input("vae", optional=True),
                 io.Vae.Input("audio_vae", optional=True),
                 io.Combo.Input("npu_count", options=NPU_COUNTS, default=4,
-                               tooltip="Devices to run on: 1, 2 or 4, equal to the devices this server sees."),
+                               tooltip="Devices to run on: 1, 2, 4 or 8, equal to the devices this server runs on."),
             ],
             outputs=[
                 io.Model.Output(),
@@ -111,8 +126,12 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
         if problem is not None:
             raise ValueError(problem)
         if npu_count > 1:
-            devices = comfy.multidevice.devices_for(model.load_device, npu_count)
-            model = comfy.multinpu_dit.apply_sequence_parallel(model, devices)
+            runtime = comfy.multinpu_process.get_runtime()
+            if runtime is not None:
+                model = comfy.multinpu_dit.apply_sequence_parallel(model, None, runtime=runtime)
+            else:
+                devices = comfy.multidevice.devices_for(model.load_device, npu_count)
+                model = comfy.multinpu_dit.apply_sequence_parallel(model, devices)
             if clip is not None:
                 clip = _spread("text encoder", comfy.multinpu_te.apply_tensor_parallel, clip, clip.patcher.load_device, npu_count)
             if vae is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from h3kit import devices as h3devices
-from h3kit import service
+from h3kit import group, service
 from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
 from h3kit.demo import PROMPT_TIMEOUT
 
@@ -22,6 +22,9 @@ def _log(msg: str) -> None:
 @click.option("--npu-count", type=click.Choice(COUNTS), default="2", show_default=True,
               help="Devices to run on (ids 0..N-1); simulated on cpu. With 2 or 4 the prompt also runs with "
                    "npu_count 1 and the latents are compared.")
+@click.option("--transport", type=click.Choice(("auto",) + group.TRANSPORTS), default="auto", show_default=True,
+              help="process: one process per device (torch.distributed: gloo on cpu); threads: one process. "
+                   "auto: process on npu and cuda, threads on cpu.")
 @click.option("--keep-running", is_flag=True, help="Leave the server running afterwards.")
 @click.option("--source", metavar="URL_OR_PATH", help="Where install clones ComfyUI from, if it must (as for install).")
 @click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
@@ -34,7 +37,7 @@ def _log(msg: str) -> None:
                    "run on the NPU INT8 arm (its reference kernels on cpu).")
 @json_option
 @handle_errors
-def demo(comfy_home, device_type, npu_count, keep_running, source, python, port, timeout, weights, as_json):
+def demo(comfy_home, device_type, npu_count, transport, keep_running, source, python, port, timeout, weights, as_json):
     """Run a real H3 prompt with tiny weights through the patched server.
 
     Installs if needed, writes four tiny H3 checkpoints (h3kit_tiny_*), starts the service on N devices,
@@ -49,13 +52,14 @@ def demo(comfy_home, device_type, npu_count, keep_running, source, python, port,
 
     opts = DemoOptions(comfy_home=Path(comfy_home), device_type=device_type, npu_count=int(npu_count),
                        keep_running=keep_running, source=source, python=python, port=port, timeout=timeout,
-                       weights=weights)
+                       transport=transport, weights=weights)
     report = run_demo(opts, log=_log)  # progress on stderr, also with --json
     if as_json:
         emit_json(report)
         return
     click.echo(f"h3kit demo: {report['npu_count']} {report['device_type']} device(s) "
-               f"{'(simulated) ' if report['device_type'] == 'cpu' else ''}at {report['comfy_home']}"
+               f"{'(simulated) ' if report['device_type'] == 'cpu' and report['transport'] == 'threads' else ''}"
+               f"({report['transport']} transport) at {report['comfy_home']}"
                + (", INT8 DiT" if report["weights"] == "int8" else ""))
     for s in report["stages"]:
         click.echo(f"  {s['stage']:15s} {s['seconds']:7.2f} s  {s['detail']}")

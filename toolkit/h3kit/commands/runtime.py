@@ -27,6 +27,9 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True, help="Devices for the parallel run.")
+@click.option("--transport", type=click.Choice(parity_lib.TRANSPORTS), default="threads", show_default=True,
+              help="threads: the ranks are threads of one process; process: one process per device in a "
+                   "torch.distributed group (gloo on cpu, hccl on npu, nccl on cuda), as h3kit start runs them.")
 @click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
               help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--inject-fault", "fault", is_flag=False, flag_value="", default=None, metavar="[FAULT]",
@@ -43,7 +46,7 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
                    "published H3 INT8 files), through the NPU INT8 arm (its reference kernels on cpu).")
 @json_option
 @handle_errors
-def parity(comfy_home, component, device_type, npu_count, python, fault, timeout, weights, as_json):
+def parity(comfy_home, component, device_type, npu_count, transport, python, fault, timeout, weights, as_json):
     """Compare a multi-device run with one device (tiny random weights).
 
     dit: samples a tiny random-weight H3 DiT two steps with CFG on one device and through the
@@ -71,12 +74,13 @@ def parity(comfy_home, component, device_type, npu_count, python, fault, timeout
     n = int(npu_count)
     if fault == "":
         fault = parity_lib.FAULTS[component][0]
-    parity_lib.check_request(component, n, fault, weights)  # refused before the device probe, whatever the machine
+    # refused before the device probe, whatever the machine
+    parity_lib.check_request(component, n, fault, weights, transport)
     kind = h3devices.resolve_device_type(device_type)
-    err(f"h3kit: parity of {component}{' (INT8 weights)' if weights == 'int8' else ''} on {n} {kind} device(s)"
-        f"{f' with the injected fault {fault}' if fault else ''}")
+    err(f"h3kit: parity of {component}{' (INT8 weights)' if weights == 'int8' else ''} on {n} {kind} device(s) "
+        f"({transport}){f' with the injected fault {fault}' if fault else ''}")
     report = parity_lib.run(comfy_home, component, kind, n, python=python, fault=fault, timeout=timeout,
-                            weights=weights)
+                            weights=weights, transport=transport)
     rows = report["rows"]
     failed = [r for r in rows if not r["pass"]]
     if as_json:
@@ -94,7 +98,8 @@ def _print_rows(rows, config, component):
     if component == "dit":
         int8 = config.get("weights") == "int8"
         click.echo(f"{component}: {', '.join(config.get('dtypes', []))}, {config.get('steps')} steps, "
-                   f"cfg {config.get('cfg')}, devices {devices}" + (", INT8 weights" if int8 else ""))
+                   f"cfg {config.get('cfg')}, devices {devices}, transport {config.get('transport')}"
+                   + (", INT8 weights" if int8 else ""))
         click.echo(f"{'layout':8} {'attention':10} {'dtype':9} {'lora':4} {'S':>5} {'fwd':>4} {'max_abs':>10} "
                    f"{'max_rel':>10} {'worst':17} {'cos':>12} {'bytes':>9}  gate"
                    + ("  INT8 calls (parallel side)" if int8 else ""))

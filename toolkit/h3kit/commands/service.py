@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from h3kit import devices as h3devices
-from h3kit import logscan, service, supervise
+from h3kit import group, logscan, service, supervise
 from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
 
 runtime_root_option = click.option(
@@ -38,6 +38,13 @@ def _device_lines(devs: list[dict]) -> list[str]:
             for d in devs]
 
 
+def _rank_lines(ranks: list[dict]) -> list[str]:
+    return [f"  rank {r.get('rank')}: pid {r.get('pid')} on {r.get('host')} {r.get('device')}, "
+            f"{'alive' if r.get('alive') else 'NOT ALIVE'}, {'joined' if r.get('joined') else 'not joined'}"
+            + (f", {r.get('restarts')} restart(s) (last: {r.get('last_exit')})" if r.get("restarts") else "")
+            for r in ranks]
+
+
 def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
     kind = "OUT OF MEMORY" if blk["kind"] == "oom" else "error"
     out = [f"{title} ({kind}, log line {blk['line']}): {blk['summary']}"]
@@ -51,7 +58,7 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
 @click.command()
 @comfy_home_option()
 @click.option("--devices", required=True, metavar="LIST",
-              help="Device ids, comma-separated, ascending, no spaces: 1, 2 or 4 of them (e.g. 0,1,2,3).")
+              help="Device ids of this host, comma-separated, ascending, no spaces: 1, 2, 4 or 8 of them (e.g. 0,1,2,3).")
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu.")
 @click.option("--port", type=click.IntRange(1, 65535), default=service.DEFAULT_PORT, show_default=True,
@@ -61,27 +68,47 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
 @runtime_root_option
 @click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
               help="Interpreter for ComfyUI (default: the one install recorded).")
+@click.option("--transport", type=click.Choice(("auto",) + group.TRANSPORTS), default="auto", show_default=True,
+              help="process: one process per device in a torch.distributed group (hccl, nccl, gloo on cpu); "
+                   "threads: one process, a thread per device. auto: process on npu and cuda, threads on cpu.")
+@click.option("--nnodes", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Hosts in the group (process transport); every host runs h3kit start with the same settings.")
+@click.option("--node-rank", type=click.IntRange(0, 63), default=0, show_default=True,
+              help="This host's number, 0 .. nnodes-1; node 0 runs ComfyUI, the others run the group's agent.")
+@click.option("--master-addr", default="127.0.0.1", show_default=True, metavar="IP",
+              help="Node 0's address for the group's rendezvous (the loopback on one host).")
+@click.option("--master-port", type=click.IntRange(0, 65535), default=0, show_default=True, metavar="PORT",
+              help="The rendezvous port on node 0 (0: a free one, one host only).")
+@click.option("--join-timeout", type=click.FloatRange(min=1), default=group.DEFAULT_JOIN_TIMEOUT,
+              show_default=True, metavar="S", help="Seconds for every rank of the group to join before start fails.")
 @timeout_option
 @json_option
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_COMFY_ARGS]")
 @handle_errors
-def start(comfy_home, devices, device_type, port, listen, runtime_root, python, timeout, as_json, extra):
+def start(comfy_home, devices, device_type, port, listen, runtime_root, python, transport, nnodes, node_rank,
+          master_addr, master_port, join_timeout, timeout, as_json, extra):
     """Start the ComfyUI server on the given devices and wait until healthy.
 
     Sets ASCEND_RT_VISIBLE_DEVICES (npu), CUDA_VISIBLE_DEVICES (cuda) or, on cpu, runs with --cpu and
-    H3KIT_SIM_DEVICES=<count>. Returns once GET /system_stats answers (listing every device on npu/cuda).
-    Exits 0 without a second server when h3kit's own server already runs on that port.
+    H3KIT_SIM_DEVICES=<count>. Returns once GET /system_stats answers (listing every device on npu/cuda)
+    and, with the process transport, every rank of the group is alive and joined. On node 1.. of a
+    multi-host group it starts that host's agent (its workers) instead of ComfyUI and returns once they
+    joined. Exits 0 without a second server when h3kit's own server already runs on that port.
     """
     ids = h3devices.parse_device_list(devices)
     kind = h3devices.resolve_device_type(device_type)
+    settings = group.resolve(kind, transport, nnodes, node_rank, master_addr, master_port, join_timeout)
     listen = service.validate_listen(listen)
     if service.is_public(listen):
         err(f"h3kit: warning: listening on {listen}: ComfyUI has no authentication, anyone who reaches "
             f"port {port} can run prompts and read outputs")
     root = service.runtime_root(comfy_home, runtime_root)
     spec = service.StartSpec(comfy_home=comfy_home, devices=ids, device_type=kind, port=port, listen=listen,
-                             python=python, extra_args=list(extra))
-    _progress(f"starting ComfyUI on {kind} devices {h3devices.format_device_list(ids)}, port {port}")
+                             python=python, extra_args=list(extra), group=settings)
+    what = (f"the agent of node {settings.node_rank} of {settings.nnodes}" if settings.is_agent else
+            f"ComfyUI on {kind} devices {h3devices.format_device_list(ids)}, port {port}")
+    how = (f", {settings.transport} transport" + (f", node 0 of {settings.nnodes}" if settings.nnodes > 1 else ""))
+    _progress(f"starting {what}{how}")
     try:
         res = service.start(root, spec, timeout=timeout, progress=_progress)
     except service.StartFailed as e:
@@ -92,18 +119,21 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
                 err(f"  | {line}")
         raise
     rec = res.record
+    ranks = group.ranks_view(root, rec.pid, rec.node_rank, rec.comfy_home)["ranks"] if rec.group.is_process else []
     if as_json:
         emit_json({"ok": True, "already_running": res.already_running, "pid": rec.pid, "url": rec.url,
                    "port": rec.port, "device_type": rec.device_type, "devices": res.devices, "health": res.health,
-                   "seconds": round(res.seconds, 2), "log": rec.log, "stale_record": res.stale})
+                   "seconds": round(res.seconds, 2), "log": rec.log, "stale_record": res.stale,
+                   "group": rec.group.as_dict(), "ranks": ranks})
         return
+    where = f"node {rec.node_rank} agent" if rec.group.is_agent else rec.url
     if res.already_running:
-        click.echo(f"already running: pid {rec.pid} on {rec.url} (started {rec.started_at}, {res.health}); "
+        click.echo(f"already running: pid {rec.pid} on {where} (started {rec.started_at}, {res.health}); "
                    "nothing started")
     else:
-        click.echo(f"started: pid {rec.pid} on {rec.url}, healthy after {res.seconds:.1f} s")
+        click.echo(f"started: pid {rec.pid} on {where}, healthy after {res.seconds:.1f} s")
     click.echo(f"log: {rec.log}")
-    for line in _device_lines(res.devices):
+    for line in _device_lines(res.devices) + _rank_lines(ranks):
         click.echo(line)
 
 
@@ -198,6 +228,12 @@ def _status_lines(st: dict) -> list[str]:
                f"devices ({st['device_type']} {','.join(map(str, st['requested_devices']))} requested; "
                f"the server reports {len(st.get('devices') or [])}):"]
         out += _device_lines(st.get("devices") or [])
+        g = st.get("group")
+        if g:
+            out.append(f"process group: {g.get('state')}, generation {g.get('generation')}, {g.get('world_size')} "
+                       f"ranks ({g.get('backend')}), node {g.get('node_rank')} of {g.get('nnodes')}, master "
+                       f"{g.get('master')}" + (f": {g.get('error')}" if g.get("error") else ""))
+            out += _rank_lines(g.get("ranks") or [])
         q = st.get("queue")
         out.append(f"queue: {q['running']} running, {q['pending']} pending" if q
                    else f"queue: unknown ({st.get('queue_error')})")

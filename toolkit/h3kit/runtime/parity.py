@@ -5,7 +5,9 @@ tree's own code, runs it on one device and through the MultiNPUParallelConfig no
 one row per case (dit: layout and attention mode; te: layout and split; vae: latent length) with
 max_abs, max_rel, cos, rel_rms, the bytes moved and (te, vae) how often the weight file was read. This
 module finds the interpreter, starts the worker (h3kit.runtime.worker: its own session, a deadline,
-only that session killed on expiry), and turns its failures into H3kitErrors.
+only that session killed on expiry), and turns its failures into H3kitErrors. With transport "process" the
+worker is rank 0 of a process group of N processes (comfy.multinpu_process), started and ended in that
+session.
 """
 
 from __future__ import annotations
@@ -32,27 +34,45 @@ DEFAULT_TIMEOUT = 900.0
 PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
                  "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py", "comfy/npu_quant.py")
 WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block linears in INT8 (ConvRot)
+PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_group.py", "comfy/multinpu_worker.py",
+                 "comfy/multinpu_models.py")
+TRANSPORTS = ("threads", "process")
+# with processes a LoRA that differs on a worker stops the run at the handshake (ConfigMismatch, before any
+# forward): there is no device copy in rank 0's process to break
+PROCESS_UNREACHABLE = ("lora-twice", "lora-missing")
 
 
 class ParityFailed(H3kitError):
     code = "parity_failed"
 
 
-def check_tree(comfy_home: Path) -> None:
+def check_tree(comfy_home: Path, transport: str = "threads") -> None:
     home = Path(comfy_home)
     if not (home / "comfy" / "model_management.py").is_file():
         raise UsageError(f"{home} is not a ComfyUI checkout (no comfy/model_management.py)",
                          code="not_comfy", hint="pass the directory h3kit install created as --comfy-home")
-    missing = [p for p in PATCHED_FILES if not (home / p).is_file()]
+    needed = PATCHED_FILES + (PROCESS_FILES if transport == "process" else ())
+    missing = [p for p in needed if not (home / p).is_file()]
     if missing:
         raise H3kitError(f"{home} lacks the multi-device patches ({', '.join(missing)} missing)",
                          code="not_patched", hint=f"run h3kit install --comfy-home {home}")
 
 
-def check_request(component: str, npu_count: int, fault: str = None, weights: str = "float") -> None:
+def check_request(component: str, npu_count: int, fault: str = None, weights: str = "float",
+                  transport: str = "threads") -> None:
     """Refuse, with the fix, a parity run that could not mean anything (UsageError, exit 2)."""
     if component not in COMPONENTS:
         raise UsageError(f"unknown component {component!r}", hint=f"use one of {', '.join(COMPONENTS)}")
+    if transport not in TRANSPORTS:
+        raise UsageError(f"unknown transport {transport!r}", hint=f"use one of {', '.join(TRANSPORTS)}")
+    if transport == "process" and fault in PROCESS_UNREACHABLE:
+        raise UsageError(f"--inject-fault {fault} breaks a device copy in rank 0's process, which the process "
+                         "transport does not have (a worker whose LoRA differs fails the digest check before any "
+                         "forward, tests/test_multinpu_process.py)", code="fault_not_applicable",
+                         hint=f"use --transport threads for {fault}, or another fault")
+    if transport == "process" and weights != "float":
+        raise UsageError(f"--weights {weights} runs with the thread transport only", code="bad_weights",
+                         hint="drop --transport process (its INT8 call counts are per process)")
     if npu_count < 2:
         raise UsageError(f"--npu-count {npu_count}: parity compares a run on several devices with one device; "
                          "on one device it would compare a model with itself", code="meaningless_count",
@@ -70,19 +90,21 @@ def gate(component: str, weights: str = "float") -> str:
 
 
 def run(comfy_home, component: str, device_type: str, npu_count: int, *, python: str = None,
-        fault: str = None, timeout: float = DEFAULT_TIMEOUT, weights: str = "float", extra_args=()) -> dict:
+        fault: str = None, timeout: float = DEFAULT_TIMEOUT, weights: str = "float", extra_args=(),
+        transport: str = "threads") -> dict:
     """Run the worker; returns its report {"ok", "rows", "config"}. Raises H3kitError when it cannot produce rows.
 
-    fault: one of FAULTS[component], injected on purpose (the gates must then fail), or None.
+    fault: one of FAULTS[component], injected on purpose (the gates must then fail), or None. transport
+    "process": the parallel side runs on npu_count processes (gloo on cpu, hccl on npu, nccl on cuda).
     """
-    check_request(component, npu_count, fault, weights)
+    check_request(component, npu_count, fault, weights, transport)
     if weights != "float":
         extra_args = ("--weights", weights, *extra_args)
     home = Path(comfy_home).resolve()
-    check_tree(home)
+    check_tree(home, transport)
     py = service.resolve_python(home, python)
     cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
-           "--npu-count", str(npu_count), *extra_args]
+           "--npu-count", str(npu_count), "--transport", transport, *extra_args]
     if fault is not None:
         cmd += ["--faults", fault]
     report = worker.run(cmd, timeout=timeout, what="the parity worker", timeout_code="parity_timeout")

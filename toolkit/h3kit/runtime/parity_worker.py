@@ -1,8 +1,8 @@
 """Parity of the multi-device H3 components against one device, run inside the ComfyUI interpreter.
 
     python parity_worker.py --comfy-home DIR --component dit|te|vae --device-type cpu|npu|cuda --npu-count N
-                            --out FILE [--faults none,NAME,...] [--dtypes float32,bfloat16] [--no-lora]
-                            [--layouts ...] [--steps K] [--timeout S]
+                            --out FILE [--transport threads|process] [--faults none,NAME,...]
+                            [--dtypes float32,bfloat16] [--no-lora] [--layouts ...] [--steps K] [--timeout S]
 
 `h3kit parity` starts this script with the interpreter that runs ComfyUI; it imports nothing from
 h3kit's package (that interpreter may not have it; the tiny model builders are loaded from their file).
@@ -32,9 +32,18 @@ a first-frame image (fl2va: the vision tower and DeepStack) and with image, vide
 checkpoint; gate max_rel <= 1e-5, cos >= 0.99999 and rel_rms <= 1e-4 (upstream computes the text
 encoder in fp32 whatever the checkpoint), every rank's final hidden states identical and the same token
 tags. A text encoder with a random LoRA must pass through the node to one device, unchanged. The reduce
-fault drops the last rank's share of every reduction and corrupts the layer hand-overs. vae decodes
+fault drops rank 0's share of every reduction and corrupts the layer hand-overs. vae decodes
 latents of 1 to 27 frames (1 to 5 temporal chunks, 2x2 spatial tiles in one) and an audio latent; gate
 max_abs == 0. The chunks fault zeroes every chunk another device decoded.
+
+--transport process: this script becomes rank 0 of a process group of N processes (comfy.multinpu_process:
+one worker per other device, started from the tree with this interpreter, gloo on CPU, hccl/nccl on
+devices) and the node runs every component over it; the workers load the same checkpoint files, which
+therefore stay on disk for the whole run (in --out's folder). The DiT faults travel to the workers with
+each forward (h3kit.runtime.parity_worker._DitFault, importable there) and their strikes come back with
+the bytes each rank received; a worker's LoRA is proven by the digest check before the first forward, so
+its lora_ranks verdict is rank 0's and the lora faults (which break a device copy in this process) do not
+apply. bf16 rows need this process's CPU-only loader patch and run with the thread transport only.
 
 The JSON written to --out: {"ok", "rows": [...], "config": {...}} or {"ok": false, "error"}; each row has
 "pass" and, when it failed, the reasons in "failed".
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib.util
 import json
 import os
@@ -88,12 +98,41 @@ TE_PROMPT = "A red fox trots through fresh snow at dawn, wind hissing through th
 TE_GATE_MAX_REL = 1e-5
 TE_GATE_COS = 0.99999
 TE_GATE_REL_RMS = 1e-4
-TE_FAULT_NOTE = "last rank's share left out of every all_reduce; layer hand-overs and the final broadcast zeroed"
+TE_FAULT_NOTE = "rank 0's share left out of every all_reduce; layer hand-overs and the final broadcast zeroed"
 # latent (T, h, w) per row: 1 frame (no chunks), then 1, 2, 4 and 5 temporal chunks; 73f has 2x2 spatial tiles
 VAE_LAYOUTS = {"image": (1, 3, 4), "5f": (2, 3, 4), "39f": (12, 3, 4), "73f": (22, 5, 6), "90f": (27, 3, 4)}
 VAE_TILES = dict(tile_size=64, tile_overlap_min=32)  # 64 px spatial tiles, so the 80x96 px row is tiled
 VAE_FAULT_NOTE = "every chunk decoded on a device other than rank 0's zeroed on its way back"
 AUDIO_LATENT_T = 10
+
+
+def _start_group(args):
+    """--transport process: this process becomes rank 0 of N processes (the workers import the tree)."""
+    if args.transport != "process":
+        return None
+    import comfy.model_management
+    import comfy.multinpu_group as group
+    import comfy.multinpu_process as mp
+    key = os.environ.setdefault(group.KEY_ENV, group.new_key())
+    # the workers unpickle the DiT fault hook: h3kit's toolkit on their path
+    toolkit = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join([toolkit, os.environ.get("PYTHONPATH", "")])
+    spec = group.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
+                           join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
+    runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
+    mp.wait_ready(runtime, args.timeout)
+    return runtime
+
+
+def _stop_group():
+    if "comfy.multinpu_process" in sys.modules:
+        sys.modules["comfy.multinpu_process"].stop_runtime()  # the workers end with the report written
+
+
+def _models_dir():
+    """A folder for the tiny checkpoints, kept for the whole run: worker processes load them (in --out's
+    folder, which h3kit parity removes)."""
+    return contextlib.nullcontext(tempfile.mkdtemp(prefix="h3kit-parity-"))
 
 
 def _setup_comfy(comfy_home, device_type, npu_count):
@@ -281,10 +320,10 @@ class _DitFault:
         return t
 
 
-def _reaches(fault, with_lora, attention, npu_count):
+def _reaches(fault, with_lora, attention, npu_count, transport="threads"):
     """Whether a row runs the code `fault` corrupts (a fault pass runs only those rows; "none" runs all)."""
     if fault.startswith("lora"):
-        return with_lora
+        return with_lora and transport == "threads"  # processes: no device copy here to break
     if fault == "heads":  # the Ulysses all-to-all
         return attention == "auto" and TINY["num_attention_heads"] % npu_count == 0
     return True
@@ -414,7 +453,13 @@ def run_dit(args):
         return {"ok": False, "error": {"code": "device_check", "message": problem}}
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     int8 = args.weights == "int8"
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
+    runtime = _start_group(args)
+    notes = []
+    if runtime is not None and args.device_type == "cpu" and "bfloat16" in args.dtypes:
+        # bf16 on a CPU needs _load_dit's loader patch, which the worker processes do not share
+        args.dtypes = [d for d in args.dtypes if d != "bfloat16"]
+        notes.append("bf16 rows: thread transport only on cpu (they patch this process's loader)")
+    with _models_dir() as tmp:
         ckpt = os.path.join(tmp, "tiny_h3_dit.safetensors")
         _tiny_checkpoint(ckpt, args.seed, args.weights)
         # INT8: one variant, the file as saved (upstream picks its compute dtype); else one per --dtypes
@@ -473,13 +518,15 @@ def run_dit(args):
                                  "attention_variant": _dit_metrics(ref, variant)[1]["max_rel"]}
 
     rows = []
+    # with processes the hook travels to the workers: its class must be importable there, not __main__'s
+    fault_class = _importable_fault_class() if runtime is not None else _DitFault
     for fault in args.faults:
-        hook = _DitFault(fault) if fault in DIT_FAULTS and not fault.startswith("lora") else None
+        hook = fault_class(fault) if fault in DIT_FAULTS and not fault.startswith("lora") else None
         comfy.multinpu_dit.fault_hook = hook
         for dtype, with_lora, patcher in variants:
             for layout in layouts_of(with_lora):
                 for attention in modes:
-                    if not _reaches(fault, with_lora, attention, args.npu_count):
+                    if not _reaches(fault, with_lora, attention, args.npu_count, args.transport):
                         continue
                     fired_before = hook.fired if hook else 0
                     m, capture, inputs = _prepare(patcher, layout, args.seed)
@@ -492,6 +539,7 @@ def run_dit(args):
                     if wrapper is not None:
                         wrapper.attention = attention
                         wrapper.timeout = args.timeout
+                        wrapper.count_bytes = True  # processes: every rank's bytes (and fault strikes) to rank 0
                         if probe:
                             probe.attach(0, m.model.diffusion_model)
                             for r, replica in enumerate(wrapper.replicas[1:], start=1):
@@ -511,7 +559,7 @@ def run_dit(args):
                     used = "ulysses" if attention == "auto" and heads % args.npu_count == 0 else "kv_gather"
                     forwards = len(parallel)
                     row = {"component": "dit", "layout": layout, "attention": used, "dtype": dtype, "lora": with_lora,
-                           "weights": args.weights,
+                           "weights": args.weights, "transport": args.transport,
                            "fault": fault if fault != "none" else None, "npu_count": args.npu_count,
                            "device_type": args.device_type, "seq_len": _seq_len(layout, args.seed),
                            "forwards": forwards, **worst, "outputs": per_output,
@@ -532,6 +580,10 @@ def run_dit(args):
                               (row["max_rel"] <= gate, f"max_rel > {gate:g} ({row['worst']})")]
                     if with_lora:
                         row["lora_ranks"] = _lora_verdicts(probe.seen, lora_expected, base_weights, args.npu_count)
+                        if runtime is not None:
+                            # the workers hold the same patches as rank 0 or the run stopped at the digest check
+                            # (ConfigMismatch) before any forward: their verdict is rank 0's
+                            row["lora_ranks"] = [row["lora_ranks"][0]] * args.npu_count
                         checks.append((row["lora_ranks"] == ["once"] * args.npu_count,
                                        "LoRA per device: " + ", ".join(str(v) for v in row["lora_ranks"])))
                     if int8:
@@ -548,8 +600,16 @@ def run_dit(args):
               "steps": args.steps, "cfg": 2.0, "lora": {"rank": LORA_RANK, "keys": len(lora_keys)} if lora else None,
               "bf16_noise": noise or None,
               "devices": [str(d) for d in comfy.multidevice.get_devices()[:args.npu_count]],
+              "transport": args.transport, "notes": notes,
               "faults": {f: DIT_FAULTS[f] for f in args.faults if f != "none"}}
     return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+
+
+def _importable_fault_class():
+    """_DitFault from h3kit.runtime.parity_worker (this file imported by its package name), so that worker
+    processes can unpickle the hook sent with each forward."""
+    from h3kit.runtime import parity_worker
+    return parity_worker._DitFault
 
 
 def _tiny_models():
@@ -626,7 +686,9 @@ def _inject_te_fault(npu_count):
     all_reduce, broadcast, peer_copy = comfy.multinpu.all_reduce, comfy.multinpu.broadcast, comfy.multinpu.peer_copy
 
     def dropped_reduce(x, comm):
-        return all_reduce(x * 0 if comm.rank == comm.world_size - 1 else x, comm)
+        # rank 0's share: with the process transport only rank 0's process is patched, and its zero still
+        # reaches every rank through the collective
+        return all_reduce(x * 0 if comm.rank == 0 else x, comm)
 
     def zeroed_broadcast(x, comm, src=0):
         out = broadcast(x, comm, src)
@@ -690,7 +752,8 @@ def run_te(args):
     node, error = _node_or_error(args)
     if error:
         return error
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
+    runtime = _start_group(args)
+    with _models_dir() as tmp:
         loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "te"))
         if "bfloat16" in args.dtypes:
             paths["te_bf16"] = os.path.realpath(_bf16_copy(paths["te"]))
@@ -716,7 +779,7 @@ def run_te(args):
         variants = [node.execute(model=loaded["dit"], npu_count=args.npu_count, clip=clip).args[1]]
         if dtype == "float32":  # the layer split runs each layer unchanged, whatever the dtype: once is enough
             devices = comfy.multidevice.devices_for(clip.patcher.load_device, args.npu_count)
-            variants.append(comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers"))
+            variants.append(comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers", runtime=runtime))
         for par in variants:
             runner = comfy.multinpu_te.get_runner(par)
             if runner is not None:
@@ -730,6 +793,7 @@ def run_te(args):
                 ref, ref_tags, t_single = single[(dtype, layout)]
                 row = {"component": "te", "layout": layout, "mode": runner.mode if runner else "none", "dtype": dtype,
                        "lora": False, "npu_count": args.npu_count, "device_type": args.device_type,
+                       "transport": args.transport,
                        "tokens": int(ref.shape[1]), **_metrics([[ref]], [[out]]),
                        "rank_spread": _rank_spread(runner) if runner else 0.0,
                        "tags_equal": bool(torch.equal(tags, ref_tags)), "weight_reads": reads[paths[component]],
@@ -797,7 +861,8 @@ def run_vae(args):
         return error
     if args.faults != ["none"]:
         _inject_vae_fault()
-    with tempfile.TemporaryDirectory(prefix="h3kit-parity-") as tmp:
+    _start_group(args)
+    with _models_dir() as tmp:
         loaded, reads, paths, tiny = _load_through_nodes(tmp, args.seed, ("dit", "video_vae", "audio_vae"),
                                                        vae_dims=VAE_TILES)
     vae, audio_vae = loaded["video_vae"], loaded["audio_vae"]
@@ -819,7 +884,7 @@ def run_vae(args):
         parallel = par_vae.decode(z)
         t2 = time.perf_counter()
         row = {"component": "vae", "layout": layout, "latent": [t, h, w], "npu_count": args.npu_count,
-               "device_type": args.device_type, "frames": int(single.shape[1]),
+               "device_type": args.device_type, "transport": args.transport, "frames": int(single.shape[1]),
                "chunks": (runner.chunks - before[1]) if runner else 0,
                "chunk_ranks": list(runner.chunk_ranks) if runner and t > 1 else [],
                **_metrics([[single]], [[parallel]]), "weight_reads": reads[paths["video_vae"]],
@@ -898,6 +963,7 @@ def main(argv=None):
     ap.add_argument("--device-type", choices=("cpu", "npu", "cuda"), default="cpu")
     ap.add_argument("--npu-count", type=int, required=True)
     ap.add_argument("--weights", choices=("float", "int8"), default="float", help="dit: the tiny DiT's weights")
+    ap.add_argument("--transport", choices=("threads", "process"), default="threads")
     ap.add_argument("--faults", default="none",
                     help="comma-separated passes: none (the clean run) and/or faults of the component (FAULTS)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="dit and te: the dtypes to compare in")
@@ -911,6 +977,8 @@ def main(argv=None):
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.faults = [x for x in args.faults.split(",") if x]
     args.dtypes = [x for x in args.dtypes.split(",") if x]
+    # checkpoints stay on disk while workers may load them: in --out's folder, which h3kit parity removes
+    tempfile.tempdir = os.path.dirname(os.path.abspath(args.out))
     if args.component == "dit":
         args.layouts = args.layouts or list(LAYOUTS)
     problem = _bad_arguments(args)
@@ -924,6 +992,7 @@ def main(argv=None):
         code = 3
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    _stop_group()
     return code
 
 

@@ -8,7 +8,7 @@ Facts behind them (../shared/H3_FACTS.md section 6, and the pinned source):
 - Turbo LoRAs bind AdaLN adapters that pruned bases do not have; ancestral and SDE samplers and
   SageAttention degrade H3's audio; the audio VAE must stay fp32; one device at BF16 768p/15 s is not a
   supported setting.
-- MultiNPUParallelConfig (h3kit patch series): npu_count must be 1, 2 or 4 and equal the devices the
+- MultiNPUParallelConfig (h3kit patch series): npu_count must be 1, 2, 4 or 8 and equal the devices the
   service exposes; exactly one may be active and its MODEL output must reach a sampler.
 """
 
@@ -22,6 +22,7 @@ from h3kit.workflow.graph import Graph, Link, Node
 from h3kit.workflow.resolve import UNKNOWN, as_int, value
 
 CONFIG = "MultiNPUParallelConfig"
+NPU_COUNTS = (1, 2, 4, 8)  # the node's npu_count choices (8: an 8-card service or a group of hosts)
 GEOMETRY_NODES = ("EmptyMiniMaxH3LatentAV", "MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo")
 H3_NODES = frozenset({*GEOMETRY_NODES, "MiniMaxH3SigmaShift", CONFIG})
 SAMPLING_NODES = frozenset({"KSampler", "KSamplerAdvanced", "SamplerCustom", "SamplerCustomAdvanced"})
@@ -267,12 +268,17 @@ def check_parallel_config(graph: Graph, ctx: Context, index: _Index):
         if raw is UNKNOWN:
             _add(graph, "H3106", cfg, "npu_count comes from a node whose value is only known at run time: "
                  "it was not checked; set it on the node to have it checked")
-        elif npu not in (1, 2, 4):
-            _add(graph, "H3101", cfg, f"npu_count is {_show(raw)}; H3 runs on 1, 2 or 4 NPUs: "
+        elif npu not in NPU_COUNTS:
+            _add(graph, "H3101", cfg, f"npu_count is {_show(raw)}; H3 runs on 1, 2, 4 or 8 NPUs: "
                  f"set it to {_fit(len(devices)) if devices else 4}")
+        elif npu == 8 and devices is None:
+            # 8 ranks exist only on an 8-card server or a group of hosts: never assume them
+            _add(graph, "H3108", cfg, "npu_count is 8, which needs 8 exposed devices (one 8-card service, or a "
+                 "process group of several hosts), and no device list says so: pass --devices with 8 ids, or "
+                 "--comfy-home of the running 8-rank service")
         elif devices is not None and npu != len(devices):
-            fix = (f"set npu_count to {len(devices)}" if len(devices) in (1, 2, 4)
-                   else "expose 1, 2 or 4 devices")
+            fix = (f"set npu_count to {len(devices)}" if len(devices) in NPU_COUNTS
+                   else "expose 1, 2, 4 or 8 devices")
             _add(graph, "H3102", cfg, f"npu_count is {npu} but {len(devices)} device(s) are exposed "
                  f"({ctx.device_source}): {fix}, or expose {npu} device(s) (h3kit start --devices ...)")
         if not _reaches_sampler(graph, index, cfg, 0):
@@ -288,7 +294,7 @@ def _count(raw):
 
 
 def _fit(n: int) -> int:
-    return max((c for c in (1, 2, 4) if c <= n), default=1)
+    return max((c for c in NPU_COUNTS if c <= n), default=1)
 
 
 def _is_sampler(node: Node, ctx: Context) -> bool:

@@ -5,7 +5,8 @@ runtime root (`<comfy-home>/.h3kit/run/server.json` by default, h3kit.service), 
 process is still the one recorded (pid, start time, command line), and queried through h3kit.health
 (standard library, no proxies: a proxy set for downloads must not hide a local server). The devices are
 what `GET /system_stats` lists, except on a CPU server in simulation mode, where /system_stats shows the
-one CPU and the simulated devices are the record's device list.
+one CPU and the simulated devices are the record's device list. A service with the process transport runs
+one rank per device on every host of its group: the devices are the ranks (the hosts times their devices).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Service:
 
     @property
     def devices(self) -> list[int] | None:
+        if self.record.transport == "process":
+            return list(range(len(self.record.devices) * self.record.nnodes))
         if self.record.device_type == "cpu":
             return list(self.record.devices)
         stats_devices = (self.system_stats or {}).get("devices")

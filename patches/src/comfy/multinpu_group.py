@@ -1,0 +1,859 @@
+"""The members of a multi-device process group: its settings, its wire format, its workers and agents.
+
+comfy.multinpu_process is rank 0 (the ComfyUI server), which drives the group; this module is what every
+rank shares and what the other ranks run:
+
+- GroupSpec: where and how big the group is (h3kit start writes it into H3KIT_GROUP).
+- The wire: a command is a small header, pickled. Pickle runs code when it loads, so every value written to
+  the store carries an HMAC-SHA256 under a key only the ranks of this service hold (H3KIT_GROUP_KEY), and
+  nothing unauthenticated is unpickled: pickle is the trusted transport between the ranks of one service,
+  nothing more. Tensors never travel through the store: rank 0 packs a command's tensors into one byte
+  buffer (the layout is in the header) and broadcasts it over the group.
+- The store: rank 0 hosts one TCPStore for the life of the service, listening on the master address only.
+  Generation g of the group has its members in "gen/{g}" and its commands in "cmd/{g}/{n}", numbered from 1;
+  its process group uses PrefixStore(f"pg{g}"), so re-forming needs no new port.
+- LocalWorkers: a host's worker processes (`python -B -m comfy.multinpu_worker`), started, watched and
+  replaced by rank 0's monitor or by an agent; they die with the process that started them.
+- serve(): a worker's life. It waits for its next command in a blocking store wait (no collective is open
+  while the server is idle, however long), runs the command's program, and closes every command with a
+  barrier. A program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so
+  the others' collectives fail at once instead of at the timeout; the next command forms a new generation.
+  A thread keeps a heartbeat counter in the store, so rank 0 can tell a hung worker from a busy one.
+- Agent: a host other than node 0 (`python -B -m comfy.multinpu_group`, no ComfyUI) starts and replaces
+  its workers, reports their deaths, and follows rank 0 through restarts of the master.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import hashlib
+import hmac
+import io
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed
+
+import comfy.multinpu
+
+GROUP_ENV = "H3KIT_GROUP"            # the JSON GroupSpec of this service (set by h3kit start)
+KEY_ENV = "H3KIT_GROUP_KEY"          # hex key authenticating every control message
+RANK_ENV = "H3KIT_RANK"
+LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
+PARENT_ENV = "H3KIT_PARENT_PID"
+HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
+# Fault injection, for tests and acceptance runs: "PROGRAM:oom:PATH" makes a worker's run of PROGRAM ask for an
+# impossible allocation (the CPU or device allocator's own out-of-memory error) while the file PATH exists.
+FAULT_ENV = "H3KIT_MULTINPU_FAULT"
+
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+WORKER_MODULE = "comfy.multinpu_worker"
+RANKS_FILE = "ranks.json"
+STORE_PREFIX = "h3kit"
+END = "end"                          # the command that closes a generation
+
+HEARTBEAT_INTERVAL = 1.0
+# A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
+# replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
+HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
+LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
+ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
+DEATH_WAIT = 0.5                     # ... once a dead rank is known
+CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
+CRASH_WINDOW = 120.0
+POLL = 0.05
+
+PROGRAMS = {}                        # name -> fn(context, comm, payload) run by the workers
+
+
+class GroupError(RuntimeError):
+    """The process group could not run a command (a rank missing, dead or failed)."""
+
+
+class RankDied(GroupError):
+    """A rank's process died (or stopped answering) while the group needed it."""
+
+
+class RankFailed(GroupError):
+    """A rank raised; the message names the rank and carries its exception type and message."""
+
+
+class ConfigMismatch(GroupError):
+    """A worker loaded something other than what rank 0 holds (another file, options or weight patches)."""
+
+
+def program(name: str):
+    """Register fn(context, comm, payload) as the worker side of the command `name`.
+
+    It may return a callable, run after the command's closing barrier (work that must not hold the
+    group, such as reading model files).
+    """
+    def register(fn):
+        PROGRAMS[name] = fn
+        return fn
+    return register
+
+
+# ---- the group's settings -----------------------------------------------------------------------
+
+class GroupSpec:
+    """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP.
+
+    Ranks are numbered node by node: rank = node_rank * local_size + local_rank; rank 0 is local rank 0
+    of node 0 (the ComfyUI server). Every node runs local_size ranks, one per device in `devices`.
+    """
+
+    FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
+              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module")
+
+    def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
+                 master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
+                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE):
+        if device_type not in BACKENDS:
+            raise ValueError(f"MultiNPU: device type {device_type!r} is not one of {sorted(BACKENDS)}")
+        if not (nnodes >= 1 and 0 <= node_rank < nnodes and local_size >= 1):
+            raise ValueError(f"MultiNPU: node {node_rank} of {nnodes} with {local_size} devices is not a group")
+        self.nnodes = int(nnodes)
+        self.node_rank = int(node_rank)
+        self.local_size = int(local_size)
+        self.device_type = device_type
+        self.devices = list(devices) if devices is not None else list(range(local_size))
+        self.master_addr = master_addr
+        self.master_port = int(master_port)
+        self.timeout = float(timeout)
+        self.join_timeout = float(join_timeout)
+        self.runtime_root = runtime_root
+        self.worker_args = list(worker_args)
+        self.worker_module = worker_module
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.local_size
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.device_type]
+
+    def rank_of(self, node: int, local_rank: int) -> int:
+        return node * self.local_size + local_rank
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_size
+
+    def device_name(self, rank: int) -> str:
+        """Rank `rank`'s device as its process names it ("npu:1": the logical index of its local rank)."""
+        return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{rank % self.local_size}"
+
+    def describe_rank(self, rank: int) -> str:
+        where = f", node {self.node_of(rank)}" if self.nnodes > 1 else ""
+        return f"rank {rank} ({self.device_name(rank)}{where})"
+
+    def to_json(self) -> str:
+        return json.dumps({f: getattr(self, f) for f in self.FIELDS})
+
+    @classmethod
+    def from_json(cls, text: str) -> GroupSpec:
+        data = json.loads(text)
+        return cls(**{f: data[f] for f in cls.FIELDS if f in data})
+
+    def layout(self) -> dict:
+        """What every node must agree on (an agent started with other settings is refused, named)."""
+        return {"nnodes": self.nnodes, "local_size": self.local_size, "device_type": self.device_type,
+                "master": f"{self.master_addr}:{self.master_port}"}
+
+
+def key_from_environment() -> bytes:
+    value = os.environ.get(KEY_ENV, "")
+    if not value:
+        raise GroupError(f"MultiNPU: {KEY_ENV} is not set: the ranks of a service share a key that "
+                         "authenticates their messages (h3kit start sets it)")
+    return value.encode()
+
+
+def new_key() -> str:
+    return os.urandom(32).hex()
+
+
+# ---- wire format ---------------------------------------------------------------------------------
+
+class Signer:
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def sign(self, body: bytes) -> bytes:
+        return hmac.new(self.key, body, hashlib.sha256).digest() + body
+
+    def verify(self, data: bytes, what: str) -> bytes:
+        mac, body = data[:32], data[32:]
+        if not hmac.compare_digest(mac, hmac.new(self.key, body, hashlib.sha256).digest()):
+            # never unpickle what another key (or no key) wrote: pickle would run it
+            raise GroupError(f"MultiNPU: {what} is not signed with this service's key; refusing it")
+        return body
+
+    def dumps(self, obj) -> bytes:
+        return self.sign(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def loads(self, data: bytes, what: str):
+        return pickle.loads(self.verify(data, what))
+
+
+class _TensorPickler(pickle.Pickler):
+    # tensors are replaced by their index in `tensors`; they travel over the group, not in the pickle
+    def __init__(self, file, tensors):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file, tensors):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid):
+        return self.tensors[pid]
+
+
+def pack(obj):
+    """(pickle bytes, tensors): obj with every tensor taken out, for a header plus one broadcast."""
+    tensors = []
+    buf = io.BytesIO()
+    _TensorPickler(buf, tensors).dump(obj)
+    return buf.getvalue(), tensors
+
+
+def unpack(data: bytes, tensors):
+    return _TensorUnpickler(io.BytesIO(data), tensors).load()
+
+
+_ALIGN = 64
+
+
+def flatten(tensors, device) -> tuple:
+    """One uint8 buffer on `device` holding every tensor, and the layout [(offset, nbytes, shape, dtype, on_cpu)]."""
+    metas, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
+        offset += -(-nbytes // _ALIGN) * _ALIGN  # aligned, so every slice can be viewed as its dtype
+    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    for t, (start, nbytes, _, _, _) in zip(tensors, metas):
+        if nbytes:
+            buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf, metas
+
+
+def unflatten(buf: torch.Tensor, metas) -> list:
+    """The tensors of a buffer made by flatten: views of it, on its device (copied to the host where the
+    sender's tensor lived on the host)."""
+    out = []
+    for start, nbytes, shape, dtype, on_cpu in metas:
+        t = buf[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+        out.append(t.cpu() if on_cpu and t.device.type != "cpu" else t)
+    return out
+
+
+# ---- the store -----------------------------------------------------------------------------------
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def host_store(addr: str, port: int, timeout: float):
+    """The group's TCPStore, listening on addr:port only (torch's own server would listen on every
+    interface). Returns (store, listening socket, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = torch.distributed.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,
+                                       timeout=td(timeout), master_listen_fd=sock.fileno(), use_libuv=True)
+    return store, sock, port
+
+
+def connect_store(addr: str, port: int, timeout: float, deadline: float = None, stop: threading.Event = None):
+    """A client of the group's store, retrying until `deadline` (monotonic) while the master is not up;
+    None once `stop` is set."""
+    deadline = time.monotonic() + timeout if deadline is None else deadline
+    while True:
+        try:
+            # short attempts: TCPStore retries inside for its whole timeout, deaf to a stop request
+            store = torch.distributed.TCPStore(addr, port, None, is_master=False,
+                                               timeout=td(min(2.0, max(0.5, deadline - time.monotonic()))))
+            store.set_timeout(td(timeout))
+            return store
+        except (RuntimeError, torch.distributed.DistError) as e:
+            if time.monotonic() >= deadline:
+                raise GroupError(f"MultiNPU: cannot reach the group's store at {addr}:{port}: {e}") from None
+            if stop is not None and stop.wait(0.5):
+                return None
+            if stop is None:
+                time.sleep(0.5)
+
+
+def _store_gone(e: BaseException) -> bool:
+    return isinstance(e, (torch.distributed.DistNetworkError, ConnectionError))
+
+
+class Control:
+    """Signed reads and writes of the control keys, under the service's prefix; one call at a time per
+    connection (rank 0's threads share them)."""
+
+    def __init__(self, store, signer: Signer):
+        self.raw = store
+        self.store = torch.distributed.PrefixStore(STORE_PREFIX, store)
+        self.signer = signer
+        self._lock = threading.RLock()
+
+    def put(self, key: str, obj):
+        data = self.signer.dumps(obj)
+        with self._lock:
+            self.store.set(key, data)
+
+    def set(self, key: str, value: str):
+        with self._lock:
+            self.store.set(key, value)
+
+    def text(self, key: str) -> str:
+        with self._lock:
+            return self.store.get(key).decode()
+
+    def get(self, key: str):
+        with self._lock:
+            data = self.store.get(key)
+        return self.signer.loads(data, f"store key {key!r}")
+
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return self.store.check([key])
+
+    def peek(self, key: str, default=None):
+        with self._lock:
+            return self.get(key) if self.store.check([key]) else default
+
+    def counter(self, key: str, add: int = 0) -> int:
+        with self._lock:
+            return self.store.add(key, add)
+
+    def wait(self, key: str, timeout: float):
+        # no lock: a worker's main thread is the only user of its connection, and waits here for hours
+        self.store.wait([key], td(timeout))
+        return self.get(key)
+
+
+# ---- local worker processes ------------------------------------------------------------------------
+
+def die_with_parent():
+    """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:
+        os._exit(0)
+
+
+def process_identity(pid: int) -> dict:
+    try:
+        import psutil
+        p = psutil.Process(pid)
+        with p.oneshot():
+            return {"pid": pid, "create_time": p.create_time(), "cmdline": p.cmdline()}
+    except Exception:  # psutil missing or the process already gone: the pid alone is still worth showing
+        return {"pid": pid, "create_time": None, "cmdline": []}
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class LocalWorkers:
+    """This host's worker processes: started, watched and replaced (by rank 0's monitor or an agent).
+
+    Workers are children of the process that owns this object and die with it (PR_SET_PDEATHSIG, and
+    their store connection); they stay in its process group, so `h3kit stop` reaches them with the
+    server. A rank that dies more than CRASH_LIMIT times within CRASH_WINDOW is not replaced again.
+    """
+
+    def __init__(self, spec: GroupSpec, key: str, local_ranks, cwd=None, python=None):
+        self.spec = spec
+        self.key = key
+        self.cwd = cwd or os.getcwd()
+        self.python = python or sys.executable
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
+        self.procs = {}
+        self.info = {}
+        self.deaths = collections.defaultdict(collections.deque)
+        self.failed = {}
+        self.killed = {}               # rank -> why this object killed it
+        self.respawn_at = {}           # rank -> monotonic time its replacement starts
+        self.stopping = False
+        for rank in self.ranks:
+            self.info[rank] = {"rank": rank, "node": spec.node_rank, "local_rank": rank % spec.local_size,
+                               "host": socket.gethostname(), "device": spec.device_name(rank), "pid": None,
+                               "create_time": None, "cmdline": [], "alive": False, "restarts": 0,
+                               "last_exit": None, "incarnation": 0}
+
+    def _env(self, rank: int) -> dict:
+        env = dict(os.environ)
+        env[GROUP_ENV] = self.spec.to_json()
+        env[KEY_ENV] = self.key
+        env[RANK_ENV] = str(rank)
+        env[LOCAL_RANK_ENV] = str(rank % self.spec.local_size)
+        env[PARENT_ENV] = str(os.getpid())
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever rank 0 simulates
+        threads = cpu_threads(self.spec)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        return env
+
+    def spawn(self, rank: int):
+        argv = [self.python, "-B", "-m", self.spec.worker_module, *self.spec.worker_args]
+        proc = subprocess.Popen(argv, cwd=self.cwd, env=self._env(rank), stdin=subprocess.DEVNULL, close_fds=True)
+        self.procs[rank] = proc
+        info = self.info[rank]
+        info.update(process_identity(proc.pid), alive=True)
+        # read at once, /proc can show an empty command line while the new image starts; it is argv
+        info["cmdline"] = info["cmdline"] or list(argv)
+        info["incarnation"] += 1
+        logging.info(f"MultiNPU: started {self.spec.describe_rank(rank)} as pid {proc.pid}")
+        return proc
+
+    def start(self):
+        for rank in self.ranks:
+            self.spawn(rank)
+
+    def poll(self) -> list:
+        """[(rank, pid, reason)] of the workers that ended since the last poll; each is replaced unless
+        it is in a crash loop or the workers are stopping."""
+        ended = []
+        now = time.monotonic()
+        for rank, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            reason = _exit_reason(code)
+            if rank in self.killed:
+                reason = f"{self.killed.pop(rank)}: {reason}"
+            info = self.info[rank]
+            info.update(alive=False, last_exit=reason)
+            del self.procs[rank]
+            ended.append((rank, proc.pid, reason))
+            if self.stopping:
+                continue
+            deaths = self.deaths[rank]
+            deaths.append(now)
+            while deaths and now - deaths[0] > CRASH_WINDOW:
+                deaths.popleft()
+            if len(deaths) > CRASH_LIMIT:
+                self.failed[rank] = (f"{self.spec.describe_rank(rank)} died {len(deaths)} times within "
+                                     f"{CRASH_WINDOW:g} s (last: {reason}); not replaced again")
+                logging.error(f"MultiNPU: {self.failed[rank]}")
+                continue
+            # the first replacement starts at once, repeated deaths wait longer (0.5 s, 1 s, ... up to 8 s)
+            delay = 0.0 if len(deaths) == 1 else min(8.0, 0.25 * 2 ** (len(deaths) - 1))
+            logging.warning(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {proc.pid}) {reason}; replacing it"
+                            + (f" in {delay:g} s" if delay else ""))
+            self.respawn_at[rank] = now + delay
+        for rank, when in list(self.respawn_at.items()):
+            if now >= when and not self.stopping:
+                del self.respawn_at[rank]
+                self.info[rank]["restarts"] += 1
+                self.spawn(rank)
+        return ended
+
+    def kill(self, rank: int, why: str):
+        proc = self.procs.get(rank)
+        if proc is not None and proc.poll() is None:
+            logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {proc.pid}): {why}")
+            self.killed[rank] = why
+            proc.kill()
+
+    def pid(self, rank: int):
+        proc = self.procs.get(rank)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def stop(self, grace: float = 5.0):
+        self.stopping = True
+        procs = [p for p in self.procs.values() if p.poll() is None]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+        for rank, p in self.procs.items():
+            if p.poll() is not None:
+                self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
+
+
+def write_ranks_file(root, data: dict):
+    if not root:
+        return
+    path = os.path.join(root, RANKS_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except OSError as e:
+        logging.warning(f"MultiNPU: cannot write {path}: {e}")
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def destroy_group():
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception as e:
+            logging.debug(f"MultiNPU: destroy_process_group: {e}")
+
+
+def cpu_threads(spec: GroupSpec):
+    """The intra-op threads of one rank on the CPU simulation: the host's cores divided among its local
+    ranks (torchrun's rule), so P processes do not each spin a full OpenMP team on the same cores. None
+    elsewhere (an accelerator's ranks compute on their device) or when OMP_NUM_THREADS is set."""
+    if spec.device_type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // spec.local_size)
+
+
+def set_hccl_timeout(spec: GroupSpec):
+    if spec.device_type == "npu" and "HCCL_EXEC_TIMEOUT" not in os.environ:
+        # CANN takes [68, 17340] s, rounded down to a multiple of 68: at least the group's own timeout
+        os.environ["HCCL_EXEC_TIMEOUT"] = str(max(68, -(-int(spec.timeout) // 68) * 68))
+
+
+def is_loopback(addr: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def loopback_interface() -> str:
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"
+
+
+# ---- workers -----------------------------------------------------------------------------------------
+
+class WorkerContext:
+    """What a worker's programs share: its rank, device and the configurations it holds."""
+
+    def __init__(self, spec: GroupSpec, rank: int, device):
+        self.spec = spec
+        self.rank = rank
+        self.local_rank = rank % spec.local_size
+        self.device = torch.device(device)
+        self.configs = {}
+        self.ctl = None
+        self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
+
+
+def _heartbeat(spec: GroupSpec, port: int, rank: int, stop: threading.Event):
+    try:
+        store = torch.distributed.PrefixStore(STORE_PREFIX, connect_store(spec.master_addr, port, spec.timeout))
+        while not stop.wait(HEARTBEAT_INTERVAL):
+            store.add(f"hb/{rank}", 1)
+    except Exception:
+        return  # the store is gone: the main loop notices and exits
+
+
+def _report(ctl: Control, key: str, exc: BaseException, collective: bool):
+    import traceback
+    try:
+        ctl.put(key, {"pid": os.getpid(), "type": type(exc).__name__, "message": str(exc)[:2000],
+                      "oom": is_oom(exc), "collective": collective,
+                      "traceback": "".join(traceback.format_exception(exc))[-6000:]})
+    except Exception:
+        pass
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Out of memory on a device (torch's OOM type, or an accelerator error saying so) or on the host
+    (the CPU allocator's "can't allocate memory")."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "can't allocate memory" in text
+
+
+def serve(context: WorkerContext):
+    """A worker's life: join each generation that includes it and run its commands, until rank 0 is gone."""
+    spec, rank = context.spec, context.rank
+    signer = Signer(key_from_environment())
+    deadline = time.monotonic() + spec.join_timeout
+    base = connect_store(spec.master_addr, spec.master_port, spec.timeout, deadline)
+    ctl = Control(base, signer)
+    context.ctl = ctl
+    layout = ctl.wait("layout", spec.join_timeout)
+    if layout != spec.layout():
+        raise GroupError(f"MultiNPU: rank {rank} was started for {spec.layout()}, rank 0 runs {layout}")
+    ctl.put(f"worker/{rank}", {"pid": os.getpid(), "host": socket.gethostname(), "device": str(context.device),
+                               **process_identity(os.getpid())})
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(spec, spec.master_port, rank, stop), daemon=True,
+                     name="multinpu-heartbeat").start()
+    logging.info(f"MultiNPU: rank {rank} ({context.device}) pid {os.getpid()} waiting for the group")
+    done = 0
+    try:
+        while True:
+            g = _next_generation(ctl, rank, done)
+            if g is None:
+                continue
+            done = g
+            if _join(ctl, base, spec, rank, g):
+                _commands(ctl, context, g)
+    except BaseException as e:
+        if _store_gone(e) or isinstance(e, torch.distributed.DistStoreError):
+            logging.info(f"MultiNPU: rank {rank}: rank 0 is gone; exiting")
+            return
+        raise
+    finally:
+        stop.set()
+
+
+def _next_generation(ctl: Control, rank: int, after: int):
+    """The newest generation after `after` that lists this process; None to look again."""
+    pid = os.getpid()
+    while True:
+        if ctl.has("gen"):
+            g = int(ctl.text("gen"))
+            if g > after and ctl.get(f"gen/{g}")["members"].get(rank) == pid:
+                return g
+        time.sleep(POLL)
+
+
+def _join(ctl: Control, base, spec: GroupSpec, rank: int, g: int) -> bool:
+    destroy_group()
+    ctl.set(f"joined/{g}/{rank}", str(os.getpid()))
+    while not ctl.has(f"go/{g}"):
+        if int(ctl.text("gen")) != g:
+            return False  # rank 0 gave up on g (a member died): wait for the next one
+        time.sleep(POLL)
+    torch.distributed.init_process_group(spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", base),
+                                         rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+    return True
+
+
+def _commands(ctl: Control, context: WorkerContext, g: int):
+    comm = comfy.multinpu.ProcessComm(device=context.device)
+    broken = False
+    n = 1
+    while True:
+        header = ctl.wait(f"cmd/{g}/{n}", 365 * 24 * 3600.0)
+        name = header["name"]
+        if name == END:
+            destroy_group()
+            return
+        after = None
+        modes = (torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)))
+        if not broken:
+            try:
+                buf = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm.device)
+                if header["nbytes"]:
+                    buf = comm.broadcast(buf, 0)
+                payload = unpack(header["data"], unflatten(buf, header["metas"]))
+                fn = _BUILTINS.get(name) or PROGRAMS.get(name)
+                if fn is None:
+                    raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
+                _inject_fault(context, name)
+                with modes[0], modes[1]:
+                    after = fn(context, comm, payload)
+                comm.barrier()
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                collective = isinstance(e, comfy.multinpu.CollectiveError)
+                if not collective:
+                    logging.exception(f"MultiNPU: rank {context.rank} failed in {name}")
+                _report(ctl, f"err/{g}/{n}/{context.rank}", e, collective)
+                if is_oom(e):
+                    _free_memory(context)
+                destroy_group()  # the others' collectives fail now, not at the timeout
+                broken = True
+        if after is not None:
+            with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
+                after()
+        n += 1
+
+
+def _inject_fault(context: WorkerContext, name: str):
+    fault = os.environ.get(FAULT_ENV, "")
+    program, _, rest = fault.partition(":")
+    kind, _, trigger = rest.partition(":")
+    if program == name and kind == "oom" and trigger and os.path.exists(trigger):
+        logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
+        torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
+
+
+def _free_memory(context: WorkerContext):
+    free = getattr(context, "free", None)
+    if free is not None:
+        try:
+            free()
+        except Exception as e:
+            logging.warning(f"MultiNPU: rank {context.rank}: freeing memory failed: {e}")
+
+
+def _install(context: WorkerContext, comm, payload):
+    if context.rank not in payload["ranks"]:
+        return None
+    ctl = context.ctl
+
+    def load():
+        key = f"ready/{payload['id']}/{context.rank}"
+        try:
+            held = PROGRAMS[payload["program"]](context, comm, payload["payload"])
+            context.configs[payload["id"]] = held
+            ctl.put(key, {"pid": os.getpid(), "digest": held.digest})
+        except Exception as e:
+            logging.exception(f"MultiNPU: rank {context.rank} could not load {payload['program']}")
+            if is_oom(e):
+                _free_memory(context)
+            ctl.put(key, {"pid": os.getpid(), "error": {"pid": os.getpid(), "type": type(e).__name__,
+                                                        "message": str(e)[:2000], "oom": is_oom(e)}})
+    return load
+
+
+def _drop(context: WorkerContext, comm, ids):
+    for i in ids:
+        context.configs.pop(i, None)
+
+
+def _free(context: WorkerContext, comm, payload):
+    context.configs.clear()
+    _free_memory(context)
+
+
+_BUILTINS = {"install": _install, "drop": _drop, "free": _free}
+
+
+# ---- the agent of another node -------------------------------------------------------------------
+
+class Agent:
+    """Node R > 0: starts its workers once the master's store answers, replaces the ones that die, reports
+    their deaths and heartbeats, and follows rank 0 through restarts of the master."""
+
+    def __init__(self, spec: GroupSpec, key: str):
+        self.spec = spec
+        self.key = key
+        self.signer = Signer(key.encode())
+        self.stop = threading.Event()
+
+    def run(self):
+        if self.spec.device_type == "cpu" and is_loopback(self.spec.master_addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        set_hccl_timeout(self.spec)
+        while not self.stop.is_set():
+            try:
+                store = connect_store(self.spec.master_addr, self.spec.master_port, self.spec.timeout,
+                                      time.monotonic() + self.spec.join_timeout, self.stop)
+                if store is None:
+                    break
+                ctl = Control(store, self.signer)
+                layout = ctl.wait("layout", self.spec.join_timeout)
+            except (GroupError, RuntimeError, torch.distributed.DistError) as e:
+                logging.error(f"MultiNPU: node {self.spec.node_rank}: rank 0 did not come back within "
+                              f"{self.spec.join_timeout:g} s ({e}); the agent gives up")
+                self._write(None, "failed", str(e))
+                return 1
+            if layout != self.spec.layout():
+                message = (f"MultiNPU: node {self.spec.node_rank} was started with {self.spec.layout()}, rank 0 "
+                           f"runs {layout}: start every node with the same --nnodes, device count and master")
+                logging.error(message)
+                self._write(None, "failed", message)
+                return 2
+            self._serve(ctl)
+        return 0
+
+    def _serve(self, ctl: Control):
+        spec = self.spec
+        ctl.put(f"node/{spec.node_rank}", {"pid": os.getpid(), "host": socket.gethostname(),
+                                           "local_size": spec.local_size})
+        local = LocalWorkers(spec, self.key, range(spec.local_size))
+        local.start()
+        logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
+        last_write = 0.0
+        try:
+            while not self.stop.wait(0.1):
+                for rank, pid, reason in local.poll():
+                    ctl.put(f"exit/{rank}", {"pid": pid, "reason": reason})
+                for rank in local.ranks:
+                    req = ctl.peek(f"kill/{rank}")
+                    if req is not None and req.get("pid") == local.pid(rank):
+                        local.kill(rank, req.get("why", "rank 0 asked"))
+                if time.monotonic() - last_write > 1.0:
+                    state = ctl.peek("state") or {"state": "starting"}
+                    self._write(local, state.get("state"), state.get("error"), state)
+                    last_write = time.monotonic()
+        except BaseException as e:
+            if not (_store_gone(e) or isinstance(e, (RuntimeError, torch.distributed.DistError))):
+                raise
+            logging.warning(f"MultiNPU: node {spec.node_rank} agent: rank 0's store went away ({e}); stopping "
+                            "the workers and waiting for it to come back")
+        finally:
+            local.stop()
+            self._write(local, "waiting", "rank 0 is gone")
+
+    def _write(self, local, state, error, group=None):
+        ranks = []
+        if local is not None:
+            members = (group or {}).get("members") or {}
+            for rank in local.ranks:
+                info = dict(local.info[rank])
+                info["joined"] = state == "ready" and members.get(rank) == info.get("pid") is not None
+                ranks.append(info)
+        write_ranks_file(self.spec.runtime_root, {
+            "role": "agent", "pid": os.getpid(), "updated": now(), "node_rank": self.spec.node_rank,
+            "state": state, "error": error, "generation": (group or {}).get("generation"),
+            "world_size": self.spec.world_size, "backend": self.spec.backend,
+            "master": f"{self.spec.master_addr}:{self.spec.master_port}", "nnodes": self.spec.nnodes, "ranks": ranks})
+
+
+def agent_main():
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    spec = GroupSpec.from_json(os.environ[GROUP_ENV])
+    agent = Agent(spec, key_from_environment().decode())
+    signal.signal(signal.SIGTERM, lambda *a: agent.stop.set())
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main())

@@ -1,0 +1,224 @@
+"""The model on every rank: what a worker process loads to hold rank 0's model, and the proof that it does.
+
+With the process transport (comfy.multinpu_process) every rank is a process with its own memory. For each
+model configuration the node sets up, rank 0 tells the workers what to load: the loader and the real paths
+and options its cached loader was called with (comfy.model_cache records them) and the weight patches
+(LoRA and the like: the patch tensors travel over the group). Each worker loads the same files through
+the same loader (its own model cache, so a second prompt loads nothing), applies the same patches, and
+answers with a digest of what it holds: the files' identity (size, the safetensors header, the first and
+last MiB), the load options, the dtypes the loader chose, and the patch keys, strengths and tensors. Rank
+0 compares every digest with its own before the first forward: a mismatch is an error naming the rank.
+
+Host memory: a safetensors file is memory-mapped by the loader (safetensors' safe_open), then copied into
+the model's own tensors. map_file_weights points every weight that equals its tensor in the file back at
+the file's mapping (private, copy-on-write), so the weights of every process on a host are the page cache's
+one copy of each file, and the private copies are freed. A weight converted on load (another dtype) keeps
+its own copy. The file must not be rewritten in place while a server maps it (replace it by renaming).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import sys
+import uuid
+
+import safetensors
+import torch
+
+import comfy.model_cache
+
+MAPPED_ATTR = "_multinpu_file_mapped"
+_EDGE = 1 << 20  # bytes of tensor data hashed at each end of a file
+
+
+def source(module, what: str):
+    """The LoadSource of a loaded module; ValueError when it did not come from a cached loader (a worker
+    could not load the same thing)."""
+    src = comfy.model_cache.source_of(module)
+    if src is None:
+        raise ValueError(f"MultiNPU: the {what} was not loaded by UNETLoader, CLIPLoader or VAELoader (their "
+                         "cached loaders record the files), so the worker processes cannot load it")
+    return src
+
+
+def load(src):
+    """Load what `src` records through the same loader as rank 0 did (this process's model cache first)."""
+    import comfy.sd
+    if src.kind == "diffusion_model":
+        return comfy.sd.load_diffusion_model(src.paths[0], **src.kwargs)
+    if src.kind == "clip":
+        return comfy.sd.load_clip(list(src.paths), **src.kwargs)
+    if src.kind == "vae":
+        import folder_paths
+        import nodes
+        # VAELoader takes a name inside the vae folders: this process's only vae folder is the file's own
+        folder = os.path.dirname(src.paths[0])
+        exts = folder_paths.folder_names_and_paths["vae"][1]
+        folder_paths.folder_names_and_paths["vae"] = ([folder], exts)
+        return nodes.VAELoader().load_vae(os.path.basename(src.paths[0]))[0]
+    raise ValueError(f"MultiNPU: no loader for {src.kind!r}")
+
+
+def file_identity(path: str) -> str:
+    """size and a hash of the safetensors header and of the first and last MiB of tensor data (reading the
+    whole file on every rank would cost minutes for the H3 weights)."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        h.update(head)
+        if path.endswith((".safetensors", ".sft")) and len(head) == 8:
+            h.update(f.read(int.from_bytes(head, "little")))
+        start = f.tell()
+        h.update(f.read(_EDGE))
+        f.seek(max(start, size - _EDGE))
+        h.update(f.read(_EDGE))
+    return f"{os.path.basename(path)}:{size}:{h.hexdigest()[:16]}"
+
+
+def _tensor_digest(h, t: torch.Tensor):
+    t = t.detach().contiguous().cpu()
+    h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _walk(h, obj):
+    # the structure, strengths and tensors of a weight patch (tuples of tensors, LoRA adapter objects)
+    if isinstance(obj, torch.Tensor):
+        _tensor_digest(h, obj)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"[{len(obj)}".encode())
+        for o in obj:
+            _walk(h, o)
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            h.update(str(k).encode())
+            _walk(h, obj[k])
+    elif isinstance(obj, (set, frozenset)):
+        # in a sorted order: a set's own order follows string hashing, which differs from process to process
+        h.update(f"{{{len(obj)}".encode())
+        for o in sorted(obj, key=repr):
+            _walk(h, o)
+    elif hasattr(obj, "__dict__") and not callable(obj):
+        h.update(type(obj).__qualname__.encode())
+        _walk(h, vars(obj))
+    elif callable(obj):
+        h.update(f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}".encode())
+    else:
+        h.update(repr(obj).encode())
+
+
+def patches_digest(patches: dict) -> str:
+    h = hashlib.sha256()
+    for key in sorted(patches, key=str):
+        h.update(str(key).encode())
+        _walk(h, patches[key])
+    return f"{len(patches)} keys:{h.hexdigest()[:16]}"
+
+
+def digest(src, module: torch.nn.Module, patches=None, **extra) -> dict:
+    """{component: short text}: what this rank holds, compared component by component across ranks."""
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in module.state_dict().values()})
+    out = {"files": ", ".join(file_identity(p) for p in src.paths),
+           "options": hashlib.sha256(repr(comfy.model_cache._freeze([src.kind, list(src.args[1:]), src.kwargs]))
+                                     .encode()).hexdigest()[:16],
+           "model": f"{type(module).__name__} {'/'.join(dtypes)}",
+           "patches": patches_digest(patches or {})}
+    out.update({k: str(v) for k, v in extra.items()})
+    return out
+
+
+def weight_patches(patcher, what: str) -> dict:
+    """The weight patches a worker must apply to hold `patcher`'s weights ({key: [(strength_patch, value,
+    strength_model, offset, function), ...]}, as ModelPatcher keeps them). ValueError for patches that exist
+    only as Python objects in this process (hooks, object patches on the model's modules)."""
+    if getattr(patcher, "hook_patches", None):
+        raise ValueError(f"MultiNPU: the {what} carries hook patches, which the worker processes cannot apply")
+    for name in getattr(patcher, "object_patches", {}):
+        if name.startswith(("diffusion_model.", "first_stage_model.", "cond_stage_model.")):
+            raise ValueError(f"MultiNPU: the {what} has its module {name} replaced by another node; the worker "
+                             "processes cannot replace it the same way")
+    return {k: list(v) for k, v in patcher.patches.items()}
+
+
+def patched_clone(patcher, patches: dict):
+    """A clone of a loaded ModelPatcher carrying exactly `patches` (received from rank 0)."""
+    p = patcher.clone()
+    p.patches = {k: list(v) for k, v in patches.items()}
+    p.patches_uuid = uuid.uuid4()
+    return p
+
+
+def _file_tensors(path: str) -> dict:
+    with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # views of one private mapping of the file
+
+
+def _match(name: str, keys_by_suffix: dict):
+    parts = name.split(".")
+    for i in range(len(parts)):
+        found = keys_by_suffix.get(".".join(parts[i:]))
+        if found is not None:
+            return found
+    return None
+
+
+def map_file_weights(module: torch.nn.Module, paths) -> int:
+    """Point every host weight of `module` that equals its tensor in one of the safetensors `paths` at the
+    file's mapping, freeing the private copy; returns the bytes now shared. Each candidate is found by name
+    (the longest common dotted suffix) and taken only when shape, dtype and every byte are equal, so a
+    converted, renamed or patched weight keeps its own copy."""
+    if getattr(module, MAPPED_ATTR, False):
+        return 0
+    files = {}
+    for p in paths:
+        if p.endswith((".safetensors", ".sft")):
+            files.update(_file_tensors(p))
+    # a suffix that names two file tensors is ambiguous: never used
+    by_suffix, ambiguous = {}, set()
+    for key, t in files.items():
+        parts = key.split(".")
+        for i in range(len(parts)):
+            suffix = ".".join(parts[i:])
+            if suffix in by_suffix and by_suffix[suffix] is not t:
+                ambiguous.add(suffix)
+            by_suffix[suffix] = t
+    for suffix in ambiguous:
+        del by_suffix[suffix]
+    shared = 0
+    with torch.no_grad():
+        for name, owner, attr, t in _host_tensors(module):
+            f = _match(name, by_suffix)
+            if f is None or f.shape != t.shape or f.dtype != t.dtype or not torch.equal(f, t):
+                continue
+            if isinstance(t, torch.nn.Parameter):
+                t.data = f
+            else:
+                owner._buffers[attr] = f
+            shared += t.numel() * t.element_size()
+    module.__dict__[MAPPED_ATTR] = True
+    _release_freed_memory()
+    logging.info(f"MultiNPU: {shared / 2**20:.1f} MiB of weights now map {', '.join(map(os.path.basename, paths))} "
+                 "(one copy per host)")
+    return shared
+
+
+def _release_freed_memory():
+    # the private copies just freed sit in the C allocator's heap, still counted in this process's memory,
+    # until it is trimmed (glibc keeps large freed blocks for reuse)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _host_tensors(module: torch.nn.Module):
+    for mod_name, m in module.named_modules():
+        for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None and type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu":
+                yield (f"{mod_name}.{attr}" if mod_name else attr), m, attr, t

@@ -1,0 +1,62 @@
+"""A worker of the multi-device process group: one device, the same models as rank 0, rank 0's commands.
+
+    python -B -m comfy.multinpu_worker [the server's ComfyUI arguments]
+
+Started from the ComfyUI tree with the server's interpreter by rank 0 (comfy.multinpu_process) or by the
+agent of another host, with H3KIT_GROUP, H3KIT_GROUP_KEY and H3KIT_RANK set. It binds its device before
+comfy.model_management picks one (the logical index of its local rank: ASCEND_RT_VISIBLE_DEVICES /
+CUDA_VISIBLE_DEVICES list the host's devices, rank 0 takes the first), parses the server's ComfyUI
+arguments so comfy.cli_args.args are the server's (--cpu on the CPU simulation), loads the runners'
+worker programs and serves the group until rank 0 goes away.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+import torch
+
+import comfy.multinpu_group
+import comfy.options
+
+# the runners whose worker sides (their @comfy.multinpu_group.program functions) this process serves
+RUNNERS = ("comfy.multinpu_models", "comfy.multinpu_dit", "comfy.multinpu_te", "comfy.multinpu_vae")
+
+
+def bind_device(device_type: str, local_rank: int) -> torch.device:
+    """Make this process's device current: before anything asks comfy.model_management for it."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    torch.get_device_module(device_type).set_device(local_rank)
+    return torch.device(device_type, local_rank)
+
+
+def main():
+    comfy.multinpu_group.die_with_parent()
+    spec = comfy.multinpu_group.GroupSpec.from_json(os.environ[comfy.multinpu_group.GROUP_ENV])
+    rank = int(os.environ[comfy.multinpu_group.RANK_ENV])
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s", stream=sys.stdout)
+    device = bind_device(spec.device_type, rank % spec.local_size)
+
+    # comfy.cli_args parses sys.argv when it is first imported, as in main.py: the server's own arguments
+    comfy.options.enable_args_parsing()
+    cli_args = importlib.import_module("comfy.cli_args")
+    if spec.device_type == "cpu":
+        cli_args.args.cpu = True  # before comfy.model_management is imported, or it probes CUDA
+    model_management = importlib.import_module("comfy.model_management")
+    for name in RUNNERS:
+        importlib.import_module(name)
+
+    context = comfy.multinpu_group.WorkerContext(spec, rank, device)
+    context.free = model_management.unload_all_models
+    comfy.multinpu_group.serve(context)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    # skip interpreter teardown: torch's static destructors can abort once a process group has run
+    os._exit(0)

@@ -1,0 +1,138 @@
+"""comfy/multinpu_process.py and multinpu_group.py, the process group runtime, with real processes on cpu/gloo.
+
+Rank 0 is tests/support/process_group_driver.py, the workers tests/support/process_group_worker.py: the real
+runtime and worker loop with test programs, so a rank costs an interpreter with torch, not one with ComfyUI
+(the H3 runners over the same runtime, on two hosts, are tested in test_multinpu_process_service.py). One group
+runs every one-host scenario in turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (run with the ComfyUI environment)")
+
+ROOT = Path(__file__).resolve().parents[1]
+SUPPORT = ROOT / "tests" / "support"
+DRIVER = SUPPORT / "process_group_driver.py"
+sys.path.insert(0, str(ROOT / "patches" / "src"))
+import comfy.multinpu_group as group  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_process as mp  # noqa: E402
+
+HEARTBEAT = 3.0
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "patches" / "src"), str(SUPPORT)]),
+               H3KIT_TEST_DEBUG="1", **{group.HEARTBEAT_ENV: str(HEARTBEAT)}, **extra)
+    env.setdefault(group.KEY_ENV, group.new_key())
+    return env
+
+
+def drive(tmp_path, scenario, *args, env=None, timeout=180):
+    out = tmp_path / f"{scenario}.json"
+    proc = subprocess.run([sys.executable, str(DRIVER), scenario, "--out", str(out), *map(str, args)],
+                          env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    (tmp_path / f"{scenario}.log").write_text(proc.stdout + proc.stderr)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "crash" not in result, result["crash"]["traceback"]
+    return result
+
+
+def error_of(attempt):
+    assert not attempt["ok"], attempt
+    return attempt["error"]["type"], attempt["error"]["message"], attempt["seconds"]
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """Three ranks, collective timeout 4 s: every one-host scenario, one after the other."""
+    return drive(tmp_path_factory.mktemp("pg"), "all", "--world", 3, "--timeout", 4, "--idle", 5)
+
+
+def test_commands_and_payloads_reach_every_rank(one_host):
+    basics = one_host["basics"]
+    assert one_host["form"]["ok"] and basics["first"]["value"] == [3.0] * 4  # 0 + 1 + 2 on every element
+    assert basics["echo"]["value"] is True, "fp32, bool, bf16, empty and 0-d tensors came back unchanged"
+    assert basics["command_seconds"] < 0.5
+
+
+def test_idle_longer_than_the_collective_timeout(one_host):
+    # workers wait for commands in the store, not in a collective: 5 s idle past a 4 s collective timeout
+    assert one_host["idle"]["after_idle"]["ok"], one_host["idle"]
+
+
+def test_a_failing_rank_is_named_and_the_next_command_runs(one_host):
+    f = one_host["failures"]
+    kind, message, seconds = error_of(f["raise"])
+    assert kind == "RankFailed" and "rank 2 (cpu)" in message and "ValueError: injected failure on rank 2" in message
+    assert seconds < 2.0
+    kind, message, _ = error_of(f["oom"])
+    assert kind == "OutOfMemoryError" and "rank 1 (cpu)" in message and "ran out of memory" in message
+    kind, message, _ = error_of(f["rank0"])
+    assert kind == "Interrupted", "rank 0's own exception comes back as it was raised"
+    for after in ("after_raise", "after_oom", "after_rank0"):
+        assert f[after]["ok"] and f[after]["value"] == [3.0] * 4, after
+    assert f["generation"] == 4, "each failure ended a generation; the next command formed a new one"
+
+
+def test_configs_are_checked_before_use(one_host):
+    c = one_host["configs"]
+    assert c["install"]["ok"] and c["install"]["value"] == 6.0 and sorted(c["installed"]) == ["1", "2"]
+    kind, message, _ = error_of(c["mismatch"])
+    assert kind == "ConfigMismatch" and "rank 2 (cpu) differs in files" in message and "another-file" in message
+    kind, message, _ = error_of(c["missing"])
+    assert kind == "RankFailed" and "rank 1 (cpu)" in message and "FileNotFoundError" in message
+    assert c["after"]["ok"]
+
+
+def test_a_killed_worker_fails_the_command_at_once_and_is_replaced(one_host):
+    k = one_host["kill"]
+    kind, message, seconds = error_of(k["killed"])
+    assert kind == "RankDied" and "rank 2 (cpu)" in message and f"pid {k['victim_pid']}" in message
+    assert "SIGKILL" in message and seconds < 2.0
+    assert k["after_kill"]["ok"] and k["replacement_pid"] not in (None, k["victim_pid"])
+
+
+def test_a_hung_worker_is_noticed_by_its_heartbeat(one_host):
+    h = one_host["hang"]
+    kind, message, seconds = error_of(h["hung"])
+    assert kind == "RankDied" and "rank 2 (cpu)" in message and "no heartbeat" in message
+    assert seconds < HEARTBEAT + mp.ERROR_WAIT + 3.0, "bounded by the heartbeat, not the collective timeout"
+    assert h["after_hang"]["ok"] and h["replacement_pid"] != h["victim_pid"]
+    assert not psutil.pid_exists(h["victim_pid"]) or psutil.Process(h["victim_pid"]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_every_rank_listed_alive_and_joined(one_host):
+    assert one_host["state"] == "ready"
+    ranks = one_host["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    assert all(r["alive"] and r["joined"] and r["pid"] and r["create_time"] for r in ranks)
+    assert ranks[2]["restarts"] == 2 and "no heartbeat" in ranks[2]["last_exit"]
+
+
+def test_a_node_that_never_arrives_fails_within_the_bound(tmp_path):
+    t0 = time.monotonic()
+    result = drive(tmp_path, "form_only", "--world", 4, "--nnodes", 2, "--join-timeout", 3)
+    kind, message, _ = error_of(result["form"])
+    assert "node 1 (ranks 2, 3) never arrived" in message and "--node-rank 1" in message
+    assert result["state"] == "failed" and time.monotonic() - t0 < 3 + 15
+
+
+def test_messages_signed_with_another_key_are_refused():
+    obj = {"name": "install", "payload": [1, 2]}
+    mine, theirs = group.Signer(b"k" * 64), group.Signer(b"x" * 64)
+    assert mine.loads(mine.dumps(obj), "test") == obj
+    with pytest.raises(group.GroupError, match="not signed with this service's key"):
+        mine.loads(theirs.dumps(obj), "store key 'cmd/1/1'")
+    with pytest.raises(group.GroupError):
+        mine.loads(b"\0" * 32 + mine.dumps(obj)[32:], "tampered")

@@ -1,0 +1,272 @@
+"""The process transport in the real server: two "hosts" on 127.0.0.1, 2 + 2 ranks on cpu/gloo.
+
+Node 0 is `h3kit start --transport process --nnodes 2 --node-rank 0` (ComfyUI, rank 0, and its worker rank
+1) and node 1 `h3kit start --nnodes 2 --node-rank 1` (the agent, ranks 2 and 3) from a second copy of the
+patched tree with its own runtime root, as another host would run it; node 0's tree holds the demo's tiny H3
+checkpoints, which node 1's workers load by the paths rank 0 names (the same paths on every host). One group serves the tests below, in file
+order: status lists every rank; an out-of-memory error on a worker reaches ComfyUI as an OOM and the next
+prompt runs; the whole H3 pipeline on the 4-rank group (DiT sequence parallel, text encoder tensor parallel,
+VAE decode) matches npu_count 1; a worker SIGKILLed mid-prompt fails that prompt at once naming its rank and
+the group re-forms; an interrupted prompt is followed by one that runs; stop leaves no process behind.
+Node 1's workers start with H3KIT_MULTINPU_FAULT=dit_forward:oom:TRIGGER: while the OOM test holds the file
+TRIGGER, their DiT forwards ask for an impossible allocation (the allocator's own error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from h3kit import demo, health, outputs, service
+from tests.support import jsondoc
+from tests.support.service_helpers import free_port, http_json, pid_running, wait_for
+
+pytestmark = [pytest.mark.upstream, pytest.mark.slow]
+BOOT = 300
+PROMPT = 300
+
+
+def h3kit(*args, env=None, timeout=BOOT + 60):
+    return subprocess.Popen([sys.executable, "-m", "h3kit", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+class Group:
+    def __init__(self, home: Path, python: str, port: int, master_port: int, home1: Path):
+        self.home, self.python, self.port, self.master_port = home, python, port, master_port
+        self.home1 = home1
+        self.root0, self.root1 = home / ".h3kit" / "run", home1 / ".h3kit" / "run"
+        self.key = os.urandom(32).hex()
+        self.oom_trigger = home1.parent / "oom-trigger"
+
+    def node_args(self, node: int):
+        args = ["--comfy-home", self.home if node == 0 else self.home1, "--devices", "0,1", "--device-type", "cpu",
+                "--transport", "process", "--nnodes", 2, "--node-rank", node, "--master-port", self.master_port,
+                "--python", self.python, "--timeout", BOOT, "--join-timeout", BOOT, "--json"]
+        return args + (["--port", self.port] if node == 0 else [])
+
+    def env(self, **extra):
+        return dict(os.environ, H3KIT_GROUP_KEY=self.key, **extra)
+
+    def record(self) -> service.Record:
+        return service.read_record(self.root0)
+
+    def ranks(self) -> list[dict]:
+        return json.loads((self.root0 / "ranks.json").read_text())["ranks"]
+
+    def status(self, node: int) -> dict:
+        r = subprocess.run([sys.executable, "-m", "h3kit", "status", "--comfy-home",
+                            self.home if node == 0 else self.home1, "--json"], capture_output=True, text=True, timeout=60)
+        return jsondoc.data(r.stdout, r.returncode)
+
+    def stop(self, node: int):
+        return subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home",
+                               self.home if node == 0 else self.home1, "--json"], capture_output=True, text=True,
+                              timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tree(installed_tree, comfy_python, tmp_path_factory):
+    base = tmp_path_factory.mktemp("process-group")
+    home = base / "ComfyUI"
+    shutil.copytree(installed_tree, home, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+    demo.write_tiny_checkpoints(home, comfy_python)
+    return home
+
+
+@pytest.fixture(scope="module")
+def group(tree, comfy_python):
+    home1 = tree.parent / "host1" / "ComfyUI"  # "another host": its own tree and runtime root
+    shutil.copytree(tree, home1, symlinks=True,  # not the checkpoints: its workers load node 0's by path
+                    ignore=lambda d, names: [n for n in names if n == ".git" or (d == str(tree) and n in ("models", "output"))])
+    g = Group(tree, comfy_python, free_port(8600, 8619), free_port(29500, 29599), home1)
+    nodes = [h3kit("start", *g.node_args(0), env=g.env()),
+             h3kit("start", *g.node_args(1), env=g.env(H3KIT_MULTINPU_FAULT=f"dit_forward:oom:{g.oom_trigger}"))]
+    try:
+        outs = [p.communicate(timeout=BOOT + 60) for p in nodes]
+        for p, (out, err) in zip(nodes, outs):
+            assert p.returncode == 0, out[-2000:] + err[-3000:]
+        g.started = [jsondoc.data(out, 0) for out, _ in outs]
+        yield g
+    finally:
+        for node in (1, 0):
+            g.stop(node)
+
+
+def prompt(n: int, tag: str, steps: int = 3) -> dict:
+    p = demo.demo_prompt(n, tag)
+    for node in p.values():
+        if node["class_type"] == "RandomNoise":
+            node["inputs"]["noise_seed"] = random.randint(0, 2**31)  # a new prompt: nothing from the cache
+        if node["class_type"] == "BasicScheduler":
+            node["inputs"]["steps"] = steps
+    return p
+
+
+def submit(g: Group, p: dict) -> str:
+    return http_json(f"http://127.0.0.1:{g.port}/prompt", {"prompt": p})["prompt_id"]
+
+
+def finished(g: Group, prompt_id: str, timeout: float = PROMPT) -> dict:
+    def done():
+        h = http_json(f"http://127.0.0.1:{g.port}/history/{prompt_id}")
+        entry = h.get(prompt_id)
+        return entry if entry and entry["status"].get("completed") is not None else None
+    return wait_for(done, timeout, f"prompt {prompt_id}", step=0.05)["status"]
+
+
+def error_of(status: dict) -> dict:
+    errors = [m[1] for m in status["messages"] if m[0] == "execution_error"]
+    assert status["status_str"] == "error" and errors, status
+    return errors[0]
+
+
+def test_a_node_that_never_arrives_fails_start_naming_it(tree, comfy_python, tmp_path):
+    g = Group(tree, comfy_python, free_port(8620, 8639), free_port(29500, 29599), tmp_path / "unused")
+    args = g.node_args(0)
+    args[args.index("--join-timeout") + 1] = 3
+    args += ["--runtime-root", tmp_path / "run"]
+    t0 = time.monotonic()
+    p = h3kit("start", *args, env=g.env())
+    out, err = p.communicate(timeout=BOOT + 60)
+    assert p.returncode == 1, out + err
+    error = jsondoc.error(out, p.returncode)
+    assert error["code"] == "group_failed", error
+    assert "node 1 (ranks 2, 3) never arrived" in error["message"] and "--node-rank 1" in error["message"]
+    assert time.monotonic() - t0 < BOOT
+    rec = json.loads((tmp_path / "run" / "server.json").read_text())
+    assert not pid_running(rec["pid"]), "a failed start leaves no server behind"
+    ranks = json.loads((tmp_path / "run" / "ranks.json").read_text())
+    assert ranks["state"] == "failed" and not any(pid_running(r["pid"]) for r in ranks["ranks"] if r.get("pid"))
+
+
+def test_status_lists_every_rank_alive_and_joined(group):
+    n0, n1 = group.started
+    assert n0["group"]["nnodes"] == 2 and n0["group"]["transport"] == "process"
+    assert [r["rank"] for r in n0["ranks"]] == [0, 1, 2, 3]
+    assert [r["rank"] for r in n1["ranks"]] == [2, 3]
+    st = group.status(0)
+    assert st["running"] and st["healthy"], st
+    ranks = st["group"]["ranks"]
+    assert st["group"]["state"] == "ready" and st["group"]["world_size"] == 4 and st["group"]["backend"] == "gloo"
+    assert all(r["alive"] and r["joined"] and r["pid"] and r["create_time"] for r in ranks), ranks
+    assert ranks[0]["pid"] == st["pid"] and len({r["pid"] for r in ranks}) == 4
+    agent = group.status(1)
+    assert agent["running"] and agent["healthy"] and agent["queue"] is None, agent
+    # the agent's two workers are its children; rank 1 is the server's
+    assert {p.pid for p in psutil.Process(agent["pid"]).children()} == {r["pid"] for r in ranks[2:]}
+    assert {p.pid for p in psutil.Process(st["pid"]).children()} == {ranks[1]["pid"]}
+
+
+def test_npu_count_must_equal_the_ranks_of_the_group(group):
+    # refused at POST /prompt, before any work: the group has 4 ranks (2 hosts x 2 devices)
+    with pytest.raises(Exception) as e:
+        submit(group, prompt(2, "wrong_count"))
+    body = json.loads(e.value.read())
+    text = json.dumps(body)
+    assert "npu_count is 2 but this ComfyUI server's process group has 4 ranks (2 node(s) of 2 cpu device(s))" in text
+    assert "Fix: set npu_count to 4" in text
+
+
+def test_an_oom_on_a_worker_reaches_comfyui_as_an_oom(group):
+    t0 = time.monotonic()
+    group.oom_trigger.touch()
+    try:
+        status = finished(group, submit(group, prompt(4, "oom")))
+    finally:
+        group.oom_trigger.unlink()
+    err = error_of(status)
+    assert err["exception_type"] == "torch.OutOfMemoryError", err
+    assert "rank 2 (cpu, node 1)" in err["exception_message"] and "ran out of memory in dit_forward" in err["exception_message"]
+    log = Path(group.record().log).read_text()
+    assert "Got an OOM, unloading all loaded models." in log  # ComfyUI's own unload path ran
+    assert time.monotonic() - t0 < PROMPT
+    status = finished(group, submit(group, prompt(4, "after_oom")))
+    assert status["status_str"] == "success", status
+
+
+def test_the_whole_pipeline_on_four_ranks_matches_one_device(group):
+    rec = group.record()
+    _, outs4 = demo.run_prompt(rec, demo.demo_prompt(4, "npu4"), PROMPT)
+    _, outs1 = demo.run_prompt(rec, demo.demo_prompt(1, "npu1"), PROMPT)
+    p4, p1 = demo.demo_prompt(4, "npu4"), demo.demo_prompt(1, "npu1")
+    for kind in ("video", "audio"):
+        a = demo._output_file(group.home, outs4, demo._node_id(p4, "SaveLatent", f"{kind}_latent"), "latents")
+        b = demo._output_file(group.home, outs1, demo._node_id(p1, "SaveLatent", f"{kind}_latent"), "latents")
+        (shape_a, va), (shape_b, vb) = outputs.read_latent(a), outputs.read_latent(b)
+        row = outputs.compare(vb, va)
+        assert shape_a == shape_b and row["max_rel"] <= demo.PARITY_GATE and row["non_finite"] == 0, (kind, row)
+    log = Path(rec.log).read_text()
+    assert "MiniMax H3 DiT sequence-parallel on 4 processes (gloo)" in log
+    assert "text encoder tensor-parallel on 4 processes (gloo)" in log
+    assert "DiT" in log and "loaded and checked on 3 worker(s)" in log
+
+
+def test_a_worker_killed_mid_prompt_is_named_and_replaced(group):
+    before = {r["rank"]: r["pid"] for r in group.ranks()}
+    victim = before[3]  # node 1's: its agent replaces it
+    pid = submit(group, prompt(4, "kill", steps=40))
+    wait_for(lambda: http_json(f"http://127.0.0.1:{group.port}/queue")["queue_running"], 60, "the prompt to run")
+    time.sleep(1.0)
+    os.kill(victim, signal.SIGKILL)
+    t_kill = time.monotonic()
+    err = error_of(finished(group, pid))
+    assert time.monotonic() - t_kill < 10.0, "the prompt failed at once, not at a collective timeout"
+    assert err["exception_type"].endswith("RankDied"), err
+    assert "rank 3 (cpu, node 1)" in err["exception_message"] and f"pid {victim}" in err["exception_message"]
+    status = finished(group, submit(group, prompt(4, "after_kill")))
+    assert status["status_str"] == "success", status
+    after = {r["rank"]: r for r in group.ranks()}
+    assert after[3]["pid"] != victim and after[3]["alive"] and after[3]["joined"]
+    assert all(after[r]["pid"] == before[r] for r in (0, 1, 2))
+
+
+def test_an_interrupted_prompt_is_followed_by_one_that_runs(group):
+    pid = submit(group, prompt(4, "interrupt", steps=40))
+    wait_for(lambda: http_json(f"http://127.0.0.1:{group.port}/queue")["queue_running"], 60, "the prompt to run")
+    time.sleep(1.0)
+    http_json(f"http://127.0.0.1:{group.port}/interrupt", {})
+    status = finished(group, pid)
+    assert status["status_str"] == "error" and any(m[0] == "execution_interrupted" for m in status["messages"])
+    status = finished(group, submit(group, prompt(4, "after_interrupt")))
+    assert status["status_str"] == "success", status
+
+
+def test_restart_restarts_the_whole_group(group):
+    before = {r["rank"]: r["pid"] for r in group.ranks()}
+    agent = group.status(1)["pid"]
+    p = h3kit("restart", "--comfy-home", group.home, "--timeout", BOOT, "--json", env=group.env())
+    out, err = p.communicate(timeout=BOOT + 60)
+    res = jsondoc.data(out, p.returncode)
+    assert res["previous_pid"] == before[0] and res["pid"] != before[0], err[-2000:]
+    # restart returns once the server answers and every rank has joined: node 1's agent followed rank 0
+    # through the restart, stopping its workers when the store went away and starting new ones
+    st = group.status(0)
+    assert st["healthy"] and st["group"]["state"] == "ready", st
+    after = {r["rank"]: r for r in st["group"]["ranks"]}
+    assert all(after[r]["alive"] and after[r]["joined"] and after[r]["pid"] != before[r] for r in range(4)), after
+    assert group.status(1)["pid"] == agent
+    assert not any(pid_running(before[r]) for r in range(4))
+    # "joined": the four new processes formed a generation of the group (init_process_group on all of them);
+    # a replaced worker loading the models and running a prompt is the SIGKILL test's
+
+
+def test_stop_leaves_no_process_behind(group):
+    pids = [r["pid"] for r in group.ranks()] + [group.status(1)["pid"]]
+    assert all(pid_running(p) for p in pids)
+    for node in (1, 0):
+        r = group.stop(node)
+        assert jsondoc.data(r.stdout, r.returncode)["stopped"], r.stderr
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if pid_running(p)], timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+    assert not health.check_health(f"http://127.0.0.1:{group.port}").ok

@@ -1,0 +1,242 @@
+"""The process group of a service: one process per device (`h3kit start --transport process`).
+
+With the process transport the ComfyUI server is rank 0 of a torch.distributed group and starts one worker
+process per other device of its host (comfy/multinpu_process.py, added by the patch series). On a group of
+several hosts, `h3kit start --nnodes N --node-rank R --master-addr HOST --master-port P` on every other host
+runs that host's agent instead of ComfyUI; the agent starts and replaces the host's workers.
+
+This module is the service side of it: the settings and their checks, the environment the server or the
+agent is started with (H3KIT_GROUP, the JSON the runtime reads, and H3KIT_GROUP_KEY, the secret that signs
+its control messages), and what the ranks file the runtime keeps in the runtime root says: every rank's
+pid, start time, device, whether it is alive (verified here for the ranks of this host) and joined.
+It never imports torch.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from h3kit import proc
+from h3kit.errors import UsageError
+
+TRANSPORTS = ("process", "threads")
+DEFAULT_JOIN_TIMEOUT = 300.0
+GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_group.py
+KEY_ENV = "H3KIT_GROUP_KEY"
+AGENT_MODULE = "comfy.multinpu_group"
+RANKS_FILE = "ranks.json"            # written by the runtime: rank 0 (node 0) or the agent (other nodes)
+KEY_FILE = "group.key"
+
+
+@dataclass
+class GroupSettings:
+    transport: str = "threads"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0               # 0: h3kit picks a free port on the master address at start
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+
+    @property
+    def is_process(self) -> bool:
+        return self.transport == "process"
+
+    @property
+    def is_agent(self) -> bool:
+        return self.is_process and self.node_rank > 0
+
+    def as_dict(self) -> dict:
+        return {"transport": self.transport, "nnodes": self.nnodes, "node_rank": self.node_rank,
+                "master_addr": self.master_addr, "master_port": self.master_port, "join_timeout": self.join_timeout}
+
+
+def default_transport(device_type: str) -> str:
+    """process on NPU and CUDA (HCCL/NCCL kernels, several hosts); threads on the CPU simulation."""
+    return "threads" if device_type == "cpu" else "process"
+
+
+def resolve(device_type: str, transport: str = "auto", nnodes: int = 1, node_rank: int = 0,
+            master_addr: str = "127.0.0.1", master_port: int = 0,
+            join_timeout: float = DEFAULT_JOIN_TIMEOUT) -> GroupSettings:
+    """Checked settings (UsageError naming the fix otherwise); nothing is written or started."""
+    if transport == "auto":
+        transport = "process" if nnodes > 1 else default_transport(device_type)
+    if transport not in TRANSPORTS:
+        raise UsageError(f"unknown transport {transport!r}", code="bad_transport", hint="use process or threads")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}", code="bad_group",
+                         hint="number the hosts 0 .. nnodes-1; node 0 runs ComfyUI")
+    if nnodes > 1 and transport != "process":
+        raise UsageError("several hosts need the process transport", code="bad_group",
+                         hint="drop --transport threads (one process per device spans hosts; threads cannot)")
+    try:
+        addr = ipaddress.ip_address(master_addr)
+    except ValueError:
+        raise UsageError(f"--master-addr {master_addr!r} is not an IP address", code="bad_master_addr",
+                         hint="give node 0's address on the network the hosts share (HCCL and gloo need an IP)") from None
+    if nnodes > 1 and master_port == 0:
+        raise UsageError("a group of several hosts needs --master-port", code="bad_group",
+                         hint="choose a port that is free on node 0 and open between the hosts, e.g. 29500, "
+                              "and give every host the same --master-addr and --master-port")
+    if nnodes > 1 and not os.environ.get(KEY_ENV):
+        raise UsageError(f"a group of several hosts needs {KEY_ENV}", code="no_group_key",
+                         hint=f"set the same secret on every host before h3kit start, e.g. "
+                              f"export {KEY_ENV}=$(openssl rand -hex 32); it signs the group's control messages")
+    if node_rank == 0 and transport == "process":
+        _check_local(str(addr))
+    if transport == "process" and nnodes == 1 and not addr.is_loopback:
+        raise UsageError(f"--master-addr {master_addr}: a one-host group keeps its rendezvous on the loopback",
+                         code="bad_master_addr", hint="drop --master-addr (127.0.0.1), or give --nnodes for several hosts")
+    return GroupSettings(transport, nnodes, node_rank, str(addr), master_port, join_timeout)
+
+
+def _check_local(addr: str):
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, 0))
+        except OSError:
+            raise UsageError(f"--master-addr {addr} is not an address of this host, which runs node 0",
+                             code="bad_master_addr",
+                             hint="run node 0 (ComfyUI and the group's rendezvous) on the host that owns the master "
+                                  "address") from None
+
+
+def choose_port(addr: str) -> int:
+    """A free port on `addr` for the group's store (the kernel's choice, so it never takes one by force)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def group_key(root: Path, settings: GroupSettings) -> str:
+    """The secret signing the group's messages: H3KIT_GROUP_KEY when set (several hosts share it), else the
+    one kept in <root>/group.key (mode 0600), made on the first start, so restart keeps it."""
+    key = os.environ.get(KEY_ENV)
+    if key:
+        return key
+    path = root / KEY_FILE
+    try:
+        st = path.lstat()
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            value = path.read_text().strip()
+            if len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+                return value
+    except FileNotFoundError:
+        pass
+    value = os.urandom(32).hex()
+    tmp = root / f".{KEY_FILE}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.replace(tmp, path)
+    return value
+
+
+def environment(settings: GroupSettings, device_type: str, devices: list[int], root: Path, key: str,
+                worker_args: list[str]) -> dict:
+    """The variables the server (node 0) or the agent (other nodes) starts with. worker_args: the ComfyUI
+    arguments an agent's workers parse (rank 0 gives its workers its own)."""
+    spec = {"nnodes": settings.nnodes, "node_rank": settings.node_rank, "local_size": len(devices),
+            "device_type": device_type, "devices": list(devices), "master_addr": settings.master_addr,
+            "master_port": settings.master_port, "join_timeout": settings.join_timeout,
+            "runtime_root": str(root), "worker_args": list(worker_args)}
+    return {GROUP_ENV: json.dumps(spec), KEY_ENV: key}
+
+
+def agent_argv(python: str) -> list[str]:
+    return [python, "-B", "-m", AGENT_MODULE]
+
+
+WORKER_MODULE = "comfy.multinpu_worker"
+
+
+def runs_module(cmdline, module: str) -> bool:
+    """Does this command line run `python ... -m module`?"""
+    cmd = list(cmdline)
+    return any(a == "-m" and i + 1 < len(cmd) and cmd[i + 1] == module for i, a in enumerate(cmd))
+
+
+def module_owner(comfy_home: str, module: str):
+    """The check that a live process is the group process h3kit launched from `comfy_home`: it runs
+    `-m module` (the agent or a worker) in that tree. Returns a function of a psutil.Process giving the reason
+    it is not, or None."""
+    home = os.path.realpath(comfy_home)
+
+    def check(p) -> str | None:
+        if not runs_module(p.cmdline(), module):
+            return f"it does not run {module}"
+        where = os.path.realpath(p.cwd())
+        if where != home:
+            return f"it runs in {where}, not in {home}"
+        return None
+
+    return check
+
+
+def read_ranks(root: Path) -> dict | None:
+    """The runtime's ranks file, or None when there is none (yet) or it is not readable JSON."""
+    path = root / RANKS_FILE
+    try:
+        if path.stat().st_size > 1 << 20:
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("ranks"), list) else None
+
+
+def ranks_view(root: Path, server_pid: int, node_rank: int, comfy_home: str) -> dict:
+    """What status shows: the group's state and every rank, with `alive` verified here for the workers of
+    this host (pid, start time and command line must still match, and it must be a worker running in
+    `comfy_home`) and taken from rank 0's monitor for the others. {"state", "error", "generation",
+    "world_size", "ranks": [...], "file": bool}."""
+    worker = module_owner(comfy_home, WORKER_MODULE)
+    data = read_ranks(root)
+    if data is None:
+        return {"state": "unknown", "error": f"no {RANKS_FILE} under {root} yet", "ranks": [], "file": False}
+    if data.get("pid") != server_pid:
+        # written by a previous run of the service: says nothing about this one
+        return {"state": "unknown", "error": f"{RANKS_FILE} is from another run (pid {data.get('pid')})",
+                "ranks": [], "file": True}
+    out = {k: data.get(k) for k in ("state", "error", "generation", "world_size", "backend", "master", "nnodes")}
+    ranks = []
+    for r in data["ranks"]:
+        if not isinstance(r, dict):
+            continue
+        item = {k: r.get(k) for k in ("rank", "node", "local_rank", "host", "device", "pid", "create_time",
+                                       "joined", "restarts", "last_exit")}
+        if r.get("node") == node_rank and isinstance(r.get("pid"), int) and r.get("create_time"):
+            if r["pid"] == server_pid:
+                item["alive"] = True  # rank 0 itself: the record's process, verified by the caller
+            else:
+                item["alive"] = proc.verify(r["pid"], r["create_time"], r.get("cmdline") or [], owner=worker).alive
+        else:
+            item["alive"] = bool(r.get("alive"))
+        ranks.append(item)
+    out["ranks"] = ranks
+    out["file"] = True
+    return out
+
+
+def ready(view: dict, node_rank: int) -> tuple[bool, str]:
+    """(True, "") when the group has formed and every rank listed is alive and joined; else why not."""
+    if view["state"] == "failed":
+        return False, f"the process group failed: {view.get('error')}"
+    if view["state"] != "ready":
+        return False, f"the process group is {view['state']}" + (f" ({view['error']})" if view.get("error") else "")
+    down = [r for r in view["ranks"] if not (r.get("alive") and r.get("joined"))]
+    if down:
+        names = ", ".join(f"rank {r.get('rank')} ({'not alive' if not r.get('alive') else 'not joined'})" for r in down)
+        return False, f"not every rank is alive and joined: {names}"
+    expected = view.get("world_size") if node_rank == 0 else None
+    if expected and len(view["ranks"]) != expected:
+        return False, f"{len(view['ranks'])} of {expected} ranks listed"
+    return True, ""
