@@ -53,9 +53,8 @@ RANK_ENV = "H3KIT_RANK"
 LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
 PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
-# Fault injection, for tests and acceptance runs: "PROGRAM:oom" makes a worker's first run of PROGRAM ask for an
-# impossible allocation (the CPU or device allocator's own out-of-memory error). Replacements start without it,
-# and so do the workers an agent starts after rank 0 restarted: the fault strikes once per launcher.
+# Fault injection, for tests and acceptance runs: "PROGRAM:oom:PATH" makes a worker's run of PROGRAM ask for an
+# impossible allocation (the CPU or device allocator's own out-of-memory error) while the file PATH exists.
 FAULT_ENV = "H3KIT_MULTINPU_FAULT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -430,8 +429,6 @@ class LocalWorkers:
         threads = cpu_threads(self.spec)
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
-        if self.info[rank]["incarnation"]:
-            env.pop(FAULT_ENV, None)
         return env
 
     def spawn(self, rank: int):
@@ -719,8 +716,9 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
 
 def _inject_fault(context: WorkerContext, name: str):
     fault = os.environ.get(FAULT_ENV, "")
-    if fault and fault == f"{name}:oom" and not getattr(context, "faulted", False):
-        context.faulted = True
+    program, _, rest = fault.partition(":")
+    kind, _, trigger = rest.partition(":")
+    if program == name and kind == "oom" and trigger and os.path.exists(trigger):
         logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
         torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
 
@@ -832,7 +830,6 @@ class Agent:
                             "the workers and waiting for it to come back")
         finally:
             local.stop()
-            os.environ.pop(FAULT_ENV, None)  # once per agent, not again after each restart of rank 0
             self._write(local, "waiting", "rank 0 is gone")
 
     def _write(self, local, state, error, group=None):

@@ -313,33 +313,36 @@ class GroupRuntime:
         logging.info(f"MultiNPU: process group generation {g} ready: {self.world_size} ranks")
 
     def _wait_members(self, deadline: float) -> dict:
-        while True:
-            self._watch()
+        def attempt():
             if self.state == "failed":
                 raise group.GroupError(f"MultiNPU: the process group failed: {self.error}")
             announced = self._announced()
-            missing = [r for r, pid in announced.items() if pid is None]
-            if not missing:
-                return announced
-            if time.monotonic() >= deadline:
-                message = (f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: "
-                           f"{self._missing(missing)}")
-                self._fail(message)
-                raise group.GroupError(message)
-            time.sleep(group.POLL)
+            return announced if all(pid is not None for pid in announced.values()) else None
+        return self._poll(deadline, attempt,
+                          lambda: self._missing([r for r, pid in self._announced().items() if pid is None]))
 
     def _wait_joined(self, g: int, members: dict, deadline: float) -> bool:
         """True once every member has joined g; False when one died meanwhile (form again)."""
-        while True:
-            self._watch()
+        def waiting():
+            return [r for r in members if not self.ctl.has(f"joined/{g}/{r}")]
+
+        def attempt():
             if any(self._announced().get(r) != pid for r, pid in members.items()):
                 return False
-            waiting = [r for r in members if not self.ctl.has(f"joined/{g}/{r}")]
-            if not waiting:
-                return True
+            return True if not waiting() else None
+        return self._poll(deadline, attempt, lambda: f"{', '.join(self.spec.describe_rank(r) for r in waiting())} "
+                                                     "started but did not join")
+
+    def _poll(self, deadline: float, attempt, late):
+        """attempt() after each look at the ranks until it returns something other than None; past the deadline
+        the group fails with late()'s words."""
+        while True:
+            self._watch()
+            result = attempt()
+            if result is not None:
+                return result
             if time.monotonic() >= deadline:
-                message = (f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: "
-                           f"{', '.join(self.spec.describe_rank(r) for r in waiting)} started but did not join")
+                message = f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: {late()}"
                 self._fail(message)
                 raise group.GroupError(message)
             time.sleep(group.POLL)
