@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fakekit import A_PY, git, kit, refreshed, snapshot, upstream  # noqa: F401
-from tests.support.service_helpers import free_port, kill_started_under, wait_for
+from tests.support.service_helpers import free_port, kill_started_under, pid_running, wait_for
 from tests.support import jsondoc
 
 TEMP_MARKERS = (".h3kit-tmp", ".h3kit-restore", "h3kit-clone-", "h3kit-scratch-", ".init")
@@ -276,3 +276,35 @@ def test_abandoned_clones_and_scratch_folders_are_swept(env, tmp_path, monkeypat
     monkeypatch.setattr(locks, "_legacy_swept", False)
     locks._sweep_legacy(parent)
     assert not legacy_old.exists() and legacy_new.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("armed", [True, False])
+def test_git_child_dies_with_a_killed_h3kit(tmp_path, armed):
+    """An h3kit killed with SIGKILL takes its git child with it (gitutil.dies_with_us): a `git clone` left
+    running wrote into the clone folder the next install had just swept, and the folder came back (seen once
+    in the probe set's kills). The child here is `git cat-file --batch` reading the test's pipe, so only the
+    parent-death signal can end it; the unarmed case shows it would otherwise live on."""
+    code = ("import subprocess, sys, time\n"
+            "from h3kit import gitutil\n"
+            f"kw = gitutil.dies_with_us() if {armed} else {{}}\n"
+            "p = subprocess.Popen(['git', 'cat-file', '--batch'], stdout=subprocess.DEVNULL, **kw)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    r, w = os.pipe()
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=r, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    os.close(r)
+    try:
+        child = int(parent.stdout.readline())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while pid_running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = not pid_running(child)
+        assert gone is armed, f"git child {child} {'outlived' if armed else 'died with'} its killed parent"
+    finally:
+        os.close(w)  # the unarmed child reads EOF and ends
+        parent.stdout.close()
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -35,12 +36,44 @@ def _env() -> dict:
     return dict(os.environ, LC_ALL="C", GIT_TERMINAL_PROMPT="0")
 
 
+def _libc_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def dies_with_us() -> dict:
+    """Popen arguments that end a git child when h3kit itself dies, SIGKILL included (Linux: the parent-death
+    signal). Without it, a killed `install` leaves `git clone` writing into the clone folder that the next
+    run sweeps, and the folder comes back under it. Elsewhere: no arguments (Ctrl-C and SIGTERM still end
+    the child through the callers' handlers)."""
+    if _PRCTL is None:
+        return {}
+    parent = os.getpid()
+
+    def _arm() -> None:  # runs in the child between fork and exec: no allocation beyond the call itself
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return {"preexec_fn": _arm}
+
+
 def run(args: list[str], cwd: Path | str | None = None, *, check=True, timeout=GIT_TIMEOUT,
         input: bytes | None = None, text=True) -> subprocess.CompletedProcess:
     cmd = ["git"] + (["-C", str(cwd)] if cwd is not None else []) + args
     env = _env()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=text, timeout=timeout, env=env, input=input)
+        proc = subprocess.run(cmd, capture_output=True, text=text, timeout=timeout, env=env, input=input,
+                              **dies_with_us())
     except FileNotFoundError:
         raise GitError("git is not installed", hint="install git (2.30 or newer)") from None
     except subprocess.TimeoutExpired:
@@ -126,7 +159,7 @@ def clone_no_checkout(source: str, dest: Path, *, progress: bool) -> None:
     cmd = ["git", "clone", "--no-checkout", "--progress" if progress else "--quiet", "--", source, str(dest)]
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                env=_env())
+                                env=_env(), **dies_with_us())
     except FileNotFoundError:
         raise GitError("git is not installed", hint="install git (2.30 or newer)") from None
     out: list[str] = []

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h3kit import locks, manifest, testhooks
+from h3kit import gitutil, locks, manifest, testhooks
 from h3kit.errors import H3kitError
 from h3kit.patchfile import PatchFile, PatchFormatError, parse_patch, render_new_file_section, render_patch
 
@@ -167,7 +167,8 @@ class Scratch:
         env.pop("GIT_DIR", None)
         env.pop("GIT_WORK_TREE", None)
         try:
-            return subprocess.run(args, cwd=self.dir, capture_output=True, text=True, env=env, timeout=GIT_TIMEOUT)
+            return subprocess.run(args, cwd=self.dir, capture_output=True, text=True, env=env, timeout=GIT_TIMEOUT,
+                                  **gitutil.dies_with_us())
         except FileNotFoundError:
             raise H3kitError("git is not installed", code="no_git", hint="install git") from None
 
