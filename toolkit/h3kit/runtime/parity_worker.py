@@ -118,9 +118,7 @@ def _start_group(args):
     import comfy.multinpu_group as group
     import comfy.multinpu_process as mp
     key = os.environ.setdefault(group.KEY_ENV, group.new_key())
-    # the workers unpickle the DiT fault hook: h3kit's toolkit on their path
-    toolkit = str(Path(__file__).resolve().parents[2])
-    os.environ["PYTHONPATH"] = os.pathsep.join([toolkit, os.environ.get("PYTHONPATH", "")])
+    # the workers unpickle the DiT fault hook: h3kit reaches them through PYTHONPATH (worker.run)
     spec = group.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
                            join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
@@ -141,7 +139,6 @@ def _models_dir():
 
 def _setup_comfy(comfy_home, device_type, npu_count):
     sys.path.insert(0, comfy_home)
-    sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # h3kit itself (tiny_models)
     os.chdir(comfy_home)
     if device_type == "cpu":
         os.environ["H3KIT_SIM_DEVICES"] = str(npu_count)
