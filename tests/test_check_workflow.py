@@ -556,6 +556,20 @@ def test_a_proxy_in_the_environment_does_not_hide_the_local_service(tmp_path, fa
     assert found(result, "H3102") == [("H3102", "6")]
 
 
+def test_card_memory_from_the_running_service(tmp_path, fake_service):
+    prompt = deep(API)
+    prompt["6"]["inputs"]["weights"] = "replicated"
+    _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [
+        {"name": "npu:0", "vram_total": 64 * 10**9}, {"name": "npu:1", "vram_total": 32 * 10**9},
+        {"name": "npu:2", "vram_total": 64 * 10**9}, {"name": "npu:3", "vram_total": 64 * 10**9}]}
+    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1, 2, 3]})
+    result = check_doc(tmp_path, prompt, comfy_home=str(home))
+    assert found(result, "H3109") == [("H3109", "6")] and result.summary["device_memory_gb"] == 32  # the smallest
+    assert f"the cards have 32 GB (/system_stats of http://127.0.0.1:{FAKE_PORT})" in messages(result, "H3109")[0]
+    # --device-memory wins over the service's figure
+    assert found(check_doc(tmp_path, prompt, comfy_home=str(home), device_memory=80), "H3109") == []
+
+
 def test_a_record_whose_process_is_gone_says_nothing(tmp_path, fake_service):
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -649,9 +663,62 @@ def test_frontend_schema_check_catches_what_the_frontend_rejects():
 def test_npu_count_is_the_first_widget_even_if_the_node_grows(tmp_path):
     doc = json.loads(SHIPPED[0].read_text())
     config = next(n for n in doc["nodes"] if n["type"] == "MultiNPUParallelConfig")
-    config["widgets_values"] = [2, "a widget a later runtime adds"]
+    config["widgets_values"] = [2, "sharded", "a widget a later runtime adds"]
     result = check_doc(tmp_path, doc, devices="0,1,2,3")
     assert found(result) == [("H3406", "6"), ("H3102", "6")]
+
+
+def test_the_weights_widget_follows_npu_count_and_may_be_missing(tmp_path):
+    """Issue 14 appended the optional weights widget: [npu_count, weights] from a current frontend, [npu_count]
+    from one saved before (it keeps its default, auto); a value the node does not take is an error."""
+    doc = json.loads(SHIPPED[0].read_text())
+    config = next(n for n in doc["nodes"] if n["type"] == "MultiNPUParallelConfig")
+    assert config["widgets_values"] == [4, "auto"]
+    config["widgets_values"] = [4]  # saved before the widget existed: no note, weights auto
+    assert found(check_doc(tmp_path, doc, devices="0,1,2,3")) == []
+    assert found(check_doc(tmp_path, doc, devices="0,1,2,3", device_memory=64)) == []  # auto shards: it fits
+    config["widgets_values"] = [4, "replicated"]
+    assert found(check_doc(tmp_path, doc, devices="0,1,2,3")) == []
+    # the value was read: replicated BF16 on four 64 GB cards does not fit (H3109), sharded does
+    assert found(check_doc(tmp_path, doc, devices="0,1,2,3", device_memory=64)) == [("H3109", "6")]
+    config["widgets_values"] = [4, "sharded"]
+    assert found(check_doc(tmp_path, doc, devices="0,1,2,3", device_memory=64)) == []
+    config["widgets_values"] = [4, "shared"]
+    result = check_doc(tmp_path, doc, devices="0,1,2,3")
+    assert found(result) == [("H3110", "6")] and "takes auto, replicated, sharded" in messages(result, "H3110")[0]
+
+
+def test_the_tier_must_fit_the_cards(tmp_path):
+    """H3109: the workflow's tier (npu_count, BF16/INT8 DiT, weights, canvas and length) against one card, with
+    the first change that fits; the figures are h3kit plan's (cost model)."""
+    from h3kit.runtime import costmodel
+    prompt = deep(API)  # 4 devices, minimax_h3_fl2va_bf16, 1344x768, 124 frames, no weights value: auto
+    assert found(check_doc(tmp_path, prompt, devices="0,1,2,3", device_memory=64)) == []  # auto shards
+    assert found(check_doc(tmp_path, prompt, devices="0,1,2,3")) == []  # no card size: nothing said
+    prompt["6"]["inputs"]["weights"] = "replicated"
+    result = check_doc(tmp_path, prompt, devices="0,1,2,3", device_memory=64)
+    assert found(result) == [("H3109", "6")] and result.exit_code == 0  # a warning: it runs, streaming weights
+    need = costmodel.plan(1344, 768, 124, 4, sharding="replicated")["memory_per_device"]["total"]
+    message = messages(result, "H3109")[0]
+    assert f"need {need / 1e9:.1f} GB per device and the cards have 64 GB (--device-memory 64)" in message
+    assert "Fix: set weights to sharded (or auto) on MultiNPUParallelConfig (22.8 GB per device" in message
+    # 15 s, sharded BF16 on 4 cards: 27.2 GB per device fits a 32 GB card, not a 24 GB one
+    prompt["7"]["inputs"]["length"] = 362
+    prompt["6"]["inputs"]["weights"] = "sharded"
+    assert found(check_doc(tmp_path, prompt, devices="0,1,2,3", device_memory=32)) == []
+    result = check_doc(tmp_path, prompt, devices="0,1,2,3", device_memory=24)
+    assert found(result) == [("H3109", "6")]
+    assert "Fix: use the INT8 DiT (minimax_h3_*_int8_convrot) with weights sharded (20.9 GB" in messages(result, "H3109")[0]
+    prompt["1"]["inputs"]["unet_name"] = "minimax_h3_fl2va_int8_convrot.safetensors"  # INT8: one step further
+    result = check_doc(tmp_path, prompt, devices="0,1,2,3", device_memory=16)
+    message = messages(result, "H3109")[0]
+    assert "Fix: run on 8 devices with weights sharded (h3kit start --devices 0,1,2,3,4,5,6,7, npu_count 8) " \
+           "(11.8 GB per device" in message
+    # one device: nothing to shard; the INT8 DiT is the fix at 64 GB, 5 s
+    prompt = deep(API)
+    prompt["6"]["inputs"]["npu_count"] = 1
+    result = check_doc(tmp_path, prompt, devices="0", device_memory=64)
+    assert found(result) == [("H3109", "6")] and "Fix: use the INT8 DiT" in messages(result, "H3109")[0]
 
 
 def test_shipped_set_is_complete():

@@ -18,9 +18,10 @@ import pytest
 from h3kit import health
 from h3kit.workflow.catalog import H3KIT_NODES, PIN_CATALOG, compact_object_info, load_catalog
 from h3kit.workflow.models import LOADER_INPUTS, scan_node_types
+from tests.support.service_helpers import PORT_OFFSET
 
 ROOT = Path(__file__).resolve().parents[1]
-PORT = 8603
+PORT = 8603 + PORT_OFFSET
 BOOT_TIMEOUT_S = 90
 
 

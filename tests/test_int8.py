@@ -17,6 +17,7 @@ from tests.support import checks_runner
 from tests.support.checks_runner import value
 from tests.support.service_helpers import h3kit
 from tests.support import jsondoc
+from tests.test_parity_dit import check_weights
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 SUPPORT = Path(__file__).resolve().parent / "support"
@@ -120,14 +121,17 @@ def test_int8_parity_rows(installed_tree, comfy_python, n):
                  "--npu-count", str(n), "--weights", "int8", "--python", comfy_python, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = jsondoc.data(proc.stdout, proc.returncode)
-    assert len(rows) == 6 and {r["weights"] for r in rows} == {"int8"}
+    # replicated in both attention modes, and sharded (INT8 data and scales sliced by one cut) with Ulysses
+    assert len(rows) == 9 and {r["weights"] for r in rows} == {"int8"}
+    assert sorted(r["sharding"] for r in rows) == ["replicated"] * 6 + ["sharded"] * 3
     for r in rows:
-        assert r["pass"] and r["max_rel"] <= 1e-5 and r["gate"] == "max_rel <= 1e-05", r
+        assert r["pass"] and r["max_rel"] <= 1e-5 and r["gate"].startswith("max_rel <= 1e-05"), r
         for side in ("int8_calls_single", "int8_calls_parallel"):
             assert set(r[side]) == {"w8a8/reference", "w8a16/reference"}, r
         # every rank ran its blocks' four INT8 linears in W8A8: 3 blocks x 4 linears x n ranks x 4 forwards
         assert r["int8_calls_parallel"]["w8a8/reference"] == 3 * 4 * n * 4
-    assert f"parity passed: 6 row(s) within {parity_lib.gate('dit', 'int8')}" in proc.stderr
+        check_weights(r, n)  # resident bytes and gathers against the plan's INT8 layout; sharded == replicated
+    assert f"parity passed: 9 row(s) within {parity_lib.gate('dit', 'int8')}" in proc.stderr
 
 
 def test_int8_parity_injected_fault_fails(installed_tree, comfy_python):
@@ -135,7 +139,7 @@ def test_int8_parity_injected_fault_fails(installed_tree, comfy_python):
     report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, fault="shard", weights="int8",
                             extra_args=("--layouts", "t2va,ref2va"))
     rows = report["rows"]
-    assert not report["ok"] and len(rows) == 4 and not any(r["pass"] for r in rows)
+    assert not report["ok"] and len(rows) == 6 and not any(r["pass"] for r in rows)
     assert all(r["max_rel"] > 0.1 and set(r["int8_calls_parallel"]) == {"w8a8/reference", "w8a16/reference"}
                for r in rows), "the INT8 rows fail on the fault itself, not on missing calls"
 

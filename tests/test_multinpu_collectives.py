@@ -51,7 +51,7 @@ def run_gloo(tmp_path, worlds, case, timeout=20.0, deadline=60.0, **params):
 def test_collectives_threads(world):
     _, results = run_threads(world, multinpu_cases.case_collectives)
     assert [r["rank"] for r in results] == list(range(world))
-    assert all(len(r["checked"]) == 8 for r in results)
+    assert all(len(r["checked"]) == 9 for r in results)
 
 
 def test_collectives_gloo_processes(tmp_path):
@@ -60,7 +60,7 @@ def test_collectives_gloo_processes(tmp_path):
     for g in groups:
         for rank in g["ranks"]:
             assert rank["status"] == "ok", f"P={g['world']} rank {rank['rank']}: {rank.get('traceback') or rank}"
-            assert rank["exitcode"] == 0 and len(rank["result"]["checked"]) == 8
+            assert rank["exitcode"] == 0 and len(rank["result"]["checked"]) == 9
 
 
 def test_world_size_one_moves_nothing():

@@ -85,8 +85,10 @@ def test_npu_arms_call_the_npu_runtime(checks):
 def test_node_schema(checks):
     v = value(checks, "schema")
     assert v["node_id"] == "MultiNPUParallelConfig" and v["category"] == "advanced/multigpu"
-    assert v["required"] == ["model", "npu_count"] and v["optional"] == ["clip", "vae", "audio_vae"]
+    # weights (issue 14) is optional and last: a prompt or workflow saved without it runs with auto
+    assert v["required"] == ["model", "npu_count"] and v["optional"] == ["clip", "vae", "audio_vae", "weights"]
     assert v["npu_count"] == ["COMBO", [1, 2, 4, 8], 4]
+    assert v["weights"] == ["COMBO", ["auto", "replicated", "sharded"], "auto"]
     assert v["return_types"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
 
@@ -178,6 +180,7 @@ def test_server_lists_the_node(server):
     info = comfy_server.http("GET", server.url + "/object_info/MultiNPUParallelConfig")["MultiNPUParallelConfig"]
     assert info["category"] == "advanced/multigpu"
     assert info["input"]["required"]["npu_count"][1]["options"] == [1, 2, 4, 8]
+    assert info["input"]["optional"]["weights"][1]["options"] == ["auto", "replicated", "sharded"]
     assert info["output"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
 
@@ -204,3 +207,18 @@ def test_server_two_devices_match_one_in_decoded_frames_and_audio(server):
     parity = av_pipeline.compare(av_pipeline.decoded(server, one), av_pipeline.decoded(server, two))
     assert parity["frames"]["shape"] == [39, 64, 64, 3] and parity["waveform"]["shape"][:2] == [1, 2]
     assert av_pipeline.within_gate(parity), parity
+    # the same prompt with the DiT's weights sharded over the two devices: what the user gets is the same, exactly
+    sharded = av_pipeline.prompt(2, 1, "npu2s")
+    sharded["5"]["inputs"]["weights"] = "sharded"
+    same = av_pipeline.compare(av_pipeline.decoded(server, two),
+                               av_pipeline.decoded(server, server.run_prompt(sharded, timeout=240)))
+    assert all(same[k]["max_abs"] == 0 for k in same), same
+    assert "every device keeps 1/2 of each DiT block's weights" in server.log_text()
+
+
+def test_server_rejects_a_weights_value_the_node_does_not_take(server):
+    bad = _prompt(2)
+    bad["2"]["inputs"]["weights"] = "shared"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        comfy_server.http("POST", server.url + "/prompt", {"prompt": bad}, timeout=30)
+    assert refused.value.code == 400 and "weights" in json.dumps(json.loads(refused.value.read())["node_errors"]["2"])

@@ -17,6 +17,7 @@ RUNTIME_PATCHES = {
     "npu-int8-linear.patch": ["comfy/npu_quant.py", "comfy/quant_ops.py"],
     "multinpu-collectives.patch": ["comfy/multinpu.py"],
     "multinpu-weights-read-once.patch": ["comfy/multinpu_weights.py"],
+    "h3-dit-sharded-weights.patch": ["comfy/multinpu_shard.py"],
     "h3-dit-sequence-parallel.patch": ["comfy/multinpu_dit.py"],
     "h3-text-encoder-tensor-parallel.patch": ["comfy/multinpu_te.py"],
     "h3-video-vae-decode-parallel.patch": ["comfy/multinpu_vae.py"],
@@ -52,7 +53,8 @@ def test_new_files_match_their_sources(series):
 @pytest.mark.upstream
 def test_series_applied_to_the_pin(installed_tree):
     tree = installed_tree
-    for rel in ("comfy/multidevice.py", "comfy/multinpu.py", "comfy/multinpu_weights.py", "comfy/multinpu_dit.py",
+    for rel in ("comfy/multidevice.py", "comfy/multinpu.py", "comfy/multinpu_weights.py", "comfy/multinpu_shard.py",
+                "comfy/multinpu_dit.py",
                 "comfy/multinpu_te.py", "comfy/multinpu_vae.py", "comfy_extras/nodes_multinpu.py", "comfy/npu_quant.py"):
         assert (tree / rel).read_text() == (ROOT / "patches" / "src" / rel).read_text()
     mm = (tree / "comfy" / "model_management.py").read_text()

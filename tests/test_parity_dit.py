@@ -3,9 +3,10 @@
 The worker samples a tiny random-weight H3 DiT on one device and through the MultiNPUParallelConfig
 node on N simulated devices (real node, wrapper, block replacements and attention override; real
 sampler), for t2va, fl2va and ref2va, with Ulysses and K/V-gather attention, in fp32, in bf16 and with a
-random LoRA. Every row must pass its gate on each output of each forward with the work really split, each
-injected fault must fail the gate of every row it reaches, and the bytes the threads moved, in all and per
-device, must equal the cost model's.
+random LoRA, with replicated and with sharded weights. Every row must pass its gate on each output of each
+forward with the work really split, every sharded row must equal its replicated twin exactly, each injected
+fault must fail the gate of every row it reaches, and the bytes the threads moved, in all and per device, the
+weight bytes each rank held and the bytes its weight gathers received must equal the cost model's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,39 @@ pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 LAYOUTS = {"t2va", "fl2va", "ref2va"}
 VARIANTS = {("float32", False), ("bfloat16", False), ("float32", True)}  # (dtype, LoRA)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+WEIGHTS = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "bf16"), "int8": ("int8", "fp32")}  # (weights, other)
+# the packed latent the tiny rows sample: video 24 x 2 x 8 x 12 and audio 32 x 2 x 8 elements
+LATENT_ELEMENTS = 24 * 2 * 8 * 12 + 32 * 2 * 8
+
+
+def tiny_cfg():
+    """The cost model's configuration of the parity worker's tiny DiT."""
+    tiny = parity_worker.TINY
+    return dict(costmodel.H3, blocks=tiny["num_layers"], hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
+                head_dim=tiny["attention_head_dim"], ffn=tiny["ffn_hidden_size"], text_dim=tiny["text_dim"],
+                refiner_blocks=tiny["token_refiner_num_layers"], t_in=tiny["timestep_input_dim"],
+                t_hidden=tiny["time_embed_hidden_size"], t_dim=tiny["time_embed_dim"],
+                rope_inv_freq=tiny["rope_inv_freq_len"])
+
+
+def check_weights(r, n):
+    """The weights a row's ranks held and what their gathers received, measured in the run, against the plan; a
+    sharded row equals its replicated twin exactly; ComfyUI sized each rank's load by its shard of the latent and
+    every rank gave its cached memory back after sampling."""
+    weights, other = WEIGHTS[r["weights"] if r["weights"] == "int8" else r["dtype"]]
+    plan = costmodel.weights_per_device(n, weights, r["sharding"], tiny_cfg(), other=other)
+    assert r["resident_bytes"] == [plan["resident"]] * n, f"{r['sharding']}: resident per rank vs the plan"
+    assert r["weight_bytes_received"] == [plan["received_per_forward"] * r["forwards"]] * n, "gathers vs the plan"
+    assert r["weight_bytes"] == plan["moved_per_forward"] * r["forwards"]
+    if r["sharding"] == "sharded":
+        assert r["max_abs_vs_replicated"] == 0 and r["weight_bytes"] > 0
+        assert r["resident_bytes"][0] < costmodel.weight_bytes(weights, tiny_cfg(), other=other)
+    one, sizes = r["memory_estimate_one_device"], costmodel.shard_sizes(LATENT_ELEMENTS, n)
+    for k in range(2):  # memory_required, minimum_memory_required: upstream's estimate at each rank's shard
+        assert [e[k] for e in r["memory_estimates"]] == pytest.approx([one[k] * s / LATENT_ELEMENTS for s in sizes])
+    rank0_only = r["transport"] == "threads"  # the thread ranks load with rank 0's model, sized by its shard
+    assert r["memory_used"] == pytest.approx([r["memory_estimates"][0 if rank0_only else i][0] for i in range(n)], abs=1)
+    assert r["caches_emptied"] == [1] * n
 
 
 def _exchange(row):
@@ -35,9 +69,10 @@ def _exchange(row):
 
 
 def _check_rows(rows, n, variants=VARIANTS):
-    assert {(r["layout"], r["attention"], r["dtype"], r["lora"]) for r in rows} == \
-        {(lay, a, d, lo) for lay in LAYOUTS for a in ("ulysses", "kv_gather") for d, lo in variants
-         if lay == "t2va" or not lo}  # the LoRA rows: the first layout
+    # every variant with replicated weights in both attention modes, and with sharded weights (Ulysses)
+    assert {(r["layout"], r["attention"], r["dtype"], r["lora"], r["sharding"]) for r in rows} == \
+        {(lay, a, d, lo, w) for lay in LAYOUTS for a in ("ulysses", "kv_gather") for d, lo in variants
+         for w in ("replicated", "sharded") if (lay == "t2va" or not lo) and (w == "replicated" or a == "ulysses")}
     for r in rows:
         assert r["seq_len"] % n != 0, f"{r['layout']}: S={r['seq_len']} divides by {n}; the test must cover uneven shards"
         assert r["forwards"] == 4 and r["parallel_forwards"] == 4, r  # 2 steps x (cond, uncond)
@@ -48,11 +83,15 @@ def _check_rows(rows, n, variants=VARIANTS):
         assert all(o["max_rel"] <= r["max_rel"] for o in r["outputs"].values()), "the row carries the worst output"
         if r["lora"]:
             assert r["lora_ranks"] == ["once"] * n
-        # bytes, as measured by the transport: in all and on the busiest device, against the cost model
+        # bytes, as measured by the transport: in all and on the busiest device, against the cost model (the
+        # sharded weights' gathers apart, checked in check_weights)
         ex, e = _exchange(r), DTYPE_BYTES[r["dtype"]]
-        assert r["bytes_moved"] == ex["total"] * e * r["forwards"], f"{r['layout']}/{r['attention']}: moved vs model"
+        moved = r["bytes_moved"] - r["weight_bytes"]
+        assert moved == ex["total"] * e * r["forwards"], f"{r['layout']}/{r['attention']}: moved vs model"
         # per device too, which is where the final gather shows: it lands on rank 0 alone
-        assert r["bytes_received"] == [x * e * r["forwards"] for x in ex["per_device"]]
+        assert [b - w for b, w in zip(r["bytes_received"], r["weight_bytes_received"])] == \
+            [x * e * r["forwards"] for x in ex["per_device"]]
+        check_weights(r, n)
 
 
 def _check_config(cfg, n):
@@ -73,13 +112,7 @@ def test_parity_two_devices_and_cost_model(installed_tree, comfy_python):
     cfg = report["config"]
     _check_config(cfg, 2)
     # the cost model's parameter formula, on the tiny config, counts the loaded checkpoint exactly
-    tiny = parity_worker.TINY
-    model = dict(costmodel.H3, blocks=tiny["num_layers"], hidden=tiny["hidden_size"], heads=tiny["num_attention_heads"],
-                 head_dim=tiny["attention_head_dim"], ffn=tiny["ffn_hidden_size"], text_dim=tiny["text_dim"],
-                 refiner_blocks=tiny["token_refiner_num_layers"], t_in=tiny["timestep_input_dim"],
-                 t_hidden=tiny["time_embed_hidden_size"], t_dim=tiny["time_embed_dim"],
-                 rope_inv_freq=tiny["rope_inv_freq_len"])
-    assert costmodel.parameter_counts(model)["total"] == cfg["params"]
+    assert costmodel.parameter_counts(tiny_cfg())["total"] == cfg["params"]
     # the cost model's packed sequence is the length upstream's PackedLayout built for the run (t2va; fl2va's two
     # keyframes); the tiny latent is 2 x 8 x 12 = 5 frames of 192 x 128 pixels
     seq = {r["layout"]: r["seq_len"] for r in report["rows"]}
@@ -94,7 +127,7 @@ def test_parity_four_devices_cli(installed_tree, comfy_python):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = jsondoc.data(proc.stdout, proc.returncode)
     _check_rows(rows, 4)
-    assert "parity passed: 14 row(s)" in proc.stderr
+    assert "parity passed: 21 row(s)" in proc.stderr
 
 
 def test_parity_over_the_process_group(installed_tree, comfy_python):
@@ -108,14 +141,19 @@ def test_parity_over_the_process_group(installed_tree, comfy_python):
     rows = jsondoc.data(proc.stdout, proc.returncode)
     _check_rows(rows, 2, variants={("float32", False), ("float32", True)})
     assert {r["transport"] for r in rows} == {"process"}
+    # every worker process loaded with its own shard's estimate, and emptied its own cache
+    assert all(len(set(r["memory_used"])) == 1 and r["memory_used"][0] > 0 for r in rows)
 
 
 def test_a_fault_on_a_worker_process_fails_the_gate(installed_tree, comfy_python):
-    # the noise fault strikes the last rank only: a worker process, reached through the hook sent with each forward
+    # noise, shard-offset and shard-order strike the last rank only: a worker process, reached through the hook sent
+    # with each forward (shard-offset when the worker builds its slices, shard-order in its gather of block 0)
     report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, timeout=600, transport="process",
-                            extra_args=("--faults", "noise,rope", "--dtypes", "float32", "--layouts", "t2va",
-                                        "--no-lora"))
-    for r in report["rows"]:
+                            extra_args=("--faults", "noise,rope,shard-offset,shard-order", "--dtypes", "float32",
+                                        "--layouts", "t2va", "--no-lora"))
+    rows = report["rows"]
+    assert {(r["fault"], r["sharding"]) for r in rows} >= {("shard-offset", "sharded"), ("shard-order", "sharded")}
+    for r in rows:
         assert r["fault_fired"] > 0 and not r["pass"] and r["split"], r
 
 
@@ -130,6 +168,8 @@ def test_every_fault_fails_every_row_it_reaches(installed_tree, comfy_python, n)
     for fault in faults:
         hit = [r for r in rows if r["fault"] == fault]
         assert hit, f"{fault}: no row ran it"
+        if fault.startswith("shard-"):  # the sharded weights' own faults reach the sharded rows only
+            assert {r["sharding"] for r in hit} == {"sharded"} and all(r["max_abs_vs_replicated"] > 0 for r in hit)
         for r in hit:
             assert r["fault_fired"] > 0, f"{fault} did not strike in {r['layout']}/{r['attention']}"
             assert not r["pass"] and r["failed"], f"{fault} passed the gate in {r['layout']}/{r['attention']}: {r}"
@@ -137,7 +177,7 @@ def test_every_fault_fails_every_row_it_reaches(installed_tree, comfy_python, n)
     # the subtlest one still fails on the worst output of some forward, not by a wide margin
     noise = [r["max_rel"] for r in rows if r["fault"] == "noise"]
     assert min(noise) > parity_worker.DIT_GATES["float32"]
-    lora = {r["fault"]: r["lora_ranks"] for r in rows if r["fault"].startswith("lora")}
+    lora = {r["fault"]: r["lora_ranks"] for r in rows if r["fault"].startswith("lora") and r["sharding"] == "replicated"}
     assert lora["lora-missing"][-1] == "missing" and lora["lora-twice"][-1] == "wrong"
     assert {r["attention"] for r in rows if r["fault"] == "heads"} == {"ulysses"}
 

@@ -128,3 +128,92 @@ def test_runtime_commands_import_no_torch():
             "print('HEAVY=' + ','.join(m for m in ('torch', 'git', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "HEAVY="
+
+
+# ---- weights: INT8, sharded, and whether a tier fits a card (issue 14) --------------------------------------
+# The sharded figures themselves (slice, resident bytes, bytes gathered) are measured against real runs of the
+# tiny DiT on 2 and 4 devices in tests/test_parity_dit.py; here the real model's arithmetic and the command.
+
+def test_int8_weights_keep_the_adaln_projections_in_bf16():
+    q = costmodel.int8_parameters()
+    assert 20.0e9 < q["weights"] < 20.1e9  # docs/int8.md: 385.3 M a block, 50 blocks and 2 refiner blocks
+    int8 = costmodel.weight_bytes("int8")
+    # the int8 linears, their fp32 scales, and the other 13 B parameters (adaLN) still at bf16
+    assert int8 == q["weights"] + 4 * q["scales"] + 2 * (costmodel.parameter_counts()["model_dtype"] - q["weights"]) \
+        + 4 * costmodel.parameter_counts()["fp32"]
+    assert 46.0e9 < int8 < 46.5e9 and costmodel.weight_bytes("bf16") - int8 > 19e9
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_sharded_weights_split_every_block(world):
+    rep = costmodel.weights_per_device(world, "bf16", "replicated")
+    shard = costmodel.weights_per_device(world, "bf16", "sharded")
+    block = costmodel.block_tensor_bytes("bf16")
+    assert 64.5e9 < 50 * sum(block) < 64.6e9  # the blocks hold 32.3 B of the 33.1 B parameters
+    lay = costmodel.shard_layout(block, world)
+    # each device keeps one slice of every block (a little over 1/N: slots and padding) and the rest whole
+    assert lay["slice"] * world == lay["padded"] and lay["padded"] - lay["bytes"] < 32 * costmodel.SHARD_ALIGN
+    assert shard["resident"] == rep["resident"] - 50 * (lay["bytes"] - lay["slice"])
+    assert rep["resident"] / world < shard["resident"] < rep["resident"] / world + 2e9  # the non-block 1.7 GB
+    # every forward gathers the other N-1 slices of all 50 blocks, on every device
+    assert shard["received_per_forward"] == 50 * (world - 1) * lay["slice"]
+    assert shard["moved_per_forward"] == world * shard["received_per_forward"]
+    assert shard["gathered"] == 2 * lay["padded"]
+
+
+def test_int8_blocks_shard_their_scales_with_their_data():
+    block = costmodel.block_tensor_bytes("int8")
+    linears = costmodel._linears(costmodel.H3)
+    assert block[6::2] == [o * i for o, i in linears]  # int8 data, one byte a weight
+    assert block[7::2] == [4 * o for o, _ in linears]  # an fp32 scale per output row, in the same layout
+    assert sum(block[:6]) == sum(costmodel.block_tensor_bytes("bf16")[:6])  # norms and adaLN stay bf16
+
+
+def test_tiers_fit_or_not_with_headroom():
+    def need(n, weights, sharding, frames=124, card=64):
+        return costmodel.plan(1344, 768, frames, n, weights=weights, sharding=sharding, device_memory_gb=card)["fit"]
+    assert not need(4, "bf16", "replicated")["fits"]          # 66.3 GB of weights on each 64 GB card
+    four = need(4, "bf16", "sharded")
+    assert four["fits"] and 40e9 < four["headroom"] < 42e9
+    # H3_FACTS: one card at BF16 768p/15 s is not a supported setting, INT8 is (on a 64 GB card, not a 32 GB one)
+    assert not need(1, "bf16", "replicated", 362)["fits"] and need(1, "int8", "replicated", 362)["fits"]
+    assert not need(1, "int8", "replicated", 362, card=32)["fits"] and need(4, "int8", "sharded", 362, card=32)["fits"]
+    p = costmodel.plan(1344, 768, 124, 4, sharding="sharded", guider="cfg")
+    assert p["weight_bytes_per_device_step"] == 2 * costmodel.weights_per_device(4, "bf16", "sharded")["received_per_forward"]
+    assert costmodel.plan(1344, 768, 124, 1, sharding="sharded")["weight_bytes_per_step"] == 0  # nothing to gather
+
+
+def test_plan_command_weights_sharding_and_device_memory(runner):
+    argv = ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "1", "--npu-count", "4"]
+    out = runner.invoke(main, argv + ["--sharding", "sharded", "--weights", "int8", "--device-memory", "32"]).output
+    assert "weights per device (int8, sharded)" in out and "two gathered blocks" in out
+    fit = next(ln for ln in out.splitlines() if ln.startswith("fits a 32 GB card"))
+    assert fit.split()[-6:] == ["no,", "-18.8", "GB", "yes,", "15.6", "GB"], fit  # 1 device holds all 46.3 GB
+    assert "weight gathers per step (per device)" in out
+    r = runner.invoke(main, argv + ["--sharding", "sharded", "--device-memory", "32", "--json"])
+    one, four = jsondoc.data(r.stdout, r.exit_code)["plans"]
+    assert one["fit"]["fits"] is False and four["fit"]["fits"] is True
+    assert four["weight_bytes_per_device_step"] > 0 and one["weight_bytes_per_device_step"] == 0
+    out = runner.invoke(main, argv).output
+    assert "fits a" not in out and "weight gathers" not in out  # the plain plan as before
+
+
+def test_tiers_as_json(runner):
+    r = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "1",
+                             "--tiers", "--device-memory", "64", "--json"])
+    doc = jsondoc.data(r.stdout, r.exit_code)
+    # 1 device replicated (bf16, int8), then 2, 4 and 8 devices x bf16/int8 x replicated/sharded
+    assert len(doc["tiers"]) == 2 + 3 * 4 and doc["frames"] == 124
+    four = {(t["weights"], t["sharding"]): t for t in doc["tiers"] if t["npu_count"] == 4}
+    assert not four[("bf16", "replicated")]["fit"]["64"]["fits"] and four[("bf16", "sharded")]["fit"]["64"]["fits"]
+
+
+def test_the_tier_table_in_the_docs_is_the_commands():
+    """docs/deployment.md's tier tables are `h3kit plan --tiers` output, pasted: they must not drift."""
+    from pathlib import Path
+    from click.testing import CliRunner
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
+    for frames in (124, 362):
+        out = CliRunner().invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", str(frames),
+                                        "--npu-count", "1", "--tiers"]).output
+        assert out.strip() in doc, f"docs/deployment.md lacks the current tier table for {frames} frames"

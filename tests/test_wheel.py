@@ -92,3 +92,26 @@ def test_install_verify_and_check_workflow_from_the_wheel(wheel_env, comfy_sourc
     assert len(shipped) == 3
     r = _run([h3kit, "check-workflow", "--devices", "0,1,2,3", "--json", *shipped], work, env=env)
     assert r.returncode == 0, r.stdout
+
+
+def test_workers_get_h3kit_alone_on_their_path(wheel_env):
+    """The parity and calibration workers run in ComfyUI's interpreter with h3kit on PYTHONPATH
+    (runtime/worker.py). From a wheel that must be h3kit alone, not the site-packages it sits in (click,
+    psutil, PyYAML... at h3kit's versions, ahead of ComfyUI's own): paths.import_root() is a private folder
+    holding one link to the package. Checked with the checkout's interpreter, which has click too: it must
+    import click from its own environment, and h3kit from the wheel's."""
+    h3kit, env, work = wheel_env
+    r = _run([h3kit.parent / "python", "-c", "import h3kit.paths as p; print(p.import_root()); print(p.package_dir())"],
+             work, env=env)
+    root, package = map(Path, r.stdout.split())
+    assert sorted(e.name for e in root.iterdir()) == ["h3kit"] and (root / "h3kit").resolve() == package, r.stderr
+    probe = "import click, h3kit; print(click.__file__); print(h3kit.__file__)"
+    r = _run([sys.executable, "-c", probe], work, env=dict(env, PYTHONPATH=str(root)))
+    click_file, h3kit_file = map(Path, r.stdout.split())
+    assert h3kit_file.resolve().parent == package, r.stdout + r.stderr
+    assert package.parent not in click_file.parents, f"click came from the wheel's site-packages: {click_file}"
+
+
+def test_a_checkouts_import_root_is_its_toolkit_folder():
+    from h3kit import paths
+    assert paths.import_root() == ROOT / "toolkit"

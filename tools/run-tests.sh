@@ -6,6 +6,8 @@
 #
 #   tools/run-tests.sh MAIN_PYTHON [PYTEST_ARGS...]
 #   H3KIT_TEST_PYTHONS   the other Pythons (default "3.10 3.13"; empty: the main run only)
+#   H3KIT_TEST_WORKERS   pytest-xdist workers of the main run (default 2, one test file per worker at a time:
+#                        a file's server and fixtures stay on one worker; 0: no xdist, for -s or --pdb)
 set -uo pipefail
 main_py=${1:?usage: tools/run-tests.sh MAIN_PYTHON [PYTEST_ARGS...]}
 shift
@@ -17,14 +19,14 @@ trap 'rm -rf "$logs"' EXIT
 offset=0
 for v in $pythons; do
   py=$("$root/tools/ensure-toolkit-venv.sh" "$v") || exit 1
-  offset=$((offset + 1000))   # its own port band (tests/support/service_helpers.py)
+  offset=$((offset + 3000))   # its own port band (tests/support/service_helpers.py)
   ( start=$(date +%s)
     H3KIT_TORCH_FREE_RUN=1 H3KIT_TEST_PORT_OFFSET=$offset "$py" -m pytest -p no:cacheprovider "$@" >"$logs/$v.log" 2>&1
     echo "$? $(( $(date +%s) - start ))" >"$logs/$v.rc" ) &
 done
 
 start=$(date +%s)
-"$main_py" -m pytest "$@"
+"$main_py" -m pytest -n "${H3KIT_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 echo "tests: main run (python $("$main_py" -c 'import platform; print(platform.python_version())')) took $(( $(date +%s) - start )) s"
 wait

@@ -4,7 +4,7 @@ The graphs follow the upstream H3 templates (comfyui-workflow-templates-json 0.1
 video_minimax_h3_t2v.json and video_minimax_h3_r2v.json): UNETLoader -> LoraLoaderModelOnly (Turbo) ->
 BasicGuider/BasicScheduler -> SamplerCustomAdvanced (res_multistep, simple, 8 steps) -> VAEDecode +
 VAEDecodeAudio -> CreateVideo -> SaveVideo, flattened out of the template subgraph and with h3kit's
-MultiNPUParallelConfig (npu_count 4) on the model path; CLIP and both VAEs pass through it too. Node
+MultiNPUParallelConfig (npu_count 4, weights auto) on the model path; CLIP and both VAEs pass through it too. Node
 inputs and outputs come from the pinned ComfyUI's node definitions (h3kit/workflow/pin_nodes.json), so
 the files have the widget shapes the pin's frontend expects. The UI files can be edited in ComfyUI and
 saved back; this script is only the reproducible starting point.
@@ -86,7 +86,7 @@ def _common(b, unet, lora, cond_kind, cond_widgets, cond_extra=()):
     clip_id = b.node("CLIPLoader", [TEXT_ENCODER, "minimax", "default"], (0, 320))
     vae_id = b.node("VAELoader", [VIDEO_VAE], (0, 480), title="Video VAE")
     avae_id = b.node("VAELoader", [AUDIO_VAE], (0, 600), title="Audio VAE (fp32)")
-    cfg_id = b.node("MultiNPUParallelConfig", [4], (380, 160), size=(320, 160),
+    cfg_id = b.node("MultiNPUParallelConfig", [4, "auto"], (380, 160), size=(320, 160),
                     title="MultiNPUParallelConfig (npu_count = devices: 1, 2 or 4)")
     b.link(unet_id, 0, lora_id, "model")
     b.link(lora_id, 0, cfg_id, "model")

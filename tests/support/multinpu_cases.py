@@ -125,6 +125,14 @@ def case_collectives(comm, mn, heads=56, head_dim=4):
     _check(torch.equal(got, full) if r == 0 else got is None, "gather_v with exchanged sizes")
     checked.append("gather_v")
 
+    # all_gather_flat: equal byte slices (a sharded DiT block's) in rank order, into one new tensor, counted
+    flat = torch.randint(0, 256, (p * 96,), generator=torch.Generator().manual_seed(19), dtype=torch.uint8)
+    before = comm.bytes_received
+    got = mn.all_gather_flat(flat[r * 96:(r + 1) * 96].clone(), comm)
+    _check(torch.equal(got, flat) and (p == 1 or got.data_ptr() != flat.data_ptr()), "all_gather_flat")
+    _check(comm.bytes_received - before == (p - 1) * 96, "all_gather_flat counts the other ranks' slices")
+    checked.append("all_gather_flat")
+
     # peer copy 0 -> P-1; on dst the buffer is filled, and is not the sender's memory
     payload = _full((3, 4), seed=16)
     buf = payload.clone() if r == 0 else torch.zeros(3, 4)

@@ -140,8 +140,11 @@ def schema():
     node = nm.MultiNPUParallelConfigNode
     info = node.INPUT_TYPES()
     npu = info["required"]["npu_count"]
+    weights = info["optional"]["weights"]
     return {"required": list(info["required"]), "optional": list(info.get("optional", {})),
-            "npu_count": [npu[0], npu[1].get("options"), npu[1].get("default")], "return_types": list(node.RETURN_TYPES),
+            "npu_count": [npu[0], npu[1].get("options"), npu[1].get("default")],
+            "weights": [weights[0], weights[1].get("options"), weights[1].get("default")],
+            "return_types": list(node.RETURN_TYPES),
             "category": node.CATEGORY, "node_id": node.GET_SCHEMA().node_id}
 
 

@@ -23,9 +23,22 @@ STANDIN_CLI_ARGS = SUPPORT / "standin_cli_args.py"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-# make test runs the torch-free tests on other Pythons beside the main run: each run shifts every test's port
-# band by its own offset, so runs in parallel never pick the same free port
-PORT_OFFSET = int(os.environ.get("H3KIT_TEST_PORT_OFFSET", "0"))
+# make test runs the torch-free tests on other Pythons beside the main run, and the main run on pytest-xdist
+# workers: each run (H3KIT_TEST_PORT_OFFSET, a multiple of 3000) and each worker of a run (gwN: N x 400) shifts
+# every test's port band by its own offset, so tests in parallel never pick the same free port. The bands in
+# use span 8320-8660 and 29500-29599: 400 apart they never overlap, up to 7 workers per run.
+XDIST_PORT_STRIDE = 400
+
+
+def _port_offset() -> int:
+    offset = int(os.environ.get("H3KIT_TEST_PORT_OFFSET", "0"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        offset += XDIST_PORT_STRIDE * int(worker[2:])
+    return offset
+
+
+PORT_OFFSET = _port_offset()
 
 
 def free_port(lo: int, hi: int, exclude=()) -> int:

@@ -315,8 +315,10 @@ class _Doctor:
         verdicts = tier_memory(free)
         self.facts["tiers"] = verdicts
         lines = [f"{v['npu_count']} device(s), {v['geometry']}: needs {v['need_bf16'] / GB:.1f} GB at BF16, "
-                 f"{v['need_int8'] / GB:.1f} GB with INT8 weights; smallest free {v['free'] / GB:.1f} GB: {v['verdict']}"
-                 for v in verdicts]
+                 f"{v['need_int8'] / GB:.1f} GB with INT8 weights"
+                 + (f" (sharded: {v['need_bf16_sharded'] / GB:.1f} / {v['need_int8_sharded'] / GB:.1f} GB)"
+                    if v["npu_count"] > 1 else "")
+                 + f"; smallest free {v['free'] / GB:.1f} GB: {v['verdict']}" for v in verdicts]
         mine = [v for v in verdicts if v["npu_count"] == max(v["npu_count"] for v in verdicts)]
         short = next((v for v in mine if v["geometry"] == "768p/5s"), mine[0])
         held = " (the service holds memory on them now)" if self.service and self.service.get("running") else ""
@@ -328,8 +330,9 @@ class _Doctor:
         elif short["verdict"] != "fits":
             self.add("memory", "warning", f"{short['npu_count']} device(s) at {short['geometry']}: BF16 needs "
                      f"{short['need_bf16'] / GB:.1f} GB per device, {short['free'] / GB:.1f} GB free{held}: "
-                     f"{short['verdict']}", "use INT8 DiT weights, or rely on ComfyUI's partial loading (slower); "
-                     "docs/deployment.md, 'Weights per tier'", lines)
+                     f"{short['verdict']}", "set weights sharded on MultiNPUParallelConfig (auto does it where a "
+                     "replica does not fit), use INT8 DiT weights, or rely on ComfyUI's partial loading (slower); "
+                     "docs/deployment.md section 2, 'Tiers' (h3kit plan --tiers)", lines)
         else:
             self.add("memory", "ok", f"every tier up to {short['npu_count']} device(s) fits 768p/5 s at BF16", lines=lines)
 
@@ -497,10 +500,13 @@ def tier_memory(free: list) -> list:
             seq = costmodel.packed_sequence(w, h, f)["seq_len"]
             act = costmodel.memory_per_device(seq, n, "bf16")["activations"]
             bf16, int8 = costmodel.weight_bytes("bf16") + act, costmodel.weight_bytes("int8") + act
+            sharded = {w: costmodel.memory_per_device(seq, n, "bf16", weights=w, sharding="sharded")["total"]
+                       for w in ("bf16", "int8")}
             verdict = ("fits" if bf16 <= smallest else "INT8 weights fit; BF16 only with partial loading"
                        if int8 <= smallest else "BF16 and INT8 only with partial loading" if act < smallest
                        else "does not fit")
             out.append({"npu_count": n, "geometry": name, "seq_len": seq, "need_bf16": bf16, "need_int8": int8,
+                        "need_bf16_sharded": sharded["bf16"], "need_int8_sharded": sharded["int8"],
                         "free": smallest, "verdict": verdict})
     return out
 

@@ -64,3 +64,23 @@ def h3kit_import_code() -> str:
             f"_spec = _iu.spec_from_file_location('h3kit', {init!r}, submodule_search_locations=[{folder!r}])\n"
             "_sys.modules['h3kit'] = _iu.module_from_spec(_spec)\n"
             "_spec.loader.exec_module(_sys.modules['h3kit'])\n")
+
+
+def import_root() -> Path:
+    """A folder whose one importable entry is this h3kit package, for the path of another interpreter (the one
+    running ComfyUI, which runs h3kit's parity and calibration workers and their ranks). A checkout's toolkit/
+    is such a folder; an installed h3kit sits in site-packages beside its own versions of packages ComfyUI
+    also imports, so it gets a private folder holding one link to the package instead."""
+    if packaged_data() is None:
+        return package_dir().parent
+    import hashlib
+    from h3kit import locks
+    folder = locks.scratch_parent() / f"import-{hashlib.sha256(str(package_dir()).encode()).hexdigest()[:12]}"
+    link = folder / "h3kit"
+    if not (link.is_symlink() and link.resolve() == package_dir()):
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".h3kit-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(package_dir(), target_is_directory=True)
+        os.replace(tmp, link)
+    return folder

@@ -22,6 +22,7 @@ import torch
 import comfy.model_management
 
 SIM_DEVICES_ENV = "H3KIT_SIM_DEVICES"
+SIM_MEMORY_ENV = "H3KIT_SIM_DEVICE_MEMORY"  # GB per simulated cpu device (unset: the host's free memory)
 
 
 def device_kind() -> str:
@@ -114,6 +115,19 @@ def current_stream(device: torch.device):
     if device.type == "cpu":
         return None
     return torch.get_device_module(device).current_stream(device)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` for a model and its activations: comfy.model_management.get_free_memory, except
+    for a simulated cpu device with H3KIT_SIM_DEVICE_MEMORY=GB set, which is an empty card of that size (so
+    the memory decisions of a multi-device run can be exercised on a host without accelerators)."""
+    value = os.environ.get(SIM_MEMORY_ENV, "").strip()
+    if device.type == "cpu" and value:
+        try:
+            return int(float(value) * 1e9)
+        except ValueError:
+            logging.warning(f"MultiDevice: ignoring {SIM_MEMORY_ENV}={value!r}: expected GB such as 64")
+    return comfy.model_management.get_free_memory(device)
 
 
 def device_context(device: torch.device):

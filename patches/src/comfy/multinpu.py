@@ -227,6 +227,11 @@ class ThreadComm:
         if g.failure() is not None:
             raise g._broken(self.rank, op)
 
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this rank has received from the others so far (its own data excluded)."""
+        return self.group.bytes_received[self.rank]
+
     def _copy_in(self, t: torch.Tensor) -> torch.Tensor:
         # copy=True: on the CPU simulation (and two ranks on one card) .to() would otherwise alias
         self.group._count(t.numel() * t.element_size(), self.rank)
@@ -248,6 +253,18 @@ class ThreadComm:
         """P equal-shape tensors, [i] from rank i, all on this rank's device."""
         return self._rendezvous("all_gather", x, lambda slots: [
             x if i == self.rank else self._copy_in(slots[i]) for i in range(self.world_size)])
+
+    def all_gather_flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[P * n, ...]: the P equal-shape tensors in rank order, copied straight into one new tensor."""
+        out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=self.device)
+
+        def take(slots):
+            for i, part in enumerate(out.chunk(self.world_size)):
+                if i != self.rank:
+                    self.group._count(x.numel() * x.element_size(), self.rank)
+                part.copy_(x if i == self.rank else slots[i], non_blocking=True)
+            return out
+        return self._rendezvous("all_gather", x, take)
 
     def all_to_all(self, chunks: list, recv_rows: list) -> list:
         """chunks[j] goes to rank j; returns P tensors, [i] from rank i with recv_rows[i] rows in dim 0."""
@@ -374,14 +391,22 @@ class ProcessComm:
     def _count(self, nbytes: int):
         self.bytes_moved += nbytes
 
-    def all_gather(self, x: torch.Tensor) -> list:
+    @property
+    def bytes_received(self) -> int:
+        return self.bytes_moved
+
+    def all_gather_flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[P * n, ...]: the P equal-shape tensors in rank order, in one tensor (the backend writes it)."""
         x = x.reshape((1,) + tuple(x.shape)) if x.dim() == 0 else x.contiguous()
         # the concatenated form [P * n, ...]: gloo rejects the stacked one
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
         self._call("all_gather", gather, out, x)
         self._count((self.world_size - 1) * x.numel() * x.element_size())
-        return list(out.chunk(self.world_size))
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> list:
+        return list(self.all_gather_flat(x).chunk(self.world_size))
 
     def all_to_all(self, chunks: list, recv_rows: list) -> list:
         send = torch.cat(chunks).contiguous()
@@ -559,6 +584,16 @@ def all_gather_v(x: torch.Tensor, comm, sizes=None, dim: int = 0) -> torch.Tenso
     parts = comm.all_gather(rows.contiguous())                             # P x [max s, ...]
     out = torch.cat([p[:n] for p, n in zip(parts, sizes)])                 # [S, ...]
     return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def all_gather_flat(x: torch.Tensor, comm) -> torch.Tensor:
+    """Equal shards concatenated in rank order on every rank: [n, ...] on each -> [P * n, ...] (one new tensor).
+
+    The DiT's sharded weights: each rank holds one equal slice of a block's bytes. World size 1 returns x.
+    """
+    if comm.world_size == 1:
+        return x
+    return comm.all_gather_flat(x.contiguous())
 
 
 def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):

@@ -17,8 +17,10 @@ A forward on P devices (MiniMaxH3Model is not edited; comfy/ldm/minimax/model.py
    sequence with its absolute video/audio slices; its output is the model's output. Ranks 1..P-1 stop
    after the last block (they have nothing left to compute).
 
-Every rank holds the full DiT weights (about 66 GB at BF16 for H3): sequence parallelism splits the
-activations and the attention work, not the weights.
+Weights: replicated (every rank holds the whole DiT, about 66 GB at BF16 for H3) or sharded
+(comfy.multinpu_shard: every rank keeps 1/P of each block's weights, and a block's whole weights are
+gathered just before it runs and dropped after it). Sequence parallelism splits the activations and the
+attention work; sharding splits the weights too, at the cost of one all-gather of each block per forward.
 
 Two transports run the same forward. Threads (above): the ranks are threads of this process. Processes
 (comfy.multinpu_process): the ranks are the processes of a torch.distributed group; rank 0 broadcasts
@@ -45,8 +47,10 @@ import comfy.multinpu
 import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
+import comfy.multinpu_shard
 import comfy.multinpu_weights
 import comfy.patcher_extension
+import comfy.sampler_helpers
 
 if TYPE_CHECKING:
     from comfy.model_patcher import ModelPatcher
@@ -54,12 +58,14 @@ if TYPE_CHECKING:
 RANK_KEY = "multinpu_rank"           # transformer_options: this rank's _RankState during a forward
 KEY = "multinpu_sequence_parallel"   # wrapper key and additional-models key on the ModelPatcher
 ATTENTION_MODES = ("auto", "ulysses", "kv_gather")
+WEIGHTS_MODES = ("auto", "replicated", "sharded")
 
 # Test seam for `h3kit parity --inject-fault`: None in normal runs. The parity worker sets a callable
 # (stage, rank_state, tensor) -> tensor that corrupts one stage of the parallel path on purpose, to show
 # that its gates catch it. Stages: "rope" (the full RoPE table, before the rank takes its rows), "ulysses"
 # (q, k, v after the all-to-all, [3B, H/P, S, D]), "attention" (the rank's attention output, [B, s_r, H*D]),
-# "gathered" (the final gather on rank 0, [S, hidden]).
+# "gathered" (the final gather on rank 0, [S, hidden]); sharded weights: "shard" (a block's flat bytes on a rank
+# before it takes its slice, [padded]), "weights" (a block's gathered bytes, [padded]).
 fault_hook = None
 
 
@@ -93,6 +99,7 @@ class _RankState:
         self.mod_segments = None
         self.rope_freqs = None
         self.block_options = None
+        self.weights = None  # comfy.multinpu_shard.WeightGather when the rank's DiT is sharded
 
     def shard(self, args: dict) -> torch.Tensor:
         """At block 0: keep this rank's rows of h [S, hidden] -> [s_r, hidden], and re-base the block arguments."""
@@ -180,9 +187,15 @@ class SequenceParallelBlock:
         if state is None:
             return extra["original_block"](args)
         h = state.shard(args) if self.index == 0 else args["img"]
-        out = extra["original_block"]({"img": h, "t_emb": args["t_emb"], "mod_segments": state.mod_segments,
-                                       "rope_freqs": state.rope_freqs,
-                                       "transformer_options": state.block_options})["img"]
+        if state.weights is not None:
+            state.weights.before(self.index)  # this block's weights gathered, the next block's gather issued
+        try:
+            out = extra["original_block"]({"img": h, "t_emb": args["t_emb"], "mod_segments": state.mod_segments,
+                                           "rope_freqs": state.rope_freqs,
+                                           "transformer_options": state.block_options})["img"]
+        finally:
+            if state.weights is not None:
+                state.weights.after(self.index)
         if self.last:
             out = comfy.multinpu.gather_v(out, state.comm, sizes=state.sizes, dst=0)  # [s_r, hidden] -> [S, hidden] on rank 0
             if out is None:
@@ -211,13 +224,17 @@ class SequenceParallelDiT:
 
     Threads: replicas[r] (r >= 1) is the BaseModel whose diffusion_model rank r runs; replicas[0] is None
     (rank 0 is the wrapped model itself). Processes: `runtime` is rank 0's comfy.multinpu_process
-    runtime, devices is [rank 0's device] and `config` what every worker loads. One forward at a time per
-    wrapper. forwards, rank_forwards (per rank), bytes_moved and bytes_received (per rank) count what ran,
-    for logs and `h3kit parity` (with processes the other ranks' bytes reach rank 0 when count_bytes is set).
+    runtime, devices is [rank 0's device] and `config` what every worker loads. `weights` is "replicated"
+    or "sharded" (every rank's DiT is then sharded: comfy.multinpu_shard). One forward at a time per
+    wrapper. forwards, rank_forwards (per rank), bytes_moved and bytes_received (per rank, everything the
+    transport moved), weight_bytes_received (per rank, the sharded weights' gathers: part of the former)
+    and resident_bytes (per rank, the weights it held during the last forward) count what ran, for logs
+    and `h3kit parity` (with processes the other ranks' figures reach rank 0 when count_bytes is set).
+    memory_estimates holds ComfyUI's activation estimate per rank for the current sampling (RankMemory).
     """
 
     def __init__(self, devices, replicas, attention: str = "auto", timeout: float = comfy.multinpu.DEFAULT_TIMEOUT,
-                 runtime=None, config=None):
+                 runtime=None, config=None, weights: str = "replicated"):
         if attention not in ATTENTION_MODES:
             raise ValueError(f"MultiNPU: attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.devices = list(devices)
@@ -226,13 +243,20 @@ class SequenceParallelDiT:
         self.timeout = timeout
         self.runtime = runtime
         self.config = config
+        self.weights = weights
         self.count_bytes = False   # processes: every forward also gathers the bytes each rank received
         self.rank_bytes = None     # ... into this list, for the last forward
-        world = runtime.world_size if runtime is not None else len(self.devices)
+        self.world = runtime.world_size if runtime is not None else len(self.devices)
         self.forwards = 0
-        self.rank_forwards = [0] * world
+        self.rank_forwards = [0] * self.world
         self.bytes_moved = 0
-        self.bytes_received = [0] * world
+        self.bytes_received = [0] * self.world
+        self.weight_bytes_received = [0] * self.world
+        self.resident_bytes = [0] * self.world
+        self.memory_estimates = None      # [(memory_required, minimum_memory_required)] per rank
+        self.memory_estimate_one = None   # ComfyUI's own estimate for the whole latent on one device
+        self.memory_used = [0] * self.world  # the memory_required each rank's last load was sized with
+        self.caches_emptied = [0] * self.world
         self._threads = None
         self._lock = threading.Lock()
 
@@ -261,14 +285,14 @@ class SequenceParallelDiT:
         group = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout)
 
         def rank_forward(comm):
-            options = transformer_options.copy()
-            options[RANK_KEY] = _RankState(comm, self.attention)
-            run = executor
+            run, rank_dm = executor, dm
             if comm.rank > 0:
                 # the rest of the wrapper chain, ending in the replica's own _forward
-                replica = self.replicas[comm.rank].diffusion_model
+                rank_dm = self.replicas[comm.rank].diffusion_model
                 run = comfy.patcher_extension.WrapperExecutor.new_class_executor(
-                    replica._forward, replica, executor.wrappers, idx=executor.idx + 1).execute
+                    rank_dm._forward, rank_dm, executor.wrappers, idx=executor.idx + 1).execute
+            options = transformer_options.copy()
+            state = options[RANK_KEY] = rank_state(comm, self.attention, rank_dm)
             inputs = take_inputs((x, timestep, context, args, kwargs), comm)
             # the workers copy their inputs from rank 0's device before rank 0 queues its own work there,
             # where their copies would otherwise wait behind it
@@ -279,6 +303,9 @@ class SequenceParallelDiT:
                 return run(x_r, timestep_r, context_r, options, *args_r, **kwargs_r)
             except _RankDone:
                 return None
+            finally:
+                self.weight_bytes_received[comm.rank] += finish_rank(state)
+                self.resident_bytes[comm.rank] = comfy.multinpu_shard.resident_bytes(rank_dm)
 
         t0 = time.perf_counter()
         with self._lock:
@@ -302,35 +329,81 @@ class SequenceParallelDiT:
                                "processes; remove it or start the server with --transport threads")
         # the fault hook (`h3kit parity --inject-fault`, None otherwise) runs on every rank, as with threads
         payload = {"config": self.config.id, "attention": self.attention, "count_bytes": self.count_bytes,
-                   "fault_hook": fault_hook, "x": x, "timestep": timestep, "context": context,
-                   "options": plain_options(transformer_options), "args": args, "kwargs": kwargs}
+                   "fault_hook": fault_hook, "memory": self.memory_estimates, "x": x, "timestep": timestep,
+                   "context": context, "options": plain_options(transformer_options), "args": args, "kwargs": kwargs}
 
         def rank0(comm):
             start = comm.bytes_moved
             options = transformer_options.copy()
-            options[RANK_KEY] = _RankState(comm, self.attention)
-            out = executor(x, timestep, context, options, *args, **kwargs)
-            moved = comm.bytes_moved - start
-            return out, _rank_counts(comm, moved, 0) if self.count_bytes else [(moved, 0)]
+            state = options[RANK_KEY] = rank_state(comm, self.attention, executor.class_obj)
+            try:
+                out = executor(x, timestep, context, options, *args, **kwargs)
+            finally:
+                weight_bytes = finish_rank(state)
+            counts = [comm.bytes_moved - start, 0, weight_bytes, comfy.multinpu_shard.resident_bytes(executor.class_obj),
+                      int(self.memory_estimates[0][0]) if self.memory_estimates else 0]
+            return out, _rank_counts(comm, counts) if self.count_bytes else [counts]
 
         t0 = time.perf_counter()
         with self._lock:
             out, counts = self.runtime.run("dit_forward", payload, rank0, configs=[self.config])
         self.forwards += 1
         self.rank_forwards = [n + 1 for n in self.rank_forwards]  # the command completed on every rank
-        self.rank_bytes = [moved for moved, _ in counts]
+        self.rank_bytes = [c[0] for c in counts]
         self.bytes_received = [a + b for a, b in zip(self.bytes_received, self.rank_bytes + [0] * len(self.bytes_received))]
         self.bytes_moved += sum(self.rank_bytes)
+        for r, c in enumerate(counts):
+            self.weight_bytes_received[r] += c[2]
+            self.resident_bytes[r] = c[3]
+            self.memory_used[r] = c[4]
         if fault_hook is not None and hasattr(fault_hook, "fired"):
-            fault_hook.fired += sum(fired for _, fired in counts[1:])  # the strikes on the other ranks
+            fault_hook.fired += sum(c[1] for c in counts[1:])  # the strikes on the other ranks
         logging.debug(f"MultiNPU: DiT forward on {self.runtime.world_size} processes in {time.perf_counter() - t0:.3f} s, "
                       f"{sum(self.rank_bytes) / 2**20:.1f} MiB exchanged")
         return out
 
+    def empty_caches(self):
+        """Return every rank's reserved but unused device memory to the device (after sampling: the next stage,
+        the VAE decode, would otherwise find it taken). Counts the calls per rank in caches_emptied."""
+        if self.runtime is not None:
+            def rank0(comm):
+                comfy.model_management.soft_empty_cache()
+                return _rank_counts(comm, [1])
+            try:
+                counts = self.runtime.run("dit_empty_cache", None, rank0)
+            except (comfy.multinpu_group.GroupError, comfy.multinpu.CollectiveError) as e:
+                # the sampling itself succeeded; a rank that died since is named again by the next command
+                logging.warning(f"MultiNPU: the workers' caches were not emptied after sampling: {e}")
+                return
+            self.caches_emptied = [a + c[0] for a, c in zip(self.caches_emptied, counts)]
+            return
+        for r, device in enumerate(self.devices):
+            # empty_cache acts on the current device: make each rank's device current in turn
+            with comfy.multidevice.device_context(device):
+                comfy.model_management.soft_empty_cache()
+            self.caches_emptied[r] += 1
 
-def _rank_counts(comm, moved: int, fired: int) -> list:
-    """[(bytes received, fault strikes)] of this forward for every rank, on every rank (one small all-gather)."""
-    local = torch.tensor([moved, fired], dtype=torch.int64, device=comm.device)
+
+def rank_state(comm, attention: str, dm) -> _RankState:
+    """A rank's state for one forward; a sharded DiT gathers its blocks' weights through it."""
+    state = _RankState(comm, attention)
+    shards = comfy.multinpu_shard.of(dm)
+    if shards is not None:
+        state.weights = comfy.multinpu_shard.WeightGather(shards, comm, fault=_fault)
+    return state
+
+
+def finish_rank(state: _RankState) -> int:
+    """After a rank's forward: the bytes its weight gathers received (0 when not sharded)."""
+    if state.weights is None:
+        return 0
+    state.weights.close()
+    return state.weights.received
+
+
+def _rank_counts(comm, values: list) -> list:
+    """[values] of this forward for every rank, on every rank (one small all-gather of integers)."""
+    local = torch.tensor(values, dtype=torch.int64, device=comm.device)
     return [tuple(int(v) for v in t.tolist()) for t in comm.all_gather(local)]
 
 
@@ -361,35 +434,51 @@ class _WorkerDiT:
 
 @comfy.multinpu_group.program("dit_config")
 def _load_on_worker(context, comm, payload):
-    src, patches = payload["source"], payload["patches"]
+    src, patches, weights = payload["source"], payload["patches"], payload["weights"]
     base = comfy.multinpu_models.load(src)
+    # another configuration of the same file may be loaded with its patches applied to the shared host weights:
+    # unloaded, they are the file's again (what rank 0 does before it sets a configuration up)
+    comfy.model_management.unload_model_and_clones(base)
     comfy.multinpu_models.map_file_weights(base.model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(base.model)
     patcher = comfy.multinpu_models.patched_clone(base, patches)
-    return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches))
+    if weights == "sharded":
+        patcher = sharded_patcher(patcher, context.device, comm.rank, comm.world_size)
+    return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches, weights=weights))
 
 
 @comfy.multinpu_group.program("dit_forward")
 def _forward_on_worker(context, comm, payload):
     held = context.configs[payload["config"]]
-    comfy.model_management.load_models_gpu([held.patcher])
+    global fault_hook
+    hook = fault_hook = payload["fault_hook"]  # before the load: a sharded DiT builds its slices there
+    fired = getattr(hook, "fired", 0)
+    start = comm.bytes_moved
     dm = held.patcher.model.diffusion_model
     dev = held.patcher.load_device
     options = dict(payload["options"], patches_replace={"dit": held.blocks})
-    options[RANK_KEY] = _RankState(comm, payload["attention"])
-    start = comm.bytes_moved
-    global fault_hook
-    hook = fault_hook = payload["fault_hook"]
-    fired = getattr(hook, "fired", 0)
+    state = options[RANK_KEY] = rank_state(comm, payload["attention"], dm)
+    # sized by this rank's activation estimate (its shard of the tokens), as rank 0 sized its own
+    memory = payload["memory"][comm.rank] if payload["memory"] else (0, None)
     try:
+        comfy.model_management.load_models_gpu([held.patcher], memory_required=memory[0],
+                                               minimum_memory_required=memory[1])
         dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev), options,
                     *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
     except _RankDone:
         pass  # the final gather took this rank's shard to rank 0: nothing left to compute here
     finally:
         fault_hook = None
+        weight_bytes = finish_rank(state)
     if payload["count_bytes"]:
-        _rank_counts(comm, comm.bytes_moved - start, getattr(hook, "fired", 0) - fired)
+        _rank_counts(comm, [comm.bytes_moved - start, getattr(hook, "fired", 0) - fired, weight_bytes,
+                            comfy.multinpu_shard.resident_bytes(dm), int(memory[0])])
+
+
+@comfy.multinpu_group.program("dit_empty_cache")
+def _empty_cache_on_worker(context, comm, payload):
+    comfy.model_management.soft_empty_cache()
+    _rank_counts(comm, [1])
 
 
 def _replica_model(model):
@@ -420,46 +509,119 @@ def _replica_patcher(patcher: ModelPatcher, device: torch.device) -> ModelPatche
     return n
 
 
+def sharded_patcher(patcher: ModelPatcher, device: torch.device, rank: int, world: int) -> ModelPatcher:
+    """A ModelPatcher like `patcher` over a structural copy of its model whose DiT keeps rank `rank`'s slice of
+    every block (comfy.multinpu_shard). Its weight patches stay on it: the slices are built from them when it
+    loads (ON_LOAD) and dropped when it unloads, so ComfyUI's memory manager places and counts them."""
+    n = _replica_patcher(patcher, device)
+    comfy.multinpu_shard.shard_module(n.model.diffusion_model, rank, world, device)
+    n.size = 0  # the slices, not the whole blocks: measure again
+    n.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY, _build_slices)
+    n.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, KEY, _free_slices)
+    return n
+
+
+def _build_slices(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load):
+    shards = comfy.multinpu_shard.of(patcher.model.diffusion_model)
+    if shards is None:
+        return
+    shards.loaded_by(patcher)
+    shards.fault = _fault
+    # only when ComfyUI loaded the slices' module (it had room for it); else they are built per block on use
+    if getattr(shards, "comfy_patched_weights", False):
+        shards.build(patcher, fault=_fault)
+
+
+def _free_slices(patcher, unpatch_all):
+    shards = comfy.multinpu_shard.of(patcher.model.diffusion_model)
+    if shards is not None and unpatch_all:
+        shards.free()
+
+
+def choose_weights(weights: str, patcher: ModelPatcher, devices) -> str:
+    """"replicated" or "sharded" for the node's `weights`: auto is sharded when a whole replica and ComfyUI's
+    minimum inference memory would not fit the free memory of the fullest of `devices` (on a cpu simulation,
+    H3KIT_SIM_DEVICE_MEMORY sets each device's size: comfy.multidevice.free_memory). The activations of a
+    sampling are known only then: RankMemory warns if the choice made here is short for them."""
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(f"MultiNPU: weights must be one of {WEIGHTS_MODES}, got {weights!r}")
+    if weights != "auto":
+        return weights
+    need = patcher.model_size() + comfy.model_management.minimum_inference_memory()
+    free = min(comfy.multidevice.free_memory(d) for d in devices)
+    chosen = "sharded" if need > free else "replicated"
+    logging.info(f"MultiNPU: weights auto: a DiT replica needs {need / 1e9:.1f} GB with ComfyUI's minimum inference "
+                 f"memory, {free / 1e9:.1f} GB are free per device: {chosen}")
+    return chosen
+
+
 def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "auto",
-                            timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> ModelPatcher:
+                            timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None,
+                            weights: str = "replicated") -> ModelPatcher:
     """A clone of `patcher` whose MiniMax H3 DiT runs sequence-parallel on `devices` (rank 0 = devices[0]).
 
-    Threads: adds one replica ModelPatcher per extra device as additional models (so sampling loads each
-    onto its device, with upstream's memory management). Processes (`runtime`, devices ignored): every
-    worker of the group loads the same file with rank 0's weight patches, checked before the first
-    forward. Either way: the DIFFUSION_MODEL wrapper and one block replacement per DiT block. Applying it
-    again replaces the previous setup. Raises ValueError for a model that is not MiniMax H3, whose blocks
-    another node already replaces, or (processes) that a worker cannot load the same way.
+    weights "replicated": every rank holds the whole DiT; "sharded": every rank holds 1/P of each block's
+    weights (comfy.multinpu_shard), and rank 0 too runs a structural copy (the loaded model stays whole for
+    anything else that uses it); "auto": choose_weights. Threads: adds one ModelPatcher per extra device as
+    additional models (so sampling loads each onto its device, with upstream's memory management).
+    Processes (`runtime`, devices ignored): every worker of the group loads the same file with rank 0's
+    weight patches (and shards it the same way), checked before the first forward. Either way: the
+    DIFFUSION_MODEL wrapper, one block replacement per DiT block, and the sampling wrappers that size each
+    rank's load by its own activations and empty every rank's cache after sampling. Applying it again
+    replaces the previous setup. Raises ValueError for a model that is not MiniMax H3, whose blocks another
+    node already replaces, or (processes) that a worker cannot load the same way.
     """
     dm = patcher.model.diffusion_model
     if not isinstance(dm, comfy.ldm.minimax.model.MiniMaxH3Model):
         raise ValueError(f"MultiNPU: sequence parallelism supports the MiniMax H3 DiT, not {type(dm).__name__}")
+    if comfy.multinpu_shard.of(dm) is not None:
+        # its blocks hold one rank's slices, not weights a new setup could start from
+        raise ValueError("MultiNPU: this DiT's weights are already sharded by MultiNPUParallelConfig; apply the node "
+                         "once, to the loader's model")
     blocks = patcher.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     foreign = [k for k, v in blocks.items() if not isinstance(v, SequenceParallelBlock)]
     if foreign:
         raise ValueError(f"MultiNPU: DiT blocks {sorted(k[1] for k in foreign)} are already replaced by another node; "
                          "sequence parallelism needs every block")
     if runtime is not None:
-        return _apply_processes(patcher, attention, timeout, runtime)
+        return _apply_processes(patcher, attention, timeout, runtime, weights)
     devices = [torch.device(d) for d in devices]
     if devices[0] != patcher.load_device:
         raise ValueError(f"MultiNPU: rank 0 must be the model's load device {patcher.load_device}, got {devices[0]}")
     # a loaded model's modules carry per-load state (cast flags, lowvram hooks) a replica must not copy
     comfy.model_management.unload_model_and_clones(patcher)
+    weights = choose_weights(weights, patcher, devices)
     # the loaded weights, now on the host, are the one host copy every device loads from and returns to
     comfy.multinpu_weights.anchor_host_copy(patcher.model)
-    m = patcher.clone()
+    if weights == "sharded":
+        ranks = [sharded_patcher(patcher, d, r, len(devices)) for r, d in enumerate(devices)]
+        m, replicas = ranks[0], ranks[1:]
+    else:
+        m = patcher.clone()
+        replicas = [_replica_patcher(patcher, d) for d in devices[1:]]
     m.remove_additional_models(KEY)
-    replicas = [_replica_patcher(patcher, d) for d in devices[1:]]
     m.set_additional_models(KEY, replicas)
-    m.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY)
-    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY,
-                           SequenceParallelDiT(devices, [None] + [r.model for r in replicas], attention, timeout))
+    _install_wrappers(m, SequenceParallelDiT(devices, [None] + [r.model for r in replicas], attention, timeout,
+                                             weights=weights))
     _replace_blocks(m, len(dm.blocks))
-    size_gb = patcher.model_size() / 1e9
     logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {comfy.multidevice.describe_devices(devices)}, "
-                 f"attention {attention}; every device holds the full DiT weights ({size_gb:.1f} GB)")
+                 f"attention {attention}; {_weights_line(weights, patcher, len(devices))}")
     return m
+
+
+def _weights_line(weights: str, patcher: ModelPatcher, world: int) -> str:
+    size_gb = patcher.model_size() / 1e9
+    if weights == "sharded":
+        return f"every device keeps 1/{world} of each DiT block's weights (the whole DiT: {size_gb:.1f} GB)"
+    return f"every device holds the full DiT weights ({size_gb:.1f} GB)"
+
+
+def _install_wrappers(m: ModelPatcher, wrapper: SequenceParallelDiT):
+    for kind, obj in ((comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, wrapper),
+                      (comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, RankMemory(wrapper)),
+                      (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, EmptyCacheAfterSampling(wrapper))):
+        m.remove_wrappers_with_key(kind, KEY)
+        m.add_wrapper_with_key(kind, KEY, obj)
 
 
 def _replace_blocks(m, count: int):
@@ -467,26 +629,91 @@ def _replace_blocks(m, count: int):
         m.set_model_patch_replace(SequenceParallelBlock(i, i == count - 1), "dit", "double_block", i)
 
 
-def _apply_processes(patcher: ModelPatcher, attention: str, timeout: float, runtime) -> ModelPatcher:
+def _apply_processes(patcher: ModelPatcher, attention: str, timeout: float, runtime, weights: str) -> ModelPatcher:
     src = comfy.multinpu_models.source(patcher.model, "diffusion model")
     patches = comfy.multinpu_models.weight_patches(patcher, "diffusion model")
     comfy.model_management.unload_model_and_clones(patcher)
+    # every rank of the group runs a device like rank 0's
+    weights = choose_weights(weights, patcher, [patcher.load_device])
     # the host weights become the file's page-cache copy, the one every process of this host maps
     comfy.multinpu_models.map_file_weights(patcher.model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(patcher.model)
     config = comfy.multinpu_process.RemoteConfig(
-        "dit_config", {"source": src, "patches": patches},
-        comfy.multinpu_models.digest(src, patcher.model, patches), f"DiT {src.paths[0]}")
-    m = patcher.clone()
+        "dit_config", {"source": src, "patches": patches, "weights": weights},
+        comfy.multinpu_models.digest(src, patcher.model, patches, weights=weights), f"DiT {src.paths[0]}")
+    if weights == "sharded":
+        m = sharded_patcher(patcher, patcher.load_device, 0, runtime.world_size)
+    else:
+        m = patcher.clone()
     m.remove_additional_models(KEY)
-    m.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY)
-    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, KEY,
-                           SequenceParallelDiT([patcher.load_device], [None], attention, timeout, runtime, config))
+    _install_wrappers(m, SequenceParallelDiT([patcher.load_device], [None], attention, timeout, runtime, config,
+                                             weights=weights))
     _replace_blocks(m, len(patcher.model.diffusion_model.blocks))
     logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {runtime.world_size} processes "
-                 f"({runtime.spec.backend}), attention {attention}; every rank holds the full DiT weights "
-                 f"({patcher.model_size() / 1e9:.1f} GB), {len(patches)} weight patch(es) sent to the workers")
+                 f"({runtime.spec.backend}), attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
+                 f"{len(patches)} weight patch(es) sent to the workers")
     return m
+
+
+def rank_shapes(noise_shape, world: int) -> list:
+    """Each rank's share of a latent's shape for ComfyUI's memory estimate: the last dimension (the packed
+    latent's elements: [B, 1, N] for H3's video and audio) cut as the tokens are, the first ranks one longer.
+    ComfyUI's estimate is linear in that dimension, so a rank's estimate is its shard's."""
+    shape = list(noise_shape)
+    return [shape[:-1] + [n] for n in comfy.multinpu.shard_sizes(shape[-1], world)]
+
+
+class RankMemory:
+    """WrappersMP.PREPARE_SAMPLING: ComfyUI sizes the model loads by each rank's own activations.
+
+    Upstream's estimate (model_base.memory_required, through sampler_helpers.estimate_memory) is for the whole
+    latent on one device; a rank computes its shard of the tokens. Rank 0's load (and, with threads, the other
+    ranks' copies that load with it) is decided with rank 0's estimate (the longest shard); each worker process
+    loads with its own (memory_estimates, sent with every forward). Logs a warning with the fix when a rank's
+    weights and activations exceed its device's free memory (ComfyUI then streams part of the weights).
+    """
+
+    def __init__(self, dit: SequenceParallelDiT):
+        self.dit = dit
+
+    def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
+        shapes = rank_shapes(noise_shape, self.dit.world)
+        self.dit.memory_estimates = [comfy.sampler_helpers.estimate_memory(model, s, conds) for s in shapes]
+        self.dit.memory_estimate_one = comfy.sampler_helpers.estimate_memory(model, list(noise_shape), conds)
+        # threads: the other ranks' copies load with rank 0's model, sized by rank 0's (the longest) shard
+        self.dit.memory_used = [self.dit.memory_estimates[0 if self.dit.runtime is None else r][0]
+                                for r in range(self.dit.world)]
+        self._check_fit(model)
+        return executor(model, shapes[0], conds, *args, **kwargs)
+
+    def _check_fit(self, model):
+        patchers = [model] + model.get_additional_models_with_key(KEY)
+        for r, p in enumerate(patchers):
+            need = p.model_size() + self.dit.memory_estimates[r][0]
+            free = comfy.multidevice.free_memory(p.load_device) + p.loaded_size()
+            if need <= free:
+                continue
+            fix = ("weights sharded on MultiNPUParallelConfig, INT8 weights" if self.dit.weights == "replicated"
+                   else "INT8 weights")
+            logging.warning(f"MultiNPU: {p.load_device} (rank {r}) needs {need / 1e9:.3g} GB for the DiT "
+                            f"({self.dit.weights} weights {p.model_size() / 1e9:.3g} GB, activations "
+                            f"{self.dit.memory_estimates[r][0] / 1e9:.3g} GB) and has {free / 1e9:.3g} GB free: "
+                            f"ComfyUI loads part of the weights and streams the rest every step. Fix: {fix}, a "
+                            "smaller or shorter video, or more devices (h3kit plan --device-memory shows each tier)")
+
+
+class EmptyCacheAfterSampling:
+    """WrappersMP.OUTER_SAMPLE: after sampling, every rank gives its reserved but unused device memory back
+    (torch's caching allocator keeps it otherwise, and the next stage, the VAE decode, runs out of memory with
+    most of the device reserved and free)."""
+
+    def __init__(self, dit: SequenceParallelDiT):
+        self.dit = dit
+
+    def __call__(self, executor, *args, **kwargs):
+        out = executor(*args, **kwargs)
+        self.dit.empty_caches()
+        return out
 
 
 def get_wrapper(patcher: ModelPatcher):

@@ -18,6 +18,7 @@ import comfy.multinpu_te
 import comfy.multinpu_vae
 
 NPU_COUNTS = [1, 2, 4, 8]
+WEIGHTS = ["auto", "replicated", "sharded"]
 
 
 def check_npu_count(npu_count) -> str | None:
@@ -74,9 +75,15 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
 
     - npu_count 1: everything passes through unchanged.
     - npu_count 2, 4 or 8:
-      - model: the diffusion model runs sequence-parallel. Each device holds the full DiT weights and
-        works on its share of the video/audio/text tokens; attention exchanges the shares between
-        devices, so the result matches one device.
+      - model: the diffusion model runs sequence-parallel. Each device works on its share of the
+        video/audio/text tokens; attention exchanges the shares between devices, so the result matches
+        one device. `weights` says where the DiT's weights live:
+        - replicated: each device holds the full DiT (66 GB at BF16 for H3).
+        - sharded: each device keeps 1/npu_count of every DiT block's weights; a block's weights are
+          gathered from all devices just before it runs and dropped after it (one all-gather per block
+          and step, overlapped with the previous block on NPU and CUDA). The output is the same.
+        - auto (default): sharded when a full replica would not fit the device's free memory, else
+          replicated. A workflow saved before this input existed runs with auto.
       - clip: the text encoder runs tensor-parallel, each device holding its share of every layer
         (where the device count does not divide the attention heads, a range of layers instead).
       - vae: the video VAE decodes its temporal chunks on all devices and blends them in order; the
@@ -106,6 +113,10 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
                 io.Vae.Input("audio_vae", optional=True),
                 io.Combo.Input("npu_count", options=NPU_COUNTS, default=4,
                                tooltip="Devices to run on: 1, 2, 4 or 8, equal to the devices this server runs on."),
+                io.Combo.Input("weights", options=WEIGHTS, default="auto", optional=True,
+                               tooltip="Where the DiT weights live: replicated (the whole DiT on every device), "
+                                       "sharded (1/npu_count of every block on each device, gathered per block), "
+                                       "auto (sharded when a replica would not fit the device)."),
             ],
             outputs=[
                 io.Model.Output(),
@@ -121,17 +132,17 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: ModelPatcher, npu_count: int, clip: CLIP = None, vae: VAE = None,
-                audio_vae: VAE = None) -> io.NodeOutput:
+                audio_vae: VAE = None, weights: str = "auto") -> io.NodeOutput:
         problem = check_npu_count(npu_count)
         if problem is not None:
             raise ValueError(problem)
         if npu_count > 1:
             runtime = comfy.multinpu_process.get_runtime()
             if runtime is not None:
-                model = comfy.multinpu_dit.apply_sequence_parallel(model, None, runtime=runtime)
+                model = comfy.multinpu_dit.apply_sequence_parallel(model, None, runtime=runtime, weights=weights)
             else:
                 devices = comfy.multidevice.devices_for(model.load_device, npu_count)
-                model = comfy.multinpu_dit.apply_sequence_parallel(model, devices)
+                model = comfy.multinpu_dit.apply_sequence_parallel(model, devices, weights=weights)
             if clip is not None:
                 clip = _spread("text encoder", comfy.multinpu_te.apply_tensor_parallel, clip, clip.patcher.load_device, npu_count)
             if vae is not None:

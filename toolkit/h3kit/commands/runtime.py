@@ -36,7 +36,9 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
               help="Make the parallel path wrong on purpose; the command must then exit 1. dit: shard (default: "
                    "the last device's shard zeroed in the final gather), rope (RoPE rows off by one on devices > 0), "
                    "heads (two heads swapped inside the Ulysses all-to-all), noise (1e-4 relative noise on one "
-                   "device's attention output), lora-twice / lora-missing (on the last device); te: reduce (one "
+                   "device's attention output), lora-twice / lora-missing (on the last device), shard-offset (the last "
+                   "device's slice of block 0 taken 4 bytes off), shard-order (two slices of block 0 swapped in the "
+                   "last device's gather); te: reduce (one "
                    "device's share left out of the reductions and hand-overs); vae: chunks (other devices' chunks "
                    "zeroed).")
 @click.option("--timeout", type=click.FloatRange(min=1), default=parity_lib.DEFAULT_TIMEOUT, show_default=True,
@@ -100,14 +102,17 @@ def _print_rows(rows, config, component):
         click.echo(f"{component}: {', '.join(config.get('dtypes', []))}, {config.get('steps')} steps, "
                    f"cfg {config.get('cfg')}, devices {devices}, transport {config.get('transport')}"
                    + (", INT8 weights" if int8 else ""))
-        click.echo(f"{'layout':8} {'attention':10} {'dtype':9} {'lora':4} {'S':>5} {'fwd':>4} {'max_abs':>10} "
-                   f"{'max_rel':>10} {'worst':17} {'cos':>12} {'bytes':>9}  gate"
-                   + ("  INT8 calls (parallel side)" if int8 else ""))
+        click.echo(f"{'layout':8} {'attention':10} {'dtype':9} {'lora':4} {'weights':10} {'S':>5} {'fwd':>4} "
+                   f"{'max_abs':>10} {'max_rel':>10} {'worst':17} {'cos':>12} {'vs_repl':>8} {'bytes':>9} "
+                   f"{'of_weights':>10} {'resident':>9}  gate" + ("  INT8 calls (parallel side)" if int8 else ""))
         for r in rows:
             calls = ", ".join(f"{k} {v}" for k, v in r.get("int8_calls_parallel", {}).items())
+            vs = r.get("max_abs_vs_replicated")
+            resident = r.get("resident_bytes") or [0]
             click.echo(f"{r['layout']:8} {r['attention']:10} {r['dtype']:9} {'yes' if r['lora'] else '-':4} "
-                       f"{r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} "
-                       f"{r['worst']:17} {r['cos']:>12.9f} {r['bytes_moved']:>9}  {_verdict(r)}"
+                       f"{r.get('sharding') or '-':10} {r['seq_len']:>5} {r['forwards']:>4} {r['max_abs']:>10.3g} "
+                       f"{r['max_rel']:>10.3g} {r['worst']:17} {r['cos']:>12.9f} {'-' if vs is None else f'{vs:.3g}':>8} "
+                       f"{r['bytes_moved']:>9} {r.get('weight_bytes', 0):>10} {resident[0]:>9}  {_verdict(r)}"
                        + (f"  {calls or 'none'}" if int8 else ""))
         return
     click.echo(f"{component}: {', '.join(config.get('dtypes', [config.get('dtype', '')]))}, devices {devices}, "
@@ -150,23 +155,49 @@ def _verdict(row) -> str:
 @click.option("--calibration", type=click.Path(dir_okay=False), metavar="FILE",
               help="A report from h3kit calibrate: seconds per step and speed-up from its measured throughputs "
                    "and bandwidths (instead of --tflops / --link-gbs).")
+@click.option("--weights", type=click.Choice(["bf16", "int8"]), default=None,
+              help="DiT weight storage: bf16 (default: --dtype), or int8 (INT8 block and refiner linears, the rest "
+                   "at --dtype; docs/int8.md).")
+@click.option("--sharding", type=click.Choice(costmodel.SHARDINGS), default="replicated", show_default=True,
+              help="replicated: every device holds the whole DiT; sharded: every device keeps 1/N of each block's "
+                   "weights and gathers each block per forward (the node's weights input).")
+@click.option("--device-memory", type=click.FloatRange(min=0, min_open=True), metavar="GB", multiple=True,
+              help="Memory of one card in GB (64 for a 910B, 32 for a 910B4): whether each tier fits and its "
+                   "headroom. Repeat it with --tiers for one table per card size.")
+@click.option("--tiers", is_flag=True,
+              help="Print the tier table (1/2/4/8 devices x BF16/INT8 x replicated/sharded, one column per "
+                   "--device-memory, default 64 and 32 GB) in markdown, for this geometry (docs/deployment.md).")
 @json_option
 @handle_errors
 def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider, tflops, link_gbs, calibration,
-         as_json):
+         weights, sharding, device_memory, tiers, as_json):
     """Print the sequence-parallel cost model for a resolution and device count.
 
     For the real H3 DiT (50 blocks, hidden 5376, 56x128 heads, ffn 14336): the packed sequence, tokens
     per device, FLOPs per device, bytes exchanged per block and per step (one forward per step with
-    BasicGuider, two with --cfg), and memory per device (the full DiT weights plus estimated activations).
+    BasicGuider, two with --cfg), and memory per device: the DiT weights (replicated: the whole DiT;
+    --sharding sharded: 1/N of every block plus two gathered blocks; --weights int8) plus estimated
+    activations, with --device-memory whether it fits a card and the headroom, and the extra bytes the
+    sharded weights' gathers move per step.
     """
     counts = sorted({int(c) for c in npu_count})
     if calibration and (tflops or link_gbs):
         raise UsageError("--calibration replaces --tflops and --link-gbs", hint="give one or the other")
     measured = calibration_lib.load(calibration) if calibration else None
+    memory = device_memory[0] if device_memory else None
     try:
+        if tiers:
+            memories = list(device_memory) or [64.0, 32.0]
+            rows = tier_rows(width, height, frames, text_tokens, int(keyframes), guider, memories)
+            if as_json:
+                emit_json({"width": width, "height": height, "frames": costmodel.align_frame_count(frames),
+                           "tiers": rows})
+            else:
+                click.echo(tier_table(rows, memories))
+            return
         plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
-                                dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider) for n in counts]
+                                dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider, weights=weights,
+                                sharding=sharding, device_memory_gb=memory) for n in counts]
     except ValueError as e:
         raise UsageError(str(e), hint="H3 needs width and height in multiples of 32 (e.g. 1344x768, 736 not 720)")
     if measured is not None:
@@ -215,9 +246,17 @@ def format_plans(plans) -> list:
     row("exchanged per block (all devices)", lambda p: _si(p["bytes_per_block"], "B"))
     row("exchanged per step (all devices)", lambda p: _si(p["bytes_per_step"], "B"))
     row("exchanged per step (busiest device)", lambda p: _si(p["bytes_per_device_step"], "B"))
-    row("weights per device", lambda p: _si(p["memory_per_device"]["weights"], "B"))
+    row(f"weights per device ({p0['weights']}, {p0['sharding']})", lambda p: _si(p["memory_per_device"]["weights"], "B"))
+    if p0["sharding"] == "sharded":
+        row("  resident slices and the rest", lambda p: _si(p["memory_per_device"]["weights_resident"], "B"))
+        row("  two gathered blocks", lambda p: _si(p["memory_per_device"]["weights_gathered"], "B"))
     row("activations per device (estimate)", lambda p: _si(p["memory_per_device"]["activations"], "B"))
     row("memory per device", lambda p: _si(p["memory_per_device"]["total"], "B"))
+    if "fit" in p0:
+        row(f"fits a {p0['fit']['device_memory'] / 1e9:g} GB card (headroom)", lambda p: _fit_cell(p["fit"]))
+    if p0["sharding"] == "sharded":
+        row("weight gathers per step (per device)", lambda p: _si(p["weight_bytes_per_device_step"], "B"))
+        row("weight gathers per step (all devices)", lambda p: _si(p["weight_bytes_per_step"], "B"))
     if "seconds_compute_step" in p0:
         row("compute per step (at --tflops)", lambda p: f"{p['seconds_compute_step']:.2f} s")
     if "seconds_exchange_step" in p0:
@@ -228,8 +267,53 @@ def format_plans(plans) -> list:
                      "forwards).")
     else:
         lines.append("A step is two forwards (--cfg: the guider runs cond and uncond separately).")
-    lines.append("Every device holds the full DiT weights in sequence parallelism.")
+    if p0["sharding"] == "sharded":
+        lines.append("Sharded weights: each of N devices keeps 1/N of every DiT block and all-gathers each block once "
+                     "per forward (one device holds the whole DiT).")
+    else:
+        lines.append("Every device holds the full DiT weights (--sharding sharded keeps 1/N of each block per device).")
     return lines
+
+
+def _fit_cell(f) -> str:
+    return f"yes, {_si(f['headroom'], 'B')}" if f["fits"] else f"no, -{_si(-f['headroom'], 'B')}"
+
+
+TIER_COUNTS = (1, 2, 4, 8)
+
+
+def tier_rows(width, height, frames, text_tokens=costmodel.DEFAULT_TEXT_TOKENS, keyframes=0, guider="basic",
+              memories=(64.0, 32.0)) -> list:
+    """Every tier (1/2/4/8 devices x bf16/int8 weights x replicated/sharded) of one geometry: its memory per
+    device, whether it fits each card size, and the weight gathers per step."""
+    rows = []
+    for n in TIER_COUNTS:
+        for weights in ("bf16", "int8"):
+            for sharding in costmodel.SHARDINGS if n > 1 else ("replicated",):
+                p = costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=keyframes,
+                                   guider=guider, weights=weights, sharding=sharding)
+                need = p["memory_per_device"]["total"]
+                rows.append({"npu_count": n, "weights": weights, "sharding": sharding, "memory_per_device": need,
+                             "weights_per_device": p["memory_per_device"]["weights"],
+                             "activations": p["memory_per_device"]["activations"],
+                             "weight_bytes_per_device_step": p["weight_bytes_per_device_step"],
+                             "bytes_per_device_step": p["bytes_per_device_step"],
+                             "fit": {f"{m:g}": costmodel.fit(need, m) for m in memories}})
+    return rows
+
+
+def tier_table(rows: list, memories) -> str:
+    """The markdown table of tier_rows (docs/deployment.md carries it)."""
+    head = ("| devices | weights | sharding | weights / device | activations | exchange / step | weight gathers / step | "
+            + " | ".join(f"{m:g} GB card" for m in memories) + " |")
+    lines = [head, "|" + " --- |" * (7 + len(memories))]
+    for r in rows:
+        cells = [str(r["npu_count"]), r["weights"].upper(), r["sharding"], _si(r["weights_per_device"], "B"),
+                 _si(r["activations"], "B"), _si(r["bytes_per_device_step"], "B") if r["npu_count"] > 1 else "-",
+                 _si(r["weight_bytes_per_device_step"], "B") if r["sharding"] == "sharded" else "-"]
+        cells += [_fit_cell(r["fit"][f"{m:g}"]) for m in memories]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _secs(x: float) -> str:

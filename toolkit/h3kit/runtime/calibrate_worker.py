@@ -40,8 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # h3kit's toolkit dir: the cost model only
-from h3kit.runtime import costmodel  # noqa: E402
+from h3kit.runtime import costmodel  # h3kit reaches this interpreter through PYTHONPATH (worker.run)
 
 SIM_DEVICES_ENV = "H3KIT_SIM_DEVICES"
 

@@ -18,6 +18,13 @@ final layer.
 
 A sampling step is one forward with BasicGuider (every upstream H3 template and h3kit's workflows: the
 model is CFG-distilled) and two with a CFG guider (cond and uncond run as separate forwards).
+
+Weights (additions for issue 14): replicated (every device holds the whole DiT) or sharded
+(comfy/multinpu_shard.py: every device keeps one slice of each block's bytes in the layout that module
+uses, and each block's whole weights are all-gathered once per forward), in bf16 or with INT8 linears
+(the four linears of every block and of the token refiner at one byte a weight plus an fp32 scale per
+output channel, docs/int8.md; everything else stays at the model dtype). The sharded figures (slice,
+gathered bytes, resident bytes) are checked against what a real run measures (tests/test_parity_dit.py).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ AUDIO_LATENTS_PER_S = 40
 DEFAULT_TEXT_TOKENS = 300
 FORWARDS_PER_STEP = {"basic": 1, "cfg": 2}   # BasicGuider (CFG-distilled H3); CFG: cond and uncond apart
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+WEIGHTS = ("bf16", "fp16", "fp32", "int8")
+SHARDINGS = ("replicated", "sharded")
+SHARD_ALIGN = 512          # comfy.multinpu_shard.ALIGN: each tensor of a block's flat layout gets aligned(n) + 512
 
 
 def align_frame_count(frames: int) -> int:
@@ -137,16 +147,18 @@ def flops_per_device(seq_len: int, world: int, cfg: dict = H3) -> dict:
             "total": attention + projections + mlp + final}
 
 
-def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict = H3) -> dict:
-    """Bytes on each device: the full DiT weights plus an estimate of the peak activations of one forward.
+def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict = H3, weights: str = None,
+                      sharding: str = "replicated") -> dict:
+    """Bytes on each device: the DiT weights (the whole DiT, or with sharding the resident slices plus two
+    gathered blocks) plus an estimate of the peak activations of one forward. weights: the weights' storage
+    (default: dtype; "int8" for INT8 linears, the rest at dtype).
 
     Activation phases (the largest one counts): the full sequence every device embeds before block 0;
     attention on the shard with the Ulysses buffers (or the gathered K/V); the SwiGLU MLP on the shard;
     the final all-gather (padded parts plus the result). Backend workspaces are not included.
     """
     e = DTYPE_BYTES[dtype]
-    params = parameter_counts(cfg)
-    weights = params["model_dtype"] * e + params["fp32"] * 4
+    w = weights_per_device(world, weights or dtype, sharding, cfg, other=dtype)
     sizes = shard_sizes(seq_len, world)
     s, p = max(sizes), world
     h, inner, ffn = cfg["hidden"], cfg["heads"] * cfg["head_dim"], cfg["ffn"]
@@ -162,15 +174,20 @@ def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict =
     mlp = s * (2 * h + 3 * ffn)
     gather = (p * s + seq_len) * h if world > 1 else 0
     activations = (max(embed, attention, mlp, gather) + s * h) * e
-    return {"weights": weights, "activations": activations, "total": weights + activations}
+    held = w["resident"] + w["gathered"]
+    return {"weights": held, "weights_resident": w["resident"], "weights_gathered": w["gathered"],
+            "activations": activations, "total": held + activations}
 
 
 def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS,
          keyframes: int = 0, dtype: str = "bf16", tflops: float = None, link_gbs: float = None,
-         guider: str = "basic") -> dict:
+         guider: str = "basic", weights: str = None, sharding: str = "replicated",
+         device_memory_gb: float = None) -> dict:
     """The whole model for one configuration. guider "basic" (one forward per step) or "cfg" (two). tflops
     (effective per device) and link_gbs (exchange GB/s per device) are optional calibrations; with them the
-    plan predicts seconds per step."""
+    plan predicts seconds per step. weights (default dtype; "int8") and sharding ("replicated", "sharded")
+    size the weights on each device and the extra bytes the sharded weights' gathers move per step;
+    device_memory_gb (a card's memory) adds whether the tier fits and its headroom ("fit")."""
     forwards = FORWARDS_PER_STEP[guider]
     seq = packed_sequence(width, height, frames, text_tokens, keyframes)
     s_len = seq["seq_len"]
@@ -188,13 +205,27 @@ def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int =
         "bytes_per_block": ex["per_block"] * e, "bytes_final_gather": ex["final_gather"] * e,
         "bytes_per_forward": ex["total"] * e, "bytes_per_step": ex["total"] * e * forwards,
         "bytes_per_device_step": ex["per_device_max"] * e * forwards,
-        "memory_per_device": memory_per_device(s_len, world, dtype),
+        "memory_per_device": memory_per_device(s_len, world, dtype, weights=weights, sharding=sharding),
     }
+    w = weights_per_device(world, weights or dtype, sharding, other=dtype)
+    # sharding as asked: on one device there is nothing to shard, and its figures are the replicated ones
+    out.update({"weights": weights or dtype, "sharding": sharding,
+                "weight_bytes_per_device_step": w["received_per_forward"] * forwards,
+                "weight_bytes_per_step": w["moved_per_forward"] * forwards})
+    if device_memory_gb is not None:
+        out["fit"] = fit(out["memory_per_device"]["total"], device_memory_gb)
     if tflops:
         out["seconds_compute_step"] = out["flops_per_device_step"] / (tflops * 1e12)
     if link_gbs:
         out["seconds_exchange_step"] = out["bytes_per_device_step"] / (link_gbs * 1e9)
     return out
+
+
+def fit(need: int, device_memory_gb: float) -> dict:
+    """Whether `need` bytes fit a card of `device_memory_gb` GB (1e9 bytes), with the headroom left (negative:
+    short by that much)."""
+    memory = int(device_memory_gb * 1e9)
+    return {"device_memory": memory, "need": need, "headroom": memory - need, "fits": need <= memory}
 
 
 # ---- additions for doctor and calibrate: the tiers, INT8 weights, one rank's messages -----------------
@@ -203,13 +234,69 @@ def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int =
 GEOMETRIES = {"768p/5s": (1344, 768, 124), "768p/15s": (1344, 768, 362)}
 
 
-def weight_bytes(weights: str = "bf16", cfg: dict = H3) -> int:
-    """DiT weight bytes on each device: "bf16", "fp16" or "fp32", or "int8" (one byte a parameter, as
-    npu_quant_matmul's int8 weights with a per-channel scale, which is ignored here); the fp32 island
-    (patch projections, time embedder, output heads) stays fp32 in every case."""
+def _linears(cfg: dict) -> list:
+    """(out, in) of the four linears of a DiT block (and of a refiner block): qkv, out, fc1 (SwiGLU), fc2."""
+    h, inner, ffn = cfg["hidden"], cfg["heads"] * cfg["head_dim"], cfg["ffn"]
+    return [(3 * inner, h), (h, inner), (2 * ffn, h), (h, ffn)]
+
+
+def int8_parameters(cfg: dict = H3) -> dict:
+    """The INT8 linears of an H3 INT8 checkpoint (docs/int8.md): the four linears of every block and of every
+    token-refiner block. {"weights": int8 parameters, "scales": fp32 per-channel scales}."""
+    layers = cfg["blocks"] + cfg["refiner_blocks"]
+    return {"weights": layers * sum(o * i for o, i in _linears(cfg)), "scales": layers * sum(o for o, _ in _linears(cfg))}
+
+
+def weight_bytes(weights: str = "bf16", cfg: dict = H3, other: str = "bf16") -> int:
+    """DiT weight bytes on each device: "bf16", "fp16" or "fp32", or "int8": the INT8 linears at one byte a
+    weight plus an fp32 scale per output channel, every other model-dtype parameter (the adaLN projections,
+    13.0 B in the full checkpoints, norms, embeddings) at `other`; the fp32 island (patch projections, time
+    embedder, output heads) stays fp32 in every case."""
     params = parameter_counts(cfg)
-    per = 1 if weights == "int8" else DTYPE_BYTES[weights]
-    return params["model_dtype"] * per + params["fp32"] * 4
+    if weights != "int8":
+        return params["model_dtype"] * DTYPE_BYTES[weights] + params["fp32"] * 4
+    q = int8_parameters(cfg)
+    return (q["weights"] + q["scales"] * 4 + (params["model_dtype"] - q["weights"]) * DTYPE_BYTES[other]
+            + params["fp32"] * 4)
+
+
+def block_tensor_bytes(weights: str = "bf16", cfg: dict = H3, other: str = "bf16") -> list:
+    """Bytes of every tensor of one DiT block as the sharded layout holds it (an INT8 linear is two tensors: its
+    int8 data and its scales): two norms of hidden, q and k norms of head_dim, the four linears, the adaLN
+    projection (18 x hidden rows of t_dim, and its bias)."""
+    e = DTYPE_BYTES[other if weights == "int8" else weights]
+    h, d, t = cfg["hidden"], cfg["head_dim"], cfg["t_dim"]
+    out = [h * e, h * e, d * e, d * e, 18 * h * t * e, 18 * h * e]
+    for o, i in _linears(cfg):
+        out += [o * i, o * 4] if weights == "int8" else [o * i * e]
+    return out
+
+
+def shard_layout(tensor_bytes: list, world: int) -> dict:
+    """comfy.multinpu_shard's flat layout of one block: each tensor in a slot of its bytes rounded up to
+    SHARD_ALIGN plus one SHARD_ALIGN, the total padded to world x SHARD_ALIGN and cut into `world` slices."""
+    slots = sum(-(-n // SHARD_ALIGN) * SHARD_ALIGN + SHARD_ALIGN for n in tensor_bytes)
+    unit = world * SHARD_ALIGN
+    padded = -(-slots // unit) * unit
+    return {"bytes": sum(tensor_bytes), "padded": padded, "slice": padded // world}
+
+
+def weights_per_device(world: int, weights: str = "bf16", sharding: str = "replicated", cfg: dict = H3,
+                       other: str = "bf16") -> dict:
+    """The DiT's weight bytes on each device between forwards (resident), the most a forward adds while it runs
+    (gathered: two whole blocks with sharding, the one running and the next one's gather), and the bytes one
+    forward's weight gathers move: received per device and moved in all (every device receives the other
+    world - 1 slices of every block)."""
+    full = weight_bytes(weights, cfg, other)
+    if sharding == "replicated" or world == 1:
+        return {"sharding": "replicated", "resident": full, "gathered": 0, "received_per_forward": 0,
+                "moved_per_forward": 0, "slice": 0, "block_padded": 0}
+    block = block_tensor_bytes(weights, cfg, other)
+    lay = shard_layout(block, world)
+    received = cfg["blocks"] * (world - 1) * lay["slice"]
+    return {"sharding": "sharded", "resident": full - cfg["blocks"] * lay["bytes"] + cfg["blocks"] * lay["slice"],
+            "gathered": 2 * lay["padded"], "received_per_forward": received, "moved_per_forward": world * received,
+            "slice": lay["slice"], "block_padded": lay["padded"]}
 
 
 def exchange_messages(seq_len: int, world: int, cfg: dict = H3) -> dict:

@@ -21,18 +21,21 @@ from h3kit.runtime import worker
 WORKER = Path(__file__).with_name("parity_worker.py")
 COMPONENTS = ("dit", "te", "vae")
 GATES = {"dit": "max_rel <= 1e-05 (fp32) or 3e-02 (bf16) on each output (video, audio) of each forward, every rank "
-                "ran every forward and data moved, a LoRA applied exactly once on every rank",
+                "ran every forward and data moved, a LoRA applied exactly once on every rank, sharded weights "
+                "max_abs == 0 against the replicated run",
          "dit/int8": "max_rel <= 1e-05 (fp32 compute; 2e-02 in bf16) on each output of each forward, every rank ran "
-                     "every forward and data moved, and the NPU INT8 arm's W8A8 and W8A16 calls on both sides",
+                     "every forward and data moved, the NPU INT8 arm's W8A8 and W8A16 calls on both sides, sharded "
+                     "weights max_abs == 0 against the replicated run",
          "te": "max_rel <= 1e-05, cos >= 0.99999 and rel_rms <= 1e-04 (fp32 and bf16 checkpoints: upstream computes "
                "the text encoder in fp32), identical on every rank, weight_reads == 1",
          "vae": "max_abs == 0, weight_reads == 1"}
 # --inject-fault NAME per component (the first is the default); parity_worker.FAULTS describes each
-FAULTS = {"dit": ("shard", "rope", "heads", "noise", "lora-twice", "lora-missing"),
+FAULTS = {"dit": ("shard", "rope", "heads", "noise", "lora-twice", "lora-missing", "shard-offset", "shard-order"),
           "te": ("reduce",), "vae": ("chunks",)}
 DEFAULT_TIMEOUT = 900.0
-PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_te.py", "comfy/multinpu_vae.py",
-                 "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py", "comfy/npu_quant.py")
+PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_shard.py", "comfy/multinpu_te.py",
+                 "comfy/multinpu_vae.py", "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py",
+                 "comfy/npu_quant.py")
 WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block linears in INT8 (ConvRot)
 PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_group.py", "comfy/multinpu_worker.py",
                  "comfy/multinpu_models.py")

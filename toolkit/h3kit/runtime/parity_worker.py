@@ -83,6 +83,7 @@ DIT_OUTPUTS = ("video", "audio")
 # is deterministic; on an accelerator that noise is reported too. fp32 parity on CPU is exact (max_abs 0).
 DIT_GATES = {"float32": 1e-5, "bfloat16": 3e-2}
 NOISE_REL = 1e-4
+SHARD_FAULT_BYTES = 4  # shard-offset: one fp32 element (two bf16 ones)
 LORA_RANK, LORA_SCALE = 4, 0.1
 DIT_FAULTS = {
     "shard": "the last rank's shard zeroed in the final gather",
@@ -91,7 +92,10 @@ DIT_FAULTS = {
     "noise": f"{NOISE_REL:g} relative noise (std {NOISE_REL:g} x rms) on the last rank's attention output",
     "lora-twice": "the LoRA applied twice on the last rank (LoRA rows)",
     "lora-missing": "the LoRA missing on the last rank (LoRA rows)",
+    "shard-offset": f"the last rank's slice of block 0 taken {SHARD_FAULT_BYTES} bytes off its offset (sharded rows)",
+    "shard-order": "two ranks' slices of block 0 swapped in the last rank's gather (sharded rows)",
 }
+SHARDINGS = ("replicated", "sharded")
 
 TE_LAYOUTS = LAYOUTS
 TE_PROMPT = "A red fox trots through fresh snow at dawn, wind hissing through the pines."
@@ -114,9 +118,7 @@ def _start_group(args):
     import comfy.multinpu_group as group
     import comfy.multinpu_process as mp
     key = os.environ.setdefault(group.KEY_ENV, group.new_key())
-    # the workers unpickle the DiT fault hook: h3kit's toolkit on their path
-    toolkit = str(Path(__file__).resolve().parents[2])
-    os.environ["PYTHONPATH"] = os.pathsep.join([toolkit, os.environ.get("PYTHONPATH", "")])
+    # the workers unpickle the DiT fault hook: h3kit reaches them through PYTHONPATH (worker.run)
     spec = group.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
                            join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
@@ -137,7 +139,6 @@ def _models_dir():
 
 def _setup_comfy(comfy_home, device_type, npu_count):
     sys.path.insert(0, comfy_home)
-    sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # h3kit itself (tiny_models)
     os.chdir(comfy_home)
     if device_type == "cpu":
         os.environ["H3KIT_SIM_DEVICES"] = str(npu_count)
@@ -317,11 +318,20 @@ class _DitFault:
             t = t.clone()
             t[t.shape[0] - state.sizes[-1]:] = 0
             return t
+        if self.name == "shard-offset" and stage == "shard" and last and state.block == 0:
+            self.fired += 1
+            return torch.roll(t, -SHARD_FAULT_BYTES)  # the slice at start + 4 .. stop + 4
+        if self.name == "shard-order" and stage == "weights" and last and state.block == 0:
+            self.fired += 1
+            n = state.shard
+            return torch.cat([t[n:2 * n], t[:n], t[2 * n:]])  # ranks 0 and 1's slices trade places
         return t
 
 
-def _reaches(fault, with_lora, attention, npu_count, transport="threads"):
+def _reaches(fault, with_lora, attention, npu_count, transport="threads", sharding="replicated"):
     """Whether a row runs the code `fault` corrupts (a fault pass runs only those rows; "none" runs all)."""
+    if fault.startswith("shard-"):
+        return sharding == "sharded"
     if fault.startswith("lora"):
         return with_lora and transport == "threads"  # processes: no device copy here to break
     if fault == "heads":  # the Ulysses all-to-all
@@ -360,7 +370,8 @@ def _apply_lora(base, lora):
 
 
 class _WeightProbe:
-    """Records, per rank, the LoRA'd weights each rank's DiT actually computes with (at its first block)."""
+    """Records, per rank, the LoRA'd weights each rank's DiT actually computes with (each block's, as it starts:
+    a sharded DiT holds a block's weights only while that block runs)."""
 
     def __init__(self, keys):
         self.keys = keys
@@ -368,11 +379,16 @@ class _WeightProbe:
         self.handles = []
 
     def attach(self, rank, dm):
-        def pre_hook(module, args, rank=rank, dm=dm):
-            if rank not in self.seen:
-                sd = dict(dm.named_parameters())
-                self.seen[rank] = {k: sd[k].detach().float().cpu().clone() for k in self.keys}
-        self.handles.append(dm.blocks[0].register_forward_pre_hook(pre_hook))
+        for i, block in enumerate(dm.blocks):
+            prefix = f"blocks.{i}."
+            keys = [k for k in self.keys if k.startswith(prefix)]
+
+            def pre_hook(module, args, rank=rank, keys=keys, prefix=prefix):
+                seen = self.seen.setdefault(rank, {})
+                if keys and keys[0] not in seen:
+                    params = dict(module.named_parameters())
+                    seen.update({k: params[k[len(prefix):]].detach().float().cpu().clone() for k in keys})
+            self.handles.append(block.register_forward_pre_hook(pre_hook))
 
     def detach(self):
         for h in self.handles:
@@ -525,72 +541,61 @@ def run_dit(args):
         comfy.multinpu_dit.fault_hook = hook
         for dtype, with_lora, patcher in variants:
             for layout in layouts_of(with_lora):
+                ref = single[(dtype, with_lora, layout)]
+                replicated = {}  # attention -> the replicated run's outputs, what a sharded row must equal
                 for attention in modes:
-                    if not _reaches(fault, with_lora, attention, args.npu_count, args.transport):
-                        continue
-                    fired_before = hook.fired if hook else 0
-                    m, capture, inputs = _prepare(patcher, layout, args.seed)
-                    # the node exactly as a workflow runs it; only the attention mode is forced per row
-                    m = node.execute(model=m, npu_count=args.npu_count).args[0]
-                    wrapper = comfy.multinpu_dit.get_wrapper(m)
-                    lora_fired = (_break_lora(m, fault, lora_patches)
-                                  if with_lora and fault in ("lora-twice", "lora-missing") and wrapper else 0)
-                    probe = _WeightProbe(lora_keys) if with_lora else None
-                    if wrapper is not None:
-                        wrapper.attention = attention
-                        wrapper.timeout = args.timeout
-                        wrapper.count_bytes = True  # processes: every rank's bytes (and fault strikes) to rank 0
-                        if probe:
-                            probe.attach(0, m.model.diffusion_model)
-                            for r, replica in enumerate(wrapper.replicas[1:], start=1):
-                                probe.attach(r, replica.diffusion_model)
-                    calls = _int8_calls() if int8 else {}
-                    t0 = time.perf_counter()
-                    parallel = _run(m, capture, inputs, args.steps, args.seed)
-                    t_parallel = time.perf_counter() - t0
-                    parallel_calls = _calls_since(calls) if int8 else {}
-                    if probe:
-                        probe.detach()
-                    if wrapper is not None and wrapper._threads is not None:
-                        wrapper._threads.shutdown()
-                    ref = single[(dtype, with_lora, layout)]
-                    per_output, worst = _dit_metrics(ref, parallel)
-                    heads = TINY["num_attention_heads"]
-                    used = "ulysses" if attention == "auto" and heads % args.npu_count == 0 else "kv_gather"
-                    forwards = len(parallel)
-                    row = {"component": "dit", "layout": layout, "attention": used, "dtype": dtype, "lora": with_lora,
-                           "weights": args.weights, "transport": args.transport,
-                           "fault": fault if fault != "none" else None, "npu_count": args.npu_count,
-                           "device_type": args.device_type, "seq_len": _seq_len(layout, args.seed),
-                           "forwards": forwards, **worst, "outputs": per_output,
-                           "parallel_forwards": wrapper.forwards if wrapper else 0,
-                           "rank_forwards": list(wrapper.rank_forwards) if wrapper else [],
-                           "bytes_moved": wrapper.bytes_moved if wrapper else 0,
-                           "bytes_received": list(wrapper.bytes_received) if wrapper else [],
-                           "fault_fired": (hook.fired - fired_before if hook else 0) + lora_fired,
-                           "seconds_single": round(seconds[(dtype, with_lora, layout)], 4),
-                           "seconds_parallel": round(t_parallel, 4)}
-                    # the work must really have been split: the wrapper ran every forward on every rank, and data
-                    # moved (a node that passed the model through would compare one device with itself)
-                    row["split"] = (wrapper is not None and row["parallel_forwards"] == forwards > 0
-                                    and row["rank_forwards"] == [forwards] * args.npu_count and row["bytes_moved"] > 0)
-                    gate = gates[dtype]
-                    row["gate"] = f"max_rel <= {gate:g}"
-                    checks = [(row["split"], "not split over every device"),
-                              (row["max_rel"] <= gate, f"max_rel > {gate:g} ({row['worst']})")]
-                    if with_lora:
-                        row["lora_ranks"] = _lora_verdicts(probe.seen, lora_expected, base_weights, args.npu_count)
-                        if runtime is not None:
-                            # the workers hold the same patches as rank 0 or the run stopped at the digest check
-                            # (ConfigMismatch) before any forward: their verdict is rank 0's
-                            row["lora_ranks"] = [row["lora_ranks"][0]] * args.npu_count
-                        checks.append((row["lora_ranks"] == ["once"] * args.npu_count,
-                                       "LoRA per device: " + ", ".join(str(v) for v in row["lora_ranks"])))
-                    if int8:
-                        checks.append(_int8_check(row, single_calls[layout], parallel_calls))
-                    if dtype == "bfloat16":
-                        row["noise"] = noise[layout]
-                    rows.append(_judge(row, checks))
+                    for sharding in args.sharding:
+                        if sharding == "sharded" and attention != "auto":
+                            continue  # where the weights live is independent of the attention exchange
+                        if not _reaches(fault, with_lora, attention, args.npu_count, args.transport, sharding):
+                            continue
+                        if sharding == "sharded" and attention not in replicated:
+                            # its replicated twin, not a row in this pass (the fault does not reach it)
+                            replicated[attention] = _parallel_run(node, patcher, layout, attention, "replicated",
+                                                                  args)[0]
+                        outputs, row = _parallel_run(node, patcher, layout, attention, sharding, args,
+                                                     fault=fault, lora_patches=lora_patches,
+                                                     lora_keys=lora_keys if with_lora else None, hook=hook)
+                        if sharding == "replicated":
+                            replicated[attention] = outputs
+                        per_output, worst = _dit_metrics(ref, outputs)
+                        row.update({"component": "dit", "layout": layout, "dtype": dtype, "lora": with_lora,
+                                    "weights": args.weights, "transport": args.transport,
+                                    "fault": fault if fault != "none" else None, "npu_count": args.npu_count,
+                                    "device_type": args.device_type, "seq_len": _seq_len(layout, args.seed),
+                                    "forwards": len(outputs), **worst, "outputs": per_output,
+                                    "seconds_single": round(seconds[(dtype, with_lora, layout)], 4)})
+                        forwards = row["forwards"]
+                        # the work must really have been split: the wrapper ran every forward on every rank, and
+                        # data moved (a node that passed the model through would compare one device with itself)
+                        row["split"] = (row["parallel_forwards"] == forwards > 0
+                                        and row["rank_forwards"] == [forwards] * args.npu_count
+                                        and row["bytes_moved"] > 0)
+                        gate = gates[dtype]
+                        row["gate"] = f"max_rel <= {gate:g}"
+                        checks = [(row["split"], "not split over every device"),
+                                  (row["max_rel"] <= gate, f"max_rel > {gate:g} ({row['worst']})")]
+                        if sharding == "sharded":
+                            twin = _dit_metrics(replicated[attention], outputs)[1]
+                            row["max_abs_vs_replicated"] = twin["max_abs"]
+                            row["gate"] += ", max_abs == 0 against the replicated run"
+                            checks.append((twin["max_abs"] == 0, f"differs from the replicated run by max_abs "
+                                           f"{twin['max_abs']:.3g} ({twin['worst']})"))
+                            checks.append((row["weight_bytes"] > 0, "no weights were gathered"))
+                        if with_lora:
+                            row["lora_ranks"] = _lora_verdicts(row.pop("lora_seen"), lora_expected, base_weights,
+                                                               args.npu_count)
+                            if runtime is not None:
+                                # the workers hold the same patches as rank 0 or the run stopped at the digest check
+                                # (ConfigMismatch) before any forward: their verdict is rank 0's
+                                row["lora_ranks"] = [row["lora_ranks"][0]] * args.npu_count
+                            checks.append((row["lora_ranks"] == ["once"] * args.npu_count,
+                                           "LoRA per device: " + ", ".join(str(v) for v in row["lora_ranks"])))
+                        if int8:
+                            checks.append(_int8_check(row, single_calls[layout], row.pop("int8_calls")))
+                        if dtype == "bfloat16":
+                            row["noise"] = noise[layout]
+                        rows.append(_judge(row, checks))
         comfy.multinpu_dit.fault_hook = None
     config = {"dit": TINY, "params": params, "text_len": TEXT_LEN, "video_latent": VIDEO_SHAPE,
               "audio_latent": AUDIO_SHAPE, "dtypes": list(bases), "weights": args.weights,
@@ -603,6 +608,57 @@ def run_dit(args):
               "transport": args.transport, "notes": notes,
               "faults": {f: DIT_FAULTS[f] for f in args.faults if f != "none"}}
     return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+
+
+def _parallel_run(node, patcher, layout, attention, sharding, args, fault="none", lora_patches=None, lora_keys=None,
+                  hook=None):
+    """One sampling through the node on args.npu_count devices with the weights `sharding`: (the DiT's outputs of
+    every forward, the row's measured fields: forwards per rank, bytes moved, weight gathers, resident bytes...)."""
+    import comfy.multinpu_dit
+    fired_before = hook.fired if hook else 0
+    m, capture, inputs = _prepare(patcher, layout, args.seed)
+    # the node exactly as a workflow runs it; only the attention mode is forced per row
+    m = node.execute(model=m, npu_count=args.npu_count, weights=sharding).args[0]
+    wrapper = comfy.multinpu_dit.get_wrapper(m)
+    lora_fired = (_break_lora(m, fault, lora_patches)
+                  if lora_keys is not None and fault in ("lora-twice", "lora-missing") and wrapper else 0)
+    probe = _WeightProbe(lora_keys) if lora_keys is not None else None
+    if wrapper is not None:
+        wrapper.attention = attention
+        wrapper.timeout = args.timeout
+        wrapper.count_bytes = True  # processes: every rank's bytes (and fault strikes) to rank 0
+        if probe:
+            probe.attach(0, m.model.diffusion_model)
+            for r, replica in enumerate(wrapper.replicas[1:], start=1):
+                probe.attach(r, replica.diffusion_model)
+    calls = _int8_calls() if args.weights == "int8" else {}
+    t0 = time.perf_counter()
+    outputs = _run(m, capture, inputs, args.steps, args.seed)
+    seconds = time.perf_counter() - t0
+    if probe:
+        probe.detach()
+    if wrapper is not None and wrapper._threads is not None:
+        wrapper._threads.shutdown()
+    heads = TINY["num_attention_heads"]
+    w = wrapper
+    row = {"attention": "ulysses" if attention == "auto" and heads % args.npu_count == 0 else "kv_gather",
+           "sharding": w.weights if w else None,
+           "parallel_forwards": w.forwards if w else 0, "rank_forwards": list(w.rank_forwards) if w else [],
+           "bytes_moved": w.bytes_moved if w else 0, "bytes_received": list(w.bytes_received) if w else [],
+           "weight_bytes": sum(w.weight_bytes_received) if w else 0,
+           "weight_bytes_received": list(w.weight_bytes_received) if w else [],
+           "resident_bytes": list(w.resident_bytes) if w else [],
+           "memory_estimates": [list(e) for e in w.memory_estimates] if w and w.memory_estimates else None,
+           "memory_estimate_one_device": list(w.memory_estimate_one) if w and w.memory_estimate_one else None,
+           "memory_used": list(w.memory_used) if w else [],
+           "caches_emptied": list(w.caches_emptied) if w else [],
+           "fault_fired": (hook.fired - fired_before if hook else 0) + lora_fired,
+           "seconds_parallel": round(seconds, 4)}
+    if probe:
+        row["lora_seen"] = probe.seen
+    if args.weights == "int8":
+        row["int8_calls"] = _calls_since(calls)
+    return outputs, row
 
 
 def _importable_fault_class():
@@ -939,6 +995,10 @@ def _bad_arguments(args):
         return f"--weights {args.weights}: dit only"
     if args.weights == "int8" and any(f.startswith("lora") for f in args.faults):
         return "--faults lora-*: the INT8 rows carry no LoRA"
+    if args.component == "dit" and not args.sharding:
+        return f"--sharding: one or both of {', '.join(SHARDINGS)}"
+    if any(f.startswith("shard-") for f in args.faults) and "sharded" not in args.sharding:
+        return "--faults shard-*: the sharded-weight faults need the sharded rows (--sharding sharded)"
     if args.component != "dit" and len(args.faults) != 1:
         return f"--faults: {args.component} runs one pass, none or {', '.join(known)}"
     bad = [d for d in args.dtypes if d not in ("float32", "bfloat16")]
@@ -968,6 +1028,9 @@ def main(argv=None):
                     help="comma-separated passes: none (the clean run) and/or faults of the component (FAULTS)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="dit and te: the dtypes to compare in")
     ap.add_argument("--no-lora", dest="lora", action="store_false", help="dit: leave out the LoRA rows")
+    ap.add_argument("--sharding", default=",".join(SHARDINGS),
+                    help="dit: the weights of the parallel rows, replicated and/or sharded (the sharded rows run the "
+                         "default attention and must equal their replicated twin exactly)")
     ap.add_argument("--layouts", default="", help="comma-separated rows to run (default: all of the component's)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -977,6 +1040,7 @@ def main(argv=None):
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.faults = [x for x in args.faults.split(",") if x]
     args.dtypes = [x for x in args.dtypes.split(",") if x]
+    args.sharding = [x for x in SHARDINGS if x in args.sharding.split(",")]
     # checkpoints stay on disk while workers may load them: in --out's folder, which h3kit parity removes
     tempfile.tempdir = os.path.dirname(os.path.abspath(args.out))
     if args.component == "dit":

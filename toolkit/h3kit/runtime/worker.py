@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from h3kit import paths
 from h3kit.errors import H3kitError, UsageError
 
 
@@ -24,6 +25,9 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
     worker outlives `timeout`, and with "worker_failed" when it exits without a report. `what` names the
     worker in messages ("the parity worker").
     """
+    env = dict(os.environ if env is None else env)
+    # h3kit importable in the worker and the ranks it starts, and nothing else from where h3kit is installed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(paths.import_root()), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="h3kit-worker-") as tmp:
         out, log = Path(tmp) / "report.json", Path(tmp) / "worker.log"
         with open(log, "wb") as logf:

@@ -20,12 +20,13 @@ class Result:
 
 
 def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str | None = None,
-                runtime_root: str | None = None, environ=None) -> Result:
+                runtime_root: str | None = None, environ=None, device_memory: float | None = None) -> Result:
     """Check each file; exit code 2 if any could not be read, else 1 if any error was found, else 0.
 
     Devices: `devices` (a device list, as `h3kit start --devices`), else ASCEND_RT_VISIBLE_DEVICES (or
-    CUDA_VISIBLE_DEVICES) in `environ`, else the running service of `comfy_home`. Bad device lists and a
-    --comfy-home that is not ComfyUI raise UsageError.
+    CUDA_VISIBLE_DEVICES) in `environ`, else the running service of `comfy_home`. Memory of one card (GB):
+    `device_memory`, else the smallest card the running service's /system_stats lists. Bad device lists and
+    a --comfy-home that is not ComfyUI raise UsageError.
     """
     # imported here, not at package import, so `python -m h3kit.workflow.catalog` runs cleanly
     from h3kit import devices as devices_mod
@@ -41,6 +42,7 @@ def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str
         found = devices_mod.visible_devices_from_env(environ)
         if found is not None:
             device_list, source = found[1], f"{found[0]}={environ.get(found[0])}"
+    memory, memory_source = (device_memory, f"--device-memory {device_memory:g}") if device_memory else (None, None)
     install, service, service_args = None, None, []
     if comfy_home:
         from h3kit.workflow import models, service as service_mod
@@ -53,7 +55,9 @@ def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str
         install = models.open_install(comfy_home, object_info=object_info, service_args=service_args)
         if device_list is None and service is not None and service.devices is not None:
             device_list, source = service.devices, f"the running service at {service.base_url}"
-    ctx = checks.Context(catalog, device_list, source, install, service_args)
+        if memory is None and service is not None and service.device_memory is not None:
+            memory, memory_source = service.device_memory, f"/system_stats of {service.base_url}"
+    ctx = checks.Context(catalog, device_list, source, install, service_args, memory, memory_source)
 
     findings: list[report.Finding] = []
     unreadable = False
@@ -64,7 +68,8 @@ def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str
             f.file = path
         findings += file_findings
     extra = {"devices": device_list, "device_count": len(device_list) if device_list is not None else None,
-             "device_source": source or (why and f"none ({why})") or "none"}
+             "device_source": source or (why and f"none ({why})") or "none",
+             "device_memory_gb": memory, "memory_source": memory_source or "none"}
     summary = report.summarize(findings, list(paths), extra)
     summary["ok"] = summary["ok"] and not unreadable
     exit_code = 2 if unreadable else (1 if summary["errors"] else 0)

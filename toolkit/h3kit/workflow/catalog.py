@@ -15,7 +15,8 @@ from the catalogue get no widget mapping.
 
 MultiNPUParallelConfig is not upstream: it comes from the h3kit patch series, and its entry below follows
 the interface fixed in issue 4 (inputs model, clip, vae, audio_vae, widget npu_count first; outputs MODEL,
-CLIP, VAE, VAE).
+CLIP, VAE, VAE), with the optional widget weights (auto, replicated, sharded) after npu_count since issue 14
+(a workflow saved without it keeps its default, graph.APPENDED_WIDGETS).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ H3KIT_NODES = {
             ["clip", "CLIP", False, {}],
             ["vae", "VAE", False, {}],
             ["audio_vae", "VAE", False, {}],
+            ["weights", "COMBO", False, {"options": ["auto", "replicated", "sharded"], "default": "auto"}],
         ],
         "outputs": ["MODEL", "CLIP", "VAE", "VAE"],
         "output_node": False,

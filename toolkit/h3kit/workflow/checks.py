@@ -9,7 +9,10 @@ Facts behind them (../shared/H3_FACTS.md section 6, and the pinned source):
   SageAttention degrade H3's audio; the audio VAE must stay fp32; one device at BF16 768p/15 s is not a
   supported setting.
 - MultiNPUParallelConfig (h3kit patch series): npu_count must be 1, 2, 4 or 8 and equal the devices the
-  service exposes; exactly one may be active and its MODEL output must reach a sampler.
+  service exposes; exactly one may be active and its MODEL output must reach a sampler. Its weights input
+  (auto, replicated, sharded; a workflow saved before it existed runs with auto) says where the DiT's
+  weights live, and with the card memory known the tier (devices, BF16 or INT8 weights, replicated or
+  sharded, the geometry) must fit a card (h3kit.runtime.costmodel, the model `h3kit plan` prints).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import math
 import re
 
+from h3kit.runtime import costmodel
 from h3kit.workflow import catalog as catalog_mod, resolve
 from h3kit.workflow.graph import Graph, Link, Node
 from h3kit.workflow.resolve import UNKNOWN, as_int, value
 
 CONFIG = "MultiNPUParallelConfig"
 NPU_COUNTS = (1, 2, 4, 8)  # the node's npu_count choices (8: an 8-card service or a group of hosts)
+WEIGHTS_CHOICES = ("auto", "replicated", "sharded")  # the node's weights choices (a missing value is auto)
 GEOMETRY_NODES = ("EmptyMiniMaxH3LatentAV", "MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo")
 H3_NODES = frozenset({*GEOMETRY_NODES, "MiniMaxH3SigmaShift", CONFIG})
 SAMPLING_NODES = frozenset({"KSampler", "KSamplerAdvanced", "SamplerCustom", "SamplerCustomAdvanced"})
@@ -59,18 +64,21 @@ class Context:
     """What the checks know besides the graph: exposed devices and, with --comfy-home, the install."""
 
     def __init__(self, catalog, devices: list[int] | None = None, device_source: str | None = None,
-                 install=None, service_args: list[str] | None = None):
+                 install=None, service_args: list[str] | None = None, device_memory: float | None = None,
+                 memory_source: str | None = None):
         self.catalog = catalog
         self.devices = devices
         self.device_source = device_source
         self.install = install            # models.Install or None
         self.service_args = service_args or []
+        self.device_memory = device_memory  # GB of one card, or None when unknown
+        self.memory_source = memory_source
 
 
 def run_checks(graph: Graph, ctx: Context) -> list:
     index = _Index(graph, ctx)
     for check in (check_structure, check_parallel_config, check_geometry, check_turbo_lora, check_samplers,
-                  check_audio_vae, check_single_device_load, check_install):
+                  check_audio_vae, check_single_device_load, check_tier_fits, check_install):
         check(graph, ctx, index)
     return graph.findings
 
@@ -281,6 +289,10 @@ def check_parallel_config(graph: Graph, ctx: Context, index: _Index):
                    else "expose 1, 2, 4 or 8 devices")
             _add(graph, "H3102", cfg, f"npu_count is {npu} but {len(devices)} device(s) are exposed "
                  f"({ctx.device_source}): {fix}, or expose {npu} device(s) (h3kit start --devices ...)")
+        weights = value(graph, cfg, "weights")
+        if weights is not UNKNOWN and weights is not None and weights not in WEIGHTS_CHOICES:
+            _add(graph, "H3110", cfg, f"weights is {_show(weights)}; MultiNPUParallelConfig takes "
+                 f"{', '.join(WEIGHTS_CHOICES)}: set it to auto (sharded where a replica would not fit a card)")
         if not _reaches_sampler(graph, index, cfg, 0):
             _add(graph, "H3104", cfg, "the MODEL output of MultiNPUParallelConfig reaches no sampler "
                  "(KSampler, SamplerCustom, or a guider into SamplerCustomAdvanced), so it configures nothing: "
@@ -547,6 +559,78 @@ def check_single_device_load(graph: Graph, ctx: Context, index: _Index):
         _add(graph, "H3304", node, f"one device with BF16 weights ({bf16[1]!r}) at {w}x{h} and {frames} frames "
              f"({frames / FPS:.0f} s) is not a supported setting (it does not fit): use the INT8 model "
              "(minimax_h3_*_int8_convrot) at 480p, or 2 or 4 NPUs with MultiNPUParallelConfig")
+
+
+# ------------------------------------------------------------------------------ the tier and the cards
+
+def _dit_weights(graph: Graph, index: _Index):
+    """("int8" or "bf16", the UNETLoader file) of the diffusion model that reaches a sampler; None when unknown."""
+    for node in graph.nodes.values():
+        if node.class_type != "UNETLoader" or node.id not in index.live:
+            continue
+        name = value(graph, node, "unet_name")
+        if isinstance(name, str) and _reaches_sampler(graph, index, node, 0):
+            low = name.lower()
+            if "int8" in low:
+                return "int8", name
+            if "bf16" in low or "fp16" in low or not any(t in low for t in QUANTIZED_TAGS):
+                return "bf16", name
+    return None
+
+
+def check_tier_fits(graph: Graph, ctx: Context, index: _Index):
+    """With the card memory known: the workflow's tier must fit one card, weights and activations (else ComfyUI
+    streams weights from the host every step). The fix names the first tier that fits."""
+    if not index.is_h3 or ctx.device_memory is None:
+        return
+    configs = sorted((n for n in graph.nodes.values() if n.class_type == CONFIG), key=lambda n: _natural(n.id))
+    cfg = configs[0] if configs else None
+    npu = _count(value(graph, cfg, "npu_count")) if cfg is not None else 1
+    mode = value(graph, cfg, "weights") if cfg is not None else "replicated"
+    if cfg is not None and mode in (None, UNKNOWN):
+        mode = "auto"  # a workflow saved before the input existed, or one whose value is set at run time
+    found = _dit_weights(graph, index)
+    if npu not in NPU_COUNTS or mode not in WEIGHTS_CHOICES or found is None:
+        return
+    weights, file = found
+    for node in graph.nodes.values():
+        if node.class_type not in GEOMETRY_NODES or node.id not in index.live:
+            continue
+        w, h, length = (as_int(value(graph, node, k)) for k in ("width", "height", "length"))
+        if None in (w, h, length) or w % 32 or h % 32 or not MIN_LENGTH <= length <= MAX_LENGTH:
+            continue  # unknown, or already reported by the geometry checks
+        need = {m: costmodel.plan(w, h, length, npu, weights=weights, sharding=m)["memory_per_device"]["total"]
+                for m in costmodel.SHARDINGS}
+        card = ctx.device_memory * 1e9
+        # auto: the node shards when a replica does not fit (one device has nothing to shard)
+        chosen = ("sharded" if need["replicated"] > card and npu > 1 else "replicated") if mode == "auto" else mode
+        chosen = chosen if npu > 1 else "replicated"
+        if need[chosen] <= card:
+            continue
+        frames = align_frame_count(length)
+        fix = _tier_fix(w, h, frames, npu, weights, chosen, mode, card)
+        _add(graph, "H3109", cfg or node, f"{npu} device(s) with {weights.upper()} weights ({file!r}), {chosen}"
+             f"{' (auto)' if mode == 'auto' else ''}, at {w}x{h} and {frames} frames need "
+             f"{need[chosen] / 1e9:.1f} GB per device and the cards have {ctx.device_memory:g} GB "
+             f"({ctx.memory_source}): ComfyUI would stream weights from the host every step. Fix: {fix}")
+
+
+def _tier_fix(w: int, h: int, frames: int, npu: int, weights: str, chosen: str, mode: str, card: float) -> str:
+    """The cheapest change that fits, in this order: shard the weights, INT8 weights (replicated, then sharded),
+    more devices; else a smaller or shorter video."""
+    options = [(npu, weights, "sharded", "set weights to sharded (or auto) on MultiNPUParallelConfig")] \
+        if npu > 1 and chosen != "sharded" else []
+    if weights != "int8":
+        options += [(npu, "int8", s, f"use the INT8 DiT (minimax_h3_*_int8_convrot){' with weights sharded' if s == 'sharded' else ''}")
+                    for s in (("replicated", "sharded") if npu > 1 else ("replicated",))]
+    options += [(n, wt, "sharded", f"run on {n} devices with weights sharded{' and the INT8 DiT' if wt != weights else ''}"
+                 f" (h3kit start --devices {','.join(map(str, range(n)))}, npu_count {n})")
+                for n in NPU_COUNTS if n > npu for wt in dict.fromkeys((weights, "int8"))]
+    for n, wt, s, text in options:
+        need = costmodel.plan(w, h, frames, n, weights=wt, sharding=s)["memory_per_device"]["total"]
+        if need <= card:
+            return f"{text} ({need / 1e9:.1f} GB per device; h3kit plan --device-memory shows every tier)"
+    return "a smaller or shorter video (h3kit plan --tiers --device-memory shows what fits)"
 
 
 # --------------------------------------------------------------------------------------- install

@@ -40,6 +40,10 @@ MAX_HOPS = 300
 # Node types whose first widget is fixed by an interface contract, whatever else a later version adds:
 # MultiNPUParallelConfig's npu_count is widgets_values[0] (issue 4).
 FIRST_WIDGET_CONTRACTS = {"MultiNPUParallelConfig": "npu_count"}
+# Optional widgets a node type gained after workflows were saved with it, in order, at the end of its widget list:
+# the frontend gives a saved list that lacks them their defaults, and so does the mapping below.
+# MultiNPUParallelConfig's weights (auto, replicated, sharded; issue 14) follows npu_count.
+APPENDED_WIDGETS = {"MultiNPUParallelConfig": ("weights",)}
 
 
 class GraphTooLarge(Exception):
@@ -505,6 +509,10 @@ class _UiFlattener:
             node.widgets_mapped = nd is None or not nd.widget_slots() or values is None
             return
         slots = nd.widget_slots()
+        appended = APPENDED_WIDGETS.get(dto.type, ())
+        missing = len(slots) - len(values)
+        if nd.widget_slots_complete and 0 < missing <= len(appended) and tuple(slots[-missing:]) == appended[-missing:]:
+            slots = slots[:len(values)]  # saved before those widgets existed: they keep their defaults
         # Saved by another ComfyUI version, positions would be guessed: map nothing. When the definition
         # has a widget this module does not model, the positions before it are still exact.
         fits = len(slots) == len(values) if nd.widget_slots_complete else len(values) >= len(slots)

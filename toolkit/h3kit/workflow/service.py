@@ -39,6 +39,16 @@ class Service:
         return None
 
     @property
+    def device_memory(self) -> float | None:
+        """GB of the smallest card /system_stats lists (vram_total), or None: a CPU server (its "device" is the
+        host's memory, not a card) or no figures."""
+        if self.record.device_type == "cpu":
+            return None
+        totals = [d.get("vram_total") for d in (self.system_stats or {}).get("devices") or [] if isinstance(d, dict)]
+        totals = [t for t in totals if isinstance(t, (int, float)) and t > 0]
+        return min(totals) / 1e9 if totals else None
+
+    @property
     def args(self) -> list[str]:
         argv = ((self.system_stats or {}).get("system") or {}).get("argv")
         out = [str(a) for a in argv] if isinstance(argv, list) else []
