@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support.fakekit import A_PY, git, kit, refreshed, snapshot, upstream  # noqa: F401
@@ -308,3 +309,28 @@ def test_git_child_dies_with_a_killed_h3kit(tmp_path, armed):
         os.close(w)  # the unarmed child reads EOF and ends
         parent.stdout.close()
 
+
+
+def test_sigterm_while_a_worker_starts_leaves_no_worker(tmp_path):
+    """SIGTERM (or Ctrl-C) that arrives just after a parity or calibration worker is started, before the
+    cleanup that kills its session is in place, is held until it is (runtime/worker.py): the worker, in its
+    own session, must not outlive h3kit holding the devices. The kill point `worker-started` sends SIGTERM
+    in that window; the worker would otherwise sleep 60 s."""
+    marker = f"h3kit-test-worker-{os.getpid()}-{time.monotonic_ns()}"
+    code = ("import sys\n"
+            "from h3kit.cliutil import signals_as_interrupt\n"
+            "from h3kit.runtime import worker\n"
+            "with signals_as_interrupt():\n"
+            "    try:\n"
+            f"        worker.run([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}], timeout=60,\n"
+            "                   what='the test worker', timeout_code='t')\n"
+            "    except KeyboardInterrupt as e:\n"
+            "        print('interrupted', type(e).__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                                H3KIT_TEST_KILL_AT="worker-started:1:TERM"))
+    assert r.stdout.strip() == "interrupted Terminated", r.stdout + r.stderr
+    left = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    for p in left:
+        p.kill()
+    assert not left, f"the worker outlived the interrupted h3kit: {[p.pid for p in left]}"

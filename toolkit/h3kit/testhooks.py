@@ -1,4 +1,4 @@
-"""Kill points: named places in install and revert where the crash-safety tests make h3kit die.
+"""Kill points: named places in install, revert and a worker's start where the tests make h3kit die.
 
 Used only by tests. `H3KIT_TEST_KILL_AT=NAME[:N][:SIGNAL]` makes the N-th arrival (default the first) at
 kill point NAME send SIGNAL (default KILL; TERM to test the Ctrl-C path; STOP to freeze the command while
@@ -22,6 +22,7 @@ KILL_POINTS = (
     "file-written",      # after each file of the tree is replaced
     "files-written",     # every file written, the journal not yet removed
     "recovering",        # after each file a recovery puts back
+    "worker-started",    # a parity or calibration worker is started, its cleanup not yet in place
 )
 _arrivals: dict[str, int] = {}
 

@@ -12,9 +12,10 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
-from h3kit import paths
+from h3kit import paths, testhooks
 from h3kit.errors import H3kitError, UsageError
 
 
@@ -31,13 +32,21 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
     with tempfile.TemporaryDirectory(prefix="h3kit-worker-") as tmp:
         out, log = Path(tmp) / "report.json", Path(tmp) / "worker.log"
         with open(log, "wb") as logf:
+            # Ctrl-C or SIGTERM while the worker is being started waits until `proc` exists and the cleanup
+            # below is in place: else it could interrupt between the two, and the worker, in its own session,
+            # would outlive h3kit holding the devices. The worker starts with the signals as they were.
+            held = _hold_signals()
             try:
                 proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=logf, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+                                        stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                        preexec_fn=None if held is None else lambda: _release_signals(held))
             except OSError as e:
+                _release_signals(held)
                 raise UsageError(f"cannot run {cmd[0]}: {e}", code="bad_python",
                                  hint="pass --python with the interpreter that runs ComfyUI") from e
+            testhooks.point("worker-started")
             try:
+                _release_signals(held)  # a signal that came meanwhile is raised here, inside the cleanup's try
                 rc = proc.wait(timeout=timeout)
             except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: the worker holds the devices
                 try:
@@ -58,6 +67,21 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
                              details={"log_tail": tail(log)}, hint=f"read the log above; the interpreter was {cmd[0]}")
         report["log_tail"] = tail(log)
         return report
+
+
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+def _hold_signals():
+    """Block SIGINT and SIGTERM in this (main) thread; returns the mask to restore, None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+
+
+def _release_signals(previous) -> None:
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def tail(path: Path, lines: int = 40) -> list:
