@@ -297,9 +297,13 @@ def test_a_record_naming_a_foreign_process_is_never_acted_on(home, tmp_path, cas
         assert r.returncode == 0 and "stale record removed, nothing signalled" in r.stdout
         assert home.record() is None and foreign.poll() is None
 
-        if case != "interpreter":  # (that one holds the port: restart would name it, after PORT_WAIT)
-            (home.root / "server.json").write_text(json.dumps(record))
-            r = home.run("restart")  # the settings are reused, the foreign process is left alone
+        (home.root / "server.json").write_text(json.dumps(record))
+        t0 = time.monotonic()
+        r = home.run("restart")  # the settings are reused, the foreign process is left alone
+        if case == "interpreter":  # that one holds the port: named at once, not after PORT_WAIT
+            assert r.returncode == 1 and f"in use by pid {foreign.pid}" in r.stderr, r.stderr
+            assert time.monotonic() - t0 < service.PORT_WAIT / 2, time.monotonic() - t0
+        else:
             assert r.returncode == 0, r.stderr
             assert "was not running" in r.stdout
             assert started_pid(home) != foreign.pid

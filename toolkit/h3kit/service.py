@@ -559,6 +559,18 @@ def _check_port(listen: str, port: int) -> None:
                          "program yourself")
 
 
+def _wait_port_or_name_holder(listen: str, port: int) -> None:
+    """Wait up to PORT_WAIT for the port a server of ours held (it lets go within moments of exiting); a
+    process seen listening there is named at once (PortInUse): ours are gone by now, and waiting will not
+    move another program."""
+    deadline = time.monotonic() + PORT_WAIT
+    while not proc.port_is_free(listen, port):
+        if proc.port_holders(port) or time.monotonic() >= deadline:
+            _check_port(listen, port)
+            return
+        time.sleep(0.05)
+
+
 def _describe_holder(h: dict) -> str:
     out = f"pid {h['pid']}"
     if h.get("name"):
@@ -885,8 +897,8 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
             stopped = stop_locked(root, rec, grace=grace, progress=progress, keep_record=True)
             phases["stop"] = time.monotonic() - t0
         t0 = time.monotonic()
-        if not rec.group.is_agent and not proc.wait_port_free(rec.listen, rec.port, PORT_WAIT):
-            _check_port(rec.listen, rec.port)  # names the holder
+        if not rec.group.is_agent:
+            _wait_port_or_name_holder(rec.listen, rec.port)
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
         started = start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
