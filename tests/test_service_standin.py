@@ -442,7 +442,7 @@ def test_watch_backoff_starts_again_after_a_stable_period(home):
     watch = spawn_watch(home, "--interval", "0.1", "--stable-after", "0.3", "--backoff-max", "10",
                         "--crash-limit", "3", "--max-seconds", "60")
     out, errs = watch.communicate(timeout=90)
-    assert watch.returncode == 1 and "crash_loop" in errs
+    assert watch.returncode == 1 and "crash_loop" in errs, errs
     delays = [line.split("restarting in ")[1].split(" s")[0] for line in errs.splitlines() if "restarting in" in line]
     assert delays == ["0.1", "0.1", "0.1"]  # each server was stable for 0.3 s before it died: no doubling
 

@@ -301,3 +301,29 @@ def test_terminating_a_process_that_has_just_exited_is_not_an_error():
     child.wait()
     down = proc.terminate_group(ident, grace=0.1, kill_wait=0.1)
     assert down.signals == [] and down.survivors == []
+
+
+def test_a_server_dying_mid_answer_is_a_failed_request_not_a_crash():
+    """A stand-in that sends its headers and dies before the body made `watch` end with an internal error
+    (http.client.IncompleteRead is no OSError); it is a failed health check like any other."""
+    import socket
+    import threading
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def answer_half():
+        conn, _ = srv.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 297\r\n\r\n{\"sys")
+        conn.close()
+
+    t = threading.Thread(target=answer_half, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(health.HttpError) as e:
+            health.request_json(f"http://127.0.0.1:{srv.getsockname()[1]}/system_stats", timeout=5)
+        assert "292 more expected" in str(e.value), str(e.value)
+    finally:
+        t.join(5)
+        srv.close()

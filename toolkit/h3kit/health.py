@@ -7,6 +7,7 @@ machine (or one the user names), and an http_proxy setting must not route h3kit'
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -50,10 +51,11 @@ def request_json(url: str, *, method: str = "GET", body=None, timeout: float = 3
     except urllib.error.HTTPError as e:
         try:
             body = json.loads(e.read() or b"null")
-        except (ValueError, OSError):
+        except (ValueError, OSError, http.client.HTTPException):
             body = None
         raise HttpError(f"{method} {url}: HTTP {e.code}", status=e.code, body=body) from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        # HTTPException: a server that dies mid-answer (IncompleteRead, RemoteDisconnected is an OSError)
         reason = getattr(e, "reason", e)
         raise HttpError(f"{method} {url}: {reason}") from None
     if not raw:

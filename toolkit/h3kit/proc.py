@@ -256,7 +256,7 @@ def port_holders(port: int) -> list[dict]:
     holder belongs to another user and this one may not read its sockets."""
     try:
         conns = psutil.net_connections(kind="tcp")
-    except psutil.AccessDenied:
+    except (psutil.Error, OSError):  # AccessDenied; a process vanishing mid-scan
         return []
     pids = sorted({c.pid for c in conns
                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid})
