@@ -334,3 +334,23 @@ def test_sigterm_while_a_worker_starts_leaves_no_worker(tmp_path):
     for p in left:
         p.kill()
     assert not left, f"the worker outlived the interrupted h3kit: {[p.pid for p in left]}"
+
+
+def test_a_failure_while_a_worker_starts_kills_it_and_unblocks_the_signals(tmp_path):
+    """Whatever fails in that window (here the kill point's own spec is bad: ValueError) kills the worker and
+    gives the process its signals back: a SIGTERM blocked for good would leave h3kit unkillable but by SIGKILL."""
+    marker = f"h3kit-test-worker-{os.getpid()}-{time.monotonic_ns()}"
+    code = ("import signal, sys\n"
+            "from h3kit.runtime import worker\n"
+            "try:\n"
+            f"    worker.run([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}], timeout=60,\n"
+            "               what='the test worker', timeout_code='t')\n"
+            "except ValueError as e:\n"
+            "    print('failed', 'blocked' if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []) else 'free')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), H3KIT_TEST_KILL_AT="no-such-point"))
+    left = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    for p in left:
+        p.kill()
+    assert r.stdout.strip() == "failed free", r.stdout + r.stderr
+    assert not left, f"the worker outlived the failure: {[p.pid for p in left]}"

@@ -40,12 +40,14 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
                 proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=logf, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                                         preexec_fn=None if held is None else lambda: _release_signals(held))
-            except OSError as e:
+            except BaseException as e:  # no worker: nothing to clean up, the signals as they were
                 _release_signals(held)
-                raise UsageError(f"cannot run {cmd[0]}: {e}", code="bad_python",
-                                 hint="pass --python with the interpreter that runs ComfyUI") from e
-            testhooks.point("worker-started")
+                if isinstance(e, OSError):
+                    raise UsageError(f"cannot run {cmd[0]}: {e}", code="bad_python",
+                                     hint="pass --python with the interpreter that runs ComfyUI") from e
+                raise
             try:
+                testhooks.point("worker-started")
                 _release_signals(held)  # a signal that came meanwhile is raised here, inside the cleanup's try
                 rc = proc.wait(timeout=timeout)
             except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: the worker holds the devices
@@ -54,6 +56,7 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
                 except ProcessLookupError:
                     pass
                 proc.wait()
+                _release_signals(held)  # (again, if what failed came before the release: harmless otherwise)
                 if not isinstance(e, subprocess.TimeoutExpired):
                     raise
                 raise H3kitError(f"{what} did not finish within {timeout:g} s and was killed",
