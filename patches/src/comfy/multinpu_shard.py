@@ -140,10 +140,21 @@ class ShardedBlocks(torch.nn.Module):
         self.fault = None         # the fault hook of `h3kit parity --inject-fault` (None in normal runs)
         self.rebuilt = 0          # slices built on the fly, because ComfyUI did not load this module
         self._patcher = None
+        self._gather_stream = None
         for i, lay in enumerate(self.layouts):
             for s in lay.slots:
                 s.module._parameters[s.name] = None
             self._set(i, torch.empty(lay.shard, dtype=torch.uint8, device="meta"))
+
+    def gather_stream(self):
+        """The side stream this rank's weight gathers run on, made once (None on cpu). A stream per forward would
+        put each forward's gathered buffers in another stream's share of the caching allocator, so none would
+        be reused and reserved memory would grow forward after forward."""
+        if self.device.type == "cpu":
+            return None
+        if self._gather_stream is None:
+            self._gather_stream = torch.get_device_module(self.device).Stream(self.device)
+        return self._gather_stream
 
     def _set(self, i: int, t: torch.Tensor):
         self._parameters[f"s{i}"] = torch.nn.Parameter(t, requires_grad=False)
@@ -296,7 +307,7 @@ class WeightGather:
         self.fault = fault
         self.device = shards.device
         self.module = None if self.device.type == "cpu" else torch.get_device_module(self.device)
-        self.stream = self.module.Stream(self.device) if self.module is not None else None
+        self.stream = shards.gather_stream()
         self.pending = {}
         self.received = 0
         self.gathers = 0
@@ -314,6 +325,9 @@ class WeightGather:
             with self.module.stream(self.stream):
                 flat = comfy.multinpu.all_gather_flat(shard, self.comm)
                 event = self.stream.record_event()
+            # a slice built on the fly was allocated on the block stream and is dropped when this returns: the
+            # allocator must not hand its memory to the block stream while the gather may still read it
+            shard.record_stream(self.stream)
         self.received += self.comm.bytes_received - before
         self.gathers += 1
         self.pending[i] = (flat, event)
