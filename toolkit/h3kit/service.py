@@ -873,7 +873,7 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
     t0 = time.monotonic()
     alive = rec.verify().alive
     queue = None
-    if alive:
+    if alive and not rec.group.is_agent:  # an agent serves no HTTP: its port is nobody's queue (as in status)
         try:
             queue = health.queue_counts(rec.url)
         except health.HttpError as e:
