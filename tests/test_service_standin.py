@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -407,13 +408,22 @@ def test_watch_restarts_after_consecutive_failed_health_checks(home):
     assert home.start().returncode == 0
     pid = started_pid(home)
     watch = spawn_watch(home, "--failures", "3", "--max-seconds", "60")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(watch.stderr.readline, "")), daemon=True)
+    reader.start()
     try:
-        wait_for(lambda: len(home.boots()) == 2 and home.status()["healthy"], 30, "a restart")
+        # watch's own "started" line, not the server's health: a SIGTERM while watch still waits for the new
+        # server's health is an interrupted start, which (rightly) takes that server down with it
+        wait_for(lambda: any("started" in line for line in lines), 30, "watch's restart")
         watch.send_signal(signal.SIGTERM)
-        out, errs = watch.communicate(timeout=20)
+        out = watch.stdout.read()
+        watch.wait(20)
+        reader.join(10)
+        errs = "".join(lines)
     finally:
         if watch.poll() is None:
             watch.kill()
+    assert len(home.boots()) == 2
     assert watch.returncode == 0
     assert errs.count("health_failed") >= 3 and "3 failed health checks in a row" in errs
     assert "watch ended (interrupted)" in out
