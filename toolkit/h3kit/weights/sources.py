@@ -15,6 +15,7 @@ import os
 import re
 import urllib.parse
 
+from h3kit.errors import H3kitError
 from h3kit.paths import repo_root
 
 MANIFEST = ("workflows", "models", "manifest.json")
@@ -162,7 +163,10 @@ _notes: dict = {}
 
 def load_manifest() -> dict[tuple[str, str], list[Source]]:
     """{(directory, name): [Source, ...]} from h3kit's manifest, in the order fetch tries them."""
-    path = repo_root().joinpath(*MANIFEST)
+    try:
+        path = repo_root().joinpath(*MANIFEST)
+    except H3kitError:  # no h3kit data at all: install and the rest say so; here, no manifest sources
+        return {}
     key = (str(path), path.stat().st_mtime_ns if path.is_file() else None)
     if key in _manifest_cache:
         return _manifest_cache[key]
