@@ -277,6 +277,25 @@ def test_plain_urls_are_fetched_with_resume_or_refused_with_the_reason(runner, h
     assert [g[1] for g in resolve_gets(hub)] == ["/files/other.safetensors"]
 
 
+def test_hf_token_reaches_a_gated_hub_file_and_never_a_plain_url(runner, hub, home, tmp_path, monkeypatch):
+    dit = hub.files[f"/{DIT[0]}/resolve/main/{DIT[1]}"]
+    dit.token = "hf_secret"
+    rc, doc, _ = fetch(runner, SHIPPED, "--comfy-home", home)
+    row = next(f for f in doc["data"]["files"] if f["name"] == "minimax_h3_fl2va_bf16.safetensors")
+    assert rc == 1 and row["status"] == "failed" and "HF_TOKEN" in row["reason"]
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    hub.add_plain("other.safetensors", b"o" * 1000)
+    wf = json.loads(SHIPPED.read_text())
+    wf["nodes"][1]["properties"]["models"][0]["url"] = f"{hub.endpoint}/files/other.safetensors"
+    wf["nodes"][1]["widgets_values"][0] = wf["nodes"][1]["properties"]["models"][0]["name"] = "other.safetensors"
+    (tmp_path / "wf.json").write_text(json.dumps(wf))
+    hub.authorization.clear()
+    rc, doc, _ = fetch(runner, tmp_path / "wf.json", "--comfy-home", home)
+    assert rc == 0 and (home / "models" / "diffusion_models" / "minimax_h3_fl2va_bf16.safetensors").is_file()
+    assert ("/" + "/".join([DIT[0], "resolve", "main", DIT[1]]), "Bearer hf_secret") in hub.authorization
+    assert [a for p, a in hub.authorization if p.startswith("/files/")] == [None, None]  # HEAD and GET, no token
+
+
 def test_an_unreachable_endpoint_fails_the_file_and_names_hf_endpoint(runner, hub, home, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     rc, doc, err = fetch(runner, SHIPPED, "--comfy-home", home)

@@ -8,7 +8,7 @@ X-Repo-Commit (a non-Hub https server). Every request is recorded (method, path,
 
 Faults a test can set per file: `claim_size` (HEAD announces another size), `serve` (GET sends other bytes
 than the ETag names), `stall_after` (GET sends that many bytes, then waits until `release` is set, bounded),
-`fail_gets` (GET answers 500).
+`fail_gets` (GET answers 500), `token` (a gated repository: 401 without that bearer token).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class HubFile:
         self.serve: bytes | None = None
         self.stall_after: int | None = None
         self.fail_gets = False
+        self.token: str | None = None  # a gated repository: 401 without `Authorization: Bearer <token>`
 
     @property
     def etag(self) -> str:
@@ -38,6 +39,7 @@ class HubStandin:
     def __init__(self):
         self.files: dict[str, HubFile] = {}   # "/<repo>/resolve/<rev>/<path>" or "/files/<name>" -> file
         self.requests: list[tuple[str, str, str | None]] = []
+        self.authorization: list[tuple[str, str | None]] = []  # (path, Authorization header) per request
         self.release = threading.Event()
         self.stalled = threading.Event()
         self._lock = threading.Lock()
@@ -83,7 +85,18 @@ class HubStandin:
                 path = self.path.split("?", 1)[0]
                 with hub._lock:
                     hub.requests.append((self.command, path, self.headers.get("Range")))
-                return path, hub.files.get(path)
+                    hub.authorization.append((path, self.headers.get("Authorization")))
+                f = hub.files.get(path)
+                if f is not None and f.token and self.headers.get("Authorization") != f"Bearer {f.token}":
+                    body = b"Access to this repository is restricted"
+                    self.send_response(401)
+                    self.send_header("X-Error-Code", "GatedRepo")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(body)
+                    return path, None
+                return path, f
 
             def _headers(self, path, f, length, status=200, extra=()):
                 self.send_response(status)
@@ -108,13 +121,13 @@ class HubStandin:
             def do_HEAD(self):
                 path, f = self._file()
                 if f is None:
-                    return self._missing()
+                    return None if path in hub.files else self._missing()
                 self._headers(path, f, f.claim_size if f.claim_size is not None else len(f.content))
 
             def do_GET(self):
                 path, f = self._file()
                 if f is None:
-                    return self._missing()
+                    return None if path in hub.files else self._missing()
                 if f.fail_gets:
                     self.send_response(500)
                     self.send_header("Content-Length", "0")
