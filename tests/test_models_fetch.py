@@ -264,7 +264,12 @@ def test_plain_urls_are_fetched_with_resume_or_refused_with_the_reason(runner, h
          "widgets_values": ["ftp.safetensors", "minimax", "default"],
          "properties": {"models": [{"name": "ftp.safetensors", "directory": "text_encoders",
                                     "url": "ftp://models.example.com/ftp.safetensors"}]}},
+        {"id": 4, "type": "CheckpointLoaderSimple", "mode": 0, "inputs": [], "outputs": [],
+         "widgets_values": ["pickled.ckpt"],
+         "properties": {"models": [{"name": "pickled.ckpt", "directory": "checkpoints",
+                                    "url": f"{hub.endpoint}/files/pickled.ckpt"}]}},
     ], "links": []}
+    hub.add_plain("pickled.ckpt", b"p" * 100)
     wf = tmp_path / "plain.json"
     wf.write_text(json.dumps(doc))
     rc, out, _ = fetch(runner, wf, "--comfy-home", home)
@@ -274,6 +279,7 @@ def test_plain_urls_are_fetched_with_resume_or_refused_with_the_reason(runner, h
     assert (home / "models" / "loras" / "other.safetensors").read_bytes() == data
     assert files["insecure.safetensors"]["status"] == "refused" and "plain http" in files["insecure.safetensors"]["reason"]
     assert files["ftp.safetensors"]["status"] == "refused" and "ftp scheme" in files["ftp.safetensors"]["reason"]
+    assert files["pickled.ckpt"]["status"] == "refused" and "pickle" in files["pickled.ckpt"]["reason"]
     assert [g[1] for g in resolve_gets(hub)] == ["/files/other.safetensors"]
 
 

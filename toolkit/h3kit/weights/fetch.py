@@ -20,6 +20,11 @@ In this order, so that a refusal changes nothing and downloads nothing:
    A file the Hub serves through Xet (huggingface_hub with hf_xet installed, HF_HUB_DISABLE_XET unset) goes
    through hf_hub_download into <root>/.h3kit-fetch/xet/ instead, then the same check and rename; its
    resumption is hf_xet's (no Xet server runs offline: unmeasured here).
+
+A file from a plain URL (not the Hub) must be a .safetensors or .sft file: a pickle checkpoint from an
+arbitrary server runs code when it is loaded. Fetch holds no tree lock: a download takes hours, and
+start, stop and restart must work meanwhile; each .part file is locked while it is written, so two fetches
+never write the same file.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ PART_SUFFIX = ".part"
 # left free on a file system after the downloads: ComfyUI, logs and the next download need room too
 RESERVE_BYTES = 512 * 2**20
 HASH_CHUNK = 8 * 2**20
+SAFE_SUFFIXES = (".safetensors", ".sft")
 
 
 class FetchRefused(H3kitError):
@@ -148,6 +154,11 @@ def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, l
         elif not job.sources:
             job.status, job.reason = "refused", w.sources[0].refused
             job.source = w.sources[0]
+        elif not job.sources[0].is_hf and not w.name.lower().endswith(SAFE_SUFFIXES):
+            job.status, job.source = "refused", job.sources[0]
+            job.reason = (f"from {job.source.url}: only {' and '.join(SAFE_SUFFIXES)} files are fetched from outside "
+                          "the Hugging Face Hub (a pickle checkpoint runs code when it loads); download it by hand "
+                          "if you trust the server")
         else:
             jobs.append(job)
         if job.status != "pending":
