@@ -5,6 +5,7 @@ command. Fetching: tests/test_models_fetch.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,20 @@ def test_check_workflow_h3501_names_the_source_and_the_fetch_command(home, tmp_p
     api.write_text(json.dumps(prompt))
     got = messages(check_paths([str(api)], comfy_home=str(home), environ={}), "H3501")
     assert any("my_own_vae.safetensors" in m and "no source is known for it" in m for m in got)
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "device", "truncated"])
+def test_hostile_files_are_refused_not_read_or_waited_on(runner, tmp_path, kind):
+    """The same guard as check-workflow (h3kit.workflow.load.read_capped): exit 2 at once, no traceback."""
+    path = tmp_path / "wf.json"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)  # no writer: a plain open would block forever
+    elif kind == "device":
+        path = Path("/dev/zero")
+    else:
+        path.write_text(SHIPPED[0].read_text()[:500])
+    r = runner.invoke(main, ["models", "list", str(path), "--json"])
+    assert r.exit_code == 2 and jsondoc.document(r.stdout, r.exit_code)["error"]["code"] == "bad_workflow"
+    assert "Traceback" not in r.output

@@ -133,7 +133,7 @@ def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, l
     wanted = listing.collect(paths)
     listing.locate(wanted, install)
 
-    rows: list[dict] = []
+    rows: list[Job] = []
     jobs: list[Job] = []
     for w in wanted:
         root = shared if shared and w.kind in modelpaths.KINDS else os.path.join(home, "models")
@@ -164,7 +164,7 @@ def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, l
         if job.status != "pending":
             rows.append(job)
 
-    register = _plan_models_dir(home, shared, install, jobs) if shared else None
+    register = _plan_models_dir(home, shared, install) if shared else None
     problems = [f"{d}: cannot write there ({why})" for d, why in
                 {d: _probe_writable(d) for d in sorted({j.staging for j in jobs})}.items() if why]
     if problems:
@@ -198,7 +198,7 @@ def _named(install, shared: str) -> bool:
                for kind in modelpaths.KINDS)
 
 
-def _plan_models_dir(home: str, shared: str, install, jobs) -> list[str] | None:
+def _plan_models_dir(home: str, shared: str, install) -> list[str] | None:
     """The models folders install must record for extra_model_paths.yaml to name `shared` (None when it
     already does). Refused when the tree is not an h3kit install or its file cannot take h3kit's section."""
     from h3kit import install as install_mod
