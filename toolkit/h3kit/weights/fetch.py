@@ -193,18 +193,13 @@ def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, l
 
 # ----------------------------------------------------------------------------------- --models-dir, yaml
 
-def _named(install, shared: str) -> bool:
-    return all(os.path.normpath(os.path.join(shared, kind)) in install.model_dirs.get(kind, [])
-               for kind in modelpaths.KINDS)
-
-
 def _plan_models_dir(home: str, shared: str, install) -> list[str] | None:
     """The models folders install must record for extra_model_paths.yaml to name `shared` (None when it
     already does). Refused when the tree is not an h3kit install or its file cannot take h3kit's section."""
     from h3kit import install as install_mod
     from h3kit.paths import repo_root
 
-    if _named(install, shared):
+    if modelpaths.names(install.model_dirs, shared):
         return None
     state = install_mod.load_state(Path(home))
     fix = (f"h3kit install --comfy-home {home} --models-dir {shared}, or add a section naming {shared} "
