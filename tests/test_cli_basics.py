@@ -28,7 +28,7 @@ def test_every_registered_command_resolves_and_has_help(runner):
         assert "Usage: " in result.output and name in result.output
 
 
-HEAVY = ('torch', 'git', 'numpy', 'websocket', 'requests', 'yaml')
+HEAVY = ('torch', 'git', 'numpy', 'websocket', 'requests', 'yaml', 'huggingface_hub')
 
 
 @pytest.mark.parametrize("args", [["--help"], ["check-workflow", "--devices", "0,1,2,3", "--json",

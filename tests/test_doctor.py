@@ -284,6 +284,9 @@ def test_model_files_missing_truncated_and_from_extra_model_paths(host, tmp_path
     # two of three shipped workflows can run: the missing ref2va DiT is a warning naming its user
     missing = only_message(rep, "models", "warning")
     assert "diffusion_models/minimax_h3_ref2va_bf16.safetensors is missing (needed by ref2va_8steps_lora.json)" in missing
+    fix = findings(rep, "models", "warning")[0]["fix"]  # the fetch command and the file's source
+    assert fix.startswith("h3kit models fetch ") and f"ref2va_8steps_lora.json --comfy-home {home}" in fix
+    assert "huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/minimax_h3_ref2va_bf16.safetensors" in fix
     info = findings(rep, "models", "info")[0]
     assert "6 of 7 model file(s) found" in info["message"] and "ready: fl2va_8steps_lora.json, t2va_8steps_lora.json" in info["message"]
     assert any(str(lora_dir) in line for line in info["lines"])  # found through extra_model_paths.yaml, with its size

@@ -82,6 +82,9 @@ CASES = {
     "patches check": (None, ["patches", "check", "--json", "--bogus"]),
     "patches status": (["patches", "status", "--comfy-home", "empty", "--json"], ["patches", "status", "--json"]),
     "check-workflow": (["check-workflow", "missing.json", "--json"], ["check-workflow", "--json"]),
+    "models list": (["models", "list", "missing.json", "--json"], ["models", "list", "--json"]),
+    "models fetch": (["models", "fetch", "wf.json", "--comfy-home", "empty", "--json"],
+                     ["models", "fetch", "wf.json", "--json"]),
     "plan": (["plan", "--width", "1000", "--height", "768", "--frames", "121", "--npu-count", "1", "--json"],
              ["plan", "--width", "1344", "--json"]),
     "doctor": (["doctor", "--devices", "0,0", "--json"], ["doctor", "--device-type", "tpu", "--json"]),
@@ -148,6 +151,8 @@ def test_install_verify_revert_and_patches_succeed_and_judge(installed_fake, run
 
 def test_check_workflow_plan_and_doctor_succeed(runner, tmp_path):
     check("check-workflow", *invoke(runner, "check-workflow", SHIPPED_WF, "--devices", "0,1,2,3", "--json")[:2], "ok")
+    doc = check("models list", *invoke(runner, "models", "list", SHIPPED_WF, "--json")[:2], "ok")
+    assert len(doc["data"]["files"]) == 5  # models fetch succeeding: tests/test_models_fetch.py
     doc = check("plan", *invoke(runner, "plan", "--width", "1344", "--height", "768", "--frames", "121",
                                 "--npu-count", "2", "--json")[:2], "ok")
     assert doc["data"]["plans"][0]["npu_count"] == 2

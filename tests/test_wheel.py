@@ -61,8 +61,8 @@ def test_the_wheel_carries_its_data_and_reads_it_from_the_package(wheel_env):
     root = Path(where.stdout.strip())
     assert root.parts[-2:] == ("h3kit", "_data") and "site-packages" in root.parts, where.stdout + where.stderr
     for name in ("patches/series", "additional_files/extra_model_paths.h3kit.yaml.example",
-                 "workflows/api/demo_t2va_tiny.json", "launch/start-4npu.sh", "launch/h3kit-watch.service",
-                 "source_deps_info.json"):
+                 "workflows/api/demo_t2va_tiny.json", "workflows/models/manifest.json", "launch/start-4npu.sh",
+                 "launch/h3kit-watch.service", "source_deps_info.json"):
         assert (root / name).is_file(), name
     assert os.access(root / "launch" / "start-4npu.sh", os.X_OK)
     r = _run([h3kit, "patches", "check", "--json"], work, env=env)

@@ -28,6 +28,7 @@ COMMANDS = {
     "logs": ("service", "logs", "Print or follow the server log."),
     "watch": ("service", "watch", "Keep the server up: restart it when it dies or stops answering."),
     "check-workflow": ("workflow", "check_workflow", "Validate H3 workflows before they reach the devices."),
+    "models": ("models", "models", "List and fetch the model files workflows need (Hugging Face, resumable, verified)."),
     "parity": ("runtime", "parity", "Compare a multi-device forward with one device (tiny random weights)."),
     "plan": ("runtime", "plan", "Print the sequence-parallel cost model for a resolution and device count."),
     "doctor": ("doctor", "doctor", "Check that this machine is ready to run H3 (read-only), with a fix for each problem."),

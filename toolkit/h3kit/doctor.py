@@ -405,7 +405,7 @@ class _Doctor:
         for (kind, name), workflows in missing.items():
             self.add("models", "warning" if ready else "error",
                      f"{kind}/{name} is missing (needed by {', '.join(workflows)}); searched {tree.folders(kind)}",
-                     f"download it into models/{kind}/ or a folder listed in extra_model_paths.yaml")
+                     self._fetch_hint(kind, name, workflows))
         for problem in broken:
             self.add("models", "error", problem, "download the file again (compare its size and checksum with the source)")
         lines = [f"{kind}/{name}: {size / GB:.2f} GB at {path}" for (kind, name), (path, size) in sorted(found.items())]
@@ -413,6 +413,21 @@ class _Doctor:
             self.add("models", "ok" if not missing and not broken else "info",
                      f"{len(found)} of {len(needed)} model file(s) found, {sum(s for _, s in found.values()) / GB:.1f} GB; "
                      f"workflows ready: {', '.join(ready) or 'none'}", lines=lines)
+
+    def _fetch_hint(self, kind: str, name: str, workflows: list[str]) -> str:
+        """`h3kit models fetch` on the shipped workflows that need the file (their installed copies when install
+        put them in the tree), with the file's source; by hand when no source is known."""
+        from h3kit.weights import sources
+
+        found = sources.sources_for(kind, name)
+        if not found:
+            return f"no source is known for it: download it into models/{kind}/ or a folder listed in extra_model_paths.yaml"
+        paths = []
+        for wf in workflows:
+            copy = self.home / install.WORKFLOW_DEST / wf
+            paths.append(str(copy if copy.is_file() else repo_root() / "workflows" / wf))
+        return (f"h3kit models fetch {' '.join(paths)} --comfy-home {self.home} (source: {sources.describe(found)}; "
+                "add --models-dir DIR for shared storage)")
 
     # ---- host ---------------------------------------------------------------------------------------------
 

@@ -29,6 +29,12 @@ class ModelPathsError(H3kitError):
     code = "extra_model_paths"
 
 
+def names(model_dirs: dict[str, list[str]], folder: str) -> bool:
+    """Whether ComfyUI's search paths (`model_dirs`, kind -> folders, as h3kit.workflow.models reads them)
+    include `folder`/<kind> for each of the H3 kinds: what an h3kit section for `folder` adds."""
+    return all(os.path.normpath(os.path.join(folder, kind)) in model_dirs.get(kind, []) for kind in KINDS)
+
+
 def check_dirs(dirs: list[str]) -> list[str]:
     """Absolute, de-duplicated folders, in order. Bad input: a path with characters the pin would expand
     ($, ~) or that YAML lines cannot carry (newlines), or a file."""

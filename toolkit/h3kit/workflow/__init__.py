@@ -86,6 +86,11 @@ def _check_one(path: str, ctx) -> tuple[list, bool]:
         return [report.Finding("H3001", message)], False
     try:
         graph = graph_mod.build_graph(workflow, ctx.catalog)
+        graph.file = path
+        if workflow.kind == load.UI:
+            from h3kit.weights import sources
+
+            graph.model_entries = sources.workflow_entries(workflow.data)
         return checks.run_checks(graph, ctx), True
     except graph_mod.GraphTooLarge as e:
         return [report.Finding("H3002", f"{e}: split the workflow, or flatten nested subgraphs")], False

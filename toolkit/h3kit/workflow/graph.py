@@ -98,6 +98,8 @@ class Graph:
         self.findings: list[Finding] = []
         self.class_types: set[str] = set()  # every node type written in the file, active or not
         self.instances: dict[str, dict] = {}  # expanded subgraph instance id -> its widget values by input name
+        self.file: str | None = None  # the file it was read from, for messages
+        self.model_entries: dict = {}  # the UI file's properties.models entries (h3kit.weights.sources)
 
     def add_finding(self, code: str, message: str, node: Node | None = None, *, node_id: str | None = None,
                     path: str | None = None):

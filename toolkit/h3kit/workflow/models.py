@@ -115,8 +115,20 @@ class Install:
             if self.vae_exists(name) if kind == "vae" else self.find_model(kind, name):
                 continue
             graph.add_finding("H3501", f"{node.class_type} {input_name} {name!r} is not in {self.folders(kind)}: "
-                              f"download it into models/{kind}/ (or a folder listed in "
-                              "extra_model_paths.yaml), or pick a file that is there", node)
+                              f"{self.fetch_advice(graph, kind, name)}, or pick a file that is there", node)
+
+    def fetch_advice(self, graph, kind: str, name: str) -> str:
+        """How to get a missing file: `h3kit models fetch` with its source (the workflow's properties.models,
+        else h3kit's manifest), or by hand into the folder when no source is known."""
+        from h3kit.weights import sources
+
+        found = sources.sources_for(kind, name, getattr(graph, "model_entries", None))
+        by_hand = f"download it into models/{kind}/ (or a folder listed in extra_model_paths.yaml)"
+        if not found:
+            return f"no source is known for it: {by_hand}"
+        where = getattr(graph, "file", None) or "WORKFLOW"
+        return (f"fetch it with `h3kit models fetch {where} --comfy-home {self.home}` (source: "
+                f"{sources.describe(found)}), or {by_hand}")
 
     def folders(self, kind: str) -> str:
         """The folders searched for `kind`, relative to the tree where they are inside it."""

@@ -1,0 +1,460 @@
+"""Download the model files a workflow needs into a ComfyUI tree, or onto shared storage (`h3kit models fetch`).
+
+In this order, so that a refusal changes nothing and downloads nothing:
+1. The files the loaders name (listing.collect) that ComfyUI at the tree does not find; each has a target
+   <root>/<kind>/<name>, where root is the tree's models/ or, for the four H3 folders (diffusion_models,
+   text_encoders, vae, loras), --models-dir. A file already at its target is not fetched again.
+2. Every target folder must take a file (probed with an unnamed temporary file: root ignores permission bits,
+   a read-only mount does not), and with --models-dir the tree's extra_model_paths.yaml must name the folder
+   or h3kit must be able to add it (the tree is an h3kit install and its file can be merged, h3kit.modelpaths).
+3. Each file's size and ETag from the server (a HEAD through huggingface_hub: HF_ENDPOINT and HF_TOKEN
+   honoured, so a mirror serves it), checked against the size and sha256 the workflow or the manifest
+   publish; then the free space of every file system against what is left to download.
+4. With --models-dir, `h3kit install` with the recorded folders plus this one (journaled, as install writes
+   it) when the file does not name it yet.
+5. The downloads, one after the other. A file is written to <root>/<kind>/.h3kit-fetch/<name>.<key>.part (a
+   name no loader lists: ComfyUI lists only its model extensions), resumed from where an earlier run stopped
+   (huggingface_hub's http_get with resume_size, HTTP Range), then checked (size; sha256: the published one,
+   else the server's ETag when that is a sha256, as the Hub names LFS files) and only then renamed to its
+   name. A file that fails the check is deleted: nothing half-written ever sits under a name ComfyUI loads.
+   A file the Hub serves through Xet (huggingface_hub with hf_xet installed, HF_HUB_DISABLE_XET unset) goes
+   through hf_hub_download into <root>/.h3kit-fetch/xet/ instead, then the same check and rename; its
+   resumption is hf_xet's (no Xet server runs offline: unmeasured here).
+
+A file from a plain URL (not the Hub) must be a .safetensors or .sft file: a pickle checkpoint from an
+arbitrary server runs code when it is loaded. Fetch holds no tree lock: a download takes hours, and
+start, stop and restart must work meanwhile; each .part file is locked while it is written, so two fetches
+never write the same file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+import urllib.parse
+from pathlib import Path
+
+from h3kit import modelpaths
+from h3kit.errors import H3kitError
+from h3kit.weights import listing, sources as sources_mod
+
+STAGING = ".h3kit-fetch"
+PART_SUFFIX = ".part"
+# left free on a file system after the downloads: ComfyUI, logs and the next download need room too
+RESERVE_BYTES = 512 * 2**20
+HASH_CHUNK = 8 * 2**20
+SAFE_SUFFIXES = (".safetensors", ".sft")
+
+
+class FetchRefused(H3kitError):
+    """Refused before any download: nothing was written or fetched."""
+    code = "fetch_refused"
+
+
+def _nolog(msg: str) -> None:
+    pass
+
+
+class Job:
+    """One file to fetch: where it goes, where it may come from, and what the server said about it."""
+
+    def __init__(self, wanted: listing.Wanted, root: str):
+        self.wanted = wanted
+        self.root = root
+        rel = wanted.name.replace("\\", "/").split("/")
+        self.target = os.path.join(root, wanted.kind, *rel)
+        self.staging = os.path.join(root, wanted.kind, STAGING)
+        self.sources = [s for s in wanted.sources if not s.refused]
+        self.source = None      # the source the metadata came from
+        self.meta = None        # huggingface_hub.HfFileMetadata
+        self.size: int | None = None
+        self.sha256: str | None = None
+        self.part: str | None = None
+        self.status = "pending"
+        self.reason: str | None = None
+        self.downloaded = 0
+
+    def part_path(self) -> str:
+        etag = (self.meta.etag if self.meta is not None else None) or self.source.url
+        key = hashlib.sha256(f"{self.wanted.name}\n{etag}".encode()).hexdigest()[:16]
+        return os.path.join(self.staging, f"{_safe(os.path.basename(self.target))}.{key}{PART_SUFFIX}")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.wanted.kind, "name": self.wanted.name, "status": self.status, "path": self.target,
+                "size": self.size, "sha256": self.sha256, "downloaded": self.downloaded, "reason": self.reason,
+                "source": self.source.to_dict() if self.source else None, "workflows": self.wanted.workflows}
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:120]
+
+
+def _existing_ancestor(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def _probe_writable(folder: str) -> str | None:
+    """None when a file can be created in `folder` (or in the nearest folder above it that exists, where
+    the missing ones would be made), else why not. Leaves nothing behind."""
+    where = _existing_ancestor(folder)
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        return f"{where}: {e.strerror or e}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- fetch
+
+def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, log=_nolog,
+          progress: bool = False) -> dict:
+    """What `h3kit models fetch` does (the module docstring); returns its --json data. Raises FetchRefused
+    (nothing written, nothing downloaded) for a target that cannot take the files, a full disk, or a
+    --models-dir that cannot be named in extra_model_paths.yaml."""
+    from h3kit.workflow import models
+
+    install = models.open_install(comfy_home, object_info={})
+    home = install.home
+    shared = modelpaths.check_dirs([models_dir])[0] if models_dir else None
+    wanted = listing.collect(paths)
+    listing.locate(wanted, install)
+
+    rows: list[Job] = []
+    jobs: list[Job] = []
+    for w in wanted:
+        root = shared if shared and w.kind in modelpaths.KINDS else os.path.join(home, "models")
+        job = Job(w, root)
+        known = w.sources[0].size if w.sources else None
+        if w.bad_name:
+            job.status, job.reason = "refused", w.bad_name
+        elif w.found or os.path.isfile(job.target):
+            job.target = w.found or job.target
+            job.size = os.path.getsize(job.target)
+            job.status = "present"
+            if known is not None and job.size != known:
+                job.status = "wrong_size"
+                job.reason = (f"{job.size} bytes on disk, {known} published: move it away and run fetch again "
+                              "(h3kit never overwrites a file it did not write)")
+        elif not w.sources:
+            job.status, job.reason = "no_source", w.note or sources_mod.describe([])
+        elif not job.sources:
+            job.status, job.reason = "refused", w.sources[0].refused
+            job.source = w.sources[0]
+        elif not job.sources[0].is_hf and not w.name.lower().endswith(SAFE_SUFFIXES):
+            job.status, job.source = "refused", job.sources[0]
+            job.reason = (f"from {job.source.url}: only {' and '.join(SAFE_SUFFIXES)} files are fetched from outside "
+                          "the Hugging Face Hub (a pickle checkpoint runs code when it loads); download it by hand "
+                          "if you trust the server")
+        else:
+            jobs.append(job)
+        if job.status != "pending":
+            rows.append(job)
+
+    register = _plan_models_dir(home, shared, install) if shared else None
+    problems = [f"{d}: cannot write there ({why})" for d, why in
+                {d: _probe_writable(d) for d in sorted({j.staging for j in jobs})}.items() if why]
+    if problems:
+        raise FetchRefused("the target folders cannot take the files: " + "; ".join(problems), code="not_writable",
+                           hint="make the folder writable (or mount it read-write), or give --models-dir a folder "
+                                "that is; nothing was downloaded")
+
+    if jobs:
+        _metadata(jobs, log)
+        _check_space([j for j in jobs if j.status == "pending"])
+    if register is not None:
+        log(f"adding {shared} to {modelpaths.CONFIG} (h3kit install --models-dir) ...")
+        _register(home, register)
+    for job in jobs:
+        if job.status == "pending":
+            _download(job, log, progress)
+    rows += jobs
+    order = {(w.kind, w.name): i for i, w in enumerate(wanted)}
+    rows.sort(key=lambda j: order[(j.wanted.kind, j.wanted.name)])
+    files = [j.to_dict() for j in rows]
+    ok = all(f["status"] in ("present", "downloaded") for f in files)
+    return {"ok": ok, "comfy_home": home, "models_dir": shared, "workflows": list(paths), "files": files,
+            "downloaded_bytes": sum(j.downloaded for j in rows),
+            "extra_model_paths": {"added": register is not None, "named": True} if shared else None}
+
+
+# ----------------------------------------------------------------------------------- --models-dir, yaml
+
+def _plan_models_dir(home: str, shared: str, install) -> list[str] | None:
+    """The models folders install must record for extra_model_paths.yaml to name `shared` (None when it
+    already does). Refused when the tree is not an h3kit install or its file cannot take h3kit's section."""
+    from h3kit import install as install_mod
+    from h3kit.paths import repo_root
+
+    if modelpaths.names(install.model_dirs, shared):
+        return None
+    state = install_mod.load_state(Path(home))
+    fix = (f"h3kit install --comfy-home {home} --models-dir {shared}, or add a section naming {shared} "
+           f"(diffusion_models/, text_encoders/, vae/, loras/) to {os.path.join(home, modelpaths.CONFIG)}")
+    if state is None:
+        raise FetchRefused(f"{modelpaths.CONFIG} of {home} does not name {shared}, and the tree was not installed "
+                           "by h3kit, so fetch does not write it", code="models_dir_not_named", hint=fix)
+    dirs = list(state.get("models_dirs") or []) + [shared]
+    config = Path(home) / modelpaths.CONFIG
+    current = config.read_bytes() if config.is_file() else None
+    modelpaths.merge(current, modelpaths.read_template(repo_root()), dirs)  # raises when it cannot be merged
+    return dirs
+
+
+def _register(home: str, dirs: list[str]) -> None:
+    from h3kit import install as install_mod
+
+    state = install_mod.load_state(Path(home)) or {}
+    opts = install_mod.InstallOptions(comfy_home=Path(home), source=state.get("source"), python=state.get("python"),
+                                      models_dirs=dirs)
+    install_mod.install(opts)
+
+
+# ------------------------------------------------------------------------------------------ metadata
+
+def _endpoint_hint() -> str:
+    return ("check the network, or set HF_ENDPOINT to a Hugging Face mirror you can reach (now "
+            f"{sources_mod.endpoint()}); a gated or private repository needs HF_TOKEN")
+
+
+def _metadata(jobs: list[Job], log) -> None:
+    """Size, ETag and download URL of each job from its first source that answers; a job none answers is
+    failed, one whose published size or sha256 disagrees with the server is refused."""
+    import huggingface_hub
+
+    for job in jobs:
+        errors = []
+        for source in job.sources:
+            try:
+                if source.is_hf:
+                    url = huggingface_hub.hf_hub_url(source.repo, source.path, repo_type=source.repo_type,
+                                                     revision=source.revision, endpoint=sources_mod.endpoint())
+                    meta = huggingface_hub.get_hf_file_metadata(url, endpoint=sources_mod.endpoint())
+                else:
+                    meta = huggingface_hub.get_hf_file_metadata(source.url, token=False)
+            except Exception as e:  # noqa: BLE001 - any failure of one source: the next source, else a failed file
+                errors.append(f"{source.url}: {_why(e)}")
+                continue
+            job.source, job.meta = source, meta
+            break
+        if job.meta is None:
+            job.status = "failed"
+            job.source = job.sources[0]
+            job.reason = "no source answered: " + "; ".join(errors) + f" ({_endpoint_hint()})"
+            continue
+        job.size = job.meta.size
+        etag = (job.meta.etag or "").lower()
+        served_sha = etag if re.fullmatch(r"[0-9a-f]{64}", etag) else None
+        job.sha256 = job.source.sha256 or served_sha
+        if job.source.size is not None and job.size is not None and job.source.size != job.size:
+            job.status = "mismatch"
+            job.reason = f"the server has {job.size} bytes, {job.source.size} are published: not downloaded"
+        elif job.source.sha256 and served_sha and job.source.sha256 != served_sha:
+            job.status = "mismatch"
+            job.reason = f"the server's file has sha256 {served_sha}, {job.source.sha256} is published: not downloaded"
+        elif job.size is None:
+            job.size = job.source.size
+        log(f"{job.wanted.kind}/{job.wanted.name}: {_gb(job.size)} from {job.source.url}")
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _gb(n: int | None) -> str:
+    if n is None:
+        return "size unknown"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
+def _check_space(jobs: list[Job]) -> None:
+    """Refuse before any download when a file system lacks room for what is left to download."""
+    need: dict[int, list] = {}
+    for job in jobs:
+        job.part = job.part_path()
+        have = os.path.getsize(job.part) if os.path.isfile(job.part) else 0
+        left = max((job.size or 0) - have, 0)
+        where = _existing_ancestor(job.staging)
+        dev = os.stat(where).st_dev
+        entry = need.setdefault(dev, [where, 0, []])
+        entry[1] += left
+        entry[2].append(job.wanted.name)
+    short = []
+    for where, left, names in need.values():
+        free = shutil.disk_usage(where).free
+        if free < left + RESERVE_BYTES:
+            short.append(f"{where}: {_gb(free)} free, {_gb(left)} to download (+{RESERVE_BYTES // 2**20} MiB kept "
+                         f"free) for {', '.join(names)}")
+    if short:
+        raise FetchRefused("not enough free disk space: " + "; ".join(short), code="disk_full",
+                           hint="free space there, or give --models-dir a larger disk; nothing was downloaded")
+
+
+# ----------------------------------------------------------------------------------------- download
+
+def _download(job: Job, log, progress: bool) -> None:
+    try:
+        os.makedirs(job.staging, exist_ok=True)
+        if job.meta.xet_file_data is not None and _xet_usable():
+            path = _download_xet(job, progress)
+        else:
+            path = _download_http(job, log, progress)
+        if path is None:
+            return
+        _verify_and_place(job, path, log)
+    except KeyboardInterrupt:
+        if job.part and os.path.isfile(job.part):
+            log(f"{job.wanted.name}: interrupted; {_gb(os.path.getsize(job.part))} kept in {job.part}, the next "
+                "fetch resumes there")
+        raise
+    except OSError as e:
+        job.status = "failed"
+        job.reason = f"{_why(e)}; run fetch again to resume"
+    except Exception as e:  # noqa: BLE001 - huggingface_hub's and the HTTP client's errors: one failed file
+        job.status = "failed"
+        job.reason = f"{_why(e)}; run fetch again to resume ({_endpoint_hint()})"
+
+
+def _xet_usable() -> bool:
+    flag = os.environ.get("HF_HUB_DISABLE_XET", "").strip().upper()
+    return flag not in ("1", "ON", "YES", "TRUE") and importlib.util.find_spec("hf_xet") is not None
+
+
+def _bar(progress: bool):
+    from tqdm import tqdm
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = not progress
+            kwargs.setdefault("file", sys.stderr)
+            super().__init__(*args, **kwargs)
+
+    return Bar
+
+
+def _download_http(job: Job, log, progress: bool) -> str | None:
+    """Into the job's .part file, resumed from its current length; the path when complete, None when
+    another process holds it."""
+    from huggingface_hub import file_download, utils
+
+    for stale in Path(job.staging).glob(f"{_safe(os.path.basename(job.target))}.*{PART_SUFFIX}"):
+        if str(stale) != job.part:  # an earlier version of the file on the server: never resumed into this one
+            stale.unlink(missing_ok=True)
+    headers = utils.build_hf_headers(token=None if job.source.is_hf else False)
+    url = job.meta.location
+    if job.source.is_hf and urllib.parse.urlsplit(url).netloc != urllib.parse.urlsplit(sources_mod.endpoint()).netloc:
+        headers.pop("authorization", None)  # a CDN's signed URL: the token stays with the Hub
+    with open(job.part, "ab") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            job.status = "failed"
+            job.reason = f"another h3kit models fetch is downloading it ({job.part})"
+            return None
+        have = f.tell()
+        if job.size is not None and have > job.size:
+            f.truncate(0)
+            have = 0
+        if have:
+            log(f"{job.wanted.name}: resuming at {_gb(have)} of {_gb(job.size)}")
+        else:
+            log(f"{job.wanted.name}: downloading {_gb(job.size)}")
+        file_download.http_get(url, f, resume_size=have, headers=headers, expected_size=job.size,
+                               displayed_filename=job.wanted.name, tqdm_class=_bar(progress))
+        f.flush()
+        os.fsync(f.fileno())
+        job.downloaded = f.tell() - have
+    return job.part
+
+
+def _download_xet(job: Job, progress: bool) -> str:
+    import huggingface_hub
+
+    local = os.path.join(job.root, STAGING, "xet")
+    got = huggingface_hub.hf_hub_download(job.source.repo, job.source.path, repo_type=job.source.repo_type,
+                                          revision=job.meta.commit_hash or job.source.revision, local_dir=local,
+                                          endpoint=sources_mod.endpoint(), tqdm_class=_bar(progress))
+    job.downloaded = os.path.getsize(got)
+    return got
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify_and_place(job: Job, path: str, log) -> None:
+    """Size and sha256 checked, then renamed to the name ComfyUI loads; a file that fails is deleted."""
+    size = os.path.getsize(path)
+    problem = None
+    if job.size is not None and size != job.size:
+        problem = f"{size} bytes downloaded, {job.size} expected"
+    elif job.sha256:
+        log(f"{job.wanted.name}: checking sha256 ...")
+        got = _sha256(path)
+        if got != job.sha256:
+            problem = f"sha256 {got}, expected {job.sha256}"
+    if problem:
+        Path(path).unlink(missing_ok=True)
+        job.status = "mismatch"
+        job.reason = f"{problem}: the download was deleted; check the source (or HF_ENDPOINT's mirror)"
+        return
+    os.makedirs(os.path.dirname(job.target), exist_ok=True)
+    if os.path.exists(job.target):  # written meanwhile by someone else: theirs stays
+        Path(path).unlink(missing_ok=True)
+        job.status = "present"
+        return
+    try:
+        os.replace(path, job.target)
+    except OSError as e:
+        if e.errno != 18:  # EXDEV: the Xet staging folder is on another file system than the target
+            raise
+        tmp = os.path.join(job.staging, os.path.basename(job.part_path()))
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, job.target)
+        Path(path).unlink(missing_ok=True)
+    job.size = size
+    job.status = "downloaded"
+    with contextlib.suppress(OSError):
+        os.rmdir(job.staging)  # only when empty: other files' partial downloads stay
+    log(f"{job.wanted.name}: {_gb(size)} at {job.target}")
+
+
+def render_text(data: dict) -> str:
+    labels = {"present": "ok     ", "downloaded": "fetched", "failed": "FAILED ", "mismatch": "BAD    ",
+              "refused": "REFUSED", "no_source": "NO SRC ", "wrong_size": "BAD    "}
+    lines = []
+    for f in data["files"]:
+        lines.append(f"{labels.get(f['status'], f['status'])} {f['kind']}/{f['name']}  {f['path']}")
+        if f["reason"]:
+            lines.append(f"        {f['reason']}")
+    n = len(data["files"])
+    done = sum(f["status"] in ("present", "downloaded") for f in data["files"])
+    lines.append("")
+    lines.append(f"{done} of {n} model file(s) in place; downloaded {_gb(data['downloaded_bytes'])}")
+    if data.get("extra_model_paths") and data["extra_model_paths"]["added"]:
+        lines.append(f"{modelpaths.CONFIG} now names {data['models_dir']} (h3kit install recorded it)")
+    if done < n:
+        lines.append("run the same command again to resume what failed")
+    return "\n".join(lines)
+
