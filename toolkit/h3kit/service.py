@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import comfyargs, group, health, locks, logscan, proc
+from h3kit import comfyargs, group, health, locks, logscan, proc, queuesave
 from h3kit import devices as h3devices
 from h3kit.errors import H3kitError, UsageError
 
@@ -811,7 +811,9 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
         rec = read_record(root, comfy_home)  # again, under the locks: another command may have acted
         if rec is None:
             return StopResult(False, note="no server recorded; nothing to stop")
-        return stop_locked(root, rec, grace=grace, progress=progress)
+        out = stop_locked(root, rec, grace=grace, progress=progress)
+        queuesave.discard(root)  # stopped on purpose: its queue goes with it, and no later restart revives it
+        return out
 
 
 def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
@@ -854,15 +856,20 @@ class RestartResult:
     stop: StopResult | None
     start: StartResult
     phases: dict[str, float]
+    restored: queuesave.Restored | None = None
 
 
-def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
+def restart(root: Path, *, force: bool = False, requeue_running: bool = False, grace: float = DEFAULT_GRACE,
             timeout: float = DEFAULT_START_TIMEOUT, progress: Progress = _noop,
             comfy_home: str | os.PathLike | None = None) -> RestartResult:
-    """Stop the recorded server (if still running) and start it again with the recorded settings.
+    """Stop the recorded server (if still running) and start it again with the recorded settings, keeping
+    its queue (h3kit.queuesave): the pending prompts are saved first and queued again once the new server
+    is healthy.
 
-    Refuses with QueueBusy while GET /queue shows running or pending prompts, unless `force`. Works when
-    the server has already died: the record's settings are used and nothing is signalled.
+    A running prompt makes it refuse (QueueBusy) unless `force` (the prompt is dropped, and reported) or
+    `requeue_running` (it is queued again, first). Works when the server has already died: the record's
+    settings are used, nothing is signalled, and the last save of that server (watch refreshes it every
+    tick) is restored.
     """
     t_all = time.monotonic()
     rec = read_record(root, comfy_home)
@@ -872,16 +879,14 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
     phases: dict[str, float] = {}
     t0 = time.monotonic()
     alive = rec.verify().alive
-    queue = None
-    if alive and not rec.group.is_agent:  # an agent serves no HTTP: its port is nobody's queue (as in status)
-        try:
-            queue = health.queue_counts(rec.url)
-        except health.HttpError as e:
-            progress(f"could not read the queue ({e}); restarting anyway")
-        if queue and sum(queue) and not force:
-            raise QueueBusy(f"the queue has {queue[0]} running and {queue[1]} pending prompt(s)",
-                            details={"running": queue[0], "pending": queue[1]},
-                            hint="wait for them, or pass --force to drop them")
+    saved = _saved_queue(root, rec, alive, progress)
+    queue = (len(saved.running), len(saved.pending)) if saved else None
+    if alive and saved and saved.running and not (force or requeue_running):
+        raise QueueBusy(f"prompt {saved.running[0].prompt_id} is running ({len(saved.pending)} pending prompt(s) "
+                        "would be kept)", details={"running": queue[0], "pending": queue[1],
+                                                   "running_ids": [i.prompt_id for i in saved.running]},
+                        hint="wait for it; or --requeue-running (it runs again from the start after the restart), "
+                             "or --force (it is dropped); pending prompts are queued again either way")
     blk = logscan.first_error(rec.log)
     previous_error = blk.to_dict() if blk else None
     phases["check"] = time.monotonic() - t0
@@ -891,6 +896,8 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
         if current is None or current.pid != rec.pid:
             raise ServiceError("the server record changed while restarting (another h3kit command ran)",
                                code="record_changed", hint="check h3kit status, then retry")
+        if saved and alive:
+            queuesave.save(root, saved)  # before anything is stopped: a failed restart keeps it
         stopped = None
         if alive:
             t0 = time.monotonic()
@@ -901,10 +908,47 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
             _wait_port_or_name_holder(rec.listen, rec.port)
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
-        started = start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
+        started = start_keeping_queue(root, rec, timeout=timeout, progress=progress)
         phases["start"] = time.monotonic() - t0
+        restored = None
+        if saved:
+            t0 = time.monotonic()
+            restored = queuesave.restore(root, started.record.url, saved, requeue_running=requeue_running,
+                                         first_error=blk.summary if blk else None)
+            phases["restore"] = time.monotonic() - t0
     phases["total"] = time.monotonic() - t_all
-    return RestartResult(rec.pid, alive, previous_error, queue, stopped, started, phases)
+    return RestartResult(rec.pid, alive, previous_error, queue, stopped, started, phases, restored)
+
+
+def _saved_queue(root: Path, rec: Record, alive: bool, progress: Progress) -> queuesave.Saved | None:
+    """The queue to keep across a restart of `rec`: read now from a server that answers, else the last save of
+    that server (watch's, or a restart's that failed to start). An agent serves no HTTP: no queue."""
+    if rec.group.is_agent:
+        return None
+    if alive:
+        try:
+            return queuesave.read_queue(rec.url, rec.pid, rec.create_time)
+        except health.HttpError as e:
+            progress(f"could not read the queue ({e}); restoring the last save, if any")
+    saved = queuesave.load(root)
+    if saved is not None and saved.is_of(rec.pid, rec.create_time):
+        progress(f"the queue as saved at {saved.saved_at}: {len(saved.running)} running, "
+                 f"{len(saved.pending)} pending")
+        return saved
+    return None
+
+
+def start_keeping_queue(root: Path, rec: Record, *, timeout: float, progress: Progress) -> StartResult:
+    """start_locked with `rec`'s settings; when the start fails, the save of `rec`'s server goes to the record
+    the failed start left, so the next restart restores it."""
+    try:
+        return start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
+    except BaseException:
+        with contextlib.suppress(BadRecord, OSError):
+            now = read_record(root)
+            if now is not None and now.pid != rec.pid:
+                queuesave.hand_over(root, rec.pid, rec.create_time, now.pid, now.create_time)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- status

@@ -161,28 +161,37 @@ def stop(comfy_home, runtime_root, grace, as_json):
         click.echo(f"not running: {res.note}")
 
 
+requeue_running_option = click.option(
+    "--requeue-running", is_flag=True,
+    help="Queue the prompt that was running again, first (it may be the one that made the server fail).")
+
+
 @click.command()
 @comfy_home_option(required=False)
 @runtime_root_option
-@click.option("--force", is_flag=True, help="Restart even while prompts are running or queued (they are lost).")
+@click.option("--force", is_flag=True, help="Restart even while a prompt runs (it is dropped; pending ones are kept).")
+@requeue_running_option
 @grace_option
 @timeout_option
 @json_option
 @handle_errors
-def restart(comfy_home, runtime_root, force, grace, timeout, as_json):
-    """Restart the server (after an OOM, say) with the same settings.
+def restart(comfy_home, runtime_root, force, requeue_running, grace, timeout, as_json):
+    """Restart the server (after an OOM, say) with the same settings, keeping its queue.
 
-    Refuses while prompts run or wait unless --force. Shows the first error of the previous run's log,
-    stops the server (if it still runs), waits for the port, starts it again and waits until healthy.
+    Saves the pending prompts (GET /queue), shows the first error of the previous run's log, stops the
+    server (if it still runs), starts it again, waits until healthy and queues the saved prompts again, in
+    order, with their client ids. Refuses while a prompt runs unless --requeue-running or --force. After a
+    crash, the last save of that server (watch refreshes it every tick) is restored.
     """
     root = service.runtime_root(comfy_home, runtime_root)
-    res = service.restart(root, force=force, grace=grace, timeout=timeout, progress=_progress,
-                          comfy_home=comfy_home)
+    res = service.restart(root, force=force, requeue_running=requeue_running, grace=grace, timeout=timeout,
+                          progress=_progress, comfy_home=comfy_home)
     phases = {k: round(v, 2) for k, v in res.phases.items()}
     if as_json:
         emit_json({"ok": True, "previous_pid": res.previous_pid, "was_running": res.was_running,
                    "pid": res.start.record.pid, "url": res.start.record.url,
                    "queue": dict(zip(("running", "pending"), res.queue)) if res.queue else None,
+                   "restored": res.restored.to_dict() if res.restored else None,
                    "previous_error": res.previous_error, "phases": phases, "log": res.start.record.log})
         return
     if res.previous_error:
@@ -192,6 +201,8 @@ def restart(comfy_home, runtime_root, force, grace, timeout, as_json):
         click.echo("previous run's log shows no error")
     was = "was running" if res.was_running else "was not running"
     click.echo(f"restarted: pid {res.previous_pid} ({was}) -> {res.start.record.pid} on {res.start.record.url}")
+    for line in res.restored.lines() if res.restored else ["queue: nothing saved to restore"]:
+        click.echo(line)
     click.echo("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
 
@@ -349,26 +360,30 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
 @timeout_option
 @click.option("--max-seconds", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Stop watching after S seconds (scripts, tests). Default: until Ctrl-C or h3kit stop.")
+@requeue_running_option
 @json_option
 @handle_errors
 def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, crash_limit, crash_window,
-          stable_after, grace, timeout, max_seconds, as_json):
+          stable_after, grace, timeout, max_seconds, requeue_running, as_json):
     """Keep the server up: restart it when it dies or stops answering.
 
     After an out-of-memory error the server survived, asks it to free memory (POST /free) first. Ends
     when `h3kit stop` removes the record, on Ctrl-C (the server keeps running), or, exit 1, after a crash
-    loop (the server is stopped and the reason printed).
+    loop (the server is stopped and the reason printed). Saves the queue on every healthy check and
+    queues the pending prompts again after a restart (the running one only with --requeue-running).
     """
     root = service.runtime_root(comfy_home, runtime_root)
     policy = supervise.WatchPolicy(interval=interval, failures=failures, backoff=backoff,
                                    backoff_max=backoff_max, crash_limit=crash_limit, crash_window=crash_window,
                                    stable_after=stable_after, grace=grace, start_timeout=timeout,
-                                   max_seconds=max_seconds)
+                                   max_seconds=max_seconds, requeue_running=requeue_running)
     outcome = supervise.watch(root, policy, comfy_home=comfy_home,
                               on_event=lambda e: err(f"h3kit watch: {e['time']} {e['event']}: {e['message']}"))
     if as_json:
         emit_json({"ok": True, "reason": outcome.reason, "message": outcome.message,
-                   "restarts": outcome.restarts, "frees": outcome.frees, "events": outcome.events})
+                   "restarts": outcome.restarts, "frees": outcome.frees, "restored": outcome.restored,
+                   "events": outcome.events})
     else:
         click.echo(f"watch ended ({outcome.reason}): {outcome.message}; "
-                   f"{outcome.restarts} restart(s), {outcome.frees} POST /free")
+                   f"{outcome.restarts} restart(s), {outcome.frees} POST /free, "
+                   f"{outcome.restored} prompt(s) queued again")
