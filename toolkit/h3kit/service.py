@@ -911,7 +911,7 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
         started = start_keeping_queue(root, rec, timeout=timeout, progress=progress)
         phases["start"] = time.monotonic() - t0
         restored = None
-        if saved:
+        if saved and (saved.running or saved.pending):
             t0 = time.monotonic()
             restored = queuesave.restore(root, started.record.url, saved, requeue_running=requeue_running,
                                          first_error=blk.summary if blk else None)

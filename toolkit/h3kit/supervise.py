@@ -290,8 +290,8 @@ def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit, 
         saved, how = (_save_queue(root, cur, policy) if alive else None), "read just now"
         if saved is None:
             saved, how = queuesave.load(root), "saved by the last healthy check; prompts queued since are lost"
-        if saved is not None and not saved.is_of(cur.pid, cur.create_time):
-            saved = None
+        if saved is not None and not (saved.is_of(cur.pid, cur.create_time) and (saved.running or saved.pending)):
+            saved = None  # another server's save, or an empty queue: nothing to restore
         if saved is not None:
             emit("queue_saved", f"{len(saved.running)} running, {len(saved.pending)} pending prompt(s) "
                                 f"({how}, {saved.saved_at})")

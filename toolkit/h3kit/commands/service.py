@@ -201,7 +201,7 @@ def restart(comfy_home, runtime_root, force, requeue_running, grace, timeout, as
         click.echo("previous run's log shows no error")
     was = "was running" if res.was_running else "was not running"
     click.echo(f"restarted: pid {res.previous_pid} ({was}) -> {res.start.record.pid} on {res.start.record.url}")
-    for line in res.restored.lines() if res.restored else ["queue: nothing saved to restore"]:
+    for line in res.restored.lines() if res.restored else ["queue: empty or unknown, nothing to restore"]:
         click.echo(line)
     click.echo("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
