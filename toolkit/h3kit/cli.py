@@ -86,8 +86,8 @@ class LazyGroup(click.Group):
         with contextlib.suppress(Exception):
             docs = paths.repo_root() / "docs"
             if docs.is_dir():
-                formatter.write_paragraph()
-                formatter.write_text(f"Documentation (the docs/ that help and fixes cite): {docs}")
+                formatter.write_paragraph()  # one line, never wrapped: the path must stay whole to be copied
+                formatter.write(f"Documentation (the docs/ that help and fixes cite):\n  {docs}\n")
 
     def main(self, args=None, *rest, **kwargs):
         args = list(sys.argv[1:] if args is None else args)

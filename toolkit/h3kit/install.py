@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3kit import gitutil, journal, locks, manifest, modelpaths, pyenv, testhooks
-from h3kit.errors import H3kitError, UsageError
+from h3kit.errors import H3kitError, NotAComfyTree, UsageError
 from h3kit.patches import PatchConflict, Series, plan_forward, plan_reverse, read_tree_files, series_result, write_tree_files
 from h3kit.paths import repo_root
 
@@ -698,8 +698,7 @@ def verify(comfy_home: Path) -> dict:
     problems: list[str] = []
     warnings: list[str] = []
     if not home.is_dir() or not gitutil.is_checkout(home):
-        raise InstallError(f"{home} is not a ComfyUI checkout", code="not_installed",
-                           hint="run h3kit install --comfy-home " + str(home))
+        raise NotAComfyTree(home, "not a git checkout", hint=f"run h3kit install --comfy-home {home}")
     recovered = None
     if journal.pending(home) is not None or journal.journal_dir(home).exists():
         holder = locks.is_locked(home)
@@ -845,7 +844,8 @@ def _verify_packages(state: dict | None, warnings: list) -> dict | None:
 def revert(comfy_home: Path, force: bool = False, log=_nolog) -> dict:
     home = Path(comfy_home).expanduser().absolute()
     if not home.is_dir() or not gitutil.is_checkout(home):
-        raise InstallError(f"{home} is not a ComfyUI checkout", code="not_installed")
+        raise NotAComfyTree(home, "not a git checkout", hint=f"nothing to revert; h3kit install --comfy-home {home} "
+                                                             "makes one")
     try:
         with locks.tree_lock(home, progress=log):
             recovered = _recover(home)

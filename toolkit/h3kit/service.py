@@ -48,7 +48,7 @@ from typing import Callable
 
 from h3kit import comfyargs, group, health, locks, logscan, proc, queuesave
 from h3kit import devices as h3devices
-from h3kit.errors import H3kitError, UsageError
+from h3kit.errors import H3kitError, NotAComfyTree, UsageError
 
 DEFAULT_PORT = 8189
 DEFAULT_LISTEN = "127.0.0.1"
@@ -505,6 +505,28 @@ def resolve_python(comfy_home: Path, python: str | None) -> str:
     return os.path.abspath(path)  # the server runs in the tree: a relative path would name another file
 
 
+def require_torch(home: Path, python: str, device_type: str, what: str) -> None:
+    """Refuse early, naming `h3kit doctor`, an interpreter without torch (or, on npu, torch-npu): the server,
+    parity or calibration would otherwise fail late, in a worker or a log. Package metadata only (pyenv's
+    probe imports nothing). Skipped for a tree whose ComfyUI does not import torch (no
+    comfy/model_management.py: a test stand-in)."""
+    if not (Path(home) / "comfy" / "model_management.py").is_file():
+        return
+    from h3kit import pyenv
+
+    hint = (f"h3kit doctor --comfy-home {home} --python {python} --device-type {device_type} says what to install "
+            "and how; or pass --python the interpreter that runs ComfyUI")
+    try:
+        info = pyenv.probe(python)
+    except pyenv.PythonEnvError as e:
+        raise pyenv.PythonEnvError(e.message, hint=hint) from None
+    need = [("torch", "torch")] + ([("torch-npu", "torch_npu")] if device_type == "npu" else [])
+    missing = [name for name, key in need if not info.get(key)]
+    if missing:
+        raise pyenv.PythonEnvError(f"{python} has no {' and no '.join(missing)} installed: {what} cannot run with it",
+                                   hint=hint, details={"python": python, "missing": missing})
+
+
 def child_environment(device_type: str, devices: list[int], base: dict | None = None) -> dict:
     """The environment the server runs with: the visible-device variable for the device kind, and
     unbuffered output so `h3kit logs -f` shows print() output as it happens."""
@@ -588,16 +610,18 @@ def _poll_interval() -> float:
 
 
 def start(root: Path, spec: StartSpec, *, timeout: float = DEFAULT_START_TIMEOUT,
-          progress: Progress = _noop) -> StartResult:
+          progress: Progress = _noop, announce: str = "") -> StartResult:
     """Start the server and return once /system_stats answers (with the expected devices on npu/cuda).
 
     When the record names our live server on the same port, nothing starts and `already_running` is set.
     Raises PortInUse when anything else holds the port, StartFailed when the child exits or the deadline
-    passes (the child is stopped first; the log's last lines are in the error's details).
+    passes (the child is stopped first; the log's last lines are in the error's details). `announce` is
+    said (progress) once every check has passed, right before the server is launched.
     """
     spec = validated(spec)  # before the locks create anything under the runtime root
+    require_torch(Path(spec.comfy_home), spec.python, spec.device_type, "ComfyUI")
     with service_lock(root, home=spec.comfy_home, progress=progress):
-        return start_locked(root, spec, timeout=timeout, progress=progress)
+        return start_locked(root, spec, timeout=timeout, progress=progress, announce=announce)
 
 
 def validated(spec: StartSpec) -> StartSpec:
@@ -606,8 +630,7 @@ def validated(spec: StartSpec) -> StartSpec:
     checks."""
     home = Path(spec.comfy_home).expanduser().resolve()
     if not (home / "main.py").is_file():
-        raise UsageError(f"{home} is not a ComfyUI tree (no main.py)", code="no_comfy_tree",
-                         hint="pass the --comfy-home that h3kit install created")
+        raise NotAComfyTree(home)
     if spec.device_type not in h3devices.DEVICE_TYPES:
         raise UsageError(f"unknown device type {spec.device_type!r}", hint="use npu, cuda or cpu")
     if type(spec.port) is not int or not 1 <= spec.port <= 65535:
@@ -629,7 +652,7 @@ def _settings(spec_or_record) -> dict:
 
 
 def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progress,
-                 replacing: int | None = None) -> StartResult:
+                 replacing: int | None = None, announce: str = "") -> StartResult:
     """start() with the service lock already held (restart and watch hold it across stop and start)."""
     spec = validated(spec)
     home, listen, python = Path(spec.comfy_home), spec.listen, spec.python
@@ -643,9 +666,14 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
                 raise ServiceError(f"h3kit already runs a server from {root} on port {rec.port} (pid {rec.pid})",
                                    code="already_running",
                                    hint="stop it first (h3kit stop), or use h3kit restart")
-            if _settings(rec) != _settings(spec):
-                raise ServiceError(f"h3kit's server on port {rec.port} (pid {rec.pid}) runs with {_settings(rec)}, "
-                                   f"not the requested {_settings(spec)}", code="already_running_other_settings",
+            running, asked = _settings(rec), _settings(spec)
+            differ = {k: {"running": running.get(k), "requested": asked.get(k)}
+                      for k in running | asked if running.get(k) != asked.get(k)}
+            if differ:
+                said = "; ".join(f"{k} {v['running']!r}, not the requested {v['requested']!r}"
+                                 for k, v in sorted(differ.items()))
+                raise ServiceError(f"h3kit's server on port {rec.port} (pid {rec.pid}) runs with other settings: "
+                                   f"{said}", code="already_running_other_settings", details={"differ": differ},
                                    hint="h3kit stop, then start with the new settings (a running server is never "
                                         "reconfigured behind a user's back)")
             got = check(rec, root)
@@ -665,6 +693,8 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         else:
             _check_port(settings.master_addr, settings.master_port)
 
+    if announce:
+        progress(announce)
     argv = server_argv(python, spec)
     env = child_environment(spec.device_type, spec.devices)
     shown = {k: env[k] for k in (h3devices.VISIBLE_ENV[spec.device_type],)}
@@ -875,7 +905,8 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
     rec = read_record(root, comfy_home)
     if rec is None:
         raise NotStarted(f"no server record under {root}", hint="start it once with h3kit start")
-    validated(rec.spec())  # the settings are checked as start checks them before anything is stopped
+    spec = validated(rec.spec())  # the settings are checked as start checks them before anything is stopped
+    require_torch(Path(spec.comfy_home), spec.python, spec.device_type, "ComfyUI")
     phases: dict[str, float] = {}
     t0 = time.monotonic()
     alive = rec.verify().alive

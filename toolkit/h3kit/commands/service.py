@@ -6,6 +6,7 @@ Exit codes: 0 done (and `start` when our server already runs on that port; `stat
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -108,9 +109,8 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
     what = (f"the agent of node {settings.node_rank} of {settings.nnodes}" if settings.is_agent else
             f"ComfyUI on {kind} devices {h3devices.format_device_list(ids)}, port {port}")
     how = (f", {settings.transport} transport" + (f", node 0 of {settings.nnodes}" if settings.nnodes > 1 else ""))
-    _progress(f"starting {what}{how}")
-    try:
-        res = service.start(root, spec, timeout=timeout, progress=_progress)
+    try:  # "starting ..." is said once every check has passed: a refusal is never preceded by it
+        res = service.start(root, spec, timeout=timeout, progress=_progress, announce=f"starting {what}{how}")
     except service.StartFailed as e:
         tail = (e.details or {}).get("log_tail") or []
         if tail and not as_json:
@@ -261,7 +261,11 @@ def _status_lines(st: dict) -> list[str]:
 @click.option("-n", "--lines", type=click.IntRange(min=0), default=0, help="Only the last N lines (0: all).")
 @handle_errors
 def logs(comfy_home, runtime_root, follow, errors, lines):
-    """Print or follow the server log."""
+    """Print or follow the server log.
+
+    ComfyUI's colours are kept on a terminal, unless NO_COLOR is set (https://no-color.org), and dropped
+    when the output is not a terminal.
+    """
     root = service.runtime_root(comfy_home, runtime_root)
     rec = service.read_record(root, comfy_home)
     path = Path(rec.log) if rec else service.latest_log(root)
@@ -279,17 +283,22 @@ def logs(comfy_home, runtime_root, follow, errors, lines):
             blocks = logscan.error_blocks(path)
             for blk in blocks[-lines:] if lines else blocks:
                 for line in _error_lines(blk.to_dict(), "error", max_lines=logscan.ErrorScanner.MAX_BLOCK_LINES):
-                    click.echo(line)
+                    echo(line)
             return
         with logscan.open_log(path) as f:
             text = f.read().splitlines()
         for line in text[-lines:] if lines else text:
-            click.echo(line)
+            echo(line)
         return
     try:
         _follow(root, path, errors, lines)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: following ends, as asked
         pass
+
+
+def echo(line: str) -> None:
+    """click.echo for log lines: NO_COLOR (set and not empty) drops the ANSI colours on a terminal too."""
+    click.echo(line, color=False if os.environ.get("NO_COLOR") else None)
 
 
 def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
@@ -298,11 +307,11 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
     def show(text: str) -> None:
         for raw in text.splitlines():
             if not errors:
-                click.echo(raw)
+                echo(raw)
                 continue
             for blk in scanner.feed(raw):
                 for line in _error_lines(blk.to_dict(), "error"):
-                    click.echo(line)
+                    echo(line)
 
     with logscan.open_log(path) as f:
         existing = f.read()
@@ -331,7 +340,7 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
                     f.close()
                     f = nf
                     partial = ""
-                    click.echo(f"==> {path} (new server log) <==")
+                    echo(f"==> {path} (new server log) <==")
                     scanner = logscan.ErrorScanner(merge_oom=False)
                     continue
                 time.sleep(0.2)
