@@ -121,9 +121,17 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def save(root: Path, saved: Saved) -> Path:
-    """Write the save atomically, readable by its owner only (prompts are the users' work)."""
+def save(root: Path, saved: Saved, *, unless_same: bool = False) -> Path:
+    """Write the save atomically, readable by its owner only (prompts are the users' work). With
+    `unless_same` (watch, every few seconds) a save that already holds the same server and prompt ids is
+    left as it is: a queue of large workflows is not rewritten every tick, and its saved_at stays the time
+    the queue was last seen to change."""
     path = root / SAVE_NAME
+    if unless_same and path.is_file():
+        now = load(root)
+        if now is not None and now.is_of(saved.pid, saved.create_time) and now.summary() | {"saved_at": 0} == \
+                saved.summary() | {"saved_at": 0}:
+            return path
     tmp = path.with_name(f".{SAVE_NAME}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -927,6 +927,15 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
         if current is None or current.pid != rec.pid:
             raise ServiceError("the server record changed while restarting (another h3kit command ran)",
                                code="record_changed", hint="check h3kit status, then retry")
+        if alive and not rec.group.is_agent:
+            # read again under the locks, right before the stop: what was queued meanwhile is kept too
+            with contextlib.suppress(health.HttpError):
+                saved = queuesave.read_queue(rec.url, rec.pid, rec.create_time)
+                queue = (len(saved.running), len(saved.pending))
+            if saved and saved.running and not (force or requeue_running):
+                raise QueueBusy(f"prompt {saved.running[0].prompt_id} started meanwhile",
+                                details={"running": queue[0], "pending": queue[1]},
+                                hint="wait for it, or pass --requeue-running or --force")
         if saved and alive:
             queuesave.save(root, saved)  # before anything is stopped: a failed restart keeps it
         stopped = None

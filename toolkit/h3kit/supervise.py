@@ -258,7 +258,7 @@ def _save_queue(root: Path, rec: service.Record, policy: WatchPolicy) -> queuesa
     crash loses at most the prompts queued within one tick. None when the server does not answer."""
     try:
         saved = queuesave.read_queue(rec.url, rec.pid, rec.create_time, timeout=policy.health_timeout)
-        queuesave.save(root, saved)
+        queuesave.save(root, saved, unless_same=True)
         return saved
     except (health.HttpError, OSError):
         return None
