@@ -936,7 +936,7 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
                 raise QueueBusy(f"prompt {saved.running[0].prompt_id} started meanwhile",
                                 details={"running": queue[0], "pending": queue[1]},
                                 hint="wait for it, or pass --requeue-running or --force")
-        if saved and alive:
+        if saved and alive and (saved.running or saved.pending):
             queuesave.save(root, saved)  # before anything is stopped: a failed restart keeps it
         stopped = None
         if alive:
