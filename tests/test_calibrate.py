@@ -177,7 +177,7 @@ def test_plot_without_matplotlib_says_how_before_measuring(runner, tmp_path):
         pytest.skip("matplotlib is installed here: the missing-matplotlib message cannot show")
     r = runner.invoke(main, ["calibrate", "--comfy-home", str(tmp_path), "--device-type", "cpu", "--npu-count", "2",
                              "--plot", str(tmp_path / "p.png")])
-    assert r.exit_code == 1 and "[no_matplotlib]" in r.output and "pip install matplotlib" in r.output
+    assert r.exit_code == 1 and "[no_matplotlib]" in r.output and "pip install 'h3kit[plot]'" in r.output
     assert "python -m h3kit.runtime.calplot REPORT.json OUT.png" in r.output
     assert not (tmp_path / ".h3kit").exists()  # nothing measured, nothing written
 

@@ -81,3 +81,15 @@ def test_shell_completion_is_clicks_own_and_knows_paths(runner):
 def test_top_level_help_points_a_new_user_at_demo(runner):
     out = runner.invoke(main, ["--help"]).output
     assert "New here? `h3kit demo --comfy-home DIR`" in out
+
+
+@pytest.mark.parametrize("typed, suggested", [("stauts", "'status'"), ("restrat", "'restart'"),
+                                               ("chec", "'check-workflow'"), ("instal", "'install'")])
+def test_a_mistyped_command_gets_a_did_you_mean(runner, typed, suggested):
+    r = runner.invoke(main, [typed])
+    assert r.exit_code == 2 and f"No such command '{typed}'. Did you mean {suggested}" in r.output
+
+
+def test_an_unknown_command_with_nothing_close_gets_no_guess(runner):
+    r = runner.invoke(main, ["xyzzy"])
+    assert r.exit_code == 2 and "No such command 'xyzzy'." in r.output and "Did you mean" not in r.output

@@ -106,8 +106,12 @@ def test_demo_on_two_devices_then_bench_cold_warm_and_switch(demo_home, tmp_path
         assert b.stderr.count("SamplerCustomAdvanced: step 3/3") == 5  # every run's progress, on stderr
 
         b = h3kit("bench", shipped, "--comfy-home", home, "--npu-count", "2", "--runs", "1", "--no-cold", "--json")
-        assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in jsondoc.data(b.stdout, b.returncode)["runs"]] == \
+        again = jsondoc.data(b.stdout, b.returncode)
+        assert [(x["kind"], x["models_loaded"], x["device_loads"]) for x in again["runs"]] == \
             [("warm", 0, 0)]  # same workflow again, no switch: nothing read, nothing moved
+        # a new bench draws new seeds: its run 1 is not the last bench's run 1 served from the node cache
+        assert again["seed_offset"] != bench["seed_offset"] and again["runs"][0]["executed_nodes"] > 0
+        assert again["summary"]["flagged_runs"] == [] and again["summary"]["warm_median_s"] > 0
 
         check_shared_models(home, rep)
     finally:

@@ -290,7 +290,7 @@ def test_model_files_missing_truncated_and_from_extra_model_paths(host, tmp_path
     info = findings(rep, "models", "info")[0]
     assert "6 of 7 model file(s) found" in info["message"] and "ready: fl2va_8steps_lora.json, t2va_8steps_lora.json" in info["message"]
     assert any(str(lora_dir) in line for line in info["lines"])  # found through extra_model_paths.yaml, with its size
-    assert "not a ComfyUI checkout" in only_message(rep, "tree", "error")  # a folder, not an installed tree
+    assert "is not a ComfyUI tree (not a git checkout)" in only_message(rep, "tree", "error")  # a folder, not an installed tree
 
     dit = home / "models" / "diffusion_models" / "minimax_h3_fl2va_bf16.safetensors"
     dit.write_bytes(safetensors_bytes(1000)[:500])  # a download cut short

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -51,6 +52,17 @@ def test_install_verify_rerun_revert_cycle(comfy_source, comfy_python, tmp_path)
     assert r.returncode == 0
     rep = jsondoc.data(r.stdout, r.returncode)
     assert rep["changed"] == [] and all(p["state"] == "applied" for p in rep["patches"])
+
+    # a re-run without --python keeps the interpreter the tree was installed with (here a link to it, so the
+    # path differs from the one running h3kit), rather than recording h3kit's own (which may lack torch)
+    link = tmp_path / "comfy-python"
+    link.symlink_to(comfy_python)
+    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--python", link, "--json")
+    assert r.returncode == 0 and jsondoc.data(r.stdout, r.returncode)["changed"] == [".h3kit/state.json"]
+    r = h3kit("install", "--comfy-home", home, "--source", comfy_source, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert jsondoc.data(r.stdout, r.returncode)["changed"] == []
+    assert json.loads((home / ".h3kit" / "state.json").read_text())["python"] == str(link)
 
     r = h3kit("revert", "--comfy-home", home)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -199,13 +199,27 @@ def test_plan_command_weights_sharding_and_device_memory(runner):
 
 
 def test_tiers_as_json(runner):
-    r = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "1",
+    r = runner.invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", "124",
                              "--tiers", "--device-memory", "64", "--json"])
     doc = jsondoc.data(r.stdout, r.exit_code)
     # 1 device replicated (bf16, int8), then 2, 4 and 8 devices x bf16/int8 x replicated/sharded
     assert len(doc["tiers"]) == 2 + 3 * 4 and doc["frames"] == 124
     four = {(t["weights"], t["sharding"]): t for t in doc["tiers"] if t["npu_count"] == 4}
     assert not four[("bf16", "replicated")]["fit"]["64"]["fits"] and four[("bf16", "sharded")]["fit"]["64"]["fits"]
+
+
+def test_tiers_honour_npu_count_and_plan_needs_one_without_tiers(runner):
+    geo = ["plan", "--width", "1344", "--height", "768", "--frames", "124"]
+    doc = jsondoc.data(*_out(runner.invoke(main, geo + ["--tiers", "--npu-count", "4", "--npu-count", "2", "--json"])))
+    assert sorted({t["npu_count"] for t in doc["tiers"]}) == [2, 4] and len(doc["tiers"]) == 2 * 4
+    table = runner.invoke(main, geo + ["--tiers", "--npu-count", "1"]).output
+    assert table.count("\n| 1 |") == 2 and "\n| 2 |" not in table
+    r = runner.invoke(main, geo)
+    assert r.exit_code == 2 and "Missing option '--npu-count' (or --tiers" in r.output
+
+
+def _out(r):
+    return r.stdout, r.exit_code
 
 
 def test_the_tier_table_in_the_docs_is_the_commands():
@@ -215,5 +229,5 @@ def test_the_tier_table_in_the_docs_is_the_commands():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
     for frames in (124, 362):
         out = CliRunner().invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", str(frames),
-                                        "--npu-count", "1", "--tiers"]).output
+                                        "--tiers"]).output
         assert out.strip() in doc, f"docs/deployment.md lacks the current tier table for {frames} frames"

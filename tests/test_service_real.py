@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +158,97 @@ def test_restart_after_an_idle_run(server):
     assert not pid_running(pid)
     assert http_status(f"{server.url}/system_stats") == 200
     assert server.status()["first_error"] is None  # the new run's log is clean
+
+
+# --- the queue survives restarts: three prompts, the first one running, the other two pending --------------
+
+
+def queue_three(home: Home) -> list[str]:
+    """Queue three prompts with client ids; return their ids once the first runs and the others wait. The first
+    is four times the work of the others, so it is still running while a restart reads the queue."""
+    seed = int(time.time() * 1000)
+    first = blur_prompt(seed % 16777215)
+    first["1"]["inputs"].update(width=2048, height=2048)
+    ids = [http_json(f"{home.url}/prompt", {"prompt": p, "client_id": f"h3kit-test-client-{i}"})["prompt_id"]
+           for i, p in enumerate([first, blur_prompt((seed + 1) % 16777215), blur_prompt((seed + 2) % 16777215)])]
+
+    def settled():
+        q = http_json(f"{home.url}/queue")
+        return [i[1] for i in q["queue_running"]] == ids[:1] and [i[1] for i in q["queue_pending"]] == ids[1:]
+    wait_for(settled, 30, "the first prompt to run and the others to wait")
+    return ids
+
+
+def completed(home: Home, prompt_id: str) -> dict | None:
+    """The history entry of a prompt that ran to success on the server now on the port, else None."""
+    try:
+        entry = http_json(f"{home.url}/history/{prompt_id}").get(prompt_id)
+    except OSError:
+        return None
+    return entry if entry and entry["status"]["status_str"] == "success" else None
+
+
+def assert_ran_again(home: Home, ids: list[str], clients: list[int]) -> None:
+    for prompt_id, client in zip(ids, clients):
+        entry = wait_for(lambda: completed(home, prompt_id), 180, f"prompt {prompt_id} to complete")
+        assert entry["prompt"][3]["client_id"] == f"h3kit-test-client-{client}"  # its client sees it run
+
+
+def test_restart_while_a_prompt_runs_keeps_the_pending_prompts(server):
+    pid = ensure_running(server)
+    ids = queue_three(server)
+    r = server.run("restart", "--force", "--json", timeout=BOOT_TIMEOUT + 60)
+    assert r.returncode == 0, r.stderr
+    out = jsondoc.data(r.stdout, r.returncode)
+    assert out["previous_pid"] == pid and out["queue"] == {"running": 1, "pending": 2}
+    assert out["restored"]["running"] == ids[:1] and out["restored"]["requeued_running"] is False
+    assert out["restored"]["restored"] == ids[1:] and out["restored"]["failed"] == []
+    # the other two complete on the new server, under their own ids, without anyone submitting them again
+    assert_ran_again(server, ids[1:], [1, 2])
+    assert completed(server, ids[0]) is None and not http_json(f"{server.url}/history/{ids[0]}")
+
+
+def test_requeue_running_runs_the_interrupted_prompt_again_first(server):
+    ensure_running(server)
+    ids = queue_three(server)
+    r = server.run("restart", "--requeue-running", timeout=BOOT_TIMEOUT + 60)
+    assert r.returncode == 0, r.stderr
+    assert f"running when the server went down: prompt {ids[0]}" in r.stdout
+    assert "queued again first (--requeue-running)" in r.stdout
+    assert_ran_again(server, ids, [0, 1, 2])
+    history = http_json(f"{server.url}/history")
+    assert [history[i]["prompt"][0] for i in ids] == sorted(history[i]["prompt"][0] for i in ids)  # in order
+
+
+def test_watch_restores_the_queue_after_a_kill_9(server):
+    pid = ensure_running(server)
+    watch = subprocess.Popen([sys.executable, "-m", "h3kit", "watch", "--comfy-home", str(server.path),
+                              "--runtime-root", str(server.root), "--interval", "0.5", "--backoff", "0.1",
+                              "--timeout", str(BOOT_TIMEOUT), "--max-seconds", str(BOOT_TIMEOUT + 300)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(watch.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        ids = queue_three(server)
+        save = server.root / "queue.json"
+
+        def saved():
+            data = json.loads(save.read_text()) if save.exists() else {}
+            return [i["prompt_id"] for i in data.get("pending", [])] == ids[1:]
+        wait_for(saved, 30, "watch to save the queue")
+        os.kill(pid, signal.SIGKILL)  # no server left to ask: watch restores its last save
+        wait_for(lambda: any(" restored: " in line for line in lines), BOOT_TIMEOUT + 60, "watch's restore")
+        watch.send_signal(signal.SIGTERM)  # the restarted server keeps running
+        watch.wait(30)
+        reader.join(10)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    errs = "".join(lines)
+    assert "saved by the last healthy check" in errs and f"prompt {ids[0]}" in errs, errs
+    assert_ran_again(server, ids[1:], [1, 2])
+    assert server.record()["pid"] != pid
 
 
 def test_sigkilled_server_is_seen_as_not_running_and_restarted(server):

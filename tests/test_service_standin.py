@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_status, kill_started_under,
+from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_json, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
 from tests.support import jsondoc
 
@@ -221,17 +221,77 @@ def test_stop_without_a_record_is_a_no_op(home):
     assert r.returncode == 0 and "nothing to stop" in r.stdout
 
 
-def test_busy_queue_refuses_restart_unless_forced(home):
-    home.configure(queue=[1, 3])
+def posted(home) -> list[tuple]:
+    """(boot, prompt_id, client_id) of every POST /prompt the stand-in's boots received, in order."""
+    path = home.path / "standin-prompts.jsonl"
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+    return [(r["boot"], r.get("prompt_id"), r.get("client_id")) for r in rows]
+
+
+def pending_ids(home) -> list[str]:
+    return [item[1] for item in http_json(f"{home.url}/queue")["queue_pending"]]
+
+
+def test_a_running_prompt_refuses_restart_unless_forced_and_pending_prompts_are_kept(home):
+    home.configure(boots=[{"queue": [1, 3]}])  # only the first boot has a queue of its own
     assert home.start().returncode == 0
     pid = started_pid(home)
     r = home.run("restart")
     assert r.returncode == 1
-    assert "queue_busy" in r.stderr and "1 running and 3 pending" in r.stderr and "--force" in r.stderr
-    assert pid_running(pid) and started_pid(home) == pid
-    forced = home.run("restart", "--force")
+    assert "queue_busy" in r.stderr and "prompt r0 is running (3 pending" in r.stderr
+    assert "--force" in r.stderr and "--requeue-running" in r.stderr
+    assert pid_running(pid) and started_pid(home) == pid and not (home.root / "queue.json").exists()
+    forced = home.run("restart", "--force", "--json")
     assert forced.returncode == 0, forced.stderr
     assert not pid_running(pid) and started_pid(home) != pid
+    out = jsondoc.data(forced.stdout, forced.returncode)
+    assert out["queue"] == {"running": 1, "pending": 3}
+    assert out["restored"]["restored"] == ["p0", "p1", "p2"] and out["restored"]["running"] == ["r0"]
+    assert out["restored"]["requeued_running"] is False and out["restored"]["failed"] == []
+    # queued again on the new boot, in order, with their client ids; the running one was not
+    assert posted(home) == [(1, "p0", "standin-client"), (1, "p1", "standin-client"), (1, "p2", "standin-client")]
+    assert pending_ids(home) == ["p0", "p1", "p2"]
+    # the save is consumed: a second restart does not submit them twice
+    assert not (home.root / "queue.json").exists()
+    kept = home.root / "queue.restored.json"
+    assert oct(kept.stat().st_mode & 0o777) == "0o600"
+    assert json.loads(kept.read_text())["outcome"]["restored"] == ["p0", "p1", "p2"]
+
+
+def test_requeue_running_queues_the_running_prompt_first_and_a_refused_prompt_is_reported(home):
+    home.configure(boots=[{"queue": [1, 2]}, {"refuse": ["p1"]}])
+    assert home.start().returncode == 0
+    home.report_oom()
+    wait_for(lambda: "Got an OOM" in open(home.record()["log"]).read(), 10, "the OOM lines")
+    r = home.run("restart", "--requeue-running")
+    assert r.returncode == 0, r.stderr
+    assert posted(home) == [(1, "r0", "standin-client"), (1, "p0", "standin-client"), (1, "p1", "standin-client")]
+    assert pending_ids(home) == ["r0", "p0"]
+    assert ("running when the server went down: prompt r0 (first error: torch.OutOfMemoryError: NPU out of memory."
+            in r.stdout) and "queued again first (--requeue-running)" in r.stdout
+    assert "NOT restored: prompt p1: " in r.stdout and "Prompt outputs failed validation" in r.stdout
+    saved = json.loads((home.root / "queue.restored.json").read_text())
+    assert [i["prompt_id"] for i in saved["pending"]] == ["p0", "p1"]  # the refused prompt can still be read
+
+
+def test_restart_after_a_crash_restores_what_watch_saved_last(home):
+    home.configure(boots=[{"queue": [1, 2]}])
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    r = home.run("watch", "--interval", "0.2", "--max-seconds", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((home.root / "queue.json").read_text())["pid"] == pid
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_running(pid), 10, "the server to die")
+    r = home.run("restart", "--json")
+    assert r.returncode == 0, r.stderr
+    out = jsondoc.data(r.stdout, r.returncode)
+    assert out["was_running"] is False and out["restored"]["restored"] == ["p0", "p1"]
+    assert pending_ids(home) == ["p0", "p1"]
+    # h3kit stop ends the service on purpose: no save is left for a later restart to revive
+    home.run("watch", "--interval", "0.2", "--max-seconds", "0.5")
+    assert (home.root / "queue.json").exists()
+    assert home.run("stop").returncode == 0 and not (home.root / "queue.json").exists()
 
 
 def test_restart_shows_the_previous_oom(home):
@@ -401,6 +461,27 @@ def test_watch_restarts_a_dead_server_and_ends_on_stop(home):
     assert watch.returncode == 0, errs
     assert "watch ended (stopped)" in out
     assert "the server is not running" in errs and "started" in errs
+
+
+def test_watch_restores_the_queue_after_a_kill_9(home):
+    home.configure(boots=[{"queue": [1, 2]}])
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    watch = spawn_watch(home, "--max-seconds", "60")
+    try:
+        wait_for(lambda: (home.root / "queue.json").exists(), 20, "watch's first save")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: len(posted(home)) == 2, 30, "watch to restore the queue")
+        assert home.run("stop").returncode == 0
+        out, errs = watch.communicate(timeout=20)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0, errs
+    assert posted(home) == [(1, "p0", "standin-client"), (1, "p1", "standin-client")]  # r0 was not requeued
+    assert "queue_saved: 1 running, 2 pending prompt(s) (saved by the last healthy check" in errs
+    assert "running when the server went down: prompt r0" in errs and "not queued again" in errs
+    assert "2 prompt(s) queued again" in out
 
 
 def test_watch_restarts_after_consecutive_failed_health_checks(home):

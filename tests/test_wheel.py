@@ -65,6 +65,14 @@ def test_the_wheel_carries_its_data_and_reads_it_from_the_package(wheel_env):
                  "launch/h3kit-watch.service", "source_deps_info.json"):
         assert (root / name).is_file(), name
     assert os.access(root / "launch" / "start-4npu.sh", os.X_OK)
+    # the docs that help texts and fixes cite, and the licence the metadata names, travel with the wheel
+    for name in ("docs/service.md", "docs/deployment.md", "README.md", "LICENSE"):
+        assert (root / name).is_file(), name
+    assert f"{root / 'docs'}" in r.stdout  # --help names where they are
+    (dist_info,) = root.parents[1].glob("h3kit-*.dist-info")
+    meta = (dist_info / "METADATA").read_text()
+    assert "Provides-Extra: plot" in meta and "matplotlib" in meta and "1, 2, 4 or 8 Ascend NPUs" in meta
+    assert any(p.name == "LICENSE" for p in dist_info.rglob("LICENSE")), "no LICENSE in the .dist-info"
     r = _run([h3kit, "patches", "check", "--json"], work, env=env)
     assert jsondoc.data(r.stdout, r.returncode)["problems"] == [], r.stderr
     r = _run([h3kit, "check-workflow", "--devices", "0,1,2,3", "--json", *sorted((root / "workflows").glob("*.json"))],

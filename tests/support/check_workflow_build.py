@@ -76,7 +76,7 @@ class Builder:
                 "nodes": self.nodes, "links": self.links, "groups": [], "config": {},
                 "extra": {"ds": {"scale": 0.6, "offset": [0, 0]},
                           "h3kit": "MultiNPUParallelConfig npu_count must equal the devices `h3kit start "
-                                   "--devices` exposes: 1, 2 or 4"},
+                                   "--devices` exposes: 1, 2, 4 or 8"},
                 "version": 0.4}
 
 
@@ -87,7 +87,7 @@ def _common(b, unet, lora, cond_kind, cond_widgets, cond_extra=()):
     vae_id = b.node("VAELoader", [VIDEO_VAE], (0, 480), title="Video VAE")
     avae_id = b.node("VAELoader", [AUDIO_VAE], (0, 600), title="Audio VAE (fp32)")
     cfg_id = b.node("MultiNPUParallelConfig", [4, "auto"], (380, 160), size=(320, 160),
-                    title="MultiNPUParallelConfig (npu_count = devices: 1, 2 or 4)")
+                    title="MultiNPUParallelConfig (npu_count = devices: 1, 2, 4 or 8)")
     b.link(unet_id, 0, lora_id, "model")
     b.link(lora_id, 0, cfg_id, "model")
     b.link(clip_id, 0, cfg_id, "clip")

@@ -12,7 +12,8 @@ its behaviour comes from `standin.json` beside it:
     die_after        seconds after listening when the process exits (code 1)
     ignore_sigterm   true: SIGTERM is ignored, so only SIGKILL stops it
     devices          device count /system_stats lists (default: from the visible-device variables)
-    queue            [running, pending] counts /queue reports
+    queue            [running, pending] counts /queue reports: prompts "r0".., "p0".. with client id
+                     "standin-client" (they never run)
     oom_log_after    seconds after listening when it writes ComfyUI's OOM log lines (traceback + marker)
     boots            list of per-boot overrides: entry i applies to the (i+1)-th start in this home
 
@@ -22,6 +23,11 @@ log lines, and/or a /history entry whose execution_error is a torch.OutOfMemoryE
 When the home has a `comfy/cli_args.py` (tests copy tests/support/standin_cli_args.py there), the stand-in
 first parses its arguments with it, exactly as ComfyUI does at start: a bad argument prints argparse's
 usage and `main.py: error: ...` and exits 2.
+
+POST /prompt queues the prompt as pending (it never runs) under its `prompt_id` (or a new one) and appends
+the body, with the boot's number, to `standin-prompts.jsonl`; a prompt whose "prompt" has a node of class
+"StandinRefuse", or whose id is in the config's `refuse` list, is refused with HTTP 400, as ComfyUI
+refuses an invalid prompt.
 
 Each boot appends one JSON line to `standin-boots.jsonl` (pid, argv, the device variables, whether -B was
 given, pgid and sid); each POST /free appends its body to `standin-free.jsonl`.
@@ -131,6 +137,7 @@ def main():
 
     state = {"t0": time.monotonic(), "free": 0}
     history = {}
+    posted = []  # queue items of the prompts POSTed to this boot, in order
 
     def report_oom(in_log, in_history):
         if in_log:
@@ -169,8 +176,10 @@ def main():
                                         "devices": device_entries(cfg)})
             if path == "/queue":
                 running, pending = cfg.get("queue", [0, 0])
-                return self._json(200, {"queue_running": [[i, f"r{i}", {}, {}, []] for i in range(running)],
-                                        "queue_pending": [[i, f"p{i}", {}, {}, []] for i in range(pending)]})
+                extra = {"client_id": "standin-client", "create_time": 1}
+                return self._json(200, {"queue_running": [[i, f"r{i}", {"1": {}}, extra, ["1"]] for i in range(running)],
+                                        "queue_pending": [[i, f"p{i}", {"1": {}}, extra, ["1"]] for i in range(pending)]
+                                        + posted})
             if path == "/history":
                 return self._json(200, history)
             if path == "/prompt":
@@ -185,6 +194,21 @@ def main():
                 req = json.loads(body or b"{}")
                 report_oom(req.get("log", True), req.get("history", False))
                 return self._json(200, {"ok": True})
+            if path == "/prompt":
+                req = json.loads(body or b"{}")
+                with open(os.path.join(HOME, "standin-prompts.jsonl"), "a") as f:
+                    f.write(json.dumps({"boot": boot_index, **req}) + "\n")
+                if req.get("prompt_id") in cfg.get("refuse", []) or any(
+                        isinstance(n, dict) and n.get("class_type") == "StandinRefuse"
+                        for n in (req.get("prompt") or {}).values()):
+                    return self._json(400, {"error": {"type": "prompt_outputs_failed_validation",
+                                                      "message": "Prompt outputs failed validation"},
+                                            "node_errors": {}})
+                prompt_id = req.get("prompt_id") or f"standin-{len(posted)}"
+                extra = dict(req.get("extra_data") or {}, client_id=req.get("client_id"), create_time=2)
+                posted.append([1000 + len(posted), prompt_id, req.get("prompt"), extra,
+                               req.get("partial_execution_targets") or []])
+                return self._json(200, {"prompt_id": prompt_id, "number": 1000 + len(posted), "node_errors": {}})
             if path == "/free":
                 with open(os.path.join(HOME, "standin-free.jsonl"), "a") as f:
                     f.write(body.decode() + "\n")

@@ -11,6 +11,7 @@ cache) before it.
 from __future__ import annotations
 
 import json
+import secrets
 import statistics
 import threading
 import time
@@ -70,20 +71,44 @@ class _MemoryPoller(threading.Thread):
 
 
 SEED_INPUTS = ("seed", "noise_seed")
+SEED_LIMIT = 1 << 64    # ComfyUI's seeds run from 0 to 0xffffffffffffffff
 
 
-def vary_seed(prompt: dict, run: int) -> tuple[dict, list[str]]:
-    """A copy of `prompt` whose seed inputs are moved by `run`: a new generation, as a user's next prompt
-    is (an identical prompt would be served whole from ComfyUI's node cache and measure nothing)."""
+def new_seed_offset() -> int:
+    """A fresh offset for every bench invocation: run 1 of this bench must not repeat run 1 of the last one,
+    whose outputs ComfyUI's node cache still holds (that run would measure the cache: "warm 0.01 s")."""
+    return secrets.randbelow(1 << 31) + 1
+
+
+def vary_seed(prompt: dict, run: int, offset: int = 0) -> tuple[dict, list[str]]:
+    """A copy of `prompt` whose seed inputs are moved by `offset + run`: a new generation, as a user's next
+    prompt is (an identical prompt would be served whole from ComfyUI's node cache and measure nothing)."""
     out = json.loads(json.dumps(prompt))
     changed = []
     for nid, node in out.items():
         for name in SEED_INPUTS:
             value = node.get("inputs", {}).get(name)
             if isinstance(value, int) and not isinstance(value, bool):
-                node["inputs"][name] = value + run
+                node["inputs"][name] = (value + offset + run) % SEED_LIMIT
                 changed.append(f"{nid}.{name}")
     return out, changed
+
+
+NOTHING_EXECUTED = "no node executed: ComfyUI served the whole prompt from its cache, so this time measures nothing"
+
+
+def summarize(results: list[dict]) -> dict:
+    """cold and warm figures over the runs that executed something; a run that executed no node is flagged
+    (its `flag`) and left out, never reported as a cold or warm time."""
+    for r in results:
+        if r["executed_nodes"] == 0:
+            r["flag"] = NOTHING_EXECUTED
+    measured = [r for r in results if "flag" not in r]
+    warm = [r for r in measured if r["kind"] == "warm"]
+    return {"cold_s": next((r["end_to_end_s"] for r in measured if r["kind"] == "cold"), None),
+            "warm_median_s": statistics.median(r["end_to_end_s"] for r in warm) if warm else None,
+            "warm_models_loaded": sum(r["models_loaded"] for r in warm) if warm else None,
+            "flagged_runs": [r["run"] for r in results if "flag" in r]}
 
 
 def _one_run(rec: service.Record, prompt: dict, timeout: float, log) -> dict:
@@ -139,21 +164,20 @@ def run_bench(comfy_home: str | None, runtime_root: str | None, workflow: Path, 
         health.free_memory(rec.url)
         time.sleep(FREE_SETTLE)
     results = []
+    offset = new_seed_offset()
     _, seeds = vary_seed(prompt, 0)
     if not seeds:
         log("warning: the workflow has no seed input; warm runs are served from the node cache")
     for i in range(runs):
         if other is not None and i > 0:
             log(f"switch run (model switch) before run {i + 1} ...")
-            row = _one_run(rec, vary_seed(other, i)[0], timeout, log)
+            row = _one_run(rec, vary_seed(other, i, offset)[0], timeout, log)
             results.append({"run": f"switch-{i}", "kind": "switch", "workflow": str(switch), **row})
         log(f"run {i + 1}/{runs} ({'cold' if i == 0 and cold else 'warm'}) ...")
-        row = _one_run(rec, vary_seed(prompt, i)[0], timeout, log)
+        row = _one_run(rec, vary_seed(prompt, i, offset)[0], timeout, log)
         results.append({"run": i + 1, "kind": "cold" if i == 0 and cold else "warm", "workflow": str(workflow), **row})
-        log(f"run {i + 1}: {row['end_to_end_s']} s, {row['models_loaded']} model file(s) read")
-    warm = [r for r in results if r["kind"] == "warm"]
-    summary = {"cold_s": next((r["end_to_end_s"] for r in results if r["kind"] == "cold"), None),
-               "warm_median_s": statistics.median(r["end_to_end_s"] for r in warm) if warm else None,
-               "warm_models_loaded": sum(r["models_loaded"] for r in warm) if warm else None}
+        log(f"run {i + 1}: {row['end_to_end_s']} s, {row['models_loaded']} model file(s) read"
+            + ("" if row["executed_nodes"] else f"; {NOTHING_EXECUTED}"))
+    summary = summarize(results)
     return {"url": rec.url, "devices": rec.devices, "device_type": rec.device_type, "workflow": str(workflow),
-            "varied_inputs": seeds, "runs": results, "summary": summary}
+            "varied_inputs": seeds, "seed_offset": offset if seeds else 0, "runs": results, "summary": summary}

@@ -43,6 +43,16 @@ def _json_requested(args: list[str]) -> bool:
     return "--json" in (args[:args.index("--")] if "--" in args else args)
 
 
+def did_you_mean(name: str) -> str:
+    """" Did you mean 'status'?" for a mistyped command (close spellings, then commands it begins), or "".
+    click suggests close option names itself, but not command names."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(COMMANDS), n=2, cutoff=0.7)
+    close += [c for c in COMMANDS if len(name) >= 2 and c.startswith(name) and c not in close]
+    return f" Did you mean {' or '.join(repr(c) for c in close[:3])}?" if close else ""
+
+
 class LazyGroup(click.Group):
     """Commands imported only when they run; usage errors that click finds (a missing option, a bad choice,
     an unknown command) printed as h3kit's JSON error document too when --json was given."""
@@ -59,10 +69,26 @@ class LazyGroup(click.Group):
         module = importlib.import_module(f"h3kit.commands.{spec[0]}")
         return getattr(module, spec[1])
 
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else None
+        if isinstance(name, str) and name not in COMMANDS and not name.startswith("-"):
+            ctx.fail(f"No such command {name!r}.{did_you_mean(name)}")
+        return super().resolve_command(ctx, args)
+
     def format_commands(self, ctx, formatter):
         rows = [(name, spec[2]) for name, spec in COMMANDS.items()]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+    def format_epilog(self, ctx, formatter):
+        # the docs that help texts and error fixes cite (docs/...): in a checkout, or inside an installed wheel
+        from h3kit import paths
+
+        with contextlib.suppress(Exception):
+            docs = paths.repo_root() / "docs"
+            if docs.is_dir():
+                formatter.write_paragraph()  # one line, never wrapped: the path must stay whole to be copied
+                formatter.write(f"Documentation (the docs/ that help and fixes cite):\n  {docs}\n")
 
     def main(self, args=None, *rest, **kwargs):
         args = list(sys.argv[1:] if args is None else args)

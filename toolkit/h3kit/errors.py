@@ -36,3 +36,13 @@ class UsageError(H3kitError):
 
 class DeviceListError(UsageError):
     code = "bad_device_list"
+
+
+class NotAComfyTree(UsageError):
+    """A --comfy-home that holds no ComfyUI tree: one code and one exit status (2) whichever command finds it."""
+    code = "no_comfy_tree"
+
+    def __init__(self, home, why: str = "no main.py", hint: str | None = None):
+        super().__init__(f"{home} is not a ComfyUI tree ({why})",
+                         hint=hint or "pass the --comfy-home that h3kit install created (h3kit install --comfy-home "
+                                      "DIR makes one)")

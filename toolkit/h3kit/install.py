@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3kit import gitutil, journal, locks, manifest, modelpaths, pyenv, testhooks
-from h3kit.errors import H3kitError, UsageError
+from h3kit.errors import H3kitError, NotAComfyTree, UsageError
 from h3kit.patches import PatchConflict, Series, plan_forward, plan_reverse, read_tree_files, series_result, write_tree_files
 from h3kit.paths import repo_root
 
@@ -280,7 +280,7 @@ def _is_fresh(home: Path) -> bool:
 
 
 def _clone_into(home: Path, source: str, pin: str, data: dict, report: InstallReport, opts: InstallOptions,
-                log) -> None:
+                log, moved: list[str]) -> None:
     """Clone into a temporary sibling owned by this run (a killed run's is swept by the next), check out the
     pin there, then move the entries into the home under a "clone" journal, `.git` last: the home holds a
     checkout only once every file is in place."""
@@ -300,15 +300,15 @@ def _clone_into(home: Path, source: str, pin: str, data: dict, report: InstallRe
             raise InstallError(f"{source} holds a {STATE_DIR} folder, which h3kit keeps its state in",
                                code="incomplete_source", hint="use a plain mirror of ComfyUI")
         journal.begin_clone(home, entries)
-        opts._moved = []
         for name in entries:
             os.rename(tree / name, home / name)
-            opts._moved.append(name)
+            moved.append(name)  # what install() removes again if this run fails
             testhooks.point("clone-moving")
         journal.finish(home)
 
 
-def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, report: InstallReport, log) -> Path | None:
+def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, report: InstallReport, log,
+                      moved: list[str]) -> Path | None:
     """Return the checkout to patch (None in a dry run that would clone). A fresh home is cloned into (see
     _clone_into); a failed clone leaves the home as it was."""
     home = opts.comfy_home
@@ -317,7 +317,7 @@ def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, r
             log(f"would clone {source} into {home} and check out {pin[:12]}")
             report.cloned = True
             return None
-        _clone_into(home, source, pin, data, report, opts, log)
+        _clone_into(home, source, pin, data, report, opts, log, moved)
         report.cloned = True
         return home
     if not home.is_dir() or not gitutil.is_checkout(home):
@@ -440,14 +440,8 @@ def install(opts: InstallOptions, log=_nolog) -> InstallReport:
     check_home_path(home)
     if opts.models_dirs is not None:
         opts.models_dirs = modelpaths.check_dirs(opts.models_dirs)
-    if opts.commit:  # refused before anything is written or cloned
-        commit = gitutil.check_commit_arg(opts.commit)
-        pin = manifest.pin(manifest.load())
-        if not pin.startswith(commit) and not opts.force:
-            raise InstallRefused(f"--commit {commit} is not the pin {pin[:12]} that h3kit's patch series is "
-                                 "verified on", code="not_the_pin",
-                                 hint="leave --commit out; or add --force to install that commit anyway (it is "
-                                      "recorded as not the verified pin, and verify checks the tree against it)")
+    data = manifest.load()
+    target = _target(opts, data)  # refused before anything is written or cloned
     created: list[Path] = []  # folders this run made for a fresh home: removed again if it fails
     if not opts.dry_run:
         probe = home
@@ -459,7 +453,7 @@ def install(opts: InstallOptions, log=_nolog) -> InstallReport:
         except OSError as e:
             raise _fs_error(e, f"create {home}") from None
     state_dir_existed = (home / STATE_DIR).exists()
-    opts._moved = []
+    moved: list[str] = []  # the entries a clone of this run moved into the home
     try:
         with locks.tree_lock(home, create=not opts.dry_run, progress=log):
             recovered = None
@@ -473,10 +467,10 @@ def install(opts: InstallOptions, log=_nolog) -> InstallReport:
                 recovered = _recover(home)
             fresh = _is_fresh(home)
             try:
-                return _install(opts, log, recovered)
+                return _install(opts, log, recovered, data, target, moved)
             except BaseException:
                 if fresh:  # a clone made by this run is part of what failed: leave the folder as it was
-                    for name in opts._moved:
+                    for name in moved:
                         p = home / name
                         if p.is_dir() and not p.is_symlink():
                             shutil.rmtree(p, ignore_errors=True)
@@ -495,23 +489,114 @@ def install(opts: InstallOptions, log=_nolog) -> InstallReport:
                 d.rmdir()
 
 
-def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport:
-    data = manifest.load()
+def _starting_point(series: Series, old_series: Series | None, current: dict, pin_files: dict, expected: dict,
+                    touched: list[str], force: bool, report: InstallReport) -> dict:
+    """Where the tree stands, decided for the whole tree (patch state is per patch, not per file): the files to
+    apply the series to. The series on top of what is there (fresh, partly or fully applied); else the pin,
+    when the tree holds an older series (reversed wholesale); else local edits: refused without `force`, else
+    restored from the pin (named in report.discarded_edits and report.drift)."""
+    as_is = plan_forward(series, current)
+    if not as_is.conflicts and as_is.after == expected_all(expected, pin_files, touched):
+        return current
+    old_expected = series_result(old_series, pin_files) if old_series is not None else None
+    if old_expected is not None and all(current[f] == old_expected.get(f, pin_files[f]) for f in touched):
+        return dict(pin_files)
+    offending = [f for f in touched if current[f] not in (pin_files[f], expected.get(f, pin_files[f]))
+                 and (old_expected is None or current[f] != old_expected.get(f, pin_files[f]))]
+    for rel in offending:
+        report.drift.append({"file": rel, "kind": "local",
+                             "expected_base": manifest.git_blob_id(pin_files[rel]) if pin_files[rel] is not None else None,
+                             "found": manifest.git_blob_id(current[rel]) if current[rel] is not None else None})
+    if not force:
+        raise InstallRefused("local edits to files the patches touch: " + ", ".join(offending or touched),
+                             hint="commit or copy your edits elsewhere; install --force restores these files "
+                                  "to the pin before patching",
+                             details={"files": offending, "patches": [st.to_dict() for st in as_is.states],
+                                      "drift": report.drift})
+    report.discarded_edits = offending
+    return dict(pin_files)
+
+
+def _new_state(state: dict | None, report: InstallReport, target: _Target, source: str, python: str, root: Path,
+               series: Series, f_after: dict, packages: list) -> dict:
+    """The state.json this install leaves. A kept (user-edited) file stays recorded with the checksum of what
+    h3kit installed, so that it keeps counting as edited on the next run instead of being taken for ours and
+    overwritten; a file that was there before h3kit ever installed it is the user's alone: not recorded."""
+    recorded = (state or {}).get("files", {})
+    kept = set(report.files["kept"])
+    files_sha = {rel: (recorded[rel] if rel in kept else manifest.sha256_bytes(data_))
+                 for rel, data_ in f_after.items() if data_ is not None and (rel not in kept or rel in recorded)}
+    new_state = {
+        "schema": 1,
+        "pin": report.pin,
+        "pin_verified": report.pin_verified,
+        "verified_pin": target.verified,
+        "source": source,
+        "python": python,
+        "h3kit_root": str(root),
+        "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "patches": [{"name": p.name, "sha256": manifest.sha256_bytes(p.raw)} for p in series.patches],
+        "files": files_sha,
+        "python_packages": packages,
+    }
+    if report.models_dirs:
+        new_state["models_dirs"] = report.models_dirs
+    if state is not None and {k: v for k, v in state.items() if k != "installed_at"} == \
+            {k: v for k, v in new_state.items() if k != "installed_at"}:
+        new_state["installed_at"] = state.get("installed_at")  # nothing else changed: a no-op writes nothing
+    return new_state
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The commit to install: the pin h3kit's series is verified on, or the one --commit --force named."""
+    verified: str
+    commit: str
+
+    @property
+    def is_pin(self) -> bool:
+        return self.commit == self.verified
+
+
+def _target(opts: InstallOptions, data: dict) -> _Target:
+    pin = manifest.pin(data)
+    if not opts.commit:
+        return _Target(pin, pin)
+    commit = gitutil.check_commit_arg(opts.commit)
+    if pin.startswith(commit):
+        return _Target(pin, pin)
+    if not opts.force:
+        raise InstallRefused(f"--commit {commit} is not the pin {pin[:12]} that h3kit's patch series is "
+                             "verified on", code="not_the_pin",
+                             hint="leave --commit out; or add --force to install that commit anyway (it is "
+                                  "recorded as not the verified pin, and verify checks the tree against it)")
+    return _Target(pin, commit)
+
+
+def _interpreter(opts: InstallOptions) -> str:
+    """--python; else the interpreter the last install of this tree recorded (a re-run keeps it: h3kit's own
+    interpreter may have no torch); else the one running h3kit."""
+    if opts.python:
+        return opts.python
+    recorded = (load_state(opts.comfy_home) or {}).get("python") if opts.comfy_home.is_dir() else None
+    return recorded if isinstance(recorded, str) and recorded else sys.executable
+
+
+def _install(opts: InstallOptions, log, recovered: dict | None, data: dict, target: _Target,
+             moved: list[str]) -> InstallReport:
     root = repo_root()
     series = Series.load(root)
     source = resolve_source(opts.source, data)
-    pin = manifest.pin(data)
-    if opts.commit and not pin.startswith(gitutil.check_commit_arg(opts.commit)):
-        pin = gitutil.check_commit_arg(opts.commit)
+    pin = target.commit
     report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=pin, dry_run=opts.dry_run,
-                           pin_verified=pin == manifest.pin(data), recovered=recovered)
+                           pin_verified=target.is_pin, recovered=recovered)
     if recovered:
         report.warnings.append(journal.Recovery(**recovered).describe())
     if not report.pin_verified:
         report.warnings.append(f"installing commit {pin[:12]} (--commit --force): not the pin "
-                               f"{manifest.pin(data)[:12]} h3kit's patch series is verified on")
+                               f"{target.verified[:12]} h3kit's patch series is verified on")
 
-    python = opts.python or sys.executable
+    python = _interpreter(opts)
     env = pyenv.check(python, data, packages=True)
     report.python = env.to_dict()
     report.python_packages = len(env.packages or [])
@@ -521,7 +606,7 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
                                         "torch / torch-npu pair (README, 'Environment')", details=env.to_dict())
     report.warnings += env.warnings
 
-    home = _prepare_checkout(opts, source, pin, data, report, log)
+    home = _prepare_checkout(opts, source, pin, data, report, log, moved)
     if home is None:  # dry run before a clone: nothing to check patches against yet
         report.patches = [{"patch": n, "state": "apply", "failures": []} for n in series.names]
         report.files["installed"] = sorted(shipped_files(root))
@@ -556,32 +641,7 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
                                  "(see drift); install the pin from source_deps_info.json",
                             details={"patches": e.details, "drift": report.drift}) from None
 
-    # Where does the tree stand? Decided for the whole tree, because patch state is per patch, not per
-    # file: the series on top of what is there (fresh, partly or fully applied), else an older series to
-    # reverse wholesale, else local edits.
-    as_is = plan_forward(series, current)
-    old_expected = series_result(old_series, pin_files) if old_series is not None else None
-    offending: list[str] = []
-    if not as_is.conflicts and as_is.after == expected_all(expected, pin_files, touched):
-        start = current
-    elif old_expected is not None and all(current[f] == old_expected.get(f, pin_files[f]) for f in touched):
-        start = dict(pin_files)
-    else:
-        offending = [f for f in touched if current[f] not in (pin_files[f], expected.get(f, pin_files[f]))
-                     and (old_expected is None or current[f] != old_expected.get(f, pin_files[f]))]
-        for rel in offending:
-            report.drift.append({"file": rel, "kind": "local",
-                                 "expected_base": manifest.git_blob_id(pin_files[rel]) if pin_files[rel] is not None else None,
-                                 "found": manifest.git_blob_id(current[rel]) if current[rel] is not None else None})
-        if not opts.force:
-            raise InstallRefused("local edits to files the patches touch: " + ", ".join(offending or touched),
-                                 hint="commit or copy your edits elsewhere; install --force restores these files "
-                                      "to the pin before patching",
-                                 details={"files": offending, "patches": [st.to_dict() for st in as_is.states],
-                                          "drift": report.drift})
-        start = dict(pin_files)
-    report.discarded_edits = offending
-
+    start = _starting_point(series, old_series, current, pin_files, expected, touched, opts.force, report)
     plan = plan_forward(series, start)
     report.patches = [s.to_dict() for s in plan.states]
     if plan.conflicts or plan.after != expected_all(expected, pin_files, touched):
@@ -594,31 +654,7 @@ def _install(opts: InstallOptions, log, recovered: dict | None) -> InstallReport
     if overlap:
         raise InstallError(f"shipped files collide with patched files: {sorted(overlap)}")
 
-    # a kept (user-edited) file stays recorded with the checksum of what h3kit installed, so that it keeps
-    # counting as edited on the next run instead of being taken for ours and overwritten
-    recorded = (state or {}).get("files", {})
-    kept = set(report.files["kept"])
-    # (a file that was there before h3kit ever installed it is the user's alone: not recorded at all)
-    files_sha = {rel: (recorded[rel] if rel in kept else manifest.sha256_bytes(data_))
-                 for rel, data_ in f_after.items() if data_ is not None and (rel not in kept or rel in recorded)}
-    new_state = {
-        "schema": 1,
-        "pin": pin,
-        "pin_verified": report.pin_verified,
-        "verified_pin": manifest.pin(data),
-        "source": source,
-        "python": python,
-        "h3kit_root": str(root),
-        "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "patches": [{"name": p.name, "sha256": manifest.sha256_bytes(p.raw)} for p in series.patches],
-        "files": files_sha,
-        "python_packages": env.packages or [],
-    }
-    if report.models_dirs:
-        new_state["models_dirs"] = report.models_dirs
-    if state is not None and {k: v for k, v in state.items() if k != "installed_at"} == \
-            {k: v for k, v in new_state.items() if k != "installed_at"}:
-        new_state["installed_at"] = state.get("installed_at")  # nothing else changed: a no-op writes nothing
+    new_state = _new_state(state, report, target, source, python, root, series, f_after, env.packages or [])
     s_before, s_after = _state_files(home, new_state, series)
     before = {**current, **f_before, **m_before, **s_before}
     after = {**{k: expected.get(k, pin_files[k]) for k in touched}, **f_after, **m_after, **s_after}
@@ -662,8 +698,7 @@ def verify(comfy_home: Path) -> dict:
     problems: list[str] = []
     warnings: list[str] = []
     if not home.is_dir() or not gitutil.is_checkout(home):
-        raise InstallError(f"{home} is not a ComfyUI checkout", code="not_installed",
-                           hint="run h3kit install --comfy-home " + str(home))
+        raise NotAComfyTree(home, "not a git checkout", hint=f"run h3kit install --comfy-home {home}")
     recovered = None
     if journal.pending(home) is not None or journal.journal_dir(home).exists():
         holder = locks.is_locked(home)
@@ -809,7 +844,8 @@ def _verify_packages(state: dict | None, warnings: list) -> dict | None:
 def revert(comfy_home: Path, force: bool = False, log=_nolog) -> dict:
     home = Path(comfy_home).expanduser().absolute()
     if not home.is_dir() or not gitutil.is_checkout(home):
-        raise InstallError(f"{home} is not a ComfyUI checkout", code="not_installed")
+        raise NotAComfyTree(home, "not a git checkout", hint=f"nothing to revert; h3kit install --comfy-home {home} "
+                                                             "makes one")
     try:
         with locks.tree_lock(home, progress=log):
             recovered = _recover(home)

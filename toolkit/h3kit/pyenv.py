@@ -85,7 +85,8 @@ def evaluate(python: str, info: dict, spec: dict) -> EnvReport:
     torch, npu = info.get("torch"), info.get("torch_npu")
     if torch is None:
         report.warnings.append("torch is not installed in this interpreter: ComfyUI will not start until it is "
-                               "(CPU: tools/ensure-venv.sh; NPU: torch and torch-npu from the table in the README)")
+                               "(install the torch and torchaudio versions `h3kit doctor` names into it; NPU: torch and "
+                               "torch-npu from the table in the README)")
     elif info.get("torchaudio") is None:
         report.warnings.append("torchaudio is not installed: the pinned comfy/sd.py imports it at start-up")
     if npu is not None:

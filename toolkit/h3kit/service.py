@@ -46,9 +46,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import comfyargs, group, health, locks, logscan, proc
+from h3kit import comfyargs, group, health, locks, logscan, proc, queuesave
 from h3kit import devices as h3devices
-from h3kit.errors import H3kitError, UsageError
+from h3kit.errors import H3kitError, NotAComfyTree, UsageError
 
 DEFAULT_PORT = 8189
 DEFAULT_LISTEN = "127.0.0.1"
@@ -505,6 +505,28 @@ def resolve_python(comfy_home: Path, python: str | None) -> str:
     return os.path.abspath(path)  # the server runs in the tree: a relative path would name another file
 
 
+def require_torch(home: Path, python: str, device_type: str, what: str) -> None:
+    """Refuse early, naming `h3kit doctor`, an interpreter without torch (or, on npu, torch-npu): the server,
+    parity or calibration would otherwise fail late, in a worker or a log. Package metadata only (pyenv's
+    probe imports nothing). Skipped for a tree whose ComfyUI does not import torch (no
+    comfy/model_management.py: a test stand-in)."""
+    if not (Path(home) / "comfy" / "model_management.py").is_file():
+        return
+    from h3kit import pyenv
+
+    hint = (f"h3kit doctor --comfy-home {home} --python {python} --device-type {device_type} says what to install "
+            "and how; or pass --python the interpreter that runs ComfyUI")
+    try:
+        info = pyenv.probe(python)
+    except pyenv.PythonEnvError as e:
+        raise pyenv.PythonEnvError(e.message, hint=hint) from None
+    need = [("torch", "torch")] + ([("torch-npu", "torch_npu")] if device_type == "npu" else [])
+    missing = [name for name, key in need if not info.get(key)]
+    if missing:
+        raise pyenv.PythonEnvError(f"{python} has no {' and no '.join(missing)} installed: {what} cannot run with it",
+                                   hint=hint, details={"python": python, "missing": missing})
+
+
 def child_environment(device_type: str, devices: list[int], base: dict | None = None) -> dict:
     """The environment the server runs with: the visible-device variable for the device kind, and
     unbuffered output so `h3kit logs -f` shows print() output as it happens."""
@@ -588,16 +610,18 @@ def _poll_interval() -> float:
 
 
 def start(root: Path, spec: StartSpec, *, timeout: float = DEFAULT_START_TIMEOUT,
-          progress: Progress = _noop) -> StartResult:
+          progress: Progress = _noop, announce: str = "") -> StartResult:
     """Start the server and return once /system_stats answers (with the expected devices on npu/cuda).
 
     When the record names our live server on the same port, nothing starts and `already_running` is set.
     Raises PortInUse when anything else holds the port, StartFailed when the child exits or the deadline
-    passes (the child is stopped first; the log's last lines are in the error's details).
+    passes (the child is stopped first; the log's last lines are in the error's details). `announce` is
+    said (progress) once every check has passed, right before the server is launched.
     """
     spec = validated(spec)  # before the locks create anything under the runtime root
+    require_torch(Path(spec.comfy_home), spec.python, spec.device_type, "ComfyUI")
     with service_lock(root, home=spec.comfy_home, progress=progress):
-        return start_locked(root, spec, timeout=timeout, progress=progress)
+        return start_locked(root, spec, timeout=timeout, progress=progress, announce=announce)
 
 
 def validated(spec: StartSpec) -> StartSpec:
@@ -606,8 +630,7 @@ def validated(spec: StartSpec) -> StartSpec:
     checks."""
     home = Path(spec.comfy_home).expanduser().resolve()
     if not (home / "main.py").is_file():
-        raise UsageError(f"{home} is not a ComfyUI tree (no main.py)", code="no_comfy_tree",
-                         hint="pass the --comfy-home that h3kit install created")
+        raise NotAComfyTree(home)
     if spec.device_type not in h3devices.DEVICE_TYPES:
         raise UsageError(f"unknown device type {spec.device_type!r}", hint="use npu, cuda or cpu")
     if type(spec.port) is not int or not 1 <= spec.port <= 65535:
@@ -629,7 +652,7 @@ def _settings(spec_or_record) -> dict:
 
 
 def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progress,
-                 replacing: int | None = None) -> StartResult:
+                 replacing: int | None = None, announce: str = "") -> StartResult:
     """start() with the service lock already held (restart and watch hold it across stop and start)."""
     spec = validated(spec)
     home, listen, python = Path(spec.comfy_home), spec.listen, spec.python
@@ -643,9 +666,14 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
                 raise ServiceError(f"h3kit already runs a server from {root} on port {rec.port} (pid {rec.pid})",
                                    code="already_running",
                                    hint="stop it first (h3kit stop), or use h3kit restart")
-            if _settings(rec) != _settings(spec):
-                raise ServiceError(f"h3kit's server on port {rec.port} (pid {rec.pid}) runs with {_settings(rec)}, "
-                                   f"not the requested {_settings(spec)}", code="already_running_other_settings",
+            running, asked = _settings(rec), _settings(spec)
+            differ = {k: {"running": running.get(k), "requested": asked.get(k)}
+                      for k in running | asked if running.get(k) != asked.get(k)}
+            if differ:
+                said = "; ".join(f"{k} {v['running']!r}, not the requested {v['requested']!r}"
+                                 for k, v in sorted(differ.items()))
+                raise ServiceError(f"h3kit's server on port {rec.port} (pid {rec.pid}) runs with other settings: "
+                                   f"{said}", code="already_running_other_settings", details={"differ": differ},
                                    hint="h3kit stop, then start with the new settings (a running server is never "
                                         "reconfigured behind a user's back)")
             got = check(rec, root)
@@ -665,6 +693,8 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         else:
             _check_port(settings.master_addr, settings.master_port)
 
+    if announce:
+        progress(announce)
     argv = server_argv(python, spec)
     env = child_environment(spec.device_type, spec.devices)
     shown = {k: env[k] for k in (h3devices.VISIBLE_ENV[spec.device_type],)}
@@ -811,7 +841,9 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
         rec = read_record(root, comfy_home)  # again, under the locks: another command may have acted
         if rec is None:
             return StopResult(False, note="no server recorded; nothing to stop")
-        return stop_locked(root, rec, grace=grace, progress=progress)
+        out = stop_locked(root, rec, grace=grace, progress=progress)
+        queuesave.discard(root)  # stopped on purpose: its queue goes with it, and no later restart revives it
+        return out
 
 
 def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
@@ -854,34 +886,38 @@ class RestartResult:
     stop: StopResult | None
     start: StartResult
     phases: dict[str, float]
+    restored: queuesave.Restored | None = None
 
 
-def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
+def restart(root: Path, *, force: bool = False, requeue_running: bool = False, grace: float = DEFAULT_GRACE,
             timeout: float = DEFAULT_START_TIMEOUT, progress: Progress = _noop,
             comfy_home: str | os.PathLike | None = None) -> RestartResult:
-    """Stop the recorded server (if still running) and start it again with the recorded settings.
+    """Stop the recorded server (if still running) and start it again with the recorded settings, keeping
+    its queue (h3kit.queuesave): the pending prompts are saved first and queued again once the new server
+    is healthy.
 
-    Refuses with QueueBusy while GET /queue shows running or pending prompts, unless `force`. Works when
-    the server has already died: the record's settings are used and nothing is signalled.
+    A running prompt makes it refuse (QueueBusy) unless `force` (the prompt is dropped, and reported) or
+    `requeue_running` (it is queued again, first). Works when the server has already died: the record's
+    settings are used, nothing is signalled, and the last save of that server (watch refreshes it every
+    tick) is restored.
     """
     t_all = time.monotonic()
     rec = read_record(root, comfy_home)
     if rec is None:
         raise NotStarted(f"no server record under {root}", hint="start it once with h3kit start")
-    validated(rec.spec())  # the settings are checked as start checks them before anything is stopped
+    spec = validated(rec.spec())  # the settings are checked as start checks them before anything is stopped
+    require_torch(Path(spec.comfy_home), spec.python, spec.device_type, "ComfyUI")
     phases: dict[str, float] = {}
     t0 = time.monotonic()
     alive = rec.verify().alive
-    queue = None
-    if alive and not rec.group.is_agent:  # an agent serves no HTTP: its port is nobody's queue (as in status)
-        try:
-            queue = health.queue_counts(rec.url)
-        except health.HttpError as e:
-            progress(f"could not read the queue ({e}); restarting anyway")
-        if queue and sum(queue) and not force:
-            raise QueueBusy(f"the queue has {queue[0]} running and {queue[1]} pending prompt(s)",
-                            details={"running": queue[0], "pending": queue[1]},
-                            hint="wait for them, or pass --force to drop them")
+    saved = _saved_queue(root, rec, alive, progress)
+    queue = (len(saved.running), len(saved.pending)) if saved else None
+    if alive and saved and saved.running and not (force or requeue_running):
+        raise QueueBusy(f"prompt {saved.running[0].prompt_id} is running ({len(saved.pending)} pending prompt(s) "
+                        "would be kept)", details={"running": queue[0], "pending": queue[1],
+                                                   "running_ids": [i.prompt_id for i in saved.running]},
+                        hint="wait for it; or --requeue-running (it runs again from the start after the restart), "
+                             "or --force (it is dropped); pending prompts are queued again either way")
     blk = logscan.first_error(rec.log)
     previous_error = blk.to_dict() if blk else None
     phases["check"] = time.monotonic() - t0
@@ -891,6 +927,17 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
         if current is None or current.pid != rec.pid:
             raise ServiceError("the server record changed while restarting (another h3kit command ran)",
                                code="record_changed", hint="check h3kit status, then retry")
+        if alive and not rec.group.is_agent:
+            # read again under the locks, right before the stop: what was queued meanwhile is kept too
+            with contextlib.suppress(health.HttpError):
+                saved = queuesave.read_queue(rec.url, rec.pid, rec.create_time)
+                queue = (len(saved.running), len(saved.pending))
+            if saved and saved.running and not (force or requeue_running):
+                raise QueueBusy(f"prompt {saved.running[0].prompt_id} started meanwhile",
+                                details={"running": queue[0], "pending": queue[1]},
+                                hint="wait for it, or pass --requeue-running or --force")
+        if saved and alive and (saved.running or saved.pending):
+            queuesave.save(root, saved)  # before anything is stopped: a failed restart keeps it
         stopped = None
         if alive:
             t0 = time.monotonic()
@@ -901,10 +948,47 @@ def restart(root: Path, *, force: bool = False, grace: float = DEFAULT_GRACE,
             _wait_port_or_name_holder(rec.listen, rec.port)
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
-        started = start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
+        started = start_keeping_queue(root, rec, timeout=timeout, progress=progress)
         phases["start"] = time.monotonic() - t0
+        restored = None
+        if saved and (saved.running or saved.pending):
+            t0 = time.monotonic()
+            restored = queuesave.restore(root, started.record.url, saved, requeue_running=requeue_running,
+                                         first_error=blk.summary if blk else None)
+            phases["restore"] = time.monotonic() - t0
     phases["total"] = time.monotonic() - t_all
-    return RestartResult(rec.pid, alive, previous_error, queue, stopped, started, phases)
+    return RestartResult(rec.pid, alive, previous_error, queue, stopped, started, phases, restored)
+
+
+def _saved_queue(root: Path, rec: Record, alive: bool, progress: Progress) -> queuesave.Saved | None:
+    """The queue to keep across a restart of `rec`: read now from a server that answers, else the last save of
+    that server (watch's, or a restart's that failed to start). An agent serves no HTTP: no queue."""
+    if rec.group.is_agent:
+        return None
+    if alive:
+        try:
+            return queuesave.read_queue(rec.url, rec.pid, rec.create_time)
+        except health.HttpError as e:
+            progress(f"could not read the queue ({e}); restoring the last save, if any")
+    saved = queuesave.load(root)
+    if saved is not None and saved.is_of(rec.pid, rec.create_time):
+        progress(f"the queue as saved at {saved.saved_at}: {len(saved.running)} running, "
+                 f"{len(saved.pending)} pending")
+        return saved
+    return None
+
+
+def start_keeping_queue(root: Path, rec: Record, *, timeout: float, progress: Progress) -> StartResult:
+    """start_locked with `rec`'s settings; when the start fails, the save of `rec`'s server goes to the record
+    the failed start left, so the next restart restores it."""
+    try:
+        return start_locked(root, rec.spec(), timeout=timeout, progress=progress, replacing=rec.pid)
+    except BaseException:
+        with contextlib.suppress(BadRecord, OSError):
+            now = read_record(root)
+            if now is not None and now.pid != rec.pid:
+                queuesave.hand_over(root, rec.pid, rec.create_time, now.pid, now.create_time)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------- status

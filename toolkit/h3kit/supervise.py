@@ -10,6 +10,10 @@ for new out-of-memory errors (in the log since the last tick, and in /history ex
   resets once the server has stayed healthy for `stable_after` seconds.
 - More than `crash_limit` restarts within `crash_window` seconds is a crash loop: watch stops the server
   if it still runs, leaves the record for `status`, and ends with the reason and the log's first error.
+- The queue survives a restart (h3kit.queuesave): every healthy tick saves GET /queue under the runtime
+  root; a restart reads it once more from a server that still answers (else uses the last tick's save:
+  at most one tick of new prompts is lost) and queues the pending prompts again once the new server is
+  healthy. The prompt that was running is reported, and queued again only with `requeue_running`.
 - `h3kit stop` removes the record, and watch ends quietly when it sees that. A restart made by someone
   else (a new pid in the record) is adopted. Watch takes the service lock only while it restarts.
 
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import health, locks, logscan, service
+from h3kit import health, locks, logscan, queuesave, service
 from h3kit.errors import H3kitError
 
 
@@ -46,6 +50,7 @@ class WatchPolicy:
     grace: float = service.DEFAULT_GRACE
     start_timeout: float = service.DEFAULT_START_TIMEOUT
     max_seconds: float | None = None
+    requeue_running: bool = False   # queue the prompt that was running again after a restart
     # ComfyUI reports one OOM twice: in its log while the prompt fails, then in /history when it ends.
     # Reports this soon after a POST /free are taken as the same event.
     oom_cooldown: float = 10.0
@@ -57,6 +62,7 @@ class WatchOutcome:
     message: str
     restarts: int = 0
     frees: int = 0
+    restored: int = 0               # prompts queued again after restarts
     events: list[dict] = field(default_factory=list)
 
 
@@ -189,6 +195,8 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
                     continue
                 group_down_since = None if not recovering else group_down_since
                 if got.ok:
+                    if not rec.group.is_agent:
+                        _save_queue(root, rec, policy)
                     if fails:
                         emit("recovered", f"healthy again after {fails} failed check(s)")
                     fails = 0
@@ -233,7 +241,7 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
             restarts.append(clock())
             streak += 1
             outcome.restarts += 1
-            new = _restart_once(root, rec, policy, emit)
+            new = _restart_once(root, rec, policy, emit, outcome)
             if new is None:  # the record vanished under the lock: stopped by the user
                 continue
             watched, fails, healthy_since = new.pid, 0, None
@@ -245,17 +253,30 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
         return outcome
 
 
-def _restart_once(root: Path, rec: service.Record, policy: WatchPolicy, emit) -> service.Record | None:
+def _save_queue(root: Path, rec: service.Record, policy: WatchPolicy) -> queuesave.Saved | None:
+    """Refresh the queue's save from a server that answers (every healthy tick, and before a restart), so a
+    crash loses at most the prompts queued within one tick. None when the server does not answer."""
+    try:
+        saved = queuesave.read_queue(rec.url, rec.pid, rec.create_time, timeout=policy.health_timeout)
+        queuesave.save(root, saved, unless_same=True)
+        return saved
+    except (health.HttpError, OSError):
+        return None
+
+
+def _restart_once(root: Path, rec: service.Record, policy: WatchPolicy, emit, outcome: WatchOutcome
+                  ) -> service.Record | None:
     """Stop (if needed) and start again under the locks. Returns the record now in force, or None."""
     try:
         with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30), home=rec.comfy_home):
-            return _restart_locked(root, rec, policy, emit)
+            return _restart_locked(root, rec, policy, emit, outcome)
     except (locks.TreeBusy, service.LockBusy) as e:  # an install or a start holds the tree: try again later
         emit("busy", f"not restarting now: {e.message}")
         return rec
 
 
-def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit) -> service.Record | None:
+def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit, outcome: WatchOutcome
+                    ) -> service.Record | None:
     cur = service.read_record(root)
     if cur is None:
         return None
@@ -263,15 +284,31 @@ def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit) 
     if cur.pid != rec.pid and alive:
         emit("adopted", f"pid {cur.pid} was started meanwhile by another command")
         return cur
+    saved = None
+    if not cur.group.is_agent:
+        # a server that still answers is asked once more; else the save of the last healthy tick is used
+        saved, how = (_save_queue(root, cur, policy) if alive else None), "read just now"
+        if saved is None:
+            saved, how = queuesave.load(root), "saved by the last healthy check; prompts queued since are lost"
+        if saved is not None and not (saved.is_of(cur.pid, cur.create_time) and (saved.running or saved.pending)):
+            saved = None  # another server's save, or an empty queue: nothing to restore
+        if saved is not None:
+            emit("queue_saved", f"{len(saved.running)} running, {len(saved.pending)} pending prompt(s) "
+                                f"({how}, {saved.saved_at})")
     try:
         if alive:
             service.stop_locked(root, cur, grace=policy.grace, progress=lambda m: None, keep_record=True)
-        res = service.start_locked(root, cur.spec(), timeout=policy.start_timeout,
-                                    progress=lambda m: None, replacing=cur.pid)
+        res = service.start_keeping_queue(root, cur, timeout=policy.start_timeout, progress=lambda m: None)
     except H3kitError as e:
         emit("start_failed", f"restart failed: {e.message}")
         return service.read_record(root) or cur
     emit("started", f"pid {res.record.pid} healthy after {res.seconds:.1f} s", pid=res.record.pid)
+    if saved is not None:
+        blk = logscan.first_error(cur.log)
+        got = queuesave.restore(root, res.record.url, saved, requeue_running=policy.requeue_running,
+                                first_error=blk.summary if blk else None)
+        outcome.restored += len(got.restored)
+        emit("restored", "; ".join(got.lines()), restored=got.to_dict())
     return res.record
 
 

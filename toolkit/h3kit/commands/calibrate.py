@@ -23,7 +23,7 @@ COUNTS = [str(c) for c in h3devices.ALLOWED_COUNTS]
 @click.option("--device-type", type=click.Choice(("auto",) + h3devices.DEVICE_TYPES), default="auto",
               show_default=True, help="auto picks npu, then cuda, then cpu (cpu simulates the devices).")
 @click.option("--npu-count", type=click.Choice(COUNTS), required=True,
-              help="Devices to calibrate; every tier up to it (1, 2, 4) is measured and projected.")
+              help="Devices to calibrate; every tier up to it (1, 2, 4, 8) is measured and projected.")
 @click.option("--sizes", type=click.Choice(sorted(calibration.SIZES)), default=None,
               help="real: H3's width and 768p lengths (accelerators; refused on cpu). small: scaled down, "
                    "seconds on a CPU. Default: small on cpu, real elsewhere.")

@@ -93,7 +93,8 @@ def bench(workflow, comfy_home, runtime_root, runs, switch, no_cold, npu_count, 
 
     Per run: end-to-end time (submission to completion, measured here), per-stage times from the server's
     node events, model files read and device loads (from the server log), peak device memory
-    (/system_stats). Each run moves the seed, as a user's next prompt would.
+    (/system_stats). Each run moves the seed, as a user's next prompt would, from an offset drawn anew for
+    every bench; a run that executed no node (all from ComfyUI's cache) is flagged and left out of the figures.
     """
     from pathlib import Path
 
@@ -112,7 +113,8 @@ def bench(workflow, comfy_home, runtime_root, runs, switch, no_cold, npu_count, 
         stages = ", ".join(f"{k} {v}" for k, v in r["stages"].items())
         mem = ", ".join(f"{k} {v / 2 ** 30:.1f} GiB" for k, v in r["peak_device_memory"].items())
         click.echo(f"  run {r['run']:>8} {r['kind']:6s} {r['end_to_end_s']:8.2f} s  models read {r['models_loaded']}, "
-                   f"device loads {r['device_loads']}  [{stages}]  peak {mem}")
+                   f"device loads {r['device_loads']}  [{stages}]  peak {mem}"
+                   + (f"  FLAGGED: {r['flag']}" if r.get("flag") else ""))
     s = result["summary"]
     click.echo(f"cold {s['cold_s']} s, warm median {s['warm_median_s']} s, models read on warm runs: "
                f"{s['warm_models_loaded']}")

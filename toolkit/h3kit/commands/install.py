@@ -20,7 +20,8 @@ def _log(msg: str) -> None:
                    "else the public URL).")
 @click.option("--commit", metavar="SHA", help="Install another commit than the pin (the series may not apply).")
 @click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
-              help="The interpreter that will run ComfyUI (default: this one).")
+              help="The interpreter that will run ComfyUI (default: the one the last install of this tree "
+                   "recorded, else this one).")
 @click.option("--models-dir", "models_dirs", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
               help="A folder of H3 model files on shared storage (diffusion_models/, text_encoders/, vae/, loras/ "
                    "inside), written into the tree's extra_model_paths.yaml beside your own entries. Repeatable; "

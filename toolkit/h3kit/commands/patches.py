@@ -9,7 +9,7 @@ import sys
 import click
 
 from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
-from h3kit.errors import UsageError
+from h3kit.errors import NotAComfyTree, UsageError
 
 source_option = click.option("--source", metavar="PATH", envvar="H3KIT_COMFY_SOURCE", type=click.Path(),
                              help="A local mirror or checkout holding the pin (env H3KIT_COMFY_SOURCE).")
@@ -170,7 +170,7 @@ def status(comfy_home, as_json):
     series = Series.load(repo_root())
     tree = Path(comfy_home)
     if not (tree / "main.py").is_file():
-        raise UsageError(f"{tree} is not a ComfyUI tree (no main.py)")
+        raise NotAComfyTree(tree)
     plan = plan_forward(series, read_tree_files(tree, series.touched_files()))
     applied = all(s.state == "applied" for s in plan.states)
     if as_json:

@@ -137,8 +137,9 @@ def _verdict(row) -> str:
 @click.option("--width", type=click.IntRange(min=32), required=True, help="Video width in pixels (a multiple of 32).")
 @click.option("--height", type=click.IntRange(min=32), required=True, help="Video height in pixels (a multiple of 32).")
 @click.option("--frames", type=click.IntRange(min=1), required=True, help="Frame count at 24 fps (snapped up to 17k+5).")
-@click.option("--npu-count", type=click.Choice(COUNTS), required=True, multiple=True,
-              help="Devices; repeat the option to compare (--npu-count 1 --npu-count 2 --npu-count 4).")
+@click.option("--npu-count", type=click.Choice(COUNTS), multiple=True,
+              help="Devices; repeat the option to compare (--npu-count 1 --npu-count 2 --npu-count 4). Required "
+                   "but with --tiers, where it picks the tiers shown (default: all).")
 @click.option("--text-tokens", type=click.IntRange(min=1), default=costmodel.DEFAULT_TEXT_TOKENS, show_default=True,
               help="Prompt length in Qwen tokens (an assumption: it shifts the sequence by that much).")
 @click.option("--keyframes", type=click.Choice(["0", "1", "2"]), default="0", show_default=True,
@@ -165,8 +166,9 @@ def _verdict(row) -> str:
               help="Memory of one card in GB (64 for a 910B, 32 for a 910B4): whether each tier fits and its "
                    "headroom. Repeat it with --tiers for one table per card size.")
 @click.option("--tiers", is_flag=True,
-              help="Print the tier table (1/2/4/8 devices x BF16/INT8 x replicated/sharded, one column per "
-                   "--device-memory, default 64 and 32 GB) in markdown, for this geometry (docs/deployment.md).")
+              help="Print the tier table (1/2/4/8 devices, or those --npu-count names, x BF16/INT8 x "
+                   "replicated/sharded, one column per --device-memory, default 64 and 32 GB) in markdown, for "
+                   "this geometry (docs/deployment.md).")
 @json_option
 @handle_errors
 def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider, tflops, link_gbs, calibration,
@@ -181,6 +183,8 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider
     sharded weights' gathers move per step.
     """
     counts = sorted({int(c) for c in npu_count})
+    if not counts and not tiers:
+        raise click.UsageError("Missing option '--npu-count' (or --tiers, which shows every device count).")
     if calibration and (tflops or link_gbs):
         raise UsageError("--calibration replaces --tflops and --link-gbs", hint="give one or the other")
     measured = calibration_lib.load(calibration) if calibration else None
@@ -188,7 +192,8 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider
     try:
         if tiers:
             memories = list(device_memory) or [64.0, 32.0]
-            rows = tier_rows(width, height, frames, text_tokens, int(keyframes), guider, memories)
+            rows = tier_rows(width, height, frames, text_tokens, int(keyframes), guider, memories,
+                             counts=counts or None)
             if as_json:
                 emit_json({"width": width, "height": height, "frames": costmodel.align_frame_count(frames),
                            "tiers": rows})
@@ -283,11 +288,11 @@ TIER_COUNTS = (1, 2, 4, 8)
 
 
 def tier_rows(width, height, frames, text_tokens=costmodel.DEFAULT_TEXT_TOKENS, keyframes=0, guider="basic",
-              memories=(64.0, 32.0)) -> list:
-    """Every tier (1/2/4/8 devices x bf16/int8 weights x replicated/sharded) of one geometry: its memory per
-    device, whether it fits each card size, and the weight gathers per step."""
+              memories=(64.0, 32.0), counts=None) -> list:
+    """Every tier (1/2/4/8 devices, or only `counts`, x bf16/int8 weights x replicated/sharded) of one
+    geometry: its memory per device, whether it fits each card size, and the weight gathers per step."""
     rows = []
-    for n in TIER_COUNTS:
+    for n in counts or TIER_COUNTS:
         for weights in ("bf16", "int8"):
             for sharding in costmodel.SHARDINGS if n > 1 else ("replicated",):
                 p = costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=keyframes,

@@ -6,6 +6,7 @@ Exit codes: 0 done (and `start` when our server already runs on that port; `stat
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -108,9 +109,8 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
     what = (f"the agent of node {settings.node_rank} of {settings.nnodes}" if settings.is_agent else
             f"ComfyUI on {kind} devices {h3devices.format_device_list(ids)}, port {port}")
     how = (f", {settings.transport} transport" + (f", node 0 of {settings.nnodes}" if settings.nnodes > 1 else ""))
-    _progress(f"starting {what}{how}")
-    try:
-        res = service.start(root, spec, timeout=timeout, progress=_progress)
+    try:  # "starting ..." is said once every check has passed: a refusal is never preceded by it
+        res = service.start(root, spec, timeout=timeout, progress=_progress, announce=f"starting {what}{how}")
     except service.StartFailed as e:
         tail = (e.details or {}).get("log_tail") or []
         if tail and not as_json:
@@ -161,28 +161,37 @@ def stop(comfy_home, runtime_root, grace, as_json):
         click.echo(f"not running: {res.note}")
 
 
+requeue_running_option = click.option(
+    "--requeue-running", is_flag=True,
+    help="Queue the prompt that was running again, first (it may be the one that made the server fail).")
+
+
 @click.command()
 @comfy_home_option(required=False)
 @runtime_root_option
-@click.option("--force", is_flag=True, help="Restart even while prompts are running or queued (they are lost).")
+@click.option("--force", is_flag=True, help="Restart even while a prompt runs (it is dropped; pending ones are kept).")
+@requeue_running_option
 @grace_option
 @timeout_option
 @json_option
 @handle_errors
-def restart(comfy_home, runtime_root, force, grace, timeout, as_json):
-    """Restart the server (after an OOM, say) with the same settings.
+def restart(comfy_home, runtime_root, force, requeue_running, grace, timeout, as_json):
+    """Restart the server (after an OOM, say) with the same settings, keeping its queue.
 
-    Refuses while prompts run or wait unless --force. Shows the first error of the previous run's log,
-    stops the server (if it still runs), waits for the port, starts it again and waits until healthy.
+    Saves the pending prompts (GET /queue), shows the first error of the previous run's log, stops the
+    server (if it still runs), starts it again, waits until healthy and queues the saved prompts again, in
+    order, with their client ids. Refuses while a prompt runs unless --requeue-running or --force. After a
+    crash, the last save of that server (watch refreshes it every tick) is restored.
     """
     root = service.runtime_root(comfy_home, runtime_root)
-    res = service.restart(root, force=force, grace=grace, timeout=timeout, progress=_progress,
-                          comfy_home=comfy_home)
+    res = service.restart(root, force=force, requeue_running=requeue_running, grace=grace, timeout=timeout,
+                          progress=_progress, comfy_home=comfy_home)
     phases = {k: round(v, 2) for k, v in res.phases.items()}
     if as_json:
         emit_json({"ok": True, "previous_pid": res.previous_pid, "was_running": res.was_running,
                    "pid": res.start.record.pid, "url": res.start.record.url,
                    "queue": dict(zip(("running", "pending"), res.queue)) if res.queue else None,
+                   "restored": res.restored.to_dict() if res.restored else None,
                    "previous_error": res.previous_error, "phases": phases, "log": res.start.record.log})
         return
     if res.previous_error:
@@ -192,6 +201,8 @@ def restart(comfy_home, runtime_root, force, grace, timeout, as_json):
         click.echo("previous run's log shows no error")
     was = "was running" if res.was_running else "was not running"
     click.echo(f"restarted: pid {res.previous_pid} ({was}) -> {res.start.record.pid} on {res.start.record.url}")
+    for line in res.restored.lines() if res.restored else ["queue: empty or unknown, nothing to restore"]:
+        click.echo(line)
     click.echo("phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
 
@@ -250,7 +261,11 @@ def _status_lines(st: dict) -> list[str]:
 @click.option("-n", "--lines", type=click.IntRange(min=0), default=0, help="Only the last N lines (0: all).")
 @handle_errors
 def logs(comfy_home, runtime_root, follow, errors, lines):
-    """Print or follow the server log."""
+    """Print or follow the server log.
+
+    ComfyUI's colours are kept on a terminal, unless NO_COLOR is set (https://no-color.org), and dropped
+    when the output is not a terminal.
+    """
     root = service.runtime_root(comfy_home, runtime_root)
     rec = service.read_record(root, comfy_home)
     path = Path(rec.log) if rec else service.latest_log(root)
@@ -268,17 +283,22 @@ def logs(comfy_home, runtime_root, follow, errors, lines):
             blocks = logscan.error_blocks(path)
             for blk in blocks[-lines:] if lines else blocks:
                 for line in _error_lines(blk.to_dict(), "error", max_lines=logscan.ErrorScanner.MAX_BLOCK_LINES):
-                    click.echo(line)
+                    echo(line)
             return
         with logscan.open_log(path) as f:
             text = f.read().splitlines()
         for line in text[-lines:] if lines else text:
-            click.echo(line)
+            echo(line)
         return
     try:
         _follow(root, path, errors, lines)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: following ends, as asked
         pass
+
+
+def echo(line: str) -> None:
+    """click.echo for log lines: NO_COLOR (set and not empty) drops the ANSI colours on a terminal too."""
+    click.echo(line, color=False if os.environ.get("NO_COLOR") else None)
 
 
 def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
@@ -287,11 +307,11 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
     def show(text: str) -> None:
         for raw in text.splitlines():
             if not errors:
-                click.echo(raw)
+                echo(raw)
                 continue
             for blk in scanner.feed(raw):
                 for line in _error_lines(blk.to_dict(), "error"):
-                    click.echo(line)
+                    echo(line)
 
     with logscan.open_log(path) as f:
         existing = f.read()
@@ -320,7 +340,7 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
                     f.close()
                     f = nf
                     partial = ""
-                    click.echo(f"==> {path} (new server log) <==")
+                    echo(f"==> {path} (new server log) <==")
                     scanner = logscan.ErrorScanner(merge_oom=False)
                     continue
                 time.sleep(0.2)
@@ -349,26 +369,30 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
 @timeout_option
 @click.option("--max-seconds", type=click.FloatRange(min=0), default=None, metavar="S",
               help="Stop watching after S seconds (scripts, tests). Default: until Ctrl-C or h3kit stop.")
+@requeue_running_option
 @json_option
 @handle_errors
 def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, crash_limit, crash_window,
-          stable_after, grace, timeout, max_seconds, as_json):
+          stable_after, grace, timeout, max_seconds, requeue_running, as_json):
     """Keep the server up: restart it when it dies or stops answering.
 
     After an out-of-memory error the server survived, asks it to free memory (POST /free) first. Ends
     when `h3kit stop` removes the record, on Ctrl-C (the server keeps running), or, exit 1, after a crash
-    loop (the server is stopped and the reason printed).
+    loop (the server is stopped and the reason printed). Saves the queue on every healthy check and
+    queues the pending prompts again after a restart (the running one only with --requeue-running).
     """
     root = service.runtime_root(comfy_home, runtime_root)
     policy = supervise.WatchPolicy(interval=interval, failures=failures, backoff=backoff,
                                    backoff_max=backoff_max, crash_limit=crash_limit, crash_window=crash_window,
                                    stable_after=stable_after, grace=grace, start_timeout=timeout,
-                                   max_seconds=max_seconds)
+                                   max_seconds=max_seconds, requeue_running=requeue_running)
     outcome = supervise.watch(root, policy, comfy_home=comfy_home,
                               on_event=lambda e: err(f"h3kit watch: {e['time']} {e['event']}: {e['message']}"))
     if as_json:
         emit_json({"ok": True, "reason": outcome.reason, "message": outcome.message,
-                   "restarts": outcome.restarts, "frees": outcome.frees, "events": outcome.events})
+                   "restarts": outcome.restarts, "frees": outcome.frees, "restored": outcome.restored,
+                   "events": outcome.events})
     else:
         click.echo(f"watch ended ({outcome.reason}): {outcome.message}; "
-                   f"{outcome.restarts} restart(s), {outcome.frees} POST /free")
+                   f"{outcome.restarts} restart(s), {outcome.frees} POST /free, "
+                   f"{outcome.restored} prompt(s) queued again")

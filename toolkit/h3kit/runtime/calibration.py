@@ -87,6 +87,7 @@ def run(comfy_home, cfg: dict, *, python: str | None = None, timeout: float = 36
     home = Path(comfy_home).resolve()
     parity.check_tree(home)
     py = service.resolve_python(home, python)
+    service.require_torch(home, py, cfg.get("device_type", "cpu"), "calibration")
     raw = worker.run([py, str(WORKER), "--comfy-home", str(home), "--config", json.dumps(cfg)], timeout=timeout,
                      what="the calibration worker", timeout_code="calibrate_timeout")
     if not raw.get("ok"):

@@ -24,8 +24,8 @@ def require() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise NoMatplotlib(f"--plot needs matplotlib, which is not installed in {sys.executable}",
-                           hint=f"{sys.executable} -m pip install matplotlib (h3kit's interpreter only; ComfyUI "
-                                "does not need it), or calibrate without --plot and draw the saved report "
+                           hint=f"{sys.executable} -m pip install 'h3kit[plot]' (or matplotlib: h3kit's interpreter "
+                                "only; ComfyUI does not need it), or calibrate without --plot and draw the saved report "
                                 "anywhere matplotlib is: python -m h3kit.runtime.calplot REPORT.json OUT.png") from None
 
 

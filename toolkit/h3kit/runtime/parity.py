@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from h3kit import service
-from h3kit.errors import H3kitError, UsageError
+from h3kit.errors import H3kitError, NotAComfyTree, UsageError
 from h3kit.runtime import worker
 
 WORKER = Path(__file__).with_name("parity_worker.py")
@@ -52,8 +52,7 @@ class ParityFailed(H3kitError):
 def check_tree(comfy_home: Path, transport: str = "threads") -> None:
     home = Path(comfy_home)
     if not (home / "comfy" / "model_management.py").is_file():
-        raise UsageError(f"{home} is not a ComfyUI checkout (no comfy/model_management.py)",
-                         code="not_comfy", hint="pass the directory h3kit install created as --comfy-home")
+        raise NotAComfyTree(home, "no comfy/model_management.py")
     needed = PATCHED_FILES + (PROCESS_FILES if transport == "process" else ())
     missing = [p for p in needed if not (home / p).is_file()]
     if missing:
@@ -106,6 +105,7 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
     home = Path(comfy_home).resolve()
     check_tree(home, transport)
     py = service.resolve_python(home, python)
+    service.require_torch(home, py, device_type, "parity")
     cmd = [py, str(WORKER), "--comfy-home", str(home), "--component", component, "--device-type", device_type,
            "--npu-count", str(npu_count), "--transport", transport, *extra_args]
     if fault is not None:

@@ -1,4 +1,4 @@
-"""Static checks of ComfyUI workflows for MiniMax H3 on 1, 2 or 4 NPUs (`h3kit check-workflow`).
+"""Static checks of ComfyUI workflows for MiniMax H3 on 1, 2, 4 or 8 NPUs (`h3kit check-workflow`).
 
 load.py reads the three input shapes, graph.py flattens them into the executed graph (subgraphs, muted and
 bypassed nodes, primitives), resolve.py finds input values statically, checks.py holds the checks,

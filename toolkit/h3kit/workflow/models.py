@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 
-from h3kit.errors import UsageError
+from h3kit.errors import NotAComfyTree
 from h3kit.workflow.catalog import VIRTUAL_NODES
 
 FOLDERS = {
@@ -170,10 +170,9 @@ def model_references(graph, value, live=None):
 
 def open_install(home: str, *, object_info: dict | None = None, service_args: list[str] | None = None) -> Install:
     if not os.path.isdir(home):
-        raise UsageError(f"--comfy-home {home} is not a directory", hint="point it at the ComfyUI checkout")
+        raise NotAComfyTree(home, "not a folder")
     if not (os.path.isfile(os.path.join(home, "main.py")) or os.path.isdir(os.path.join(home, "models"))):
-        raise UsageError(f"--comfy-home {home} does not look like ComfyUI (no main.py, no models/)",
-                         hint="point it at the ComfyUI checkout h3kit installed")
+        raise NotAComfyTree(home, "no main.py, no models/")
     problems: list[str] = []
     args = service_args or []
     models_dir = _arg_value(args, "--models-directory") or os.path.join(
