@@ -92,7 +92,7 @@ def test_list_refuses_what_is_not_a_workflow_or_not_comfyui(runner, tmp_path):
     rc, doc = models_list(runner, tmp_path / "x.json")
     assert rc == 2 and doc["error"]["code"] == "bad_workflow"
     rc, doc = models_list(runner, SHIPPED[0], "--comfy-home", tmp_path)
-    assert rc == 2 and "does not look like ComfyUI" in doc["error"]["message"]
+    assert rc == 2 and doc["error"]["code"] == "no_comfy_tree" and "is not a ComfyUI tree" in doc["error"]["message"]
 
 
 def test_upstream_t2v_template_ui_with_subgraph_and_its_api_form(runner, templates_dir, tmp_path):
