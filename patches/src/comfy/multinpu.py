@@ -266,15 +266,23 @@ class ThreadComm:
             return out
         return self._rendezvous("all_gather", x, take)
 
-    def all_to_all(self, chunks: list, recv_rows: list) -> list:
-        """chunks[j] goes to rank j; returns P tensors, [i] from rank i with recv_rows[i] rows in dim 0."""
-        got = self._rendezvous("all_to_all", chunks, lambda slots: [
-            chunks[self.rank] if i == self.rank else self._copy_in(slots[i][self.rank]) for i in range(self.world_size)])
-        for i, t in enumerate(got):
-            if t.shape[0] != recv_rows[i]:
-                raise CollectiveError(f"all_to_all: rank {self.rank} expected {recv_rows[i]} rows from rank {i}, "
-                                      f"got shape {tuple(t.shape)}")
-        return got
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, recv_rows: list, send_rows: list):
+        """send's dim-0 blocks (send_rows[j] rows) go to rank j; rank i's block for this rank lands in recv's
+        block i (recv_rows[i] rows), copied straight from the sender's buffer (no staging copy)."""
+        def take(slots):
+            at = 0
+            for i, (part, rows) in enumerate(zip(slots, recv_rows)):
+                src, src_rows = part
+                if src_rows[self.rank] != rows:
+                    raise CollectiveError(f"all_to_all: rank {self.rank} expected {rows} rows from rank {i}, "
+                                          f"got {src_rows[self.rank]}")
+                block = src.narrow(0, sum(src_rows[:self.rank]), rows)
+                if i != self.rank:
+                    self.group._count(block.numel() * block.element_size(), self.rank)
+                recv.narrow(0, at, rows).copy_(block, non_blocking=True)
+                at += rows
+            return recv
+        return self._rendezvous("all_to_all", (send, list(send_rows)), take)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # sum in rank order on every rank, so all ranks hold bit-identical results
@@ -408,14 +416,13 @@ class ProcessComm:
     def all_gather(self, x: torch.Tensor) -> list:
         return list(self.all_gather_flat(x).chunk(self.world_size))
 
-    def all_to_all(self, chunks: list, recv_rows: list) -> list:
-        send = torch.cat(chunks).contiguous()
-        recv = torch.empty((sum(recv_rows),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
-        self._call("all_to_all", torch.distributed.all_to_all_single, recv, send,
-                   output_split_sizes=list(recv_rows), input_split_sizes=[c.shape[0] for c in chunks])
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, recv_rows: list, send_rows: list):
+        # the backend writes recv in place: split sizes in rows of dim 0, uneven blocks moved at their own length
+        self._call("all_to_all", torch.distributed.all_to_all_single, recv, send.contiguous(),
+                   output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows))
         row_bytes = recv[:1].numel() * recv.element_size()
         self._count((sum(recv_rows) - recv_rows[self.rank]) * row_bytes)
-        return list(recv.split(list(recv_rows)))
+        return recv
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in ACCUMULATE_DTYPES:
@@ -612,39 +619,55 @@ def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
-def all_to_all_scatter_heads(x: torch.Tensor, comm, seq_sizes) -> torch.Tensor:
-    """Ulysses, before attention: [B, H, s_r, D] -> [B, H/P, S, D] (scatter heads, gather sequence).
+def all_to_all_scatter_heads(xs, comm, seq_sizes):
+    """Ulysses, before attention: each x [B, H, s_r, D] -> [B, H/P, S, D] (scatter heads, gather sequence).
 
-    Rank r ends up with heads r*H/P .. (r+1)*H/P - 1 over the whole sequence. seq_sizes are the P
-    values s_r (uneven shards are exact: the transport moves each shard at its own length).
+    xs: one tensor, or several of one shape (q, k, v) exchanged together in one all-to-all; returns the same
+    kind. Rank r ends up with heads r*H/P .. (r+1)*H/P - 1 over the whole sequence. seq_sizes are the P values
+    s_r (uneven shards are exact: the transport moves each shard at its own length). Two full copies of the
+    inputs, as yunchang's all-to-all: the send buffer, packed straight from x, and the receive buffer the
+    transport writes. The results are views of the receive buffer ([S, n, B, H/P, D] underneath, so not
+    contiguous); attention reads them through their strides.
     """
+    single = isinstance(xs, torch.Tensor)
+    xs = [xs] if single else list(xs)
     if comm.world_size == 1:
-        return x
-    b, h, s, d = x.shape
+        return xs[0] if single else xs
+    b, h, s, d = xs[0].shape
     p = comm.world_size
-    assert h % p == 0, f"all_to_all_scatter_heads: {h} heads do not split over {p} ranks (x {tuple(x.shape)})"
+    assert h % p == 0, f"all_to_all_scatter_heads: {h} heads do not split over {p} ranks (x {tuple(xs[0].shape)})"
     assert s == seq_sizes[comm.rank], (
-        f"all_to_all_scatter_heads: rank {comm.rank} holds x {tuple(x.shape)} but seq_sizes[{comm.rank}] = {seq_sizes[comm.rank]}")
-    hp = h // p
-    chunks = [x[:, j * hp:(j + 1) * hp].permute(2, 0, 1, 3).contiguous() for j in range(p)]  # P x [s_r, B, H/P, D]
-    parts = comm.all_to_all(chunks, list(seq_sizes))                       # P x [s_i, B, H/P, D]
-    return torch.cat(parts).permute(1, 2, 0, 3).contiguous()               # [S, B, H/P, D] -> [B, H/P, S, D]
+        f"all_to_all_scatter_heads: rank {comm.rank} holds x {tuple(xs[0].shape)} but seq_sizes[{comm.rank}] = {seq_sizes[comm.rank]}")
+    assert all(x.shape == xs[0].shape for x in xs), f"all_to_all_scatter_heads: shapes differ {[tuple(x.shape) for x in xs]}"
+    hp, n = h // p, len(xs)
+    send = xs[0].new_empty((p, s, n, b, hp, d))                             # block j -> rank j: [s_r, n, B, H/P, D]
+    for i, x in enumerate(xs):
+        send[:, :, i].copy_(x.unflatten(1, (p, hp)).permute(1, 3, 0, 2, 4))  # [B, P, H/P, s_r, D] -> [P, s_r, B, H/P, D]
+    recv = xs[0].new_empty((sum(seq_sizes), n, b, hp, d))                  # block i <- rank i: [s_i, n, B, H/P, D]
+    comm.all_to_all_single(recv, send.view(p * s, n, b, hp, d), list(seq_sizes), [s] * p)
+    out = [recv[:, i].permute(1, 2, 0, 3) for i in range(n)]               # n x [B, H/P, S, D] views
+    return out[0] if single else out
 
 
 def all_to_all_gather_heads(x: torch.Tensor, comm, seq_sizes) -> torch.Tensor:
     """Ulysses, after attention: [B, S, H/P, D] -> [B, s_r, H, D] (scatter sequence, gather heads).
 
     The inverse of all_to_all_scatter_heads: heads come back in rank order, so head blocks land where
-    they started.
+    they started. Two full copies: the receive buffer and the heads put back in place (rank i's block holds
+    heads i*H/P.. of this rank's rows, so the [s_r, H] layout needs one rearrangement); the send buffer is x
+    itself when B is 1 (H3's batch), else one more copy.
     """
     if comm.world_size == 1:
         return x
     b, s, hp, d = x.shape
+    p = comm.world_size
     assert s == sum(seq_sizes), f"all_to_all_gather_heads: x {tuple(x.shape)} has {s} rows, seq_sizes sum to {sum(seq_sizes)}"
-    starts = [sum(seq_sizes[:j]) for j in range(comm.world_size)]
-    chunks = [x[:, a:a + n].transpose(0, 1).contiguous() for a, n in zip(starts, seq_sizes)]  # P x [s_j, B, H/P, D]
-    parts = comm.all_to_all(chunks, [seq_sizes[comm.rank]] * comm.world_size)            # P x [s_r, B, H/P, D]
-    return torch.cat(parts, dim=2).transpose(0, 1).contiguous()            # [s_r, B, H, D] -> [B, s_r, H, D]
+    send = x.transpose(0, 1).contiguous()                                   # [S, B, H/P, D]: a view when B == 1
+    r_rows = seq_sizes[comm.rank]
+    recv = x.new_empty((p * r_rows, b, hp, d))                              # block i <- rank i: [s_r, B, H/P, D]
+    comm.all_to_all_single(recv, send, [r_rows] * p, list(seq_sizes))
+    # [P, s_r, B, H/P, D] -> [B, s_r, P, H/P, D] -> [B, s_r, H, D]
+    return recv.view(p, r_rows, b, hp, d).permute(2, 1, 0, 3, 4).reshape(b, r_rows, p * hp, d)
 
 
 def peer_copy(x: torch.Tensor, comm, src: int, dst: int):
