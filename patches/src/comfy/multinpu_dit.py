@@ -528,9 +528,8 @@ def _build_slices(patcher, device_to, lowvram_model_memory, force_patch_weights,
         return
     shards.loaded_by(patcher)
     shards.fault = _fault
-    # only when ComfyUI loaded the slices' module (it had room for it); else they are built per block on use
-    if getattr(shards, "comfy_patched_weights", False):
-        shards.build(patcher, fault=_fault)
+    # the slices ComfyUI loaded (it had room for their modules); the others are built per block on use
+    shards.build(patcher, fault=_fault, loaded_only=True)
 
 
 def _free_slices(patcher, unpatch_all):
