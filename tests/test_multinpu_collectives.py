@@ -191,3 +191,12 @@ def test_copy_counter_sees_a_spare_copy():
     assert n == 4.0 and set(ops) == {"aten.cat.default", "aten.clone.default"}
     _, n, _ = copycount.copies(lambda: x.permute(1, 0, 2).unflatten(0, (2, 4))[0], x.numel() * 4)
     assert n == 0.0
+
+
+def test_weight_gathers_run_on_a_group_of_their_own_gloo(tmp_path):
+    # the sharded weights' gathers (comm.side()) must not queue behind the attention's collectives: issued in the
+    # opposite order on two ranks, they complete (one group would hold both until the timeout)
+    groups = run_gloo(tmp_path, [2, 4], "side_group", timeout=10.0, deadline=40.0)
+    for g in groups:
+        for rank in g["ranks"]:
+            assert rank["status"] == "ok", rank.get("traceback") or rank

@@ -196,5 +196,27 @@ def case_exchange_copies(comm, mn, head_dim=16):
     return {"scatter": scatter, "gather": gather}
 
 
-CASES = {"collectives": case_collectives, "rank_dies": case_rank_dies, "stall": case_stall,
+def case_side_group(comm, mn):
+    """comm.side() is a group of its own: rank 0 issues a side all-gather, then enters a barrier of the main group;
+    the others enter that barrier first, then the side gather. On one group, whose collectives a backend runs in
+    issue order, the two would wait for each other until the timeout; on two each completes."""
+    import torch
+    side = comm.side()
+    x = torch.full((5,), float(comm.rank))
+    before = comm.bytes_received
+    if comm.rank == 0:
+        wait = mn.all_gather_flat_start(x, side)
+        mn.barrier(comm)
+        got = wait()
+    else:
+        mn.barrier(comm)
+        got = mn.all_gather_flat(x, side)
+    _check(torch.equal(got, torch.arange(comm.world_size, dtype=torch.float32).repeat_interleave(5)), "side all-gather")
+    _check(side is comm.side() and side is not comm, "one side group, made once")
+    moved = comm.bytes_received - before
+    _check(moved == (comm.world_size - 1) * 5 * 4, f"the side group's bytes count on the main communicator ({moved})")
+    return {"moved": moved}
+
+
+CASES = {"side_group": case_side_group, "collectives": case_collectives, "rank_dies": case_rank_dies, "stall": case_stall,
          "exchange_copies": case_exchange_copies}

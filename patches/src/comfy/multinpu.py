@@ -266,6 +266,11 @@ class ThreadComm:
             return out
         return self._rendezvous("all_gather", x, take)
 
+    def side(self):
+        """A communicator for traffic that must not queue behind this one's collectives: with threads, every peer
+        copy is its own, so this one serves."""
+        return self
+
     def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, recv_rows: list, send_rows: list):
         """send's dim-0 blocks (send_rows[j] rows) go to rank j; rank i's block for this rank lands in recv's
         block i (recv_rows[i] rows), copied straight from the sender's buffer (no staging copy)."""
@@ -378,7 +383,7 @@ class ProcessComm:
 
     transport = "process_group"
 
-    def __init__(self, group=None, device=None):
+    def __init__(self, group=None, device=None, parent=None):
         if not torch.distributed.is_initialized():
             raise CollectiveError("ProcessComm: torch.distributed is not initialised (call init_process_comm)")
         self.pg = group
@@ -386,6 +391,20 @@ class ProcessComm:
         self.world_size = torch.distributed.get_world_size(group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.bytes_moved = 0
+        self._parent = parent     # a side communicator counts its bytes into its parent's
+        self._side = None
+
+    def side(self):
+        """The same ranks on a process group of their own, made once on first use (every rank must call this at
+        the same point: making a group is collective). A backend runs one group's collectives in issue order on
+        one queue (stream), so the sharded weights' gathers go here, where they do not wait behind the Ulysses
+        all-to-alls of the block before (nor those behind them)."""
+        if self._side is None:
+            ranks = (torch.distributed.get_process_group_ranks(self.pg) if self.pg is not None
+                     else list(range(self.world_size)))
+            pg = self._call("new_group", lambda group=None: torch.distributed.new_group(ranks=ranks))
+            self._side = ProcessComm(pg, self.device, parent=self)
+        return self._side
 
     def _global(self, rank: int) -> int:
         return rank if self.pg is None else torch.distributed.get_global_rank(self.pg, rank)
@@ -398,20 +417,29 @@ class ProcessComm:
 
     def _count(self, nbytes: int):
         self.bytes_moved += nbytes
+        if self._parent is not None:
+            self._parent._count(nbytes)
 
     @property
     def bytes_received(self) -> int:
         return self.bytes_moved
 
-    def all_gather_flat(self, x: torch.Tensor) -> torch.Tensor:
-        """[P * n, ...]: the P equal-shape tensors in rank order, in one tensor (the backend writes it)."""
+    def all_gather_flat(self, x: torch.Tensor, async_op: bool = False):
+        """[P * n, ...]: the P equal-shape tensors in rank order, in one tensor (the backend writes it). async_op:
+        (the tensor, a function that waits for it and returns it), so the caller can compute meanwhile."""
         x = x.reshape((1,) + tuple(x.shape)) if x.dim() == 0 else x.contiguous()
         # the concatenated form [P * n, ...]: gloo rejects the stacked one
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-        self._call("all_gather", gather, out, x)
+        work = self._call("all_gather", gather, out, x, async_op=async_op)
         self._count((self.world_size - 1) * x.numel() * x.element_size())
-        return out
+        if not async_op:
+            return out
+
+        def wait():
+            self._call("all_gather", lambda group=None: work.wait())
+            return out
+        return out, wait
 
     def all_gather(self, x: torch.Tensor) -> list:
         return list(self.all_gather_flat(x).chunk(self.world_size))
@@ -598,9 +626,22 @@ def all_gather_flat(x: torch.Tensor, comm) -> torch.Tensor:
 
     The DiT's sharded weights: each rank holds one equal slice of a block's bytes. World size 1 returns x.
     """
+    return all_gather_flat_start(x, comm)()
+
+
+def all_gather_flat_start(x: torch.Tensor, comm):
+    """all_gather_flat issued now and awaited later: returns a function that waits and returns [P * n, ...].
+
+    Processes: the backend's asynchronous collective (the caller computes while it moves; on gloo a thread of
+    the backend's, on hccl/nccl the group's stream); threads: done before this returns (a peer copy waits for
+    both ranks anyway).
+    """
     if comm.world_size == 1:
-        return x
-    return comm.all_gather_flat(x.contiguous())
+        return lambda: x
+    if isinstance(comm, ProcessComm):
+        return comm.all_gather_flat(x.contiguous(), async_op=True)[1]
+    out = comm.all_gather_flat(x.contiguous())
+    return lambda: out
 
 
 def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):

@@ -5,8 +5,11 @@ keeps everything outside the blocks as it is (embeddings, the token refiner, the
 layer) and, for each block, one slice of the block's weights: 1/P of their bytes. Just before a block runs,
 its weights are gathered from the P slices (one all-gather of equal sizes, every backend's) into one buffer
 that the block's modules then view; right after it ran they are dropped. Block i+1's gather is issued
-before block i computes: on npu and cuda on a second stream (torch.get_device_module(device).Stream), so
-the copy overlaps the block; on cpu the same code runs in order. At most two blocks are whole at a time.
+before block i computes, on a process group of its own (comm.side(): a backend runs one group's collectives
+in issue order, so a gather on the attention's group would wait behind the block's all-to-alls): on npu and
+cuda on a second stream (torch.get_device_module(device).Stream), so the copy overlaps the block; on cpu the
+process transport issues it as gloo's asynchronous collective and waits for it at block i+1, the threads
+gather in order. At most two blocks are whole at a time.
 
 The flat layout of a block: its parameters in module order (a quantized weight, comfy-kitchen's
 QuantizedTensor, is its int8 data followed by each tensor of its layout parameters, the per-channel scales),
@@ -336,13 +339,14 @@ class WeightGather:
     before(i): waits for block i's gather (issuing it first at block 0), puts its parameters in place and
     issues block i+1's; after(i): takes them out and drops the buffer. On npu and cuda the gathers run on a
     second stream, and the block's stream waits for them through an event (the buffer is recorded on that
-    stream, so the allocator does not reuse it before the block is done); on cpu they run in order. Every
+    stream, so the allocator does not reuse it before the block is done); on cpu the processes' gathers are
+    asynchronous collectives awaited in before(), the threads' run in order. Every
     rank issues the same gathers in the same order. `received` counts the bytes this rank received for them.
     """
 
     def __init__(self, shards: ShardedBlocks, comm, fault=None):
         self.shards = shards
-        self.comm = comm
+        self.comm = comm.side()  # a group of their own: the gathers do not queue behind the attention exchanges
         self.fault = fault
         self.device = shards.device
         self.module = None if self.device.type == "cpu" else torch.get_device_module(self.device)
@@ -357,7 +361,8 @@ class WeightGather:
         shard = self.shards.resident(i)
         before = self.comm.bytes_received
         if self.stream is None:
-            flat, event = comfy.multinpu.all_gather_flat(shard, self.comm), None
+            # cpu: processes gather asynchronously (the block before computes meanwhile), threads at once
+            flat, event = comfy.multinpu.all_gather_flat_start(shard, self.comm), None
         else:
             # the gather may read the slice only once the block's stream has written it (a slice built on the fly)
             self.stream.wait_stream(self.module.current_stream(self.device))
@@ -374,6 +379,8 @@ class WeightGather:
     def before(self, i: int):
         self._issue(i)
         flat, event = self.pending[i]
+        if callable(flat):
+            flat = flat()
         if event is not None:
             stream = self.module.current_stream(self.device)
             stream.wait_event(event)
