@@ -50,6 +50,23 @@ def test_the_kernels_refuse_what_the_npu_ops_refuse(nq):
                                                      torch.zeros(4, 5, dtype=torch.int8), torch.ones(5))
 
 
+def test_the_reference_matmul_off_cpu_is_exact_in_float32(nq):
+    # an NPU has no float64: the reference's int32 product off the cpu uses float32 matmuls over K-chunks of
+    # 1024, each exact; one float32 matmul over the whole K is not (partial sums pass 2**24)
+    import torch
+    g = torch.Generator().manual_seed(3)
+    for k in (1, 1000, 1024, 1025, 5376, 14336):
+        a = torch.randint(-128, 128, (4, k), dtype=torch.int8, generator=g)
+        b = torch.randint(-128, 128, (k, 8), dtype=torch.int8, generator=g)
+        assert torch.equal(nq._int32_matmul_f32(a, b), torch._int_mm(a, b)), k
+    worst = torch.full((2, 14336), -128, dtype=torch.int8)
+    assert torch.equal(nq._int32_matmul_f32(worst, worst.t().contiguous()), torch._int_mm(worst, worst.t().contiguous()))
+    a = torch.randint(100, 128, (4, 14336), dtype=torch.int8, generator=g)
+    b = torch.randint(100, 128, (14336, 8), dtype=torch.int8, generator=g)
+    naive = (a.float() @ b.float()).to(torch.int32)
+    assert not torch.equal(naive, torch._int_mm(a, b)), "the control: a single float32 matmul rounds"
+
+
 def test_quant_matmul_is_int32_accumulation_then_one_rounding(nq):
     import torch
     g = torch.Generator().manual_seed(0)

@@ -161,3 +161,42 @@ def test_peer_copy_timeout_when_receiver_never_comes():
     assert time.monotonic() - t0 < 2.0
     with pytest.raises(mn.CollectiveError):  # the group stays broken for later calls
         mn.barrier(group.comm(1))
+
+
+
+@pytest.mark.parametrize("world", [2, 4, 8], ids=["P2", "P4", "P8"])
+def test_ulysses_makes_at_most_two_copies_per_direction_threads(world):
+    # threads: the receive copies are aten copies too, so everything the exchange writes is counted: the send
+    # buffer packed from q, k, v and the receive buffer one way; the receive buffer and the heads put back the other
+    _, results = run_threads(world, multinpu_cases.case_exchange_copies)
+    for r in results:
+        assert r == {"scatter": 2.0, "gather": 2.0}, r
+
+
+def test_ulysses_makes_at_most_two_copies_per_direction_gloo(tmp_path):
+    # processes: the backend writes the receive buffer (one copy, not an aten operator the counter sees); what the
+    # exchange itself writes around it is one copy each way, so two in all
+    groups = run_gloo(tmp_path, [2, 4], "exchange_copies")
+    for g in groups:
+        for rank in g["ranks"]:
+            assert rank["status"] == "ok", rank.get("traceback") or rank
+            assert rank["result"] == {"scatter": 1.0, "gather": 1.0}, rank["result"]
+
+
+def test_copy_counter_sees_a_spare_copy():
+    # the measuring instrument itself: a concatenation before the exchange is one more full copy, counted
+    from h3kit.runtime import copycount
+    x = torch.randn(3, 8, 16)
+    _, n, ops = copycount.copies(lambda: torch.cat([x, x]).permute(1, 0, 2).contiguous(), x.numel() * 4)
+    assert n == 4.0 and set(ops) == {"aten.cat.default", "aten.clone.default"}
+    _, n, _ = copycount.copies(lambda: x.permute(1, 0, 2).unflatten(0, (2, 4))[0], x.numel() * 4)
+    assert n == 0.0
+
+
+def test_weight_gathers_run_on_a_group_of_their_own_gloo(tmp_path):
+    # the sharded weights' gathers (comm.side()) must not queue behind the attention's collectives: issued in the
+    # opposite order on two ranks, they complete (one group would hold both until the timeout)
+    groups = run_gloo(tmp_path, [2, 4], "side_group", timeout=10.0, deadline=40.0)
+    for g in groups:
+        for rank in g["ranks"]:
+            assert rank["status"] == "ok", rank.get("traceback") or rank

@@ -57,3 +57,19 @@ def test_unload_frees_the_slices_and_the_host_copy_stays_one(checks):
 
 def test_the_node_applied_twice_to_a_sharded_model_refuses(checks):
     assert "already sharded by MultiNPUParallelConfig; apply the node once" in value(checks, "reapply")
+
+
+def test_a_short_card_keeps_the_slices_that_fit_and_builds_only_its_own_bytes_of_the_others(checks):
+    v = value(checks, "per_block_slope")
+    assert v["max_abs"] == 0
+    for r in v["ranks"]:
+        loaded = r["loaded"]
+        # each block's slice is a module of its own: ComfyUI kept some on the device, not all or nothing
+        assert any(loaded) and not all(loaded), loaded
+        missing = [i for i, ok in enumerate(loaded) if not ok]
+        assert r["rebuilt"] == len(missing) * v["forwards"]
+        # load and every forward moved this rank's slices only (no patches here: a weight is cut before it moves),
+        # never whole blocks: the bytes of the loaded slices once, of the others once a forward
+        moved = sum(v["slice_bytes"][i] for i in range(len(loaded))) + sum(v["slice_bytes"][i] for i in missing) * v["forwards"]
+        assert 0 < r["h2d_bytes"] <= moved, (r, moved)
+        assert r["h2d_bytes"] < sum(v["block_bytes"]) / 2 + sum(v["block_bytes"][i] for i in missing) * v["forwards"] / 2

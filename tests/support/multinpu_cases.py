@@ -84,6 +84,12 @@ def case_collectives(comm, mn, heads=56, head_dim=4):
     _check(torch.equal(back, _shard(out, sizes, r, 1)), "all_to_all_gather_heads")
     round_trip = mn.all_to_all_gather_heads(scattered.transpose(1, 2).contiguous(), comm, sizes)
     _check(torch.equal(round_trip, _shard(q, sizes, r, 2).transpose(1, 2)), "scatter then gather heads is the identity")
+    # q, k, v in one exchange, k as a transposed view (the fused RoPE's [B, S, H, D] layout seen as [B, H, S, D])
+    k = _full((1, total, heads, head_dim), seed=14).transpose(1, 2)
+    v = _full((1, heads, total, head_dim), seed=15)
+    got = mn.all_to_all_scatter_heads([_shard(t, sizes, r, 2) for t in (q, k, v)], comm, sizes)
+    _check(len(got) == 3 and all(torch.equal(g, t[:, r * hp:(r + 1) * hp]) for g, t in zip(got, (q, k, v))),
+           "all_to_all_scatter_heads of q, k, v together")
     checked.append("all_to_all both directions")
 
     # reductions and broadcast
@@ -175,4 +181,42 @@ def case_stall(comm, mn, stall_s=6.0):
     raise AssertionError("all_to_all returned although rank 1 stalled")
 
 
-CASES = {"collectives": case_collectives, "rank_dies": case_rank_dies, "stall": case_stall}
+def case_exchange_copies(comm, mn, head_dim=16):
+    """Full copies each Ulysses direction writes on this rank (bytes written / the direction's input), measured
+    by h3kit.runtime.copycount as torch executes the exchange; even shards."""
+    import torch
+    from h3kit.runtime import copycount
+    p, r = comm.world_size, comm.rank
+    heads = 2 * p  # two heads a rank: with one, putting the heads back in place is a view
+    sizes = mn.shard_sizes(4 * p, p)
+    q, k, v = (torch.randn(1, heads, sizes[r], head_dim) for _ in range(3))
+    _, scatter, _ = copycount.copies(lambda: mn.all_to_all_scatter_heads((q, k, v), comm, sizes), 3 * q.numel() * 4)
+    out = torch.randn(1, sum(sizes), heads // p, head_dim)
+    _, gather, _ = copycount.copies(lambda: mn.all_to_all_gather_heads(out, comm, sizes), out.numel() * 4)
+    return {"scatter": scatter, "gather": gather}
+
+
+def case_side_group(comm, mn):
+    """comm.side() is a group of its own: rank 0 issues a side all-gather, then enters a barrier of the main group;
+    the others enter that barrier first, then the side gather. On one group, whose collectives a backend runs in
+    issue order, the two would wait for each other until the timeout; on two each completes."""
+    import torch
+    side = comm.side()
+    x = torch.full((5,), float(comm.rank))
+    before = comm.bytes_received
+    if comm.rank == 0:
+        wait = mn.all_gather_flat_start(x, side)
+        mn.barrier(comm)
+        got = wait()
+    else:
+        mn.barrier(comm)
+        got = mn.all_gather_flat(x, side)
+    _check(torch.equal(got, torch.arange(comm.world_size, dtype=torch.float32).repeat_interleave(5)), "side all-gather")
+    _check(side is comm.side() and side is not comm, "one side group, made once")
+    moved = comm.bytes_received - before
+    _check(moved == (comm.world_size - 1) * 5 * 4, f"the side group's bytes count on the main communicator ({moved})")
+    return {"moved": moved}
+
+
+CASES = {"side_group": case_side_group, "collectives": case_collectives, "rank_dies": case_rank_dies, "stall": case_stall,
+         "exchange_copies": case_exchange_copies}

@@ -86,6 +86,44 @@ def check_partial_load():
     return out
 
 
+@contextlib.contextmanager
+def _card_budget(nbytes: int):
+    """ComfyUI's loader given `nbytes` for a model's weights (the lowvram budget load_models_gpu computes from a
+    card's free memory; the cpu, which always loads fully, passes for a short device)."""
+    lm = comfy.model_management.LoadedModel
+    real = lm.model_load
+    lm.model_load = lambda self, lowvram_model_memory=0, force_patch_weights=False: real(self, nbytes, force_patch_weights)
+    try:
+        yield
+    finally:
+        lm.model_load = real
+
+
+def check_per_block_slope():
+    """A card that holds only some slices: ComfyUI's loader places each block's slice on its own, the rest are built
+    per block on use from this rank's bytes alone (nothing of the block beyond its slice moves to the device)."""
+    _, single = _sample(BASE)
+    comfy.model_management.unload_all_models()
+    probe = NODE.execute(model=BASE.clone(), npu_count=2, weights="sharded").args[0]
+    shards = comfy.multinpu_shard.of(probe.model.diffusion_model)
+    slice_bytes = [lay.shard for lay in shards.layouts]
+    block_bytes = [lay.nbytes for lay in shards.layouts]
+    # a budget of the whole rank model less one and a half slices: room for every module but the last slices
+    budget = probe.model_size() - slice_bytes[0] * 3 // 2
+    with _card_budget(budget):
+        m, sharded = _sample(BASE, "sharded")
+    ranks = [m] + m.get_additional_models_with_key(comfy.multinpu_dit.KEY)
+    per_rank = []
+    for p in ranks:
+        sh = comfy.multinpu_shard.of(p.model.diffusion_model)
+        per_rank.append({"loaded": [b.built_for is not None for b in sh.slices()], "rebuilt": sh.rebuilt,
+                         "h2d_bytes": sh.h2d_bytes})
+    wrapper = comfy.multinpu_dit.get_wrapper(m)
+    comfy.model_management.unload_all_models()
+    return {"max_abs": pw._dit_metrics(single, sharded)[1]["max_abs"], "forwards": wrapper.forwards,
+            "slice_bytes": slice_bytes, "block_bytes": block_bytes, "ranks": per_rank, "budget": budget}
+
+
 def check_auto():
     """weights auto against the free memory of a simulated card (H3KIT_SIM_DEVICE_MEMORY, GB)."""
     size = BASE.model_size()
@@ -157,7 +195,7 @@ def check_reapply():
     return None
 
 
-CHECKS = {"reapply": check_reapply, "partial_load": check_partial_load, "auto": check_auto, "short_card_warns": check_short_card_warns,
+CHECKS = {"per_block_slope": check_per_block_slope, "reapply": check_reapply, "partial_load": check_partial_load, "auto": check_auto, "short_card_warns": check_short_card_warns,
           "unload_and_host_copies": check_unload_and_host_copies}
 
 if __name__ == "__main__":

@@ -266,15 +266,28 @@ class ThreadComm:
             return out
         return self._rendezvous("all_gather", x, take)
 
-    def all_to_all(self, chunks: list, recv_rows: list) -> list:
-        """chunks[j] goes to rank j; returns P tensors, [i] from rank i with recv_rows[i] rows in dim 0."""
-        got = self._rendezvous("all_to_all", chunks, lambda slots: [
-            chunks[self.rank] if i == self.rank else self._copy_in(slots[i][self.rank]) for i in range(self.world_size)])
-        for i, t in enumerate(got):
-            if t.shape[0] != recv_rows[i]:
-                raise CollectiveError(f"all_to_all: rank {self.rank} expected {recv_rows[i]} rows from rank {i}, "
-                                      f"got shape {tuple(t.shape)}")
-        return got
+    def side(self):
+        """A communicator for traffic that must not queue behind this one's collectives: with threads, every peer
+        copy is its own, so this one serves."""
+        return self
+
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, recv_rows: list, send_rows: list):
+        """send's dim-0 blocks (send_rows[j] rows) go to rank j; rank i's block for this rank lands in recv's
+        block i (recv_rows[i] rows), copied straight from the sender's buffer (no staging copy)."""
+        def take(slots):
+            at = 0
+            for i, (part, rows) in enumerate(zip(slots, recv_rows)):
+                src, src_rows = part
+                if src_rows[self.rank] != rows:
+                    raise CollectiveError(f"all_to_all: rank {self.rank} expected {rows} rows from rank {i}, "
+                                          f"got {src_rows[self.rank]}")
+                block = src.narrow(0, sum(src_rows[:self.rank]), rows)
+                if i != self.rank:
+                    self.group._count(block.numel() * block.element_size(), self.rank)
+                recv.narrow(0, at, rows).copy_(block, non_blocking=True)
+                at += rows
+            return recv
+        return self._rendezvous("all_to_all", (send, list(send_rows)), take)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # sum in rank order on every rank, so all ranks hold bit-identical results
@@ -370,7 +383,7 @@ class ProcessComm:
 
     transport = "process_group"
 
-    def __init__(self, group=None, device=None):
+    def __init__(self, group=None, device=None, parent=None):
         if not torch.distributed.is_initialized():
             raise CollectiveError("ProcessComm: torch.distributed is not initialised (call init_process_comm)")
         self.pg = group
@@ -378,6 +391,20 @@ class ProcessComm:
         self.world_size = torch.distributed.get_world_size(group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.bytes_moved = 0
+        self._parent = parent     # a side communicator counts its bytes into its parent's
+        self._side = None
+
+    def side(self):
+        """The same ranks on a process group of their own, made once on first use (every rank must call this at
+        the same point: making a group is collective). A backend runs one group's collectives in issue order on
+        one queue (stream), so the sharded weights' gathers go here, where they do not wait behind the Ulysses
+        all-to-alls of the block before (nor those behind them)."""
+        if self._side is None:
+            ranks = (torch.distributed.get_process_group_ranks(self.pg) if self.pg is not None
+                     else list(range(self.world_size)))
+            pg = self._call("new_group", lambda group=None: torch.distributed.new_group(ranks=ranks))
+            self._side = ProcessComm(pg, self.device, parent=self)
+        return self._side
 
     def _global(self, rank: int) -> int:
         return rank if self.pg is None else torch.distributed.get_global_rank(self.pg, rank)
@@ -390,32 +417,40 @@ class ProcessComm:
 
     def _count(self, nbytes: int):
         self.bytes_moved += nbytes
+        if self._parent is not None:
+            self._parent._count(nbytes)
 
     @property
     def bytes_received(self) -> int:
         return self.bytes_moved
 
-    def all_gather_flat(self, x: torch.Tensor) -> torch.Tensor:
-        """[P * n, ...]: the P equal-shape tensors in rank order, in one tensor (the backend writes it)."""
+    def all_gather_flat(self, x: torch.Tensor, async_op: bool = False):
+        """[P * n, ...]: the P equal-shape tensors in rank order, in one tensor (the backend writes it). async_op:
+        (the tensor, a function that waits for it and returns it), so the caller can compute meanwhile."""
         x = x.reshape((1,) + tuple(x.shape)) if x.dim() == 0 else x.contiguous()
         # the concatenated form [P * n, ...]: gloo rejects the stacked one
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-        self._call("all_gather", gather, out, x)
+        work = self._call("all_gather", gather, out, x, async_op=async_op)
         self._count((self.world_size - 1) * x.numel() * x.element_size())
-        return out
+        if not async_op:
+            return out
+
+        def wait():
+            self._call("all_gather", lambda group=None: work.wait())
+            return out
+        return out, wait
 
     def all_gather(self, x: torch.Tensor) -> list:
         return list(self.all_gather_flat(x).chunk(self.world_size))
 
-    def all_to_all(self, chunks: list, recv_rows: list) -> list:
-        send = torch.cat(chunks).contiguous()
-        recv = torch.empty((sum(recv_rows),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
-        self._call("all_to_all", torch.distributed.all_to_all_single, recv, send,
-                   output_split_sizes=list(recv_rows), input_split_sizes=[c.shape[0] for c in chunks])
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, recv_rows: list, send_rows: list):
+        # the backend writes recv in place: split sizes in rows of dim 0, uneven blocks moved at their own length
+        self._call("all_to_all", torch.distributed.all_to_all_single, recv, send.contiguous(),
+                   output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows))
         row_bytes = recv[:1].numel() * recv.element_size()
         self._count((sum(recv_rows) - recv_rows[self.rank]) * row_bytes)
-        return list(recv.split(list(recv_rows)))
+        return recv
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in ACCUMULATE_DTYPES:
@@ -591,9 +626,22 @@ def all_gather_flat(x: torch.Tensor, comm) -> torch.Tensor:
 
     The DiT's sharded weights: each rank holds one equal slice of a block's bytes. World size 1 returns x.
     """
+    return all_gather_flat_start(x, comm)()
+
+
+def all_gather_flat_start(x: torch.Tensor, comm):
+    """all_gather_flat issued now and awaited later: returns a function that waits and returns [P * n, ...].
+
+    Processes: the backend's asynchronous collective (the caller computes while it moves; on gloo a thread of
+    the backend's, on hccl/nccl the group's stream); threads: done before this returns (a peer copy waits for
+    both ranks anyway).
+    """
     if comm.world_size == 1:
-        return x
-    return comm.all_gather_flat(x.contiguous())
+        return lambda: x
+    if isinstance(comm, ProcessComm):
+        return comm.all_gather_flat(x.contiguous(), async_op=True)[1]
+    out = comm.all_gather_flat(x.contiguous())
+    return lambda: out
 
 
 def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):
@@ -612,39 +660,55 @@ def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
-def all_to_all_scatter_heads(x: torch.Tensor, comm, seq_sizes) -> torch.Tensor:
-    """Ulysses, before attention: [B, H, s_r, D] -> [B, H/P, S, D] (scatter heads, gather sequence).
+def all_to_all_scatter_heads(xs, comm, seq_sizes):
+    """Ulysses, before attention: each x [B, H, s_r, D] -> [B, H/P, S, D] (scatter heads, gather sequence).
 
-    Rank r ends up with heads r*H/P .. (r+1)*H/P - 1 over the whole sequence. seq_sizes are the P
-    values s_r (uneven shards are exact: the transport moves each shard at its own length).
+    xs: one tensor, or several of one shape (q, k, v) exchanged together in one all-to-all; returns the same
+    kind. Rank r ends up with heads r*H/P .. (r+1)*H/P - 1 over the whole sequence. seq_sizes are the P values
+    s_r (uneven shards are exact: the transport moves each shard at its own length). Two full copies of the
+    inputs, as yunchang's all-to-all: the send buffer, packed straight from x, and the receive buffer the
+    transport writes. The results are views of the receive buffer ([S, n, B, H/P, D] underneath, so not
+    contiguous); attention reads them through their strides.
     """
+    single = isinstance(xs, torch.Tensor)
+    xs = [xs] if single else list(xs)
     if comm.world_size == 1:
-        return x
-    b, h, s, d = x.shape
+        return xs[0] if single else xs
+    b, h, s, d = xs[0].shape
     p = comm.world_size
-    assert h % p == 0, f"all_to_all_scatter_heads: {h} heads do not split over {p} ranks (x {tuple(x.shape)})"
+    assert h % p == 0, f"all_to_all_scatter_heads: {h} heads do not split over {p} ranks (x {tuple(xs[0].shape)})"
     assert s == seq_sizes[comm.rank], (
-        f"all_to_all_scatter_heads: rank {comm.rank} holds x {tuple(x.shape)} but seq_sizes[{comm.rank}] = {seq_sizes[comm.rank]}")
-    hp = h // p
-    chunks = [x[:, j * hp:(j + 1) * hp].permute(2, 0, 1, 3).contiguous() for j in range(p)]  # P x [s_r, B, H/P, D]
-    parts = comm.all_to_all(chunks, list(seq_sizes))                       # P x [s_i, B, H/P, D]
-    return torch.cat(parts).permute(1, 2, 0, 3).contiguous()               # [S, B, H/P, D] -> [B, H/P, S, D]
+        f"all_to_all_scatter_heads: rank {comm.rank} holds x {tuple(xs[0].shape)} but seq_sizes[{comm.rank}] = {seq_sizes[comm.rank]}")
+    assert all(x.shape == xs[0].shape for x in xs), f"all_to_all_scatter_heads: shapes differ {[tuple(x.shape) for x in xs]}"
+    hp, n = h // p, len(xs)
+    send = xs[0].new_empty((p, s, n, b, hp, d))                             # block j -> rank j: [s_r, n, B, H/P, D]
+    for i, x in enumerate(xs):
+        send[:, :, i].copy_(x.unflatten(1, (p, hp)).permute(1, 3, 0, 2, 4))  # [B, P, H/P, s_r, D] -> [P, s_r, B, H/P, D]
+    recv = xs[0].new_empty((sum(seq_sizes), n, b, hp, d))                  # block i <- rank i: [s_i, n, B, H/P, D]
+    comm.all_to_all_single(recv, send.view(p * s, n, b, hp, d), list(seq_sizes), [s] * p)
+    out = [recv[:, i].permute(1, 2, 0, 3) for i in range(n)]               # n x [B, H/P, S, D] views
+    return out[0] if single else out
 
 
 def all_to_all_gather_heads(x: torch.Tensor, comm, seq_sizes) -> torch.Tensor:
     """Ulysses, after attention: [B, S, H/P, D] -> [B, s_r, H, D] (scatter sequence, gather heads).
 
     The inverse of all_to_all_scatter_heads: heads come back in rank order, so head blocks land where
-    they started.
+    they started. Two full copies: the receive buffer and the heads put back in place (rank i's block holds
+    heads i*H/P.. of this rank's rows, so the [s_r, H] layout needs one rearrangement); the send buffer is x
+    itself when B is 1 (H3's batch), else one more copy.
     """
     if comm.world_size == 1:
         return x
     b, s, hp, d = x.shape
+    p = comm.world_size
     assert s == sum(seq_sizes), f"all_to_all_gather_heads: x {tuple(x.shape)} has {s} rows, seq_sizes sum to {sum(seq_sizes)}"
-    starts = [sum(seq_sizes[:j]) for j in range(comm.world_size)]
-    chunks = [x[:, a:a + n].transpose(0, 1).contiguous() for a, n in zip(starts, seq_sizes)]  # P x [s_j, B, H/P, D]
-    parts = comm.all_to_all(chunks, [seq_sizes[comm.rank]] * comm.world_size)            # P x [s_r, B, H/P, D]
-    return torch.cat(parts, dim=2).transpose(0, 1).contiguous()            # [s_r, B, H, D] -> [B, s_r, H, D]
+    send = x.transpose(0, 1).contiguous()                                   # [S, B, H/P, D]: a view when B == 1
+    r_rows = seq_sizes[comm.rank]
+    recv = x.new_empty((p * r_rows, b, hp, d))                              # block i <- rank i: [s_r, B, H/P, D]
+    comm.all_to_all_single(recv, send, [r_rows] * p, list(seq_sizes))
+    # [P, s_r, B, H/P, D] -> [B, s_r, P, H/P, D] -> [B, s_r, H, D]
+    return recv.view(p, r_rows, b, hp, d).permute(2, 1, 0, 3, 4).reshape(b, r_rows, p * hp, d)
 
 
 def peer_copy(x: torch.Tensor, comm, src: int, dst: int):

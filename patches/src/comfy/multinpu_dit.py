@@ -157,9 +157,10 @@ class SequenceParallelAttention:
         b, h, s, d = q.shape
         if st.use_ulysses(h):
             hp = h // comm.world_size
-            qkv = torch.cat([q, k, v])                                             # [3B, H, s_r, D]
-            qkv = comfy.multinpu.all_to_all_scatter_heads(qkv, comm, st.sizes)     # [3B, H/P, S, D]
-            q, k, v = _fault("ulysses", st, qkv).chunk(3)
+            # q, k, v in one all-to-all, packed straight into its send buffer: 3 x [B, H, s_r, D] -> 3 x [B, H/P, S, D]
+            q, k, v = comfy.multinpu.all_to_all_scatter_heads((q, k, v), comm, st.sizes)
+            if fault_hook is not None:
+                q, k, v = _fault("ulysses", st, torch.cat([q, k, v])).chunk(3)     # [3B, H/P, S, D]
             out = self._local(func, q, k, v, hp, *args, **kwargs)                  # [B, S, H/P*D]
             out = out.reshape(b, -1, hp, d)                                        # [B, S, H/P, D]
             out = comfy.multinpu.all_to_all_gather_heads(out, comm, st.sizes)      # [B, s_r, H, D]
@@ -527,9 +528,8 @@ def _build_slices(patcher, device_to, lowvram_model_memory, force_patch_weights,
         return
     shards.loaded_by(patcher)
     shards.fault = _fault
-    # only when ComfyUI loaded the slices' module (it had room for it); else they are built per block on use
-    if getattr(shards, "comfy_patched_weights", False):
-        shards.build(patcher, fault=_fault)
+    # the slices ComfyUI loaded (it had room for their modules); the others are built per block on use
+    shards.build(patcher, fault=_fault, loaded_only=True)
 
 
 def _free_slices(patcher, unpatch_all):

@@ -5,8 +5,11 @@ keeps everything outside the blocks as it is (embeddings, the token refiner, the
 layer) and, for each block, one slice of the block's weights: 1/P of their bytes. Just before a block runs,
 its weights are gathered from the P slices (one all-gather of equal sizes, every backend's) into one buffer
 that the block's modules then view; right after it ran they are dropped. Block i+1's gather is issued
-before block i computes: on npu and cuda on a second stream (torch.get_device_module(device).Stream), so
-the copy overlaps the block; on cpu the same code runs in order. At most two blocks are whole at a time.
+before block i computes, on a process group of its own (comm.side(): a backend runs one group's collectives
+in issue order, so a gather on the attention's group would wait behind the block's all-to-alls): on npu and
+cuda on a second stream (torch.get_device_module(device).Stream), so the copy overlaps the block; on cpu the
+process transport issues it as gloo's asynchronous collective and waits for it at block i+1, the threads
+gather in order. At most two blocks are whole at a time.
 
 The flat layout of a block: its parameters in module order (a quantized weight, comfy-kitchen's
 QuantizedTensor, is its int8 data followed by each tensor of its layout parameters, the per-channel scales),
@@ -120,13 +123,42 @@ def _target_device(fn):
     return fn(torch.empty(0, dtype=torch.uint8)).device
 
 
+class BlockSlice(torch.nn.Module):
+    """One rank's slice of one DiT block: parameter s, uint8 [slice bytes], a meta placeholder until it is built.
+
+    Each block's slice is a module of its own, so ComfyUI's loader places or offloads it on its own: a card short
+    of memory keeps the slices that fit and builds only the others on use (a slope, not a cliff). A move away
+    from `device` (ModelPatcher offloading it) frees the slice, never copies it.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device):
+        super().__init__()
+        self.nbytes = nbytes
+        self.slice_device = device
+        self.built_for = None     # patches_uuid of the patcher the slice was built with
+        self.free()
+
+    def set(self, t: torch.Tensor, built_for):
+        self._parameters["s"] = torch.nn.Parameter(t, requires_grad=False)
+        self.built_for = built_for
+
+    def free(self):
+        self.set(torch.empty(self.nbytes, dtype=torch.uint8, device="meta"), None)
+
+    def _apply(self, fn, recurse=True):
+        target = _target_device(fn)
+        if self.built_for is not None and target is not None and target != self.slice_device:
+            self.free()
+        return self
+
+
 class ShardedBlocks(torch.nn.Module):
-    """One rank's slices of every DiT block: parameters s0 .. s{n-1}, uint8 [slice bytes] each.
+    """One rank's slices of every DiT block: child modules b0 .. b{n-1} (BlockSlice), one per block.
 
     Created on a structural copy of the DiT (its own module objects: comfy.multinpu_weights.share_module),
     it takes the blocks' parameters out of their modules, keeping the host tensors. The slices are meta
-    placeholders until build() makes them on `device` (an ON_LOAD callback of the rank's ModelPatcher); a
-    move of this module away from `device` (ModelPatcher unloading it) frees them. install(i, flat) puts
+    placeholders until build() makes those ComfyUI loaded on `device` (an ON_LOAD callback of the rank's
+    ModelPatcher); resident(i) builds one on use when ComfyUI left it off the device. install(i, flat) puts
     block i's parameters back as views of its gathered bytes, uninstall(i) takes them out again.
     """
 
@@ -136,15 +168,15 @@ class ShardedBlocks(torch.nn.Module):
         self.world = world
         self.device = torch.device(device)
         self.layouts = [BlockLayout(block, f"{prefix}{i}.", world) for i, block in enumerate(dm.blocks)]
-        self.built_for = None     # patches_uuid of the patcher the slices were built with
         self.fault = None         # the fault hook of `h3kit parity --inject-fault` (None in normal runs)
-        self.rebuilt = 0          # slices built on the fly, because ComfyUI did not load this module
+        self.rebuilt = 0          # slices built on use, because ComfyUI did not load their module
+        self.h2d_bytes = 0        # host bytes this rank copied to its device to build slices (load and on use)
         self._patcher = None
         self._gather_stream = None
         for i, lay in enumerate(self.layouts):
             for s in lay.slots:
                 s.module._parameters[s.name] = None
-            self._set(i, torch.empty(lay.shard, dtype=torch.uint8, device="meta"))
+            self.add_module(f"b{i}", BlockSlice(lay.shard, self.device))
 
     def gather_stream(self):
         """The side stream this rank's weight gathers run on, made once (None on cpu). A stream per forward would
@@ -156,68 +188,78 @@ class ShardedBlocks(torch.nn.Module):
             self._gather_stream = torch.get_device_module(self.device).Stream(self.device)
         return self._gather_stream
 
-    def _set(self, i: int, t: torch.Tensor):
-        self._parameters[f"s{i}"] = torch.nn.Parameter(t, requires_grad=False)
+    def slices(self) -> list:
+        return [self._modules[f"b{i}"] for i in range(len(self.layouts))]
 
     def shard(self, i: int) -> torch.Tensor:
-        return self._parameters[f"s{i}"]
+        return self._modules[f"b{i}"].s
 
     @property
     def built(self) -> bool:
-        return self.built_for is not None
-
-    def _apply(self, fn, recurse=True):
-        # ModelPatcher moves this module like any other: onto the device nothing happens here (build() runs
-        # from the ON_LOAD callback, with the patcher), away from it the slices are dropped, never copied
-        target = _target_device(fn)
-        if self.built and target is not None and target != self.device:
-            self.free()
-        return self
+        """Every block's slice is on the device."""
+        return all(b.built_for is not None for b in self.slices())
 
     def free(self):
-        for i, lay in enumerate(self.layouts):
-            self._set(i, torch.empty(lay.shard, dtype=torch.uint8, device="meta"))
-        self.built_for = None
+        for b in self.slices():
+            b.free()
 
     def loaded_by(self, patcher: ModelPatcher):
         """The ModelPatcher that loaded the model last: slices built on use take its weight patches."""
         self._patcher = weakref.ref(patcher)
 
-    def build(self, patcher: ModelPatcher, fault=None):
-        """Make every slice on the device from the host weights with `patcher`'s weight patches."""
+    def build(self, patcher: ModelPatcher, fault=None, loaded_only: bool = False):
+        """Make the slices on the device from the host weights with `patcher`'s weight patches: every block's,
+        or (loaded_only) those ComfyUI's loader placed on the device (comfy_patched_weights on their module)."""
         self.loaded_by(patcher)
-        if self.built_for == patcher.patches_uuid:
-            return
-        for i in range(len(self.layouts)):
-            self._set(i, self.build_block(i, patcher, fault))
-        self.built_for = patcher.patches_uuid
+        for i, b in enumerate(self.slices()):
+            if loaded_only and not getattr(b, "comfy_patched_weights", False):
+                continue
+            if b.built_for != patcher.patches_uuid:
+                b.set(self.build_block(i, patcher, fault), patcher.patches_uuid)
 
     def build_block(self, i: int, patcher: ModelPatcher, fault=None) -> torch.Tensor:
-        """This rank's slice of block i: its weights as one device loads them (patches applied), as bytes."""
+        """This rank's slice of block i: the bytes [rank x slice, (rank + 1) x slice) of the block's flat layout
+        holding its weights as one device loads them (patches applied). Only those bytes move to the device: a
+        weight without patches is copied from its host tensor where it overlaps the slice; a patched weight is
+        patched whole on the device (upstream's function, its rounding and stochastic-rounding seed are per whole
+        weight) and then cut."""
         lay = self.layouts[i]
-        flat = torch.zeros(lay.padded, dtype=torch.uint8, device=self.device)
+        start, stop = self.rank * lay.shard, (self.rank + 1) * lay.shard
+        out = torch.zeros(lay.shard, dtype=torch.uint8, device=self.device)
         for j, s in enumerate(lay.slots):
-            # upstream reads the weight from the model: put the host tensor back for the call
-            s.module._parameters[s.name] = s.host
-            try:
-                w = patcher.patch_weight_to_device(s.key, device_to=self.device, return_weight=True)
-            finally:
-                s.module._parameters[s.name] = None
-            got = _parts(w)
-            if [(tuple(t.shape), t.dtype) for t in got] != [(shape, dtype) for shape, dtype, _, _ in s.parts]:
-                raise RuntimeError(f"MultiNPU: the weight patches of {s.key} changed its layout "
-                                   f"({[(tuple(t.shape), t.dtype) for t in got]}); it cannot be sharded")
+            patched = s.key in patcher.patches
+            if not patched:
+                got = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in _parts(s.host)]
+            elif any(offset + slot_bytes(n) > start and offset < stop for _, _, offset, n in s.parts):
+                # upstream reads the weight from the model: put the host tensor back for the call
+                s.module._parameters[s.name] = s.host
+                try:
+                    got = [t.detach().to(self.device).contiguous()
+                           for t in _parts(patcher.patch_weight_to_device(s.key, device_to=self.device, return_weight=True))]
+                finally:
+                    s.module._parameters[s.name] = None
+                if [(tuple(t.shape), t.dtype) for t in got] != [(shape, dtype) for shape, dtype, _, _ in s.parts]:
+                    raise RuntimeError(f"MultiNPU: the weight patches of {s.key} changed its layout "
+                                       f"({[(tuple(t.shape), t.dtype) for t in got]}); it cannot be sharded")
+                self.h2d_bytes += sum(t.numel() * t.element_size() for t in _parts(s.host))
+            else:
+                got = [None] * len(s.parts)  # patched and outside this slice: nothing to build
             for k, (t, (_, _, offset, n)) in enumerate(zip(got, s.parts)):
-                t = t.detach().to(self.device).contiguous()
-                # the offset a replicated load's weight has from an aligned address: 0 for a device copy, the
-                # host tensor's own on the cpu simulation (where the "device copy" is the host tensor)
-                shift = t.data_ptr() % CPU_ALIGN if self.device.type == "cpu" else 0
+                # the alignment a replicated load's weight has: on the cpu simulation an unpatched weight is the
+                # host tensor itself, which may sit at any offset of a mapped file; a device copy, or a patched
+                # weight (a fresh tensor), starts aligned. Every rank computes the same shifts
+                shift = t.data_ptr() % CPU_ALIGN if (self.device.type == "cpu" and not patched) else 0
                 lay.shifts[j][k] = shift
-                flat[offset + shift:offset + shift + n].copy_(t.reshape(-1).view(torch.uint8))
+                lo, hi = max(offset + shift, start), min(offset + shift + n, stop)
+                if lo >= hi:
+                    continue
+                src = t.reshape(-1).view(torch.uint8)[lo - offset - shift:hi - offset - shift]
+                if not patched:
+                    self.h2d_bytes += hi - lo
+                out[lo - start:hi - start].copy_(src)
         if fault is not None:
-            flat = fault("shard", _Where(self, i), flat)
-        start = self.rank * lay.shard
-        return flat[start:start + lay.shard].clone()
+            out = fault("shard", _Where(self, i), out)
+        return out
 
     def resident(self, i: int) -> torch.Tensor:
         """Block i's slice on the device; built now (and dropped after use) when ComfyUI did not load it."""
@@ -297,13 +339,14 @@ class WeightGather:
     before(i): waits for block i's gather (issuing it first at block 0), puts its parameters in place and
     issues block i+1's; after(i): takes them out and drops the buffer. On npu and cuda the gathers run on a
     second stream, and the block's stream waits for them through an event (the buffer is recorded on that
-    stream, so the allocator does not reuse it before the block is done); on cpu they run in order. Every
+    stream, so the allocator does not reuse it before the block is done); on cpu the processes' gathers are
+    asynchronous collectives awaited in before(), the threads' run in order. Every
     rank issues the same gathers in the same order. `received` counts the bytes this rank received for them.
     """
 
     def __init__(self, shards: ShardedBlocks, comm, fault=None):
         self.shards = shards
-        self.comm = comm
+        self.comm = comm.side()  # a group of their own: the gathers do not queue behind the attention exchanges
         self.fault = fault
         self.device = shards.device
         self.module = None if self.device.type == "cpu" else torch.get_device_module(self.device)
@@ -318,7 +361,8 @@ class WeightGather:
         shard = self.shards.resident(i)
         before = self.comm.bytes_received
         if self.stream is None:
-            flat, event = comfy.multinpu.all_gather_flat(shard, self.comm), None
+            # cpu: processes gather asynchronously (the block before computes meanwhile), threads at once
+            flat, event = comfy.multinpu.all_gather_flat_start(shard, self.comm), None
         else:
             # the gather may read the slice only once the block's stream has written it (a slice built on the fly)
             self.stream.wait_stream(self.module.current_stream(self.device))
@@ -335,6 +379,8 @@ class WeightGather:
     def before(self, i: int):
         self._issue(i)
         flat, event = self.pending[i]
+        if callable(flat):
+            flat = flat()
         if event is not None:
             stream = self.module.current_stream(self.device)
             stream.wait_event(event)

@@ -141,12 +141,27 @@ def _require(ok: bool, what: str, *tensors):
         raise ValueError(f"{what}; got " + ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in tensors))
 
 
+# K-chunks whose int8 x int8 partial sums are exact in float32: |a b| <= 2**14, so a sum of 1024 stays <= 2**24
+EXACT_F32_CHUNK = 1024
+
+
 def _int32_matmul(a, b):
-    # int8 x int8 products summed exactly in int32 (|sum| <= 127 * 128 * 65535 < 2**31): torch._int_mm on a
-    # cpu, float64 elsewhere (exact below 2**53; CUDA's _int_mm wants aligned shapes, an NPU has no float64)
+    # int8 x int8 products summed exactly in int32 (|sum| <= 2**14 * 65535 < 2**31): torch._int_mm on a cpu,
+    # float32 over K-chunks elsewhere (CUDA's _int_mm wants aligned shapes; an NPU has no float64)
     if a.device.type == "cpu":
         return torch._int_mm(a, b)
-    return (a.double() @ b.double()).to(torch.int32)
+    return _int32_matmul_f32(a, b)
+
+
+def _int32_matmul_f32(a, b):
+    """The exact int32 product with float32 matmuls only: each K-chunk of EXACT_F32_CHUNK has integer partial sums
+    of at most 2**24, which float32 holds exactly in any summation order (and under TF32/HF32 input rounding:
+    an int8 fits its mantissa), so each chunk's result is exact; the chunks add up in int32."""
+    out = None
+    for k in range(0, a.shape[1], EXACT_F32_CHUNK):
+        part = (a[:, k:k + EXACT_F32_CHUNK].float() @ b[k:k + EXACT_F32_CHUNK].float()).to(torch.int32)
+        out = part if out is None else out.add_(part)
+    return out if out is not None else torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
 
 
 @functools.cache

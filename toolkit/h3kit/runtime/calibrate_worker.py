@@ -84,7 +84,7 @@ def time_collectives(comm, torch, mn, cfg, geometry):
     qkv = torch.randn(3, d["heads"], sizes[r], d["head_dim"], device=dev, dtype=dtype)   # [3B, H, s_r, D]
     out = torch.randn(1, geometry["seq_len"], hp, d["head_dim"], device=dev, dtype=dtype)  # [B, S, H/P, D]
     h = torch.randn(sizes[r], d["hidden"], device=dev, dtype=dtype)                       # [s_r, hidden]
-    ops = {"scatter": lambda: mn.all_to_all_scatter_heads(qkv, comm, sizes),
+    ops = {"scatter": lambda: mn.all_to_all_scatter_heads(list(qkv.unsqueeze(1)), comm, sizes),
            "gather": lambda: mn.all_to_all_gather_heads(out, comm, sizes),
            "final": lambda: mn.gather_v(h, comm, sizes=sizes, dst=0)}
     rows = []
@@ -226,8 +226,9 @@ def copy_stage(torch, mn, cfg, devices):
 
     def ring(comm, x):
         p, r = comm.world_size, comm.rank
-        chunks = [x if j == (r + 1) % p else x[:0] for j in range(p)]
-        comm.all_to_all(chunks, [n_floats if i == (r - 1) % p else 0 for i in range(p)])
+        # x goes to the next rank, the previous rank's x arrives: one all-to-all whose other blocks are empty
+        comm.all_to_all_single(torch.empty_like(x), x, [n_floats if i == (r - 1) % p else 0 for i in range(p)],
+                               [n_floats if j == (r + 1) % p else 0 for j in range(p)])
 
     pairs = []
     for i, j in itertools.permutations(range(len(devices)), 2):
