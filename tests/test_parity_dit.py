@@ -253,3 +253,46 @@ def test_a_terminated_parity_run_takes_its_worker_with_it(installed_tree, tmp_pa
     if alive:
         os.kill(worker, signal.SIGKILL)
     assert not alive, "the parity worker outlived h3kit"
+
+
+MAPPING = r"""
+import json, struct, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import comfy.cli_args
+comfy.cli_args.args.cpu = True
+import comfy.multinpu_models as mm
+path = sys.argv[2]
+values = {"a": torch.arange(16.0), "b": torch.arange(3.0) + 100, "c": torch.arange(16.0) + 200}
+# a at 0 and b at 64 bytes from the data's start, which the header's padding puts on a 64-byte boundary; c at 76
+offsets, blob = {}, b""
+for k, t in values.items():
+    offsets[k] = [len(blob), len(blob) + 4 * t.numel()]
+    blob += t.numpy().tobytes()
+header = json.dumps({k: {"dtype": "F32", "shape": [t.numel()], "data_offsets": offsets[k]} for k, t in values.items()})
+header += " " * ((-8 - len(header)) % 64)
+with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(header)) + header.encode() + blob)
+out = {}
+for aligned_only in (True, False):
+    m = torch.nn.Module()
+    for k, t in values.items():
+        m.register_parameter(k, torch.nn.Parameter(t.clone(), requires_grad=False))
+    out[str(aligned_only)] = {"shared": mm.map_file_weights(m, [path], aligned_only=aligned_only),
+                              "misaligned": [k for k, p in m.named_parameters() if p.data_ptr() % mm.ALIGNMENT]}
+out["default_on_cpu"] = mm.computes_on_host()
+print(json.dumps(out))
+"""
+
+
+def test_weights_mapped_from_the_file_keep_the_cpu_kernels_alignment(installed_tree, comfy_python, tmp_path):
+    """A safetensors file aligns its tensors to 8 bytes only; on a host that computes on its CPU only the weights
+    whose mapped data is 64-byte aligned are pointed at the file (the CPU kernels round misaligned data differently:
+    the process transport was 3.8e-7 off one device), the others keep their private copies."""
+    proc = subprocess.run([comfy_python, "-c", MAPPING, str(installed_tree), str(tmp_path / "w.safetensors")],
+                          cwd=installed_tree, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert out["True"] == {"shared": 4 * (16 + 3), "misaligned": []}
+    assert out["False"] == {"shared": 4 * (16 + 3 + 16), "misaligned": ["c"]}
+    assert out["default_on_cpu"] is True

@@ -130,7 +130,8 @@ def run_te(args):
             t0 = time.perf_counter()
             single[(dtype, layout)] = _encode(clip, layout, args.seed) + (time.perf_counter() - t0,)
         if dtype == "bfloat16":  # one device's own bf16 noise: the same encode again
-            noise[dtype] = common.metrics([[single[(dtype, layouts[0])][0]]], [[_encode(clip, layouts[0], args.seed)[0]]])["max_rel"]
+            again = _encode(clip, layouts[0], args.seed)[0]
+            noise[dtype] = common.metrics([[single[(dtype, layouts[0])][0]]], [[again]])["max_rel"]
     rows = []
     for dtype, (component, clip) in clips.items():
         variants = [node.execute(model=loaded["dit"], npu_count=args.npu_count, clip=clip).args[1]]
@@ -142,46 +143,54 @@ def run_te(args):
             if runner is not None:
                 runner.timeout = args.timeout
                 runner.keep_rank_outputs = True
-            for layout in layouts_of(dtype):
-                before = runner.bytes_moved if runner else 0
-                t0 = time.perf_counter()
-                out, tags = _encode(par, layout, args.seed)
-                seconds = time.perf_counter() - t0
-                ref, ref_tags, t_single = single[(dtype, layout)]
-                row = {"component": "te", "layout": layout, "mode": runner.mode if runner else "none", "dtype": dtype,
-                       "lora": False, "npu_count": args.npu_count, "device_type": args.device_type,
-                       "transport": args.transport,
-                       "tokens": int(ref.shape[1]), **common.metrics([[ref]], [[out]]),
-                       "rank_spread": _rank_spread(runner) if runner else 0.0,
-                       "tags_equal": bool(torch.equal(tags, ref_tags)), "weight_reads": reads[paths[component]],
-                       "bytes_moved": (runner.bytes_moved - before) if runner else 0,
-                       "seconds_single": round(t_single, 4), "seconds_parallel": round(seconds, 4)}
-                # the row must really have run split: a node that passed the text encoder through on one device
-                # would compare a model with itself and pass every other test
-                row["split"] = row["mode"] != "none" and row["bytes_moved"] > 0
-                rows.append(common.judge(row, [
-                    (row["split"], "not split over the devices"),
-                    (row["max_rel"] <= TE_GATE_MAX_REL, f"max_rel > {TE_GATE_MAX_REL:g}"),
-                    (row["cos"] >= TE_GATE_COS, f"cos < {TE_GATE_COS}"),
-                    (row["rel_rms"] <= TE_GATE_REL_RMS, f"rel_rms > {TE_GATE_REL_RMS:g}"),
-                    (row["rank_spread"] == 0, "the devices' hidden states differ"),
-                    (row["tags_equal"], "token tags differ"),
-                    (row["weight_reads"] == 1, f"weight file read {row['weight_reads']} times")]))
+            rows.extend(_te_row(args, par, runner, layout, dtype, single[(dtype, layout)], reads[paths[component]])
+                        for layout in layouts_of(dtype))
             if runner is not None and runner._threads is not None:
                 runner._threads.shutdown()
     if args.lora:
         rows.append(_te_lora_row(args, node, loaded, layouts[0], single[("float32", layouts[0])][0],
                                  lambda: reads[paths["te"]]))
     te = tiny.TINY_TE
-    config = common.config(args, tiny, {"te": {k: te[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                             "num_attention_heads", "num_key_value_heads")},
-                                  "dtypes": list(clips), "bf16_noise": {"run_to_run": noise.get("bfloat16")},
-                                  "gate": f"max_rel <= {TE_GATE_MAX_REL:g}, cos >= {TE_GATE_COS}, rel_rms <= "
-                                          f"{TE_GATE_REL_RMS:g}, rank_spread == 0, same token tags, weight_reads == 1 "
-                                          "(bf16 checkpoints too: upstream computes the text encoder in fp32)",
-                                  "reads": {c: reads[p] for c, p in paths.items()},
-                                  "faults": {"reduce": TE_FAULT_NOTE} if args.faults != ["none"] else {}})
+    config = common.config(args, tiny, {
+        "te": {k: te[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                  "num_key_value_heads")},
+        "dtypes": list(clips), "bf16_noise": {"run_to_run": noise.get("bfloat16")},
+        "gate": f"max_rel <= {TE_GATE_MAX_REL:g}, cos >= {TE_GATE_COS}, rel_rms <= {TE_GATE_REL_RMS:g} (the tensor "
+                "split sums across devices in another order), max_abs == 0 for the layer split, rank_spread == 0, "
+                "same token tags, weight_reads == 1 (bf16 checkpoints too: upstream computes the text encoder in fp32)",
+        "reads": {c: reads[p] for c, p in paths.items()},
+        "faults": {"reduce": TE_FAULT_NOTE} if args.faults != ["none"] else {}})
     return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+
+
+def _te_row(args, par, runner, layout, dtype, reference, weight_reads):
+    """One encode through the split text encoder `par`, against one device's (reference: output, tags, seconds)."""
+    import torch
+    before = runner.bytes_moved if runner else 0
+    t0 = time.perf_counter()
+    out, tags = _encode(par, layout, args.seed)
+    seconds = time.perf_counter() - t0
+    ref, ref_tags, t_single = reference
+    row = {"component": "te", "layout": layout, "mode": runner.mode if runner else "none", "dtype": dtype,
+           "lora": False, "npu_count": args.npu_count, "device_type": args.device_type, "transport": args.transport,
+           "tokens": int(ref.shape[1]), **common.metrics([[ref]], [[out]]),
+           "rank_spread": _rank_spread(runner) if runner else 0.0,
+           "tags_equal": tags.shape == ref_tags.shape and bool(torch.equal(tags, ref_tags)),
+           "weight_reads": weight_reads, "bytes_moved": (runner.bytes_moved - before) if runner else 0,
+           "seconds_single": round(t_single, 4), "seconds_parallel": round(seconds, 4)}
+    # the row must really have run split: a node that passed the text encoder through on one device would compare a
+    # model with itself and pass every other test
+    row["split"] = row["mode"] != "none" and row["bytes_moved"] > 0
+    checks = [(row["split"], "not split over the devices"),
+              (row["max_rel"] <= TE_GATE_MAX_REL, f"max_rel > {TE_GATE_MAX_REL:g}"),
+              (row["cos"] >= TE_GATE_COS, f"cos < {TE_GATE_COS}"),
+              (row["rel_rms"] <= TE_GATE_REL_RMS, f"rel_rms > {TE_GATE_REL_RMS:g}"),
+              (row["rank_spread"] == 0, "the devices' hidden states differ"),
+              (row["tags_equal"], "token tags differ"),
+              (row["weight_reads"] == 1, f"weight file read {row['weight_reads']} times")]
+    if row["mode"] == "layers":  # each layer runs unchanged on one device: exact
+        checks.append((row["max_abs"] == 0, f"the layer split is not exact (max_abs {row['max_abs']:.3g})"))
+    return common.judge(row, checks)
 
 
 def _te_lora_row(args, node, loaded, layout, plain, te_reads):

@@ -48,7 +48,7 @@ def run_vae(args):
     common.start_group(args)
     with common.models_dir() as tmp:
         loaded, reads, paths, tiny = common.load_through_nodes(tmp, args.seed, ("dit", "video_vae", "audio_vae"),
-                                                       vae_dims=VAE_TILES)
+                                                               vae_dims=VAE_TILES)
     vae, audio_vae = loaded["video_vae"], loaded["audio_vae"]
     out = node.execute(model=loaded["dit"], npu_count=args.npu_count, vae=vae, audio_vae=audio_vae).args
     par_vae, par_audio = out[2], out[3]
@@ -57,48 +57,59 @@ def run_vae(args):
         runner.timeout = args.timeout
     g = torch.Generator().manual_seed(args.seed)
     layouts = [x for x in args.layouts if x in VAE_LAYOUTS] or list(VAE_LAYOUTS)
-    rows = []
-    for layout in layouts:
-        t, h, w = VAE_LAYOUTS[layout]
-        z = torch.randn(1, 24, t, h, w, generator=g)
-        t0 = time.perf_counter()
-        single = vae.decode(z)
-        t1 = time.perf_counter()
-        before = (runner.bytes_moved, runner.chunks) if runner else (0, 0)
-        parallel = par_vae.decode(z)
-        t2 = time.perf_counter()
-        row = {"component": "vae", "layout": layout, "latent": [t, h, w], "npu_count": args.npu_count,
-               "device_type": args.device_type, "transport": args.transport, "frames": int(single.shape[1]),
-               "chunks": (runner.chunks - before[1]) if runner else 0,
-               "chunk_ranks": list(runner.chunk_ranks) if runner and t > 1 else [],
-               **common.metrics([[single]], [[parallel]]), "weight_reads": reads[paths["video_vae"]],
-               "bytes_moved": (runner.bytes_moved - before[0]) if runner else 0,
-               "seconds_single": round(t1 - t0, 4), "seconds_parallel": round(t2 - t1, 4)}
-        # several chunks on several devices must really have been spread (else the node passed the VAE through)
-        row["split"] = runner is not None and (row["chunks"] < 2 or any(row["chunk_ranks"]))
-        rows.append(common.judge(row, [(row["split"], "not spread over the devices"),
-                                 (row["max_abs"] == 0 and tuple(single.shape) == tuple(parallel.shape),
-                                  "not bit-identical to one device"),
-                                 (row["weight_reads"] == 1, f"weight file read {row['weight_reads']} times")]))
-    # the audio VAE stays on one device in fp32: the node must hand back the one it got
-    za = torch.randn(1, 32, 2, AUDIO_LATENT_T, generator=g)
+    rows = [_video_row(args, layout, torch.randn(1, 24, *VAE_LAYOUTS[layout], generator=g), vae, par_vae, runner,
+                       reads[paths["video_vae"]]) for layout in layouts]
+    rows.append(_audio_row(args, torch.randn(1, 32, 2, AUDIO_LATENT_T, generator=g), audio_vae, par_audio,
+                           reads[paths["audio_vae"]]))
+    if runner is not None and runner._threads is not None:
+        runner._threads.shutdown()
+    config = common.config(args, tiny, {"video_vae": dict(tiny.TINY_VIDEO_VAE, **VAE_TILES),
+                                        "gate": "max_abs == 0, weight_reads == 1",
+                                        "reads": {c: reads[p] for c, p in paths.items()},
+                                        "faults": {"chunks": VAE_FAULT_NOTE} if args.faults != ["none"] else {}})
+    return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+
+
+def _video_row(args, z, vae, par_vae, runner, weight_reads):
+    """One video latent decoded on one device and through the node's VAE, and its verdict."""
+    t, h, w = z.shape[2:]
+    t0 = time.perf_counter()
+    single = vae.decode(z)
+    t1 = time.perf_counter()
+    before = (runner.bytes_moved, runner.chunks) if runner else (0, 0)
+    parallel = par_vae.decode(z)
+    t2 = time.perf_counter()
+    layout = next(k for k, v in VAE_LAYOUTS.items() if v == (t, h, w))
+    row = {"component": "vae", "layout": layout, "latent": [t, h, w], "npu_count": args.npu_count,
+           "device_type": args.device_type, "transport": args.transport, "frames": int(single.shape[1]),
+           "chunks": (runner.chunks - before[1]) if runner else 0,
+           "chunk_ranks": list(runner.chunk_ranks) if runner and t > 1 else [],
+           **common.metrics([[single]], [[parallel]]), "weight_reads": weight_reads,
+           "bytes_moved": (runner.bytes_moved - before[0]) if runner else 0,
+           "seconds_single": round(t1 - t0, 4), "seconds_parallel": round(t2 - t1, 4)}
+    # several chunks on several devices must really have been spread (else the node passed the VAE through)
+    row["split"] = runner is not None and (row["chunks"] < 2 or any(row["chunk_ranks"]))
+    return common.judge(row, [(row["split"], "not spread over the devices"),
+                              (row["max_abs"] == 0 and tuple(single.shape) == tuple(parallel.shape),
+                               "not bit-identical to one device"),
+                              (row["weight_reads"] == 1, f"weight file read {row['weight_reads']} times")])
+
+
+def _audio_row(args, za, audio_vae, par_audio, weight_reads):
+    """The audio VAE stays on one device in fp32: the node must hand back the one it got."""
+    import torch
+    import comfy.multinpu_vae
     t0 = time.perf_counter()
     a_single = audio_vae.decode(za)
     t1 = time.perf_counter()
     a_par = par_audio.decode(za)
     t2 = time.perf_counter()
     row = {"component": "vae", "layout": "audio", "latent": [2, AUDIO_LATENT_T], "npu_count": args.npu_count,
-           "device_type": args.device_type, "frames": int(a_single.shape[1]), "chunks": 0, "chunk_ranks": [],
-           **common.metrics([[a_single]], [[a_par]]), "weight_reads": reads[paths["audio_vae"]], "bytes_moved": 0,
-           "dtype": str(par_audio.vae_dtype).replace("torch.", ""), "split": False,  # one device, by design
+           "device_type": args.device_type, "transport": args.transport, "frames": int(a_single.shape[1]),
+           "chunks": 0, "chunk_ranks": [], **common.metrics([[a_single]], [[a_par]]), "weight_reads": weight_reads,
+           "bytes_moved": 0, "dtype": str(par_audio.vae_dtype).replace("torch.", ""), "split": False,  # by design
            "seconds_single": round(t1 - t0, 4), "seconds_parallel": round(t2 - t1, 4)}
-    rows.append(common.judge(row, [(row["max_abs"] == 0, "not identical to one device"),
-                             (row["weight_reads"] == 1, f"weight file read {row['weight_reads']} times"),
-                             (par_audio.vae_dtype == torch.float32, "not fp32"),
-                             (comfy.multinpu_vae.get_runner(par_audio) is None, "split across devices")]))
-    if runner is not None and runner._threads is not None:
-        runner._threads.shutdown()
-    config = common.config(args, tiny, {"video_vae": dict(tiny.TINY_VIDEO_VAE, **VAE_TILES), "gate": "max_abs == 0, weight_reads == 1",
-                                  "reads": {c: reads[p] for c, p in paths.items()},
-                                  "faults": {"chunks": VAE_FAULT_NOTE} if args.faults != ["none"] else {}})
-    return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
+    return common.judge(row, [(row["max_abs"] == 0, "not identical to one device"),
+                              (row["weight_reads"] == 1, f"weight file read {row['weight_reads']} times"),
+                              (par_audio.vae_dtype == torch.float32, "not fp32"),
+                              (comfy.multinpu_vae.get_runner(par_audio) is None, "split across devices")])
