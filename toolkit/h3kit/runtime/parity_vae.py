@@ -70,16 +70,15 @@ def run_vae(args):
     return {"ok": all(r["pass"] for r in rows), "rows": rows, "config": config}
 
 
-def _video_row(args, z, vae, par_vae, runner, weight_reads):
+def _video_row(args, layout, z, vae, par_vae, runner, weight_reads):
     """One video latent decoded on one device and through the node's VAE, and its verdict."""
-    t, h, w = z.shape[2:]
+    t, h, w = VAE_LAYOUTS[layout]
     t0 = time.perf_counter()
     single = vae.decode(z)
     t1 = time.perf_counter()
     before = (runner.bytes_moved, runner.chunks) if runner else (0, 0)
     parallel = par_vae.decode(z)
     t2 = time.perf_counter()
-    layout = next(k for k, v in VAE_LAYOUTS.items() if v == (t, h, w))
     row = {"component": "vae", "layout": layout, "latent": [t, h, w], "npu_count": args.npu_count,
            "device_type": args.device_type, "transport": args.transport, "frames": int(single.shape[1]),
            "chunks": (runner.chunks - before[1]) if runner else 0,
