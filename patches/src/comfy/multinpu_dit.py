@@ -268,7 +268,7 @@ class SequenceParallelDiT:
         self.memory_estimate_one = None   # ComfyUI's own estimate for the whole latent on one device
         self.memory_used = [0] * self.world  # the memory_required each rank's last load was sized with
         self.caches_emptied = [0] * self.world
-        self.rank_reports = []  # per forward: fault_hook.report(rank) of every rank (0 without such a hook)
+        self.rank_reports = []  # per forward, while fault_hook has a report(): what it reported on every rank
         self._threads = None
         self._lock = threading.Lock()
 
@@ -325,7 +325,8 @@ class SequenceParallelDiT:
         t0 = time.perf_counter()
         with self._lock:
             out = group.run(rank_forward, self._pool())[0]
-        self.rank_reports.append(reports)
+        if hasattr(fault_hook, "report"):
+            self.rank_reports.append(reports)
         self.forwards += 1
         self.bytes_moved += group.bytes_moved
         self.bytes_received = [a + b for a, b in zip(self.bytes_received, group.bytes_received)]
@@ -368,7 +369,8 @@ class SequenceParallelDiT:
         # what each rank counted itself (every rank's with count_bytes, else rank 0's alone)
         for r, c in enumerate(counts):
             self.rank_forwards[r] += c[5]
-        self.rank_reports.append([c[6] for c in counts])
+        if hasattr(fault_hook, "report"):
+            self.rank_reports.append([c[6] for c in counts])
         self.rank_bytes = [c[0] for c in counts]
         self.bytes_received = [a + b for a, b in zip(self.bytes_received, self.rank_bytes + [0] * len(self.bytes_received))]
         self.bytes_moved += sum(self.rank_bytes)
