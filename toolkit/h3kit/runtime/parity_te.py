@@ -91,10 +91,13 @@ def _bf16_copy(path):
     return out
 
 
-def _rank_spread(runner):
-    """The largest difference between any rank's final hidden states and rank 0's (inf for a NaN)."""
+def _rank_spread(runner, npu_count):
+    """The largest difference between any rank's final hidden states and rank 0's (inf for a NaN, and when not
+    every rank handed its output back: a comparison over fewer ranks would pass on what it did not see)."""
     import torch
-    outs = runner.rank_outputs
+    outs = runner.rank_outputs or []
+    if len(outs) != npu_count or any(o.shape != outs[0].shape for o in outs):
+        return float("inf")
     if all(torch.equal(o, outs[0]) for o in outs):  # torch.equal is False on a NaN
         return 0.0
     return float(torch.stack([(o.float() - outs[0].float()).abs().max() for o in outs]).nan_to_num(nan=float("inf")).max())
@@ -174,7 +177,7 @@ def _te_row(args, par, runner, layout, dtype, reference, weight_reads):
     row = {"component": "te", "layout": layout, "mode": runner.mode if runner else "none", "dtype": dtype,
            "lora": False, "npu_count": args.npu_count, "device_type": args.device_type, "transport": args.transport,
            "tokens": int(ref.shape[1]), **common.metrics([[ref]], [[out]]),
-           "rank_spread": _rank_spread(runner) if runner else 0.0,
+           "rank_spread": _rank_spread(runner, args.npu_count) if runner else 0.0,
            "tags_equal": tags.shape == ref_tags.shape and bool(torch.equal(tags, ref_tags)),
            "weight_reads": weight_reads, "bytes_moved": (runner.bytes_moved - before) if runner else 0,
            "seconds_single": round(t_single, 4), "seconds_parallel": round(seconds, 4)}
