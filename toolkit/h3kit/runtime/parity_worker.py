@@ -26,17 +26,14 @@ import os
 import sys
 import tempfile
 import traceback
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: h3kit's toolkit is two folders up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from h3kit.runtime import parity_common as common  # noqa: E402
-from h3kit.runtime.parity_dit import (  # noqa: E402,F401  (names the tests and check scripts read here)
+# h3kit is on PYTHONPATH (worker.run puts h3kit alone there, never the site-packages a wheel sits in)
+from h3kit.runtime import parity_common as common
+from h3kit.runtime.parity_dit import (  # noqa: F401  (names the tests and check scripts read here)
     AUDIO_SHAPE, DIT_FAULTS, GATE_MARGIN, GATES as DIT_GATES, LAYOUTS, NOISE, SHARDINGS, TEXT_LEN, TEXT_LEN_8, TINY,
     VIDEO_SHAPE, _tiny_checkpoint, text_len)
-from h3kit.runtime.parity_te import TE_FAULT_NOTE, TE_GATE_COS, TE_GATE_MAX_REL, TE_GATE_REL_RMS  # noqa: E402,F401
-from h3kit.runtime.parity_vae import AUDIO_LATENT_T, VAE_FAULT_NOTE, VAE_LAYOUTS, VAE_TILES  # noqa: E402,F401
+from h3kit.runtime.parity_te import TE_FAULT_NOTE, TE_GATE_COS, TE_GATE_MAX_REL, TE_GATE_REL_RMS  # noqa: F401
+from h3kit.runtime.parity_vae import AUDIO_LATENT_T, VAE_FAULT_NOTE, VAE_LAYOUTS, VAE_TILES  # noqa: F401
 
 COMPONENTS = ("dit", "te", "vae")
 FAULTS = {"dit": DIT_FAULTS, "te": {"reduce": TE_FAULT_NOTE}, "vae": {"chunks": VAE_FAULT_NOTE}}
