@@ -76,6 +76,6 @@ def module(name: str, reason: str, allow_module_level: bool = False):
         return importlib.import_module(name)
     except ImportError:
         pass
-    if name == "torch" or not HAVE_TORCH:
+    if name == "torch" or TORCH_FREE_RUN:
         missing_torch(allow_module_level=allow_module_level)
     skip_or_fail(reason, allow_module_level=allow_module_level)
