@@ -28,7 +28,6 @@ and peak RSS are measured the same way on both.
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 import json
 import os
@@ -98,14 +97,8 @@ def child(args):
     import comfy_extras.nodes_minimax_h3 as h3
     import comfy_extras.nodes_multinpu as nodes_multinpu
 
-    reads = collections.Counter()
-    real = comfy.utils.load_torch_file
-
-    def counted(ckpt, *a, **kw):
-        reads[os.path.basename(ckpt)] += 1
-        return real(ckpt, *a, **kw)
-
-    comfy.utils.load_torch_file = counted
+    from h3kit.runtime import reads as read_counter
+    reads = read_counter.count(comfy.utils)  # by real path; the files' names differ
     for folder in set(FOLDERS.values()):
         folder_paths.add_model_folder_path(folder, args.models, is_default=True)
     out = {"arm": args.arm, "npu_count": args.npu_count, "device_type": args.device_type}
@@ -155,7 +148,7 @@ def child(args):
             copies += [patcher.model] + [p.model for p in comfy.multinpu_weights.device_models(patcher, key)]
         copies.append(audio_vae.patcher.model)
         out["host_weight_bytes"] = _distinct_storage_bytes(copies)
-    out["reads"] = dict(reads)
+    out["reads"] = {os.path.basename(path): n for path, n in reads.items()}
     out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     with open(args.out, "w") as f:
         json.dump(out, f)

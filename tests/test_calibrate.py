@@ -14,6 +14,7 @@ from h3kit.cli import main
 from h3kit.errors import H3kitError
 from h3kit.runtime import calibration, costmodel
 from tests.support import jsondoc
+from tests.support import requires
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_a_collective_moving_other_bytes_fails(measured):
 
 
 def test_ulysses_stand_in_gives_the_attention_one_rank_runs():
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch", requires.NO_TORCH_REASON)
     spec = importlib.util.spec_from_file_location("calibrate_worker", calibration.WORKER)
     cw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cw)

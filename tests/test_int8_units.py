@@ -11,14 +11,15 @@ import pytest
 from h3kit import demo
 from h3kit.errors import UsageError
 from h3kit.runtime import parity as parity_lib
+from tests.support import requires
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def nq():
-    pytest.importorskip("torch", reason="needs torch (run with the ComfyUI environment)")
-    pytest.importorskip("comfy_kitchen", reason="needs comfy-kitchen (the pin's INT8 layouts)")
+    requires.module("torch", requires.NO_TORCH_REASON)
+    requires.module("comfy_kitchen", "needs comfy-kitchen (the pin's INT8 layouts)")
     spec = importlib.util.spec_from_file_location("h3kit_src_npu_quant", ROOT / "patches/src/comfy/npu_quant.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

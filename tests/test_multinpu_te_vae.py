@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from h3kit.runtime import parity_worker
 from tests.support import av_pipeline, comfy_server
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
@@ -99,7 +100,8 @@ def test_te_fallback_layer_split_is_exact(checks):
 def test_te_uneven_gqa_groups(checks):
     v = value(checks, "te_gqa_uneven_groups")
     assert v["mode"] == "tensor" and v["rank0"] == [3, 3]
-    assert v["cos"] >= 0.99999 and v["rel_rms"] <= 1e-4
+    assert v["tokens"] > 0 and v["cos"] >= 0.99999 and v["rel_rms"] <= 1e-4
+    assert v["max_rel"] <= parity_worker.TE_GATE_MAX_REL, "the parity gate of the text encoder's rows"
 
 
 def test_te_rank_failure_names_the_rank(checks):

@@ -66,7 +66,7 @@ class _Int8Linear(torch.nn.Module):
 
 @pytest.mark.parametrize("anchor", [True, False])
 def test_int8_weights_come_back_to_the_anchor(weights, anchor):
-    ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="needs comfy-kitchen (the pin's INT8 layouts)")
+    ck_tensor = requires.module("comfy_kitchen.tensor", "needs comfy-kitchen (the pin's INT8 layouts)")
     m = _Int8Linear(ck_tensor)
     qdata = m.weight._qdata.untyped_storage().data_ptr()
     if anchor:

@@ -86,3 +86,16 @@ def test_json_output_has_no_nan_or_infinity(capsys):
     emit_json({"max_rel": math.inf, "rows": [{"x": math.nan}, {"x": -math.inf}], "ok": False})
     text = capsys.readouterr().out
     assert json.loads(text)["data"] == {"max_rel": "inf", "rows": [{"x": "nan"}, {"x": "-inf"}]}
+
+
+@pytest.mark.parametrize("ref, other, shapes, fragment", [
+    ([], [], (None, None), "nothing to compare"),
+    ([0.0, 0.0], [0.0, 0.0], (None, None), "all zeros"),
+    ([0.0, 0.0], [1.0, 0.0], (None, None), "all zeros"),
+    ([1.0, 2.0], [1.0], (None, None), "2 values with 1"),
+    ([1.0, 2.0], [1.0, 2.0], ([2, 1], [1, 2]), "shape [1, 2] with [2, 1]"),
+])
+def test_compare_refuses_what_a_gate_would_pass_on_nothing(ref, other, shapes, fragment):
+    with pytest.raises(outputs.OutputFormatError) as e:
+        outputs.compare(array.array("f", ref), array.array("f", other), *shapes)
+    assert fragment in e.value.message

@@ -108,8 +108,7 @@ def test_probe_set(prober, tmp_path, upstream):
     seconds = time.monotonic() - t0
     summary = prober.tally.summary() + f" in {seconds:.0f} s"
     print("\n" + summary)
-    assert prober.tally.clean(), summary
-    assert seconds < 120, summary
+    assert prober.tally.clean(), summary  # the time is reported, not judged: each step bounds its own hang
 
 
 # --------------------------------------------------------------------------------------------- workflow files

@@ -125,7 +125,7 @@ def test_a_handshake_that_does_not_answer_the_key_is_refused():
     try:
         t0 = time.monotonic()
         with pytest.raises(comfyws.WebSocketError, match="cannot open ws://127.0.0.1:[0-9]+/ws.*Invalid WebSocket Header"):
-            comfyws.WebSocket("127.0.0.1", server.port, "c1", timeout=5)
-        assert time.monotonic() - t0 < 5
+            comfyws.WebSocket("127.0.0.1", server.port, "c1", timeout=120)
+        assert time.monotonic() - t0 < 60, "refused at the handshake, not after the timeout"
     finally:
         server.close()

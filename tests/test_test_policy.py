@@ -50,3 +50,21 @@ def test_tests_that_need_torch_follow_the_interpreter():
         assert rc == 0 and "1 skipped" in out and "needs torch: this is make test's torch-free run" in out, out
         rc, out = pytest_run(NEEDS_TORCH, H3KIT_REQUIRE_UPSTREAM="1")  # not a torch-free run: torch is missing
         assert rc == 1 and "1 error" in out and "torch is not installed" in out, out
+
+
+def test_no_test_skips_on_a_missing_module_behind_ci_s_back():
+    """pytest.importorskip skips under H3KIT_REQUIRE_UPSTREAM=1 too: a test asks requires.module() instead."""
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+                 if p.name != "test_test_policy.py" and "importorskip(" in p.read_text()]
+    assert offenders == []
+
+
+def test_ci_turns_a_missing_module_into_a_failure(tmp_path):
+    test = tmp_path / "test_needs_module.py"
+    test.write_text("from tests.support import requires\n\n\ndef test_it():\n"
+                    "    requires.module('h3kit_no_such_module', 'needs h3kit_no_such_module')\n")
+    env = {"PYTHONPATH": str(ROOT)}
+    rc, out = pytest_run(str(test), **env)
+    assert rc == 0 and "1 skipped" in out and "needs h3kit_no_such_module" in out, out
+    rc, out = pytest_run(str(test), H3KIT_REQUIRE_UPSTREAM="1", **env)
+    assert rc == 1 and "1 failed" in out and "H3KIT_REQUIRE_UPSTREAM=1" in out, out

@@ -44,6 +44,14 @@ def run_checks(checks: dict, only: str, out: str, extra=None) -> int:
     return 0
 
 
+def all_equal(ref, other) -> bool:
+    """Two sequences of tensors hold the same tensors, one for one: as many of them, at least one, and each
+    torch.equal (zip alone would pass a short or empty output)."""
+    import torch
+    ref, other = list(ref), list(other)
+    return len(ref) == len(other) > 0 and all(torch.equal(a, b) for a, b in zip(ref, other))
+
+
 def exit_without_teardown(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()

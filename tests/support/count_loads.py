@@ -15,15 +15,14 @@ import runpy
 import sys
 
 
+def _log(ckpt):
+    sys.stderr.write(f"H3KIT-LOAD {ckpt}\n")
+    sys.stderr.flush()
+
+
 def _wrap(module):
-    original = module.load_torch_file
-
-    def counted(ckpt, *args, **kwargs):
-        sys.stderr.write(f"H3KIT-LOAD {ckpt}\n")
-        sys.stderr.flush()
-        return original(ckpt, *args, **kwargs)
-
-    module.load_torch_file = counted
+    from h3kit.runtime import reads  # the one read counter (the tests put h3kit's toolkit on PYTHONPATH)
+    reads.count(module, on_read=_log)
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):

@@ -5,7 +5,7 @@
 Runs in the ComfyUI interpreter (comfy imports need the tree on sys.path and --cpu set first), with 4
 simulated devices so the node's npu_count 4 runs. Each check records what it observed, {"ok": true,
 "value": ...} or {"ok": false, "error", "traceback"}; tests/test_multinpu_te_vae.py asserts on the values.
-Every weight-file read of the whole run is counted (READS), and the tiny checkpoints come from h3kit's
+Every weight-file read of the whole run is counted (h3kit.runtime.reads), and the tiny checkpoints come from h3kit's
 tiny_models (H3KIT_TOOLKIT on sys.path).
 """
 
@@ -17,7 +17,6 @@ import os
 import checks_runner  # tests/support, beside this script (its folder is on sys.path)
 
 CHECKS = {}
-READS = collections.Counter()
 _CACHE = {}
 
 
@@ -225,6 +224,7 @@ def te_gqa_uneven_groups():
     a = te.find_decoder(par.cond_stage_model).layers[0].self_attn
     cos = torch.nn.functional.cosine_similarity(out.flatten().double(), ref.flatten().double(), dim=0).item()
     return {"mode": te.get_runner(par).mode, "rank0": [a.num_heads, a.num_kv_heads], "cos": cos,
+            "max_rel": _max_abs(out, ref) / ref.abs().max().item(), "tokens": int(ref.shape[1]),
             "rel_rms": ((out - ref).double().pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()).item()}
 
 
@@ -412,14 +412,10 @@ def node_wiring():
 def main(argv=None):
     args = checks_runner.boot_comfy(argv)
     import comfy.utils
-    real = comfy.utils.load_torch_file
-
-    def counted(ckpt, *a, **kw):
-        READS[os.path.basename(ckpt)] += 1
-        return real(ckpt, *a, **kw)
-
-    comfy.utils.load_torch_file = counted
-    return checks_runner.run_checks(CHECKS, args.only, args.out, extra=lambda: {"reads": dict(READS)})
+    from h3kit.runtime import reads
+    counts = reads.count(comfy.utils)
+    return checks_runner.run_checks(CHECKS, args.only, args.out,
+                                    extra=lambda: {"reads": {os.path.basename(k): n for k, n in counts.items()}})
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ needs one skips with the reason and the fix: a developer without a mirror still 
   environments have the toolkit's dependencies and no torch) skips the tests that need torch by design,
   with that reason; everything else, upstream tests included, runs there as in the main run.
 
+A module a test imports (torch, comfy_kitchen) is asked for with module(name, reason), never with
+pytest.importorskip, which skips whatever H3KIT_REQUIRE_UPSTREAM says (tests/test_test_policy.py keeps it out).
+
 A test needs torch when it is marked `torch` (module-level: `torch = requires.torch_module()`) or uses a
 fixture that runs the pinned ComfyUI (TORCH_FIXTURES); tests/conftest.py applies the rule per test.
 """
@@ -32,12 +35,12 @@ NO_TORCH_REASON = ("torch is not installed in this interpreter: run the tests wi
                    "tools/ensure-venv.sh (make test) or set H3KIT_COMFY_PYTHON")
 
 
-def skip_or_fail(reason: str):
+def skip_or_fail(reason: str, allow_module_level: bool = False):
     """Skip with `reason`; under H3KIT_REQUIRE_UPSTREAM=1 (CI) fail with it instead."""
     if REQUIRE_UPSTREAM:
         pytest.fail(f"{reason} [H3KIT_REQUIRE_UPSTREAM=1: CI needs every upstream test to run, none may skip]",
                     pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=allow_module_level)
 
 
 def missing_torch(allow_module_level: bool = False):
@@ -62,3 +65,17 @@ def torch_module():
         missing_torch(allow_module_level=True)
     import torch
     return torch
+
+
+def module(name: str, reason: str, allow_module_level: bool = False):
+    """The imported module `name` (torch, comfy_kitchen.tensor...), or the verdict for a test that needs it: torch
+    follows missing_torch(); anything else of the ComfyUI environment skips with `reason`, a failure under
+    H3KIT_REQUIRE_UPSTREAM=1 (in a torch-free run it skips by design, as torch does)."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        pass
+    if name == "torch" or TORCH_FREE_RUN:
+        missing_torch(allow_module_level=allow_module_level)
+    skip_or_fail(reason, allow_module_level=allow_module_level)

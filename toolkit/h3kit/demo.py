@@ -342,7 +342,11 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
                     if shape_p != shape_1:
                         raise DemoFailed(f"{kind} latents differ in shape: {shape_p} on {opts.npu_count} devices, "
                                          f"{shape_1} on one")
-                    rows[kind] = {**outputs.compare(v1, vp), "shape": shape_p}
+                    try:
+                        rows[kind] = {**outputs.compare(v1, vp, shape_1, shape_p), "shape": shape_p}
+                    except outputs.OutputFormatError as e:
+                        raise DemoFailed(f"{kind} latents: {e.message}",
+                                         hint="the prompt wrote no usable latent: check the server log") from None
                 worst = max(r["max_rel"] for r in rows.values())
                 passed = worst <= PARITY_GATE  # False for NaN as for a figure over the gate
                 report["parity"] = {"npu_count": opts.npu_count, "against": 1, "gate_max_rel": PARITY_GATE,

@@ -44,21 +44,30 @@ def read_latent(path: Path, key: str = "latent_tensor") -> tuple[list[int], arra
     return list(entry["shape"]), values
 
 
-def compare(ref: array.array, other: array.array) -> dict:
+def compare(ref: array.array, other: array.array, ref_shape=None, other_shape=None) -> dict:
     """max_abs and max_rel (max |other - ref| / max |ref|) of two equally long value arrays.
 
-    A NaN or an infinity in either makes both figures infinite (and counts them in `non_finite`): max()
-    over floats skips a NaN unless it comes first, and a gate must never pass on one.
+    Refuses (OutputFormatError) what a gate could pass on nothing: arrays of other lengths or shapes, empty
+    arrays, and a reference of zeros only (max_rel would divide by nothing, and an all-zero output on both
+    sides is a broken run, not parity). A NaN or an infinity in either makes both figures infinite (and
+    counts them in `non_finite`): max() over floats skips a NaN unless it comes first, and a gate must
+    never pass on one.
     """
+    if ref_shape is not None and other_shape is not None and list(ref_shape) != list(other_shape):
+        raise OutputFormatError(f"cannot compare shape {list(other_shape)} with {list(ref_shape)}")
     if len(ref) != len(other):
         raise OutputFormatError(f"cannot compare {len(ref)} values with {len(other)}")
+    if not len(ref):
+        raise OutputFormatError("nothing to compare: both outputs are empty")
     bad = sum(not math.isfinite(x) for x in ref) + sum(not math.isfinite(y) for y in other)
     if bad:
         return {"max_abs": math.inf, "max_rel": math.inf, "values": len(ref), "non_finite": bad}
-    max_abs = max((abs(x - y) for x, y in zip(ref, other)), default=0.0)
-    scale = max((abs(x) for x in ref), default=0.0)
-    return {"max_abs": max_abs, "max_rel": (max_abs / scale) if scale else max_abs, "values": len(ref),
-            "non_finite": 0}
+    scale = max(abs(x) for x in ref)
+    if scale == 0:
+        raise OutputFormatError(f"the reference output is all zeros ({len(ref)} values): a comparison with it "
+                                "would pass on nothing")
+    max_abs = max(abs(x - y) for x, y in zip(ref, other))
+    return {"max_abs": max_abs, "max_rel": max_abs / scale, "values": len(ref), "non_finite": 0}
 
 
 def mp4_tracks(path: Path) -> list[str]:

@@ -65,7 +65,11 @@ WEIGHTS_MODES = ("auto", "replicated", "sharded")
 # that its gates catch it. Stages: "rope" (the full RoPE table, before the rank takes its rows), "ulysses"
 # (q, k, v after the all-to-all, [3B, H/P, S, D]), "attention" (the rank's attention output, [B, s_r, H*D]),
 # "gathered" (the final gather on rank 0, [S, hidden]); sharded weights: "shard" (a block's flat bytes on a rank
-# before it takes its slice, [padded]), "weights" (a block's gathered bytes, [padded]).
+# before it takes its slice, [padded]), "weights" (a block's gathered bytes, [padded]); "rank" (the rank's own
+# diffusion model as its forward starts, the return value ignored: the hook may register module hooks there and
+# hand their removal to state.cleanup, which runs when the rank's forward ends). A hook with a report(rank) method
+# has it called on each rank after each forward: the integers come back in SequenceParallelDiT.rank_reports (what
+# each rank measured on itself, gathered over the group with processes).
 fault_hook = None
 
 
@@ -100,6 +104,12 @@ class _RankState:
         self.rope_freqs = None
         self.block_options = None
         self.weights = None  # comfy.multinpu_shard.WeightGather when the rank's DiT is sharded
+        self.block_count = 0   # the DiT's blocks, and how many of them this rank ran in this forward
+        self.blocks_run = 0
+        self.cleanup = []      # callables run when the forward ends on this rank (fault_hook's module hooks)
+
+    def ran_every_block(self) -> int:
+        return int(self.block_count > 0 and self.blocks_run == self.block_count)
 
     def shard(self, args: dict) -> torch.Tensor:
         """At block 0: keep this rank's rows of h [S, hidden] -> [s_r, hidden], and re-base the block arguments."""
@@ -197,6 +207,7 @@ class SequenceParallelBlock:
         finally:
             if state.weights is not None:
                 state.weights.after(self.index)
+        state.blocks_run += 1
         if self.last:
             out = comfy.multinpu.gather_v(out, state.comm, sizes=state.sizes, dst=0)  # [s_r, hidden] -> [S, hidden] on rank 0
             if out is None:
@@ -258,6 +269,7 @@ class SequenceParallelDiT:
         self.memory_estimate_one = None   # ComfyUI's own estimate for the whole latent on one device
         self.memory_used = [0] * self.world  # the memory_required each rank's last load was sized with
         self.caches_emptied = [0] * self.world
+        self.rank_reports = []  # per forward, while fault_hook has a report(): what it reported on every rank
         self._threads = None
         self._lock = threading.Lock()
 
@@ -298,7 +310,6 @@ class SequenceParallelDiT:
             # the workers copy their inputs from rank 0's device before rank 0 queues its own work there,
             # where their copies would otherwise wait behind it
             comfy.multinpu.barrier(comm)
-            self.rank_forwards[comm.rank] += 1
             x_r, timestep_r, context_r, args_r, kwargs_r = inputs
             try:
                 return run(x_r, timestep_r, context_r, options, *args_r, **kwargs_r)
@@ -307,10 +318,16 @@ class SequenceParallelDiT:
             finally:
                 self.weight_bytes_received[comm.rank] += finish_rank(state)
                 self.resident_bytes[comm.rank] = comfy.multinpu_shard.resident_bytes(rank_dm)
+                # counted on the rank, from what it ran: a rank that skipped a block did not run the forward
+                self.rank_forwards[comm.rank] += state.ran_every_block()
+                reports[comm.rank] = _hook_report(comm.rank)
 
+        reports = [0] * self.world
         t0 = time.perf_counter()
         with self._lock:
             out = group.run(rank_forward, self._pool())[0]
+        if hasattr(fault_hook, "report"):
+            self.rank_reports.append(reports)
         self.forwards += 1
         self.bytes_moved += group.bytes_moved
         self.bytes_received = [a + b for a, b in zip(self.bytes_received, group.bytes_received)]
@@ -342,14 +359,19 @@ class SequenceParallelDiT:
             finally:
                 weight_bytes = finish_rank(state)
             counts = [comm.bytes_moved - start, 0, weight_bytes, comfy.multinpu_shard.resident_bytes(executor.class_obj),
-                      int(self.memory_estimates[0][0]) if self.memory_estimates else 0]
+                      int(self.memory_estimates[0][0]) if self.memory_estimates else 0, state.ran_every_block(),
+                      _hook_report(comm.rank)]
             return out, _rank_counts(comm, counts) if self.count_bytes else [counts]
 
         t0 = time.perf_counter()
         with self._lock:
             out, counts = self.runtime.run("dit_forward", payload, rank0, configs=[self.config])
         self.forwards += 1
-        self.rank_forwards = [n + 1 for n in self.rank_forwards]  # the command completed on every rank
+        # what each rank counted itself (every rank's with count_bytes, else rank 0's alone)
+        for r, c in enumerate(counts):
+            self.rank_forwards[r] += c[5]
+        if hasattr(fault_hook, "report"):
+            self.rank_reports.append([c[6] for c in counts])
         self.rank_bytes = [c[0] for c in counts]
         self.bytes_received = [a + b for a, b in zip(self.bytes_received, self.rank_bytes + [0] * len(self.bytes_received))]
         self.bytes_moved += sum(self.rank_bytes)
@@ -388,14 +410,23 @@ class SequenceParallelDiT:
 def rank_state(comm, attention: str, dm) -> _RankState:
     """A rank's state for one forward; a sharded DiT gathers its blocks' weights through it."""
     state = _RankState(comm, attention)
+    state.block_count = len(dm.blocks)
     shards = comfy.multinpu_shard.of(dm)
     if shards is not None:
         state.weights = comfy.multinpu_shard.WeightGather(shards, comm, fault=_fault)
+    _fault("rank", state, dm)
     return state
+
+
+def _hook_report(rank: int) -> int:
+    report = getattr(fault_hook, "report", None)
+    return int(report(rank)) if report is not None else 0
 
 
 def finish_rank(state: _RankState) -> int:
     """After a rank's forward: the bytes its weight gathers received (0 when not sharded)."""
+    while state.cleanup:
+        state.cleanup.pop()()
     if state.weights is None:
         return 0
     state.weights.close()
@@ -471,9 +502,10 @@ def _forward_on_worker(context, comm, payload):
     finally:
         fault_hook = None
         weight_bytes = finish_rank(state)
+    report = int(hook.report(comm.rank)) if hasattr(hook, "report") else 0
     if payload["count_bytes"]:
         _rank_counts(comm, [comm.bytes_moved - start, getattr(hook, "fired", 0) - fired, weight_bytes,
-                            comfy.multinpu_shard.resident_bytes(dm), int(memory[0])])
+                            comfy.multinpu_shard.resident_bytes(dm), int(memory[0]), state.ran_every_block(), report])
 
 
 @comfy.multinpu_group.program("dit_empty_cache")

@@ -14,6 +14,11 @@ the model's own tensors. map_file_weights points every weight that equals its te
 the file's mapping (private, copy-on-write), so the weights of every process on a host are the page cache's
 one copy of each file, and the private copies are freed. A weight converted on load (another dtype) keeps
 its own copy. The file must not be rewritten in place while a server maps it (replace it by renaming).
+Where the weights are computed on the host (cpu), only a tensor whose mapped data is aligned as torch's own
+allocations are (ALIGNMENT bytes) is mapped: a safetensors file aligns its tensors to 8 bytes only, and the CPU
+kernels round differently on data at another alignment (a tiny DiT over 2 processes drifted 3.8e-7 from one
+device), so a misaligned weight keeps its private copy there. On npu/cuda the weights are computed from
+their device copies and every weight is mapped.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import comfy.model_cache
 
 MAPPED_ATTR = "_multinpu_file_mapped"
 _EDGE = 1 << 20  # bytes of tensor data hashed at each end of a file
+ALIGNMENT = 64   # bytes: c10's alignment of every CPU allocation, which the CPU kernels' rounding assumes
 
 
 def source(module, what: str):
@@ -167,11 +173,18 @@ def _match(name: str, keys_by_suffix: dict):
     return None
 
 
-def map_file_weights(module: torch.nn.Module, paths) -> int:
+def computes_on_host() -> bool:
+    """Whether this process computes its models on the CPU (then a mapped weight must be ALIGNMENT-aligned)."""
+    import comfy.model_management
+    return comfy.model_management.get_torch_device().type == "cpu"
+
+
+def map_file_weights(module: torch.nn.Module, paths, aligned_only=None) -> int:
     """Point every host weight of `module` that equals its tensor in one of the safetensors `paths` at the
     file's mapping, freeing the private copy; returns the bytes now shared. Each candidate is found by name
     (the longest common dotted suffix) and taken only when shape, dtype and every byte are equal, so a
-    converted, renamed or patched weight keeps its own copy."""
+    converted, renamed or patched weight keeps its own copy; with aligned_only (default: computes_on_host())
+    only when its mapped data is ALIGNMENT-aligned too, so that the CPU computes on it exactly as on the copy."""
     if getattr(module, MAPPED_ATTR, False):
         return 0
     files = {}
@@ -189,11 +202,16 @@ def map_file_weights(module: torch.nn.Module, paths) -> int:
             by_suffix[suffix] = t
     for suffix in ambiguous:
         del by_suffix[suffix]
-    shared = 0
+    if aligned_only is None:
+        aligned_only = computes_on_host()
+    shared = kept = 0
     with torch.no_grad():
         for name, owner, attr, t in _host_tensors(module):
             f = _match(name, by_suffix)
             if f is None or f.shape != t.shape or f.dtype != t.dtype or not torch.equal(f, t):
+                continue
+            if aligned_only and f.data_ptr() % ALIGNMENT:
+                kept += t.numel() * t.element_size()
                 continue
             if isinstance(t, torch.nn.Parameter):
                 t.data = f
@@ -203,7 +221,8 @@ def map_file_weights(module: torch.nn.Module, paths) -> int:
     module.__dict__[MAPPED_ATTR] = True
     _release_freed_memory()
     logging.info(f"MultiNPU: {shared / 2**20:.1f} MiB of weights now map {', '.join(map(os.path.basename, paths))} "
-                 "(one copy per host)")
+                 "(one copy per host)" + (f"; {kept / 2**20:.1f} MiB stay private copies, their data in the file not "
+                                          f"{ALIGNMENT}-byte aligned for the CPU kernels" if kept else ""))
     return shared
 
 
