@@ -26,14 +26,15 @@ import comfy.multinpu_shard  # noqa: E402
 import comfy.multinpu_weights  # noqa: E402
 import comfy.sd  # noqa: E402
 import comfy_extras.nodes_multinpu as nodes_multinpu  # noqa: E402
-from h3kit.runtime import parity_worker as pw  # noqa: E402
+from h3kit.runtime import parity_common, parity_dit as pw  # noqa: E402
 
 NODE = nodes_multinpu.MultiNPUParallelConfigNode
 TMP = os.environ["H3KIT_CHECK_TMP"]
 CKPT = os.path.join(TMP, "tiny.safetensors")
 pw._tiny_checkpoint(CKPT, 0)
 BASE = comfy.sd.load_diffusion_model(CKPT)
-LORA = pw._apply_lora(BASE, pw._lora_state_dict(BASE.model.diffusion_model.state_dict(), "blocks.", "diffusion_model.", 0))[0]
+LORA = pw._apply_lora(BASE, parity_common.lora_state_dict(BASE.model.diffusion_model.state_dict(), "blocks.",
+                                                       "diffusion_model.", 0))[0]
 
 
 def _sample(patcher, weights=None, npu_count=2):
