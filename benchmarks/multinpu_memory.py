@@ -10,7 +10,9 @@ load_host_peak_ratio  A process-transport load at --ranks ranks: a DiT of about 
                       (/proc/PID/smaps_rollup: a page shared by k processes counts 1/k in each) every 20 ms from
                       before rank 0 reads the file until the forward returned; the figure is the largest sum over
                       the ranks minus the sum before, over the file's bytes. 1.0 is one mapping of the file for the
-                      whole host; each private copy a rank makes while loading adds 1/ranks... of a full copy.
+                      whole host; each private copy a rank makes while loading adds one. The file is written
+                      with 64-byte aligned tensors: on a CPU only those are mapped (the CPU kernels round
+                      misaligned data differently); an accelerator maps any.
 starved_h2d_ratio     The thread transport at --ranks ranks with sharded weights, on a card that holds about 60% of
                       each rank's slices (ComfyUI's loader given that budget): the bytes a rank copies from the
                       host weights to its device per forward (comfy.multinpu_shard's counter at the copy), the
@@ -107,9 +109,9 @@ def _max_abs(torch, a, b) -> float:
 
 
 def _write_dit(path):
-    import comfy.utils
     from h3kit import tiny_models
-    comfy.utils.save_torch_file(tiny_models.dit_state_dict(0, DIMS), path)
+    # 64-byte aligned tensors: on a CPU only those are mapped (comfy.multinpu_models.ALIGNMENT); an accelerator maps any
+    tiny_models.save_aligned(tiny_models.dit_state_dict(0, DIMS), path)
     return os.path.getsize(path)
 
 

@@ -169,6 +169,28 @@ COMPONENTS = {
 }
 
 
+def save_aligned(sd: dict, path: str, align: int = 64) -> None:
+    """A safetensors file whose every tensor starts at a multiple of `align` bytes (the header padded with spaces,
+    tensors of whole multiples first). On a CPU that simulates devices only such weights are mapped (the CPU
+    kernels round misaligned data differently: comfy.multinpu_models.ALIGNMENT); an accelerator maps any."""
+    import json
+    import struct
+    import torch
+    names = sorted(sd, key=lambda k: (sd[k].numel() * sd[k].element_size() % align != 0, k))
+    dtypes = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    header, offset = {}, 0
+    for k in names:
+        n = sd[k].numel() * sd[k].element_size()
+        header[k] = {"dtype": dtypes[sd[k].dtype], "shape": list(sd[k].shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % align)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for k in names:
+            f.write(sd[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
 def write(component: str, path: str, seed: int = 0, dims: dict | None = None) -> int:
     """Write one tiny checkpoint; returns its size in bytes. dims override the default dimensions (te,
     video_vae, audio_vae: they are declared in the metadata, so the loaders build the same model)."""

@@ -20,6 +20,7 @@ least recently used first out. unload_all_models() (POST /free with unload_model
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import logging
 import os
@@ -39,6 +40,9 @@ _entries: collections.OrderedDict = collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "evictions": 0}
 _sources = weakref.WeakKeyDictionary()  # loaded module -> the LoadSource it came from
 _clear_listeners = []
+# what every cached load runs inside: comfy.multinpu_models sets its mapped_loads here when it is imported (the
+# weights then map the file instead of a private copy beside the file's mapping)
+load_context = contextlib.nullcontext
 
 
 class LoadSource:
@@ -151,7 +155,8 @@ def load(kind, paths, loader, *args, **kwargs):
         _stats["misses"] += 1
     # one line per file read, cached or not (a model over the budget is read and returned uncached)
     logging.info(f"Model cache: reading {kind} {os.path.basename(paths[0]) if paths else ''}")
-    value = loader(*args, **kwargs)
+    with load_context():
+        value = loader(*args, **kwargs)
     source = LoadSource(kind, paths, args, kwargs)
     for module in _modules(value):
         _sources[module] = source

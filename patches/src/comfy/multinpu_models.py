@@ -23,11 +23,13 @@ their device copies and every weight is mapped.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import sys
+import threading
 import uuid
 
 import safetensors
@@ -207,6 +209,8 @@ def map_file_weights(module: torch.nn.Module, paths, aligned_only=None) -> int:
     shared = kept = 0
     with torch.no_grad():
         for name, owner, attr, t in _host_tensors(module):
+            if getattr(owner, MAPPED_ATTR, False):
+                continue  # loaded by mapped_loads: already the file's mapping where it can be
             f = _match(name, by_suffix)
             if f is None or f.shape != t.shape or f.dtype != t.dtype or not torch.equal(f, t):
                 continue
@@ -224,6 +228,61 @@ def map_file_weights(module: torch.nn.Module, paths, aligned_only=None) -> int:
                  "(one copy per host)" + (f"; {kept / 2**20:.1f} MiB stay private copies, their data in the file not "
                                           f"{ALIGNMENT}-byte aligned for the CPU kernels" if kept else ""))
     return shared
+
+
+_loading = threading.local()   # .mapped: this thread's loads keep the file's mapped tensors (mapped_loads)
+_real_load_state_dict = None
+
+
+@contextlib.contextmanager
+def mapped_loads():
+    """While active, upstream's loaders in this thread keep the safetensors file's mapped tensors as the model's
+    host weights instead of copying them into fresh ones: load_state_dict(assign=True) with every tensor whose
+    shape and dtype the module holds (on a process that computes on its CPU, only those ALIGNMENT-aligned in the
+    file, the rule of map_file_weights); a tensor the module holds in another dtype is converted, as upstream's
+    copy would. So a load never holds a private copy of the weights beside the file's mapping, which every
+    process of a host shares: P ranks loading the H3 DiT hold one 66 GB mapping, not P copies (upstream does the
+    same in its dynamic mode). A module loaded so is marked: map_file_weights has nothing left to do there."""
+    global _real_load_state_dict
+    if _real_load_state_dict is None:
+        _real_load_state_dict = torch.nn.Module.load_state_dict
+        torch.nn.Module.load_state_dict = _load_state_dict
+    before = getattr(_loading, "mapped", False)
+    _loading.mapped = True
+    try:
+        yield
+    finally:
+        _loading.mapped = before
+
+
+def _load_state_dict(self, state_dict, strict=True, assign=False):
+    if assign or not getattr(_loading, "mapped", False):
+        return _real_load_state_dict(self, state_dict, strict=strict, assign=assign)
+    own = dict(self.named_parameters())
+    own.update(self.named_buffers())
+    aligned_only = computes_on_host()
+    sd, kept = {}, 0
+    for key, t in state_dict.items():
+        cur = own.get(key)
+        if (cur is None or not isinstance(t, torch.Tensor) or t.shape != cur.shape or t.device.type != "cpu"
+                or cur.device.type not in ("cpu", "meta")):
+            sd[key] = t
+        elif t.dtype == cur.dtype and not (aligned_only and t.data_ptr() % ALIGNMENT):
+            sd[key] = t   # the file's mapping itself
+        else:
+            sd[key] = t.to(dtype=cur.dtype, copy=True)
+            kept += sd[key].numel() * sd[key].element_size()
+    with torch.no_grad():
+        result = _real_load_state_dict(self, sd, strict=strict, assign=True)
+    for m in self.modules():
+        m.__dict__[MAPPED_ATTR] = True
+    if kept:
+        logging.info(f"MultiNPU: {kept / 2**20:.1f} MiB of weights loaded as private copies (converted, or not "
+                     f"{ALIGNMENT}-byte aligned in the file for the CPU kernels); the rest map the file")
+    return result
+
+
+comfy.model_cache.load_context = mapped_loads
 
 
 def _release_freed_memory():
