@@ -673,7 +673,7 @@ def _join(ctl: Control, base, spec: GroupSpec, rank: int, g: int) -> bool:
 
 
 def _commands(ctl: Control, context: WorkerContext, g: int):
-    comm = comfy.multinpu.ProcessComm(device=context.device)
+    comm = comfy.multinpu.ProcessComm(device=context.device, timeout=context.spec.timeout)
     broken = False
     n = 1
     while True:

@@ -298,7 +298,7 @@ class GroupRuntime:
         self.ctl.set(f"go/{g}", "1")
         torch.distributed.init_process_group(self.spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", self._base),
                                              rank=0, world_size=self.world_size, timeout=group.td(self.spec.timeout))
-        self.comm = comfy.multinpu.ProcessComm(device=self.device)
+        self.comm = comfy.multinpu.ProcessComm(device=self.device, timeout=self.spec.timeout)
         self.members = {0: os.getpid(), **members}
         self.next_cmd = 1
         self._ended = False
