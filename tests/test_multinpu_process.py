@@ -1,9 +1,11 @@
 """comfy/multinpu_process.py and multinpu_group.py, the process group runtime, with real processes on cpu/gloo.
 
-Rank 0 is tests/support/process_group_driver.py, the workers tests/support/process_group_worker.py: the real
-runtime and worker loop with test programs, so a rank costs an interpreter with torch, not one with ComfyUI
-(the H3 runners over the same runtime, on two hosts, are tested in test_multinpu_process_service.py). One group
-runs every one-host scenario in turn.
+The driver (the server's side, never a rank) is tests/support/process_group_driver.py, every rank 0..N-1 a
+worker, tests/support/process_group_worker.py: the real runtime and worker loop with test programs, so a
+rank costs an interpreter with torch, not one with ComfyUI (the H3 runners over the same runtime, on two
+hosts, are tested in test_multinpu_process_service.py). One group runs every one-host scenario in turn.
+The fault tests run with H3KIT_EMULATE_NO_RELEASE=1: gloo then keeps HCCL's and NCCL's semantics (a rank's
+error, destroy or death releases no peer before the group timeout), so they show what Ascend and CUDA do.
 """
 
 from __future__ import annotations
@@ -62,8 +64,17 @@ def one_host(tmp_path_factory):
 def test_commands_and_payloads_reach_every_rank(one_host):
     basics = one_host["basics"]
     assert one_host["form"]["ok"] and basics["first"]["value"] == [3.0] * 4  # 0 + 1 + 2 on every element
-    assert basics["echo"]["value"] is True, "fp32, bool, bf16, empty and 0-d tensors came back unchanged"
+    assert basics["echo"]["value"] is True, "fp32, bool, bf16, empty and 0-d tensors reached every rank and came back"
     assert basics["command_seconds"] < 0.5
+    assert basics["big"]["ok"] and basics["big"]["bytes"] == 256 << 20, "a large result through shared memory"
+    assert basics["shm_left"] == [], "every command's shared-memory files are removed"
+
+
+def test_the_driver_is_never_a_rank(one_host):
+    ranks = one_host["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    assert one_host["basics"]["driver_pid"] not in [r["pid"] for r in ranks]
+    assert all(r["cmdline"][-1] == "process_group_worker" for r in ranks), "rank 0 is a worker process too"
 
 
 def test_idle_longer_than_the_collective_timeout(one_host):
@@ -79,15 +90,14 @@ def test_a_failing_rank_is_named_and_the_next_command_runs(one_host):
     kind, message, _ = error_of(f["oom"])
     assert kind == "OutOfMemoryError" and "rank 1 (cpu)" in message and "ran out of memory" in message
     kind, message, _ = error_of(f["rank0"])
-    assert kind == "Interrupted", "rank 0's own exception comes back as it was raised"
+    assert kind == "RankFailed" and "rank 0 (cpu)" in message, "worker rank 0 fails like any other rank"
     for after in ("after_raise", "after_oom", "after_rank0"):
         assert f[after]["ok"] and f[after]["value"] == [3.0] * 4, after
-    assert f["generation"] == 4, "each failure ended a generation; the next command formed a new one"
 
 
 def test_configs_are_checked_before_use(one_host):
     c = one_host["configs"]
-    assert c["install"]["ok"] and c["install"]["value"] == 6.0 and sorted(c["installed"]) == ["1", "2"]
+    assert c["install"]["ok"] and c["install"]["value"] == 6.0 and sorted(c["installed"]) == ["0", "1", "2"]
     kind, message, _ = error_of(c["mismatch"])
     assert kind == "ConfigMismatch" and "rank 2 (cpu) differs in files" in message and "another-file" in message
     kind, message, _ = error_of(c["missing"])
@@ -95,11 +105,11 @@ def test_configs_are_checked_before_use(one_host):
     assert c["after"]["ok"]
 
 
-def test_a_killed_worker_fails_the_command_at_once_and_is_replaced(one_host):
+def test_a_killed_worker_fails_the_command_at_once_and_the_group_is_replaced(one_host):
     k = one_host["kill"]
     kind, message, seconds = error_of(k["killed"])
     assert kind == "RankDied" and "rank 2 (cpu)" in message and f"pid {k['victim_pid']}" in message
-    assert "SIGKILL" in message and seconds < 2.0
+    assert "SIGKILL" in message and seconds < 5.0
     assert k["after_kill"]["ok"] and k["replacement_pid"] not in (None, k["victim_pid"])
 
 
@@ -117,7 +127,8 @@ def test_every_rank_listed_alive_and_joined(one_host):
     ranks = one_host["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2]
     assert all(r["alive"] and r["joined"] and r["pid"] and r["create_time"] for r in ranks)
-    assert ranks[2]["restarts"] == 2 and "no heartbeat" in ranks[2]["last_exit"]
+    # the whole group was replaced after each failure: rank 2 as often as the others
+    assert ranks[2]["restarts"] >= 6 and "no heartbeat" in ranks[2]["last_exit"]
 
 
 def test_a_node_that_never_arrives_fails_within_the_bound(tmp_path):

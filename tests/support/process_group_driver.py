@@ -2,8 +2,8 @@
 
     python process_group_driver.py SCENARIO --out FILE [--world N] [--nnodes M] [--port P] [--root DIR]
 
-Starts comfy.multinpu_process.GroupRuntime with process_group_worker.py as the worker program, runs one
-scenario and writes what it observed as JSON. Each scenario is a function below; they measure, they do not
+Starts comfy.multinpu_process.GroupRuntime (the driver, never a rank) with process_group_worker.py as the
+worker program for every rank, runs one scenario and writes what it observed as JSON. Each scenario is a function below; they measure, they do not
 assert (the tests do).
 """
 
@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -46,32 +47,40 @@ def _attempt(fn):
 
 
 def _sum(rt):
-    def body(comm):
-        x = torch.zeros(4)
-        return comfy.multinpu.all_reduce(x, comm).tolist()
-    return rt.run("sum", {"x": torch.zeros(4)}, body)
+    return rt.run("sum", {"x": torch.zeros(4)})
 
 
 def _fail(rt, **payload):
-    return rt.run("fail", payload, lambda comm: comfy.multinpu.barrier(comm))
+    return rt.run("fail", payload)
+
+
+def _pids(rt):
+    return {r["rank"]: r["pid"] for r in rt.ranks()}
 
 
 def scenario_basics(rt, args):
-    out = {"first": _attempt(lambda: _sum(rt))}
-    # payload fidelity: dtypes, shapes, empty and CPU tensors through one header and one broadcast
+    out = {"first": _attempt(lambda: _sum(rt)), "driver_pid": os.getpid()}
+    # payload fidelity: dtypes, shapes, empty and CPU tensors through shared memory, one broadcast and back
     sent = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.tensor([True, False, True]),
             torch.randn(2, 3, 5).to(torch.bfloat16), torch.zeros(0, 7), torch.tensor(3, dtype=torch.int64)]
 
-    def echo(comm):
-        return all(torch.equal(comm.recv(torch.empty_like(t), r), t)
-                   for r in range(1, rt.world_size) for t in sent)
-    out["echo"] = _attempt(lambda: rt.run("echo", {"tensors": sent, "note": "x"}, echo))
+    def echo():
+        got = rt.run("echo", {"tensors": sent, "note": "x"})
+        return got["same"] and got["note"] == "x" and all(
+            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got["tensors"], sent))
+    out["echo"] = _attempt(echo)
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
         _sum(rt)
         times.append(time.perf_counter() - t0)
     out["command_seconds"] = sorted(times)[len(times) // 2]
+    t0 = time.perf_counter()
+    big = rt.run("big", {"mib": 256})
+    out["big"] = {"seconds": time.perf_counter() - t0, "bytes": big.numel() * big.element_size(),
+                  "ok": bool((big == 1.5).all())}
+    del big
+    out["shm_left"] = sorted(n for n in os.listdir(group.shm_dir()) if n.startswith(f"h3kit-{os.getpid()}-"))
     out["generation"] = rt.generation
     out["pids"] = dict(rt.members)
     return out
@@ -83,15 +92,68 @@ def scenario_failures(rt, args):
     out["after_raise"] = _attempt(lambda: _sum(rt))
     out["oom"] = _attempt(lambda: _fail(rt, rank=1, kind="oom"))
     out["after_oom"] = _attempt(lambda: _sum(rt))
-
-    class Interrupted(Exception):
-        pass
-
-    def interrupted(comm):
-        raise Interrupted("interrupted on rank 0")
-    out["rank0"] = _attempt(lambda: rt.run("fail", {"rank": -1, "kind": "raise"}, interrupted))
+    out["rank0"] = _attempt(lambda: _fail(rt, rank=0, kind="raise"))
     out["after_rank0"] = _attempt(lambda: _sum(rt))
     out["generation"] = rt.generation
+    return out
+
+
+def _later(delay, fn):
+    t = threading.Timer(delay, fn)
+    t.daemon = True
+    t.start()
+    return t
+
+
+def _fault(rt, name, args):
+    """One fault while a command runs, then the next command: what each cost, and who was left behind."""
+    last = rt.world_size - 1
+    before = dict(rt.members)
+    out = {"fault": name, "pids_before": before}
+    victim = None
+    if name == "raise_block0":
+        fault = lambda: _fail(rt, rank=last, kind="raise", steps=4, at=0)  # noqa: E731
+    elif name == "raise_later_block":
+        fault = lambda: _fail(rt, rank=last, kind="raise", steps=4, at=3)  # noqa: E731
+    elif name == "oom_last_rank":
+        fault = lambda: _fail(rt, rank=last, kind="oom", steps=4, at=1)  # noqa: E731
+    elif name == "raise_rank0":
+        fault = lambda: _fail(rt, rank=0, kind="raise", steps=4, at=2)  # noqa: E731
+    elif name in ("kill9", "sigstop"):
+        victim = before[1]
+        sig = signal.SIGKILL if name == "kill9" else signal.SIGSTOP
+        _later(1.0, lambda: os.kill(victim, sig))
+        # rank 0 sleeps while the others wait for it in the first all_reduce: the victim dies (or stops) in there
+        fault = lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0)  # noqa: E731
+    else:
+        raise ValueError(name)
+    out["victim_pid"] = victim
+    out["error"] = _attempt(fault)
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["generation"] = rt.generation
+    time.sleep(0.5)
+    out["left_behind"] = [pid for pid in before.values() if _alive(pid)]
+    return out
+
+
+def _alive(pid):
+    try:
+        import psutil
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+FAULTS = ("raise_block0", "raise_later_block", "oom_last_rank", "raise_rank0", "kill9", "sigstop")
+
+
+def scenario_faults(rt, args):
+    """Every fault of FAULTS once (run with H3KIT_EMULATE_NO_RELEASE=1 for HCCL/NCCL's semantics)."""
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt))}
+    for name in (args.faults.split(",") if args.faults else FAULTS):
+        out[name] = _fault(rt, name, args)
+    out["driver_pid_after"] = os.getpid()
     return out
 
 
@@ -99,11 +161,8 @@ def scenario_kill(rt, args):
     out = {}
     victim = rt.members[args.victim]
     out["victim_pid"] = victim
-
-    def killed(comm):
-        os.kill(victim, signal.SIGKILL)
-        comfy.multinpu.barrier(comm)
-    out["killed"] = _attempt(lambda: rt.run("fail", {"rank": args.victim, "kind": "sleep", "seconds": 30}, killed))
+    _later(0.5, lambda: os.kill(victim, signal.SIGKILL))
+    out["killed"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=30, steps=1, at=0))
     out["after_kill"] = _attempt(lambda: _sum(rt))
     out["replacement_pid"] = rt.members.get(args.victim)
     out["generation"] = rt.generation
@@ -132,14 +191,12 @@ def scenario_configs(rt, args):
     out = {}
     digest = {"files": "abc", "options": "def"}
     good = mp.RemoteConfig("config", {"digest": digest, "name": "a.safetensors"}, digest, "model a")
-    out["install"] = _attempt(lambda: rt.run("uses_config", {"id": good.id}, lambda comm: comfy.multinpu.all_reduce(
-        torch.tensor([2.0]), comm).item(), configs=[good]))
+    out["install"] = _attempt(lambda: rt.run("uses_config", {"id": good.id}, configs=[good]))
     out["installed"] = dict(good.installed)
     mismatch = mp.RemoteConfig("config", {"digest": digest, "differ_on": 2}, digest, "model b")
-    out["mismatch"] = _attempt(lambda: rt.run("uses_config", {"id": mismatch.id}, lambda comm: None,
-                                              configs=[mismatch]))
+    out["mismatch"] = _attempt(lambda: rt.run("uses_config", {"id": mismatch.id}, configs=[mismatch]))
     missing = mp.RemoteConfig("config", {"digest": digest, "fail_on": 1, "name": "c.safetensors"}, digest, "model c")
-    out["missing"] = _attempt(lambda: rt.run("uses_config", {"id": missing.id}, lambda comm: None, configs=[missing]))
+    out["missing"] = _attempt(lambda: rt.run("uses_config", {"id": missing.id}, configs=[missing]))
     out["after"] = _attempt(lambda: _sum(rt))
     return out
 
@@ -149,15 +206,12 @@ def scenario_form_only(rt, args):
 
 
 def scenario_remote_kill(rt, args):
-    """Two nodes: kill a worker of node 1 (the agent's) mid-command; the agent replaces it."""
+    """Two nodes: kill a worker of node 1 (the agent's) mid-command; the group is replaced."""
     out = {"first": _attempt(lambda: _sum(rt)), "pids": dict(rt.members)}
     victim = rt.members[rt.world_size - 1]
     out["victim_pid"] = victim
-
-    def killed(comm):
-        os.kill(victim, signal.SIGKILL)
-        comfy.multinpu.barrier(comm)
-    out["killed"] = _attempt(lambda: rt.run("fail", {"rank": -1, "kind": "raise"}, killed))
+    _later(0.5, lambda: os.kill(victim, signal.SIGKILL))
+    out["killed"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3, steps=1, at=0))
     out["after_kill"] = _attempt(lambda: _sum(rt))
     out["replacement_pid"] = rt.members.get(rt.world_size - 1)
     return out
@@ -188,9 +242,10 @@ def main(argv=None):
     ap.add_argument("--join-timeout", type=float, default=60.0)
     ap.add_argument("--victim", type=int, default=2)
     ap.add_argument("--idle", type=float, default=3.0)
+    ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[rank 0] %(asctime)s %(message)s', stream=sys.stdout)
+    logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[driver] %(asctime)s %(message)s', stream=sys.stdout)
     os.environ.setdefault(group.KEY_ENV, group.new_key())
     spec = group.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
                         master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,

@@ -69,6 +69,12 @@ WEIGHTS_MODES = ("auto", "replicated", "sharded")
 fault_hook = None
 
 
+# Test seam for `h3kit parity`'s LoRA rows with the process transport: None in normal runs. An object with
+# attach(rank, diffusion_model), detach() and seen ({rank: what it recorded}) that every worker attaches to its
+# own DiT for each forward; what every rank recorded comes back into this process's object.
+weight_probe = None
+
+
 def _fault(stage: str, state, t: torch.Tensor) -> torch.Tensor:
     return t if fault_hook is None else fault_hook(stage, state, t)
 
@@ -330,23 +336,16 @@ class SequenceParallelDiT:
         # the fault hook (`h3kit parity --inject-fault`, None otherwise) runs on every rank, as with threads
         payload = {"config": self.config.id, "attention": self.attention, "count_bytes": self.count_bytes,
                    "fault_hook": fault_hook, "memory": self.memory_estimates, "x": x, "timestep": timestep,
-                   "context": context, "options": plain_options(transformer_options), "args": args, "kwargs": kwargs}
-
-        def rank0(comm):
-            start = comm.bytes_moved
-            options = transformer_options.copy()
-            state = options[RANK_KEY] = rank_state(comm, self.attention, executor.class_obj)
-            try:
-                out = executor(x, timestep, context, options, *args, **kwargs)
-            finally:
-                weight_bytes = finish_rank(state)
-            counts = [comm.bytes_moved - start, 0, weight_bytes, comfy.multinpu_shard.resident_bytes(executor.class_obj),
-                      int(self.memory_estimates[0][0]) if self.memory_estimates else 0]
-            return out, _rank_counts(comm, counts) if self.count_bytes else [counts]
+                   "context": context, "options": plain_options(transformer_options), "args": args, "kwargs": kwargs,
+                   "probe": weight_probe}
 
         t0 = time.perf_counter()
         with self._lock:
-            out, counts = self.runtime.run("dit_forward", payload, rank0, configs=[self.config])
+            # every rank is a worker; rank 0's returns the forward's output after the final gather
+            out, counts, seen = self.runtime.run("dit_forward", payload, configs=[self.config])
+        if weight_probe is not None and seen:
+            weight_probe.seen.update(seen)
+        out = _to(out, x[0].device)  # from shared memory (the host) to where the sampler runs
         self.forwards += 1
         self.rank_forwards = [n + 1 for n in self.rank_forwards]  # the command completed on every rank
         self.rank_bytes = [c[0] for c in counts]
@@ -357,7 +356,7 @@ class SequenceParallelDiT:
             self.resident_bytes[r] = c[3]
             self.memory_used[r] = c[4]
         if fault_hook is not None and hasattr(fault_hook, "fired"):
-            fault_hook.fired += sum(c[1] for c in counts[1:])  # the strikes on the other ranks
+            fault_hook.fired += sum(c[1] for c in counts)  # the strikes on the ranks (all workers)
         logging.debug(f"MultiNPU: DiT forward on {self.runtime.world_size} processes in {time.perf_counter() - t0:.3f} s, "
                       f"{sum(self.rank_bytes) / 2**20:.1f} MiB exchanged")
         return out
@@ -366,11 +365,8 @@ class SequenceParallelDiT:
         """Return every rank's reserved but unused device memory to the device (after sampling: the next stage,
         the VAE decode, would otherwise find it taken). Counts the calls per rank in caches_emptied."""
         if self.runtime is not None:
-            def rank0(comm):
-                comfy.model_management.soft_empty_cache()
-                return _rank_counts(comm, [1])
             try:
-                counts = self.runtime.run("dit_empty_cache", None, rank0)
+                counts = self.runtime.run("dit_empty_cache", None)
             except (comfy.multinpu_group.GroupError, comfy.multinpu.CollectiveError) as e:
                 # the sampling itself succeeded; a rank that died since is named again by the next command
                 logging.warning(f"MultiNPU: the workers' caches were not emptied after sampling: {e}")
@@ -460,24 +456,38 @@ def _forward_on_worker(context, comm, payload):
     state = options[RANK_KEY] = rank_state(comm, payload["attention"], dm)
     # sized by this rank's activation estimate (its shard of the tokens), as rank 0 sized its own
     memory = payload["memory"][comm.rank] if payload["memory"] else (0, None)
+    out = None
+    probe = payload.get("probe")
+    if probe is not None:
+        probe.attach(comm.rank, dm)
     try:
         comfy.model_management.load_models_gpu([held.patcher], memory_required=memory[0],
                                                minimum_memory_required=memory[1])
-        dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev), options,
-                    *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
+        out = dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev),
+                          options, *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
     except _RankDone:
         pass  # the final gather took this rank's shard to rank 0: nothing left to compute here
     finally:
         fault_hook = None
         weight_bytes = finish_rank(state)
-    if payload["count_bytes"]:
-        _rank_counts(comm, [comm.bytes_moved - start, getattr(hook, "fired", 0) - fired, weight_bytes,
-                            comfy.multinpu_shard.resident_bytes(dm), int(memory[0])])
+        if probe is not None:
+            probe.detach()
+    counts = [comm.bytes_moved - start, getattr(hook, "fired", 0) - fired, weight_bytes,
+              comfy.multinpu_shard.resident_bytes(dm), int(memory[0])]
+    counts = _rank_counts(comm, counts) if payload["count_bytes"] else [counts]
+    seen = None
+    if probe is not None:  # a test seam (h3kit parity): what every rank's probe recorded, to rank 0
+        seen = [None] * comm.world_size
+        torch.distributed.all_gather_object(seen, probe.seen.get(comm.rank))
+        seen = {r: v for r, v in enumerate(seen) if v is not None}
+    # rank 0 holds the whole output after the final gather: the command's result
+    return (out, counts, seen) if comm.rank == 0 else None
 
 
 @comfy.multinpu_group.program("dit_empty_cache")
 def _empty_cache_on_worker(context, comm, payload):
     comfy.model_management.soft_empty_cache()
+    return _rank_counts(comm, [1])
     _rank_counts(comm, [1])
 
 

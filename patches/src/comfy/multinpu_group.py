@@ -70,6 +70,8 @@ HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
+REPORTED_EXIT = 70                   # a worker that posted its error exits with this code: not a crash
+RECYCLED_EXIT = 75                   # a worker told to leave (its generation was aborted): not a crash
 CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
 CRASH_WINDOW = 120.0
 POLL = 0.05
@@ -213,11 +215,15 @@ class _TensorPickler(pickle.Pickler):
     def __init__(self, file, tensors):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors = tensors
+        self.seen = {}
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
-            self.tensors.append(obj)
-            return len(self.tensors) - 1
+            index = self.seen.get(id(obj))
+            if index is None:  # a tensor named twice (rank 0's and the others' arguments) travels once
+                index = self.seen[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return index
         return None
 
 
@@ -315,48 +321,125 @@ def _store_gone(e: BaseException) -> bool:
 
 class Control:
     """Signed reads and writes of the control keys, under the service's prefix; one call at a time per
-    connection (rank 0's threads share them)."""
+    connection (the driver's threads share them).
+
+    Every value is signed together with its key's name (which holds the generation and the command's
+    number), so a signed value copied into another slot is refused like garbage. A value that does not
+    verify is never unpickled: it is dropped with a log line and reads as absent (peek, wait), so a local
+    user who can reach the store cannot make a rank act on, or die of, what they wrote.
+    """
 
     def __init__(self, store, signer: Signer):
         self.raw = store
         self.store = torch.distributed.PrefixStore(STORE_PREFIX, store)
         self.signer = signer
         self._lock = threading.RLock()
+        self._dropped = {}  # key -> the bytes last refused there (logged once)
 
     def put(self, key: str, obj):
-        data = self.signer.dumps(obj)
+        data = self.signer.dumps((key, obj))
         with self._lock:
             self.store.set(key, data)
 
-    def set(self, key: str, value: str):
-        with self._lock:
-            self.store.set(key, value)
-
-    def text(self, key: str) -> str:
-        with self._lock:
-            return self.store.get(key).decode()
+    def _load(self, key: str, data: bytes):
+        """The value of `key`, or _BAD when its bytes are not a value this service signed for that key."""
+        try:
+            slot, obj = self.signer.loads(data, f"store key {key!r}")
+            if slot != key:
+                raise GroupError(f"MultiNPU: store key {key!r} holds a value signed for {slot!r}; refusing it")
+            return obj
+        except Exception as e:
+            if self._dropped.get(key) != data:
+                self._dropped[key] = data
+                logging.warning(f"MultiNPU: dropped store key {key!r} ({len(data)} bytes): "
+                                f"{e if isinstance(e, GroupError) else 'not a signed value'}")
+            return _BAD
 
     def get(self, key: str):
         with self._lock:
             data = self.store.get(key)
-        return self.signer.loads(data, f"store key {key!r}")
+        obj = self._load(key, data)
+        if obj is _BAD:
+            raise GroupError(f"MultiNPU: store key {key!r} does not hold a value signed by this service")
+        return obj
 
     def has(self, key: str) -> bool:
         with self._lock:
             return self.store.check([key])
 
     def peek(self, key: str, default=None):
+        """The signed value of key, else `default` (absent, or dropped as unsigned)."""
         with self._lock:
-            return self.get(key) if self.store.check([key]) else default
+            if not self.store.check([key]):
+                return default
+            data = self.store.get(key)
+        obj = self._load(key, data)
+        return default if obj is _BAD else obj
 
     def counter(self, key: str, add: int = 0) -> int:
         with self._lock:
             return self.store.add(key, add)
 
     def wait(self, key: str, timeout: float):
-        # no lock: a worker's main thread is the only user of its connection, and waits here for hours
-        self.store.wait([key], td(timeout))
-        return self.get(key)
+        """The signed value of key once one is there; values that do not verify are dropped and waited past."""
+        deadline = time.monotonic() + timeout
+        while True:
+            # no lock: a worker's main thread is the only user of its connection, and waits here for hours
+            self.store.wait([key], td(max(0.001, deadline - time.monotonic())))
+            obj = self._load(key, self.store.get(key))
+            if obj is not _BAD:
+                return obj
+            if time.monotonic() >= deadline:
+                raise GroupError(f"MultiNPU: no signed value at store key {key!r} within {timeout:g} s")
+            time.sleep(POLL)
+
+
+_BAD = object()
+
+
+# ---- shared memory between the driver and worker rank 0 ------------------------------------------
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+
+
+def shm_write(path: str, tensors) -> tuple:
+    """Write tensors into a new file `path` (0600; /dev/shm is memory) laid out as flatten() does:
+    (metas, nbytes). Nothing is written for no bytes."""
+    metas, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    if offset == 0:
+        return metas, 0
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, offset)
+    finally:
+        os.close(fd)
+    buf = torch.from_file(path, shared=True, size=offset, dtype=torch.uint8)
+    for t, (start, nbytes, _, _, _) in zip(tensors, metas):
+        if nbytes:
+            buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return metas, offset
+
+
+def shm_read(path: str, nbytes: int) -> torch.Tensor:
+    """The bytes of a file shm_write made, mapped (no copy); the file can be removed at once."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def shm_remove(path):
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logging.warning(f"MultiNPU: cannot remove {path}: {e}")
 
 
 # ---- local worker processes ------------------------------------------------------------------------
@@ -382,6 +465,10 @@ def process_identity(pid: int) -> dict:
 
 
 def _exit_reason(code: int) -> str:
+    if code == REPORTED_EXIT:
+        return f"exited after reporting its error (code {code})"
+    if code == RECYCLED_EXIT:
+        return f"left its aborted generation (code {code})"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -409,6 +496,7 @@ class LocalWorkers:
         self.deaths = collections.defaultdict(collections.deque)
         self.failed = {}
         self.killed = {}               # rank -> why this object killed it
+        self.recycled = set()          # ranks killed to replace the whole group: not crashes
         self.respawn_at = {}           # rank -> monotonic time its replacement starts
         self.stopping = False
         for rank in self.ranks:
@@ -465,6 +553,12 @@ class LocalWorkers:
             ended.append((rank, proc.pid, reason))
             if self.stopping:
                 continue
+            if rank in self.recycled or code in (REPORTED_EXIT, RECYCLED_EXIT):
+                # replaced with the group (h3kit's decision, or the worker's own error report): at once,
+                # and not counted as a crash
+                self.recycled.discard(rank)
+                self.respawn_at[rank] = now
+                continue
             deaths = self.deaths[rank]
             deaths.append(now)
             while deaths and now - deaths[0] > CRASH_WINDOW:
@@ -492,6 +586,15 @@ class LocalWorkers:
             logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {proc.pid}): {why}")
             self.killed[rank] = why
             proc.kill()
+
+    def recycle(self, why: str):
+        """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too);
+        poll() replaces each at once. The reliable reset of a rank that saw an error is a fresh process."""
+        for rank, proc in self.procs.items():
+            if proc.poll() is None:
+                self.killed[rank] = why
+                self.recycled.add(rank)
+                proc.kill()
 
     def pid(self, rank: int):
         proc = self.procs.get(rank)
@@ -583,14 +686,30 @@ class WorkerContext:
         self.device = torch.device(device)
         self.configs = {}
         self.ctl = None
+        self.generation = None  # the generation this process joins or serves
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
 
-def _heartbeat(spec: GroupSpec, port: int, rank: int, stop: threading.Event):
+class After:
+    """What a program returns for work to run after the command's closing barrier (reading model files):
+    it must not hold the group."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threading.Event):
+    """Beat once a second; leave at once when the driver aborted this process's generation (it replaces the
+    whole group after a failure: this process may be blocked in a collective that will not return)."""
     try:
-        store = torch.distributed.PrefixStore(STORE_PREFIX, connect_store(spec.master_addr, port, spec.timeout))
+        ctl = Control(connect_store(spec.master_addr, port, spec.timeout), Signer(key_from_environment()))
         while not stop.wait(HEARTBEAT_INTERVAL):
-            store.add(f"hb/{rank}", 1)
+            ctl.counter(f"hb/{context.rank}", 1)
+            g = context.generation
+            if g is not None and ctl.has(f"abort/{g}") and ctl.peek(f"abort/{g}") is not None:
+                logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
+                sys.stdout.flush()
+                os._exit(RECYCLED_EXIT)
     except Exception:
         return  # the store is gone: the main loop notices and exits
 
@@ -598,8 +717,8 @@ def _heartbeat(spec: GroupSpec, port: int, rank: int, stop: threading.Event):
 def _report(ctl: Control, key: str, exc: BaseException, collective: bool):
     import traceback
     try:
-        ctl.put(key, {"pid": os.getpid(), "type": type(exc).__name__, "message": str(exc)[:2000],
-                      "oom": is_oom(exc), "collective": collective,
+        ctl.put(key, {"pid": os.getpid(), "host": socket.gethostname(), "type": type(exc).__name__,
+                      "message": str(exc)[:2000], "oom": is_oom(exc), "collective": collective, "time": time.time(),
                       "traceback": "".join(traceback.format_exception(exc))[-6000:]})
     except Exception:
         pass
@@ -614,8 +733,17 @@ def is_oom(exc: BaseException) -> bool:
     return "out of memory" in text or "can't allocate memory" in text
 
 
+def _leave(code: int):
+    """End this worker now: a process that saw an error is never reused (its communicator, and on Ascend its
+    stream, may be wedged), and interpreter teardown can hang in a broken process group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def serve(context: WorkerContext):
-    """A worker's life: join each generation that includes it and run its commands, until rank 0 is gone."""
+    """A worker's life: join the next generation that lists it and run its commands, until the driver ends
+    the generation (END) or is gone. A worker whose command or join fails reports it and exits."""
     spec, rank = context.spec, context.rank
     signer = Signer(key_from_environment())
     deadline = time.monotonic() + spec.join_timeout
@@ -624,57 +752,68 @@ def serve(context: WorkerContext):
     context.ctl = ctl
     layout = ctl.wait("layout", spec.join_timeout)
     if layout != spec.layout():
-        raise GroupError(f"MultiNPU: rank {rank} was started for {spec.layout()}, rank 0 runs {layout}")
+        raise GroupError(f"MultiNPU: rank {rank} was started for {spec.layout()}, the driver runs {layout}")
     ctl.put(f"worker/{rank}", {"pid": os.getpid(), "host": socket.gethostname(), "device": str(context.device),
                                **process_identity(os.getpid())})
     stop = threading.Event()
-    threading.Thread(target=_heartbeat, args=(spec, spec.master_port, rank, stop), daemon=True,
+    threading.Thread(target=_heartbeat, args=(spec, spec.master_port, context, stop), daemon=True,
                      name="multinpu-heartbeat").start()
     logging.info(f"MultiNPU: rank {rank} ({context.device}) pid {os.getpid()} waiting for the group")
     done = 0
     try:
         while True:
             g = _next_generation(ctl, rank, done)
-            if g is None:
-                continue
-            done = g
-            if _join(ctl, base, spec, rank, g):
+            done = context.generation = g
+            if _join(ctl, base, spec, context, g):
                 _commands(ctl, context, g)
+                return
     except BaseException as e:
         if _store_gone(e) or isinstance(e, torch.distributed.DistStoreError):
-            logging.info(f"MultiNPU: rank {rank}: rank 0 is gone; exiting")
+            logging.info(f"MultiNPU: rank {rank}: the driver is gone; exiting")
             return
         raise
     finally:
         stop.set()
 
 
-def _next_generation(ctl: Control, rank: int, after: int):
-    """The newest generation after `after` that lists this process; None to look again."""
+def _next_generation(ctl: Control, rank: int, after: int) -> int:
+    """The newest generation after `after` that lists this process."""
     pid = os.getpid()
     while True:
-        if ctl.has("gen"):
-            g = int(ctl.text("gen"))
-            if g > after and ctl.get(f"gen/{g}")["members"].get(rank) == pid:
+        g = ctl.peek("gen")
+        if isinstance(g, int) and g > after:
+            gen = ctl.peek(f"gen/{g}")
+            if isinstance(gen, dict) and gen.get("members", {}).get(rank) == pid:
                 return g
         time.sleep(POLL)
 
 
-def _join(ctl: Control, base, spec: GroupSpec, rank: int, g: int) -> bool:
-    destroy_group()
-    ctl.set(f"joined/{g}/{rank}", str(os.getpid()))
-    while not ctl.has(f"go/{g}"):
-        if int(ctl.text("gen")) != g:
-            return False  # rank 0 gave up on g (a member died): wait for the next one
+def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -> bool:
+    """Join generation g: announce, wait for the driver's go, form the process group and prove it with a
+    warm-up all_reduce ("up" means the communicator works). False when the driver gave up on g."""
+    rank = context.rank
+    ctl.put(f"joined/{g}/{rank}", os.getpid())
+    while ctl.peek(f"go/{g}") is None:
+        if ctl.peek("gen") != g:
+            return False  # the driver gave up on g (a member died): wait for the next one
         time.sleep(POLL)
-    torch.distributed.init_process_group(spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", base),
-                                         rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+    try:
+        torch.distributed.init_process_group(spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", base),
+                                             rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+        comm = comfy.multinpu.ProcessComm(device=context.device, timeout=spec.timeout)
+        total = comm.all_reduce(torch.ones(1, device=context.device))
+        if int(total.item()) != spec.world_size:
+            raise GroupError(f"MultiNPU: the warm-up all_reduce gave {total.item()}, not {spec.world_size}")
+    except Exception as e:
+        logging.exception(f"MultiNPU: rank {rank} could not join generation {g}")
+        _report(ctl, f"joinerr/{g}/{rank}", e, isinstance(e, comfy.multinpu.CollectiveError))
+        _leave(REPORTED_EXIT)
+    ctl.put(f"up/{g}/{rank}", os.getpid())
     return True
 
 
 def _commands(ctl: Control, context: WorkerContext, g: int):
     comm = comfy.multinpu.ProcessComm(device=context.device, timeout=context.spec.timeout)
-    broken = False
     n = 1
     while True:
         header = ctl.wait(f"cmd/{g}/{n}", 365 * 24 * 3600.0)
@@ -683,35 +822,51 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
             destroy_group()
             return
         after = None
-        modes = (torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)))
-        if not broken:
-            try:
+        try:
+            if comm.rank == 0:
+                buf = shm_read(header["shm"], header["nbytes"]).to(comm.device)
+            else:
                 buf = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm.device)
-                if header["nbytes"]:
-                    buf = comm.broadcast(buf, 0)
-                payload = unpack(header["data"], unflatten(buf, header["metas"]))
-                fn = _BUILTINS.get(name) or PROGRAMS.get(name)
-                if fn is None:
-                    raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
-                _inject_fault(context, name)
-                with modes[0], modes[1]:
-                    after = fn(context, comm, payload)
-                comm.barrier()
-            except BaseException as e:
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                collective = isinstance(e, comfy.multinpu.CollectiveError)
-                if not collective:
-                    logging.exception(f"MultiNPU: rank {context.rank} failed in {name}")
-                _report(ctl, f"err/{g}/{n}/{context.rank}", e, collective)
-                if is_oom(e):
-                    _free_memory(context)
-                destroy_group()  # the others' collectives fail now, not at the timeout
-                broken = True
+            if header["nbytes"]:
+                buf = comm.broadcast(buf, 0)
+            payload = unpack(header["data"], unflatten(buf, header["metas"]))
+            fn = _BUILTINS.get(name) or PROGRAMS.get(name)
+            if fn is None:
+                raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
+            _inject_fault(context, name)
+            # the workers run in the driver's grad and inference modes (ComfyUI executes prompts in inference mode)
+            with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
+                result = fn(context, comm, payload)
+            if isinstance(result, After):
+                after, result = result.fn, None
+            comm.barrier()
+            if comm.rank == 0:
+                _post_result(ctl, header, g, n, result)
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            collective = isinstance(e, comfy.multinpu.CollectiveError)
+            if not collective:
+                logging.exception(f"MultiNPU: rank {context.rank} failed in {name}")
+            else:
+                logging.error(f"MultiNPU: rank {context.rank}: {name}: {e}")
+            _report(ctl, f"err/{g}/{n}/{context.rank}", e, collective)
+            try:
+                ctl.counter(f"failed/{g}", 1)
+            except Exception:
+                pass
+            _leave(REPORTED_EXIT)  # never reused: the driver replaces the whole group
         if after is not None:
             with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
                 after()
         n += 1
+
+
+def _post_result(ctl: Control, header: dict, g: int, n: int, result):
+    """Rank 0: the command's result to the driver, its tensors through shared memory (header["out"])."""
+    data, tensors = pack(result)
+    metas, nbytes = shm_write(header["out"], tensors)
+    ctl.put(f"res/{g}/{n}", {"pid": os.getpid(), "data": data, "metas": metas, "nbytes": nbytes})
 
 
 def _inject_fault(context: WorkerContext, name: str):
@@ -745,11 +900,11 @@ def _install(context: WorkerContext, comm, payload):
             ctl.put(key, {"pid": os.getpid(), "digest": held.digest})
         except Exception as e:
             logging.exception(f"MultiNPU: rank {context.rank} could not load {payload['program']}")
-            if is_oom(e):
-                _free_memory(context)
-            ctl.put(key, {"pid": os.getpid(), "error": {"pid": os.getpid(), "type": type(e).__name__,
-                                                        "message": str(e)[:2000], "oom": is_oom(e)}})
-    return load
+            ctl.put(key, {"pid": os.getpid(), "error": {"pid": os.getpid(), "host": socket.gethostname(),
+                                                        "type": type(e).__name__, "message": str(e)[:2000],
+                                                        "oom": is_oom(e)}})
+            _leave(REPORTED_EXIT)
+    return After(load)
 
 
 def _drop(context: WorkerContext, comm, ids):

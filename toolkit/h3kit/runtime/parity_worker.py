@@ -585,10 +585,6 @@ def run_dit(args):
                         if with_lora:
                             row["lora_ranks"] = _lora_verdicts(row.pop("lora_seen"), lora_expected, base_weights,
                                                                args.npu_count)
-                            if runtime is not None:
-                                # the workers hold the same patches as rank 0 or the run stopped at the digest check
-                                # (ConfigMismatch) before any forward: their verdict is rank 0's
-                                row["lora_ranks"] = [row["lora_ranks"][0]] * args.npu_count
                             checks.append((row["lora_ranks"] == ["once"] * args.npu_count,
                                            "LoRA per device: " + ", ".join(str(v) for v in row["lora_ranks"])))
                         if int8:
@@ -627,7 +623,11 @@ def _parallel_run(node, patcher, layout, attention, sharding, args, fault="none"
         wrapper.attention = attention
         wrapper.timeout = args.timeout
         wrapper.count_bytes = True  # processes: every rank's bytes (and fault strikes) to rank 0
-        if probe:
+        if probe and wrapper.runtime is not None:
+            from h3kit.runtime import parity_worker as importable  # the workers unpickle it by this name
+            probe.__class__ = importable._WeightProbe
+            comfy.multinpu_dit.weight_probe = probe  # every worker (rank 0 too) probes its own DiT
+        elif probe:
             probe.attach(0, m.model.diffusion_model)
             for r, replica in enumerate(wrapper.replicas[1:], start=1):
                 probe.attach(r, replica.diffusion_model)
@@ -637,6 +637,7 @@ def _parallel_run(node, patcher, layout, attention, sharding, args, fault="none"
     seconds = time.perf_counter() - t0
     if probe:
         probe.detach()
+        comfy.multinpu_dit.weight_probe = None
     if wrapper is not None and wrapper._threads is not None:
         wrapper._threads.shutdown()
     heads = TINY["num_attention_heads"]
