@@ -147,3 +147,19 @@ def test_messages_signed_with_another_key_are_refused():
         mine.loads(theirs.dumps(obj), "store key 'cmd/1/1'")
     with pytest.raises(group.GroupError):
         mine.loads(b"\0" * 32 + mine.dumps(obj)[32:], "tampered")
+
+
+def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
+    """The issue's probes: garbage in the next command's slot, in `gen`, in a result and an error slot, a bumped
+    failure counter, a signed command replayed into the next slot, a flood of keys. No worker dies or acts on
+    them, the driver fails no command, the next commands run on the same processes (same generation)."""
+    result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", 10)
+    for step in ("first", "after_garbage", "after_replay", "after_flood"):
+        assert result[step]["ok"] and result[step]["value"] == [3.0] * 4, (step, result[step])
+    assert result["pids_after"] == result["pids_before"] and result["restarts_after"] == result["restarts_before"]
+    assert result["generation_after"] == result["generation_before"]
+    log = (tmp_path / "hostile.log").read_text()
+    for r in range(3):
+        assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/2'" in log  # the garbage, logged once per rank
+        assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/3' (" in log and "signed for 'cmd/1/2'" in log
+    assert "dropped store key 'res/1/2'" in log and "dropped store key 'err/1/2/1'" in log  # the driver's side

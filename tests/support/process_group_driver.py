@@ -217,6 +217,39 @@ def scenario_remote_kill(rt, args):
     return out
 
 
+def scenario_hostile(rt, args):
+    """A local user without the key writes into the control store: garbage into the next command's slot, into
+    `gen` and into a result slot; a signed command copied into another slot; a bumped failure counter; then a
+    flood of keys. Every worker must drop what it cannot verify and keep serving."""
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
+           "restarts_before": {r["rank"]: r["restarts"] for r in rt.ranks()}}
+    evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+    g, n = rt.generation, rt.next_cmd
+    evil.set(f"cmd/{g}/{n}", b"\x80\x05garbage that is no pickle")
+    evil.set("gen", b"not-a-number")
+    evil.set(f"res/{g}/{n}", b"forged result")
+    evil.set(f"err/{g}/{n}/1", b"forged error")
+    evil.add(f"failed/{g}", 1)
+    time.sleep(1.0)  # the workers read the garbage in the slot they wait on
+    out["after_garbage"] = _attempt(lambda: _sum(rt))
+    copied = evil.get(f"cmd/{g}/{n}")  # a command this service signed, for slot n
+    evil.set(f"cmd/{g}/{n + 1}", copied)  # replayed into the next slot
+    time.sleep(1.0)
+    out["after_replay"] = _attempt(lambda: _sum(rt))
+    out["replayed_runs"] = rt.commands
+    import psutil
+    rss0 = psutil.Process().memory_info().rss
+    blob = b"x" * (4 << 20)
+    for i in range(int(args.flood)):
+        evil.set(f"flood/{i}", blob)
+    out["flood_rss_growth"] = psutil.Process().memory_info().rss - rss0
+    out["after_flood"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["restarts_after"] = {r["rank"]: r["restarts"] for r in rt.ranks()}
+    out["generation_before"], out["generation_after"] = g, rt.generation
+    return out
+
+
 def scenario_all(rt, args):
     """The one-host scenarios one after the other, in one group (each leaves it usable for the next)."""
     out = {}
@@ -242,6 +275,7 @@ def main(argv=None):
     ap.add_argument("--join-timeout", type=float, default=60.0)
     ap.add_argument("--victim", type=int, default=2)
     ap.add_argument("--idle", type=float, default=3.0)
+    ap.add_argument("--flood", type=int, default=0, help="hostile: how many 4 MiB keys to write")
     ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)

@@ -443,14 +443,31 @@ class GroupRuntime:
         """Worker rank 0's result header of command n; the root cause of a failure, raised, otherwise. Never
         blocks longer than one look at the store: every rank is watched meanwhile."""
         t0 = time.monotonic()
+        hint = 0
         while True:
             rep = self.ctl.peek(f"res/{g}/{n}")
             if isinstance(rep, dict) and rep.get("pid") == self.members.get(0):
                 return rep
             self._watch()
-            if self.dead or self.state != "ready" or self.ctl.counter(f"failed/{g}") > 0:
+            if self.dead or self.state != "ready":
                 raise self._failure(name, g, n, t0)
+            count = self.ctl.counter(f"failed/{g}")
+            if count != hint:
+                # the counter only says where to look (anyone reaching the store can add to it): a failure is a
+                # signed report from a member
+                hint = count
+                if self._reports(g, n):
+                    raise self._failure(name, g, n, t0)
             self._wait_key(f"res/{g}/{n}", group.POLL)
+
+    def _reports(self, g: int, n: int) -> dict:
+        """{rank: signed error report of command n written by the member itself}."""
+        out = {}
+        for r, pid in self.members.items():
+            rep = self.ctl.peek(f"err/{g}/{n}/{r}")
+            if isinstance(rep, dict) and rep.get("pid") == pid:
+                out[r] = rep
+        return out
 
     def _wait_key(self, key: str, seconds: float):
         """Until key exists or about `seconds` pass: short looks first, so a quick command's result is seen
