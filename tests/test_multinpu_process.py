@@ -156,10 +156,12 @@ def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
     result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", 10)
     for step in ("first", "after_garbage", "after_replay", "after_flood"):
         assert result[step]["ok"] and result[step]["value"] == [3.0] * 4, (step, result[step])
+    assert result["during_forgery"]["ok"] and result["during_forgery"]["value"] == result["pids_before"]["0"], \
+        "a forged result, error report and failure count while a command ran: the real result came back"
     assert result["pids_after"] == result["pids_before"] and result["restarts_after"] == result["restarts_before"]
     assert result["generation_after"] == result["generation_before"]
     log = (tmp_path / "hostile.log").read_text()
     for r in range(3):
         assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/2'" in log  # the garbage, logged once per rank
-        assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/3' (" in log and "signed for 'cmd/1/2'" in log
-    assert "dropped store key 'res/1/2'" in log and "dropped store key 'err/1/2/1'" in log  # the driver's side
+        assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/4' (" in log and "signed for 'cmd/1/3'" in log
+    assert "dropped store key 'res/1/3'" in log and "dropped store key 'err/1/3/1'" in log  # the driver's side

@@ -26,8 +26,8 @@ def test_a_stopped_server_exits_1():
 @pytest.mark.parametrize("st", [_st(state="failed"), _st(state="forming"), _st(state="broken"),
                                 _st(alive=(True, False)), _st(joined=(True, False)), _st(world_size=4)],
                          ids=["failed", "forming", "broken", "rank-dead", "rank-not-joined", "ranks-missing"])
-def test_a_group_that_cannot_run_prompts_exits_3(st):
-    assert service.status_code(st) == 3
+def test_a_group_that_cannot_run_prompts_exits_4(st):
+    assert service.status_code(st) == 4
 
 
 def test_doctor_checks_dev_shm_for_the_process_transport():

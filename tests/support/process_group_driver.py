@@ -227,11 +227,16 @@ def scenario_hostile(rt, args):
     g, n = rt.generation, rt.next_cmd
     evil.set(f"cmd/{g}/{n}", b"\x80\x05garbage that is no pickle")
     evil.set("gen", b"not-a-number")
-    evil.set(f"res/{g}/{n}", b"forged result")
-    evil.set(f"err/{g}/{n}/1", b"forged error")
-    evil.add(f"failed/{g}", 1)
     time.sleep(1.0)  # the workers read the garbage in the slot they wait on
     out["after_garbage"] = _attempt(lambda: _sum(rt))
+
+    def forge(n=n + 1):  # while command n + 1 runs: a forged result, a forged error report, a bumped counter
+        evil.set(f"res/{g}/{n}", b"forged result")
+        evil.set(f"err/{g}/{n}/1", b"forged error")
+        evil.add(f"failed/{g}", 1)
+    _later(0.5, forge)
+    out["during_forgery"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=1.5, steps=1, at=0))
+    n += 1
     copied = evil.get(f"cmd/{g}/{n}")  # a command this service signed, for slot n
     evil.set(f"cmd/{g}/{n + 1}", copied)  # replayed into the next slot
     time.sleep(1.0)

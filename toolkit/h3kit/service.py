@@ -945,11 +945,11 @@ def status(root: Path, *, timeout: float = 3.0, comfy_home: str | os.PathLike | 
 
 def status_code(st: dict) -> int:
     """status's exit code: 0 running (and, with the process transport, its group able to run prompts), 1 not
-    running, 3 running while its group cannot run prompts (failed, re-forming, a rank down)."""
+    running, 4 running while its group cannot run prompts (failed, re-forming, a rank down)."""
     if not st["running"]:
         return 1
     if st.get("group") is not None and not group.ready(st["group"], st["group"].get("node_rank") or 0)[0]:
-        return 3
+        return 4
     return 0
 
 

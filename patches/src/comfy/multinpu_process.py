@@ -127,6 +127,9 @@ class GroupRuntime:
         self.ctl = group.Control(store, self.signer)
         self.ctl.put("layout", spec.layout())
         self._mon = group.Control(group.connect_store(spec.master_addr, self.port, spec.timeout), self.signer)
+        # the connection a command's result is waited on with, one command at a time
+        self._waiter = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store(spec.master_addr, self.port,
+                                                                                             spec.timeout))
         self._local = group.LocalWorkers(spec, self.key, range(spec.local_size))
         self._thread = threading.Thread(target=self._monitor, name="multinpu-monitor", daemon=True)
         self._thread.start()
@@ -440,25 +443,49 @@ class GroupRuntime:
             group.shm_remove(out)
 
     def _await(self, name: str, g: int, n: int) -> dict:
-        """Worker rank 0's result header of command n; the root cause of a failure, raised, otherwise. Never
-        blocks longer than one look at the store: every rank is watched meanwhile."""
+        """Worker rank 0's result header of command n; the root cause of a failure, raised, otherwise. A thread
+        blocks in a store wait for the result (so it is seen the moment it is written); this thread watches
+        every rank meanwhile, ten times a second, and never blocks longer than that."""
+        key = f"res/{g}/{n}"
+        arrived = threading.Event()
+
+        def wait():
+            try:
+                self._waiter.wait([key], group.td(365 * 24 * 3600.0))
+            except Exception:
+                pass
+            arrived.set()
+        waiter = threading.Thread(target=wait, name="multinpu-result", daemon=True)
+        waiter.start()
         t0 = time.monotonic()
         hint = 0
-        while True:
-            rep = self.ctl.peek(f"res/{g}/{n}")
-            if isinstance(rep, dict) and rep.get("pid") == self.members.get(0):
-                return rep
-            self._watch()
-            if self.dead or self.state != "ready":
-                raise self._failure(name, g, n, t0)
-            count = self.ctl.counter(f"failed/{g}")
-            if count != hint:
-                # the counter only says where to look (anyone reaching the store can add to it): a failure is a
-                # signed report from a member
-                hint = count
-                if self._reports(g, n):
+        try:
+            while True:
+                if arrived.is_set() or not waiter.is_alive():
+                    rep = self.ctl.peek(key)
+                    if isinstance(rep, dict) and rep.get("pid") == self.members.get(0):
+                        return rep
+                self._watch()
+                if self.dead or self.state != "ready":
                     raise self._failure(name, g, n, t0)
-            self._wait_key(f"res/{g}/{n}", group.POLL)
+                count = self.ctl.counter(f"failed/{g}")
+                if count != hint:
+                    # the counter only says where to look (anyone reaching the store can add to it): a failure is
+                    # a signed report from a member
+                    hint = count
+                    if self._reports(g, n):
+                        raise self._failure(name, g, n, t0)
+                if arrived.is_set():
+                    time.sleep(group.POLL)  # something unsigned sits in the result's slot: look again shortly
+                else:
+                    arrived.wait(0.1)
+        finally:
+            if not arrived.is_set():
+                try:
+                    self.ctl.put(key, {"abandoned": True})  # wakes the waiting thread
+                except Exception:
+                    pass
+            waiter.join(5.0)
 
     def _reports(self, g: int, n: int) -> dict:
         """{rank: signed error report of command n written by the member itself}."""
@@ -468,15 +495,6 @@ class GroupRuntime:
             if isinstance(rep, dict) and rep.get("pid") == pid:
                 out[r] = rep
         return out
-
-    def _wait_key(self, key: str, seconds: float):
-        """Until key exists or about `seconds` pass: short looks first, so a quick command's result is seen
-        within a millisecond or two (a store wait with a timeout would log a warning each time it expires)."""
-        deadline = time.monotonic() + seconds
-        pause = 0.0005
-        while time.monotonic() < deadline and not self.ctl.has(key):
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
 
     def _failure(self, name: str, g: int, n: int, t0: float) -> BaseException:
         """The first error of a failed command (a rank's own exception before a death, a death before the

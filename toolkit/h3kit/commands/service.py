@@ -203,7 +203,7 @@ def restart(comfy_home, runtime_root, force, grace, timeout, as_json):
 def status(comfy_home, runtime_root, as_json):
     """Show whether the server runs, its devices and its queue.
 
-    Exits 0 when the recorded process runs, 1 when it does not, 3 when it runs with the process transport
+    Exits 0 when the recorded process runs, 1 when it does not, 4 when it runs with the process transport
     but its group cannot run prompts now (failed, re-forming, a rank down).
     """
     root = service.runtime_root(comfy_home, runtime_root)
