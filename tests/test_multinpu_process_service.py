@@ -9,7 +9,10 @@ prompt runs; the whole H3 pipeline on the 4-rank group (DiT sequence parallel, t
 VAE decode) matches npu_count 1; a worker SIGKILLed mid-prompt fails that prompt at once naming its rank and
 the whole group is replaced by fresh processes on both hosts; an interrupted prompt is followed by one that runs; stop leaves no process behind.
 Node 1's workers start with H3KIT_MULTINPU_FAULT=dit_forward:oom:TRIGGER: while the OOM test holds the file
-TRIGGER, their DiT forwards ask for an impossible allocation (the allocator's own error).
+TRIGGER, their DiT forwards ask for an impossible allocation (the allocator's own error); node 0's raise in the
+text encoder's and the VAE decode's programs while their own trigger files exist. Both hosts run with
+H3KIT_EMULATE_NO_RELEASE=1 (HCCL's and NCCL's semantics: a failed rank releases no peer before the group
+timeout, 300 s here), so every failure below is bounded by the runtime, not by gloo.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class Group:
         self.root0, self.root1 = home / ".h3kit" / "run", home1 / ".h3kit" / "run"
         self.key = os.urandom(32).hex()
         self.oom_trigger = home1.parent / "oom-trigger"
+        self.te_trigger = home1.parent / "te-trigger"
+        self.vae_trigger = home1.parent / "vae-trigger"
 
     def node_args(self, node: int):
         args = ["--comfy-home", self.home if node == 0 else self.home1, "--devices", "0,1", "--device-type", "cpu",
@@ -56,7 +61,7 @@ class Group:
         return args + (["--port", self.port] if node == 0 else [])
 
     def env(self, **extra):
-        return dict(os.environ, H3KIT_GROUP_KEY=self.key, **extra)
+        return dict(os.environ, H3KIT_GROUP_KEY=self.key, H3KIT_EMULATE_NO_RELEASE="1", **extra)
 
     def record(self) -> service.Record:
         return service.read_record(self.root0)
@@ -90,7 +95,8 @@ def group(tree, comfy_python):
     shutil.copytree(tree, home1, symlinks=True,  # not the checkpoints: its workers load node 0's by path
                     ignore=lambda d, names: [n for n in names if n == ".git" or (d == str(tree) and n in ("models", "output"))])
     g = Group(tree, comfy_python, free_port(8600, 8619), free_port(29500, 29599), home1)
-    nodes = [h3kit("start", *g.node_args(0), env=g.env()),
+    faults0 = f"te_forward:raise:{g.te_trigger},vae_decode:raise:{g.vae_trigger}"
+    nodes = [h3kit("start", *g.node_args(0), env=g.env(H3KIT_MULTINPU_FAULT=faults0)),
              h3kit("start", *g.node_args(1), env=g.env(H3KIT_MULTINPU_FAULT=f"dit_forward:oom:{g.oom_trigger}"))]
     try:
         outs = [p.communicate(timeout=BOOT + 60) for p in nodes]
@@ -196,6 +202,45 @@ def test_an_oom_on_a_worker_reaches_comfyui_as_an_oom(group):
     assert time.monotonic() - t0 < PROMPT
     status = finished(group, submit(group, prompt(4, "after_oom")))
     assert status["status_str"] == "success", status
+
+
+def _costs_one_prompt(group, trigger, program, p):
+    """A prompt whose `program` raises on node 0's ranks fails, naming the rank, well before the group timeout;
+    the next prompt runs with nobody acting, on fresh workers; the server lives on."""
+    server = group.status(0)["pid"]
+    before = {r["rank"]: r["pid"] for r in group.ranks()}
+    trigger.touch()
+    t0 = time.monotonic()
+    try:
+        status = finished(group, submit(group, p))
+    finally:
+        trigger.unlink()
+    seconds = time.monotonic() - t0
+    err = error_of(status)
+    assert err["exception_type"].endswith("RankFailed"), err
+    message = err["exception_message"]
+    assert ("rank 0 (cpu, node 0), host " in message or "rank 1 (cpu, node 0), host " in message), message
+    assert f"injected failure in {program}" in message, message
+    assert seconds < 60, f"{seconds:.1f} s: bounded by the runtime, not the 300 s group timeout"
+    status = finished(group, submit(group, prompt(4, f"after_{program}")))
+    assert status["status_str"] == "success", status
+    assert group.status(0)["pid"] == server
+    after = {r["rank"]: r["pid"] for r in group.ranks()}
+    assert not set(before.values()) & set(after.values()), "every rank is a fresh process"
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in before.values() if pid_running(p)], timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def test_an_exception_in_the_text_encoder_costs_one_prompt(group):
+    p = prompt(4, "te_fault")
+    for node in p.values():
+        if node["class_type"] == "MiniMaxH3ImageToVideo":
+            node["inputs"]["prompt"] += " (te fault)"  # a new text: the encoder runs, not ComfyUI's cache
+    _costs_one_prompt(group, group.te_trigger, "te_forward", p)
+
+
+def test_an_exception_in_the_vae_decode_costs_one_prompt(group):
+    _costs_one_prompt(group, group.vae_trigger, "vae_decode", prompt(4, "vae_fault"))
 
 
 def test_the_whole_pipeline_on_four_ranks_matches_one_device(group):

@@ -53,8 +53,9 @@ RANK_ENV = "H3KIT_RANK"
 LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
 PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
-# Fault injection, for tests and acceptance runs: "PROGRAM:oom:PATH" makes a worker's run of PROGRAM ask for an
-# impossible allocation (the CPU or device allocator's own out-of-memory error) while the file PATH exists.
+# Fault injection, for tests and acceptance runs, a comma-separated list: "PROGRAM:oom:PATH" makes a worker's run
+# of PROGRAM ask for an impossible allocation (the CPU or device allocator's own out-of-memory error) while the
+# file PATH exists; "PROGRAM:raise:PATH" makes it raise a RuntimeError.
 FAULT_ENV = "H3KIT_MULTINPU_FAULT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -580,11 +581,14 @@ class LocalWorkers:
                 self.spawn(rank)
         return ended
 
-    def kill(self, rank: int, why: str):
+    def kill(self, rank: int, why: str, recycle: bool = False):
+        """SIGKILL one worker; recycle: as part of replacing the whole group (not counted as a crash)."""
         proc = self.procs.get(rank)
         if proc is not None and proc.poll() is None:
             logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {proc.pid}): {why}")
             self.killed[rank] = why
+            if recycle:
+                self.recycled.add(rank)
             proc.kill()
 
     def recycle(self, why: str):
@@ -870,12 +874,16 @@ def _post_result(ctl: Control, header: dict, g: int, n: int, result):
 
 
 def _inject_fault(context: WorkerContext, name: str):
-    fault = os.environ.get(FAULT_ENV, "")
-    program, _, rest = fault.partition(":")
-    kind, _, trigger = rest.partition(":")
-    if program == name and kind == "oom" and trigger and os.path.exists(trigger):
-        logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
-        torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
+    for fault in os.environ.get(FAULT_ENV, "").split(","):
+        program, _, rest = fault.partition(":")
+        kind, _, trigger = rest.partition(":")
+        if program != name or not trigger or not os.path.exists(trigger):
+            continue
+        if kind == "oom":
+            logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
+            torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
+        if kind == "raise":
+            raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
 
 
 def _free_memory(context: WorkerContext):
@@ -972,8 +980,8 @@ class Agent:
                     ctl.put(f"exit/{rank}", {"pid": pid, "reason": reason})
                 for rank in local.ranks:
                     req = ctl.peek(f"kill/{rank}")
-                    if req is not None and req.get("pid") == local.pid(rank):
-                        local.kill(rank, req.get("why", "rank 0 asked"))
+                    if isinstance(req, dict) and req.get("pid") == local.pid(rank):
+                        local.kill(rank, req.get("why", "the driver asked"), recycle=bool(req.get("abort")))
                 if time.monotonic() - last_write > 1.0:
                     state = ctl.peek("state") or {"state": "starting"}
                     self._write(local, state.get("state"), state.get("error"), state)

@@ -105,7 +105,7 @@ class GroupRuntime:
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
         self._remote_exits = {}        # rank -> last exit report read
-        self._retired = set()          # pids of aborted generations: never members again
+        self._retired = set()          # (pid, start time) of aborted generations' workers: never members again
         self._aborted = set()
         self._failed_at = 0.0
         self._token = uuid.uuid4().hex[:12]
@@ -268,8 +268,16 @@ class GroupRuntime:
                 pid = info.get("pid") if isinstance(info, dict) else None
                 if exited is not None and exited.get("pid") == pid:
                     pid = None
-            out[rank] = None if pid in self._retired else pid
+            out[rank] = None if pid is not None and self._identity(rank, pid) in self._retired else pid
         return out
+
+    def _identity(self, rank: int, pid: int) -> tuple:
+        """(pid, start time) of a rank's worker: what is retired after an abort (the OS may reuse a pid)."""
+        if self.spec.node_of(rank) == 0:
+            info = self._local.info.get(rank) or {}
+        else:
+            info = self._mon.peek(f"worker/{rank}") or {}
+        return (pid, info.get("create_time") if isinstance(info, dict) and info.get("pid") == pid else None)
 
     def _missing(self, ranks) -> str:
         """Who is missing, by node where a whole node is."""
@@ -304,17 +312,18 @@ class GroupRuntime:
             return
         self._aborted.add(g)
         members, self.members = dict(self.members), {}
-        self._retired.update(pid for pid in members.values() if pid is not None)
+        self._retired.update(self._identity(r, pid) for r, pid in members.items() if pid is not None)
         try:
             self.ctl.put(f"abort/{g}", {"why": why})
             for rank, pid in members.items():
                 if self.spec.node_of(rank) != 0:
-                    self._mon.put(f"kill/{rank}", {"pid": pid, "why": f"generation {g} aborted: {why}"})
+                    self._mon.put(f"kill/{rank}", {"pid": pid, "why": f"generation {g} aborted: {why}", "abort": True})
         except Exception as e:
             logging.warning(f"MultiNPU: could not post the abort of generation {g}: {e}")
-        self._local.recycle(f"generation {g} aborted: {why}")
         # this host's workers that had not joined yet are replaced too: fresh means after the failure
-        self._retired.update(pid for pid in (self._local.pid(r) for r in self._local.ranks) if pid is not None)
+        self._retired.update(self._identity(r, self._local.pid(r)) for r in self._local.ranks
+                             if self._local.pid(r) is not None)
+        self._local.recycle(f"generation {g} aborted: {why}")
         self._put_state()
         logging.warning(f"MultiNPU: generation {g} aborted ({why}); every rank is replaced by a fresh process")
 

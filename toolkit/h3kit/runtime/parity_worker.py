@@ -36,14 +36,14 @@ fault drops rank 0's share of every reduction and corrupts the layer hand-overs.
 latents of 1 to 27 frames (1 to 5 temporal chunks, 2x2 spatial tiles in one) and an audio latent; gate
 max_abs == 0. The chunks fault zeroes every chunk another device decoded.
 
---transport process: this script becomes rank 0 of a process group of N processes (comfy.multinpu_process:
-one worker per other device, started from the tree with this interpreter, gloo on CPU, hccl/nccl on
-devices) and the node runs every component over it; the workers load the same checkpoint files, which
-therefore stay on disk for the whole run (in --out's folder). The DiT faults travel to the workers with
-each forward (h3kit.runtime.parity_worker._DitFault, importable there) and their strikes come back with
-the bytes each rank received; a worker's LoRA is proven by the digest check before the first forward, so
-its lora_ranks verdict is rank 0's and the lora faults (which break a device copy in this process) do not
-apply. bf16 rows need this process's CPU-only loader patch and run with the thread transport only.
+--transport process: this script drives a process group of N worker processes, as the server does
+(comfy.multinpu_process: one worker per device, rank 0 included, started from the tree with this
+interpreter, gloo on CPU, hccl/nccl on devices) and the node runs every component over it; the workers load
+the same checkpoint files, which therefore stay on disk for the whole run (in --out's folder). The DiT
+faults travel to the workers with each forward (h3kit.runtime.parity_worker._DitFault, importable there) and
+their strikes come back with the bytes each rank received; so does the LoRA probe (_WeightProbe): every
+rank's lora_ranks verdict is its own weights'. The lora faults (which break a device copy in this process)
+do not apply. bf16 rows need this process's CPU-only loader patch and run with the thread transport only.
 
 The JSON written to --out: {"ok", "rows": [...], "config": {...}} or {"ok": false, "error"}; each row has
 "pass" and, when it failed, the reasons in "failed".
@@ -111,7 +111,7 @@ AUDIO_LATENT_T = 10
 
 
 def _start_group(args):
-    """--transport process: this process becomes rank 0 of N processes (the workers import the tree)."""
+    """--transport process: this process drives N worker processes (they import the tree)."""
     if args.transport != "process":
         return None
     import comfy.model_management
