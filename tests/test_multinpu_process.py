@@ -165,3 +165,21 @@ def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
         assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/2'" in log  # the garbage, logged once per rank
         assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/4' (" in log and "signed for 'cmd/1/3'" in log
     assert "dropped store key 'res/1/3'" in log and "dropped store key 'err/1/3/1'" in log  # the driver's side
+
+
+def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
+    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics:
+    the command fails naming a rank of node 1, the next fails at once naming the lost node instead of holding
+    the queue for the join timeout, and once the agent is started again the group forms by itself."""
+    result = drive(tmp_path, "agent_lost", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
+                   "--join-timeout", 120, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+    assert result["first"]["ok"]
+    kind, message, seconds = error_of(result["lost"])
+    assert kind == "RankDied" and ("rank 2 (cpu, node 1)" in message or "rank 3 (cpu, node 1)" in message), message
+    assert seconds < 30
+    kind, message, seconds = error_of(result["while_lost"])
+    assert "node 1 (ranks 2, 3) is lost" in message and "--node-rank 1" in message and seconds < 30, message
+    assert result["state_while_lost"] == "failed"
+    assert result["after"]["ok"] and result["after"]["value"] == [6.0] * 4
+    assert result["driver_pid_after"] == result["driver_pid"]
+    assert not set(result["pids_before"].values()) & set(result["pids_after"].values())

@@ -255,6 +255,62 @@ def scenario_hostile(rt, args):
     return out
 
 
+def start_agent(rt, node=1):
+    """Node `node`'s agent (`python -m comfy.multinpu_group`) of this group, as another host would run it."""
+    import json as _json
+    import subprocess
+    spec = _json.loads(rt.spec.to_json())
+    spec.update(node_rank=node, master_port=rt.port, runtime_root=None)
+    env = dict(os.environ, **{group.GROUP_ENV: _json.dumps(spec)})
+    return subprocess.Popen([sys.executable, "-B", "-m", "comfy.multinpu_group"], env=env, stdin=subprocess.DEVNULL)
+
+
+def scenario_agent_lost(rt, args):
+    """Two nodes: node 1's agent is SIGKILLed (its workers die with it) while a command runs; then it is started
+    again and the group must come back by itself."""
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    agent = AGENT[0]
+    _later(1.0, lambda: os.kill(agent.pid, signal.SIGKILL))
+    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    agent.wait(10)
+    out["while_lost"] = _attempt(lambda: _sum(rt))  # fails fast: the host is known lost
+    out["state_while_lost"] = rt.state
+    AGENT[0] = start_agent(rt)
+    t0 = time.monotonic()
+    while rt.state != "ready" and time.monotonic() - t0 < 120:
+        time.sleep(0.2)
+    out["back_after"] = time.monotonic() - t0
+    out["after"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["driver_pid_after"] = os.getpid()
+    return out
+
+
+AGENT = [None]
+
+
+def scenario_launcher_lost(rt, args):
+    """Two nodes, torchrun on each: node 1's torchrun (its agent's child) is SIGKILLed while a command runs (its
+    workers die with it); its agent starts it again and the group comes back with nobody acting."""
+    import psutil
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    launcher = [p for p in psutil.Process(AGENT[0].pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+    out["launcher_pid"] = launcher[0].pid
+    _later(1.0, lambda: os.kill(launcher[0].pid, signal.SIGKILL))
+    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    t0 = time.monotonic()
+    out["next"] = _attempt(lambda: _sum(rt))
+    while not out["next"]["ok"] and time.monotonic() - t0 < 120:  # the report says whether one try sufficed
+        out.setdefault("retries", 0)
+        out["retries"] += 1
+        time.sleep(1.0)
+        out["next"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["driver_pid_after"] = os.getpid()
+    out["agent_alive"] = AGENT[0].poll() is None
+    return out
+
+
 def scenario_all(rt, args):
     """The one-host scenarios one after the other, in one group (each leaves it usable for the next)."""
     out = {}
@@ -281,6 +337,8 @@ def main(argv=None):
     ap.add_argument("--victim", type=int, default=2)
     ap.add_argument("--idle", type=float, default=3.0)
     ap.add_argument("--flood", type=int, default=0, help="hostile: how many 4 MiB keys to write")
+    ap.add_argument("--launcher", default="h3kit", choices=group.LAUNCHERS)
+    ap.add_argument("--agent", action="store_true", help="start node 1's agent (two nodes)")
     ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
@@ -288,12 +346,14 @@ def main(argv=None):
     os.environ.setdefault(group.KEY_ENV, group.new_key())
     spec = group.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
                         master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,
-                        runtime_root=args.root, worker_module="process_group_worker")
+                        runtime_root=args.root, worker_module="process_group_worker", launcher=args.launcher)
     result = {"scenario": args.scenario}
     t0 = time.monotonic()
     try:
         rt = mp.start_runtime(spec, os.environ[group.KEY_ENV])
         result["port"] = rt.port
+        if args.agent:
+            AGENT[0] = start_agent(rt)
         Path(args.out + ".port").write_text(str(rt.port))
         form = _attempt(lambda: mp.wait_ready(rt, args.join_timeout + 5))
         result["form"] = form
@@ -307,6 +367,9 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     time.sleep(args.hold)
     mp.stop_runtime()
+    if AGENT[0] is not None:
+        AGENT[0].terminate()
+        AGENT[0].wait(10)
     sys.stdout.flush()
     os._exit(0)
 

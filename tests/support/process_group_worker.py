@@ -89,7 +89,7 @@ def _uses_config(context, comm, payload):
 def main():
     mp.die_with_parent()
     spec = mp.GroupSpec.from_json(os.environ[mp.GROUP_ENV])
-    rank = int(os.environ[mp.RANK_ENV])
+    rank = mp.rank_from_environment(spec)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stdout)
     freed = []
     context = mp.WorkerContext(spec, rank, "cpu")

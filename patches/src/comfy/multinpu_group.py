@@ -59,6 +59,9 @@ HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
 FAULT_ENV = "H3KIT_MULTINPU_FAULT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+LAUNCHERS = ("h3kit", "torchrun")    # who starts and restarts a host's workers: LocalWorkers or TorchrunWorkers
+RDZV_READ_TIMEOUT = 15              # seconds: torchrun's c10d rendezvous store reads (its default is 60)
+TORCHRUN_MAX_RESTARTS = 1000         # torchrun's restart limit; the driver restarts torchrun itself past it
 WORKER_MODULE = "comfy.multinpu_worker"
 RANKS_FILE = "ranks.json"
 STORE_PREFIX = "h3kit"
@@ -118,11 +121,13 @@ class GroupSpec:
     """
 
     FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
-              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module")
+              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher")
 
     def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
                  master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
-                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE):
+                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE, launcher="h3kit"):
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"MultiNPU: launcher {launcher!r} is not one of {LAUNCHERS}")
         if device_type not in BACKENDS:
             raise ValueError(f"MultiNPU: device type {device_type!r} is not one of {sorted(BACKENDS)}")
         if not (nnodes >= 1 and 0 <= node_rank < nnodes and local_size >= 1):
@@ -139,6 +144,7 @@ class GroupSpec:
         self.runtime_root = runtime_root
         self.worker_args = list(worker_args)
         self.worker_module = worker_module
+        self.launcher = launcher
 
     @property
     def world_size(self) -> int:
@@ -445,6 +451,14 @@ def shm_remove(path):
 
 # ---- local worker processes ------------------------------------------------------------------------
 
+def rank_from_environment(spec: GroupSpec) -> int:
+    """This worker's rank: H3KIT_RANK (LocalWorkers), else the host's node rank and torchrun's LOCAL_RANK (h3kit
+    numbers ranks host by host; torchrun's own RANK follows its rendezvous order, which may differ)."""
+    if os.environ.get(RANK_ENV):
+        return int(os.environ[RANK_ENV])
+    return spec.rank_of(spec.node_rank, int(os.environ["LOCAL_RANK"]))
+
+
 def die_with_parent():
     """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
     parent = int(os.environ.get(PARENT_ENV, "0") or 0)
@@ -619,6 +633,147 @@ class LocalWorkers:
         for rank, p in self.procs.items():
             if p.poll() is not None:
                 self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
+
+
+class TorchrunWorkers:
+    """This host's workers, launched and restarted by torchrun (`python -m torch.distributed.run`, the elastic
+    agent): c10d rendezvous at the master address on master_port + 1 (the control store holds master_port),
+    --max-restarts, --monitor-interval 0.5. On any worker's failure torchrun restarts every worker of the group,
+    on every host; h3kit kills workers (SIGKILL, a stopped one too) to make it do so. The same interface as
+    LocalWorkers; the workers' pids come from their signed announcements in the store. The driver runs one for
+    node 0, each other host's agent one for its node (not wired into `h3kit start` yet: GroupSpec.launcher)."""
+
+    def __init__(self, spec: GroupSpec, key: str, local_ranks, ctl, cwd=None, python=None):
+        self.spec = spec
+        self.key = key
+        self.ctl = ctl
+        self.cwd = cwd or os.getcwd()
+        self.python = python or sys.executable
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
+        self.proc = None
+        self.failed = {}
+        self.recycled = set()
+        self.seen = {}       # rank -> (pid, create_time) of the announced worker last looked at
+        self.info = {r: {"rank": r, "node": spec.node_rank, "local_rank": r % spec.local_size,
+                         "host": socket.gethostname(), "device": spec.device_name(r), "pid": None,
+                         "create_time": None, "cmdline": [], "alive": False, "restarts": 0, "last_exit": None,
+                         "incarnation": 0} for r in self.ranks}
+        self.starts = 0
+        self.exits = collections.deque()
+        self.stopping = False
+
+    def argv(self) -> list:
+        s = self.spec
+        return [self.python, "-B", "-m", "torch.distributed.run", "--nnodes", str(s.nnodes), "--node-rank",
+                str(s.node_rank), "--nproc-per-node", str(s.local_size), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{s.master_addr}:{s.master_port + 1}", "--rdzv-id", "h3kit",
+                # node 0 hosts the rendezvous store (on one machine every node's address would match)
+                # read_timeout bounds a rendezvous that a lost and restarted host's new torchrun cannot complete
+                # (it starts at round 0 while the others wait in their restart round): torchrun then exits and is
+                # started again here, on every host
+                "--rdzv-conf", f"is_host={'true' if s.node_rank == 0 else 'false'},read_timeout={RDZV_READ_TIMEOUT}",
+                "--max-restarts", str(TORCHRUN_MAX_RESTARTS), "--monitor-interval", "0.5",
+                "-m", s.worker_module, *s.worker_args]
+
+    def start(self):
+        env = dict(os.environ)
+        env[GROUP_ENV] = self.spec.to_json()
+        env[KEY_ENV] = self.key
+        for k in (RANK_ENV, LOCAL_RANK_ENV, PARENT_ENV, "H3KIT_SIM_DEVICES"):
+            env.pop(k, None)
+        env["PYTHONUNBUFFERED"] = "1"
+        threads = cpu_threads(self.spec)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        # nothing is killed that h3kit did not decide to kill: the driver ends a command on a failed rank and
+        # replaces the group; NCCL's watchdog must not take a worker down on its own timer first
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        self.starts += 1
+        logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
+
+    def _announced(self, rank: int):
+        info = self.ctl.peek(f"worker/{rank}")
+        if not isinstance(info, dict) or not _alive(info.get("pid"), info.get("create_time")):
+            return None
+        return info
+
+    def poll(self) -> list:
+        ended = []
+        for rank in self.ranks:
+            info = self._announced(rank)
+            old = self.seen.get(rank)
+            if old is not None and (info is None or (info["pid"], info.get("create_time")) != old):
+                why = "killed by h3kit (the group is replaced)" if rank in self.recycled else "exited"
+                self.recycled.discard(rank)
+                reason = f"{why}; torchrun restarts the group"
+                self.info[rank].update(alive=False, last_exit=reason)
+                ended.append((rank, old[0], reason))
+                self.seen.pop(rank)
+            if info is not None and self.seen.get(rank) != (info["pid"], info.get("create_time")):
+                self.seen[rank] = (info["pid"], info.get("create_time"))
+                self.info[rank].update({k: info.get(k) for k in ("pid", "create_time", "cmdline", "host")},
+                                       alive=True)
+                self.info[rank]["restarts"] = self.info[rank]["incarnation"]
+                self.info[rank]["incarnation"] += 1
+        if self.proc is not None and self.proc.poll() is not None and not self.failed and not self.stopping:
+            # torchrun itself ended (killed, past --max-restarts, its rendezvous failed): start it again, unless
+            # it keeps ending
+            reason = _exit_reason(self.proc.returncode)
+            now = time.monotonic()
+            self.exits.append(now)
+            while self.exits and now - self.exits[0] > CRASH_WINDOW:
+                self.exits.popleft()
+            if len(self.exits) > CRASH_LIMIT:
+                self.failed[self.ranks[0]] = (f"torchrun ended {len(self.exits)} times within {CRASH_WINDOW:g} s "
+                                              f"(last: pid {self.proc.pid} {reason}); not started again")
+                logging.error(f"MultiNPU: {self.failed[self.ranks[0]]}")
+            else:
+                logging.warning(f"MultiNPU: torchrun (pid {self.proc.pid}) {reason}; starting it again")
+                self.start()
+        return ended
+
+    def pid(self, rank: int):
+        info = self._announced(rank)
+        return info["pid"] if info else None
+
+    def kill(self, rank: int, why: str, recycle: bool = False):
+        info = self._announced(rank)
+        if info is None:
+            return
+        logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {info['pid']}): {why}")
+        if recycle:
+            self.recycled.add(rank)
+        try:
+            os.kill(info["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def recycle(self, why: str):
+        for rank in self.ranks:
+            self.kill(rank, why, recycle=True)
+
+    def stop(self, grace: float = 5.0):
+        self.stopping = True
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # torchrun stops its workers
+        try:
+            self.proc.wait(grace + 10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5.0)
+
+
+def _alive(pid, create_time) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        import psutil
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and (create_time is None or abs(p.create_time() - create_time) < 0.01)
+    except Exception:
+        return False
 
 
 def write_ranks_file(root, data: dict):
@@ -970,7 +1125,10 @@ class Agent:
         spec = self.spec
         ctl.put(f"node/{spec.node_rank}", {"pid": os.getpid(), "host": socket.gethostname(),
                                            "local_size": spec.local_size})
-        local = LocalWorkers(spec, self.key, range(spec.local_size))
+        if spec.launcher == "torchrun":
+            local = TorchrunWorkers(spec, self.key, range(spec.local_size), ctl)
+        else:
+            local = LocalWorkers(spec, self.key, range(spec.local_size))
         local.start()
         logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
         last_write = 0.0
@@ -983,6 +1141,7 @@ class Agent:
                     if isinstance(req, dict) and req.get("pid") == local.pid(rank):
                         local.kill(rank, req.get("why", "the driver asked"), recycle=bool(req.get("abort")))
                 if time.monotonic() - last_write > 1.0:
+                    ctl.counter(f"agent_hb/{spec.node_rank}", 1)  # the driver tells a lost host by its silence
                     state = ctl.peek("state") or {"state": "starting"}
                     self._write(local, state.get("state"), state.get("error"), state)
                     last_write = time.monotonic()

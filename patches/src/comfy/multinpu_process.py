@@ -102,6 +102,7 @@ class GroupRuntime:
         self._stop = threading.Event()
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
+        self._agent_hb = {}            # node -> (agent heartbeat counter, monotonic time it last changed)
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
         self._remote_exits = {}        # rank -> last exit report read
@@ -130,7 +131,10 @@ class GroupRuntime:
         # the connection a command's result is waited on with, one command at a time
         self._waiter = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store(spec.master_addr, self.port,
                                                                                              spec.timeout))
-        self._local = group.LocalWorkers(spec, self.key, range(spec.local_size))
+        if spec.launcher == "torchrun":
+            self._local = group.TorchrunWorkers(spec, self.key, range(spec.local_size), self._mon)
+        else:
+            self._local = group.LocalWorkers(spec, self.key, range(spec.local_size))
         self._thread = threading.Thread(target=self._monitor, name="multinpu-monitor", daemon=True)
         self._thread.start()
         logging.info(f"MultiNPU: process group of {self.world_size} worker ranks ({spec.backend}) driven from "
@@ -361,12 +365,37 @@ class GroupRuntime:
         logging.info(f"MultiNPU: process group generation {g} ready: {self.world_size} ranks "
                      f"(pids {', '.join(str(members[r]) for r in sorted(members))})")
 
+    def _agent_gone(self, node: int):
+        """Seconds since node's agent last beat, when it beat once and has been silent for HEARTBEAT_STALE
+        (the host or its agent is lost); else None."""
+        count = self._mon.counter(f"agent_hb/{node}")
+        now = time.monotonic()
+        last = self._agent_hb.get(node)
+        if last is None or last[0] != count:
+            self._agent_hb[node] = (count, now)
+            return None
+        silent = now - last[1]
+        return silent if count > 0 and silent > group.HEARTBEAT_STALE else None
+
     def _wait_members(self, deadline: float) -> dict:
         def attempt():
             if self._local.failed:
                 raise group.GroupError(f"MultiNPU: the process group failed: {self.error}")
             announced = self._announced()
-            return announced if all(pid is not None for pid in announced.values()) else None
+            if all(pid is not None for pid in announced.values()):
+                return announced
+            for node in sorted({self.spec.node_of(r) for r, pid in announced.items() if pid is None} - {0}):
+                silent = self._agent_gone(node)
+                if silent is not None:
+                    # fail now rather than hold the queue for the join timeout; the monitor forms the group by
+                    # itself once the host's ranks are back
+                    ranks = [r for r in range(self.world_size) if self.spec.node_of(r) == node]
+                    message = (f"MultiNPU: node {node} (ranks {', '.join(map(str, ranks))}) is lost: its agent has "
+                               f"not been heard from for {silent:.0f} s. Fix: start it there again (h3kit start "
+                               f"--nnodes {self.spec.nnodes} --node-rank {node} ...); the group re-forms by itself")
+                    self._fail(message)
+                    raise group.GroupError(message)
+            return None
         return self._poll(deadline, attempt,
                           lambda: self._missing([r for r, pid in self._announced().items() if pid is None]))
 
@@ -528,7 +557,7 @@ class GroupRuntime:
                 break
             time.sleep(group.POLL)
         primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
-        dead = sorted(r for r in self.dead if r not in reports)
+        dead = [r for r in self.dead if r not in reports]  # in the order they were seen: the first death first
         if primary:
             r = min(primary, key=lambda r: (primary[r].get("time") or 0, r))
             exc = _rank_exception(self.spec, r, primary[r], name)
