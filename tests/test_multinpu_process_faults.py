@@ -129,3 +129,36 @@ def test_torchrun_two_hosts_node_1s_launcher_killed(tmp_path):
     assert result["next"]["ok"] and result["next"]["value"] == [6.0] * 4 and "retries" not in result, result["next"]
     assert result["driver_pid_after"] == result["driver_pid"] and result["agent_alive"]
     assert not set(result["pids_before"].values()) & set(result["pids_after"].values())
+
+
+def test_torchrun_and_its_workers_end_with_a_killed_driver(tmp_path):
+    """SIGKILL of the server's process (the driver): the idle workers leave when the store goes, torchrun with
+    them (it also gets a parent-death signal, for workers that could not leave); nothing is left behind."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.test_multinpu_process import DRIVER
+    out = tmp_path / "held.json"
+    driver = subprocess.Popen([sys.executable, str(DRIVER), "form_only", "--out", str(out), "--world", "2",
+                               "--launcher", "torchrun", "--port", str(_two_ports()), "--hold", "120"],
+                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        result = json.loads(out.read_text())
+        assert result["form"]["ok"], result
+        workers = [psutil.Process(r["pid"]) for r in result["ranks"]]
+        launcher = {p.parent().pid for p in workers}
+        assert len(launcher) == 1 and "torch.distributed.run" in " ".join(psutil.Process(launcher.pop()).cmdline())
+        procs = workers + [workers[0].parent()]
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+    gone, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"

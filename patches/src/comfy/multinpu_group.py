@@ -688,7 +688,10 @@ class TorchrunWorkers:
         # nothing is killed that h3kit did not decide to kill: the driver ends a command on a failed rank and
         # replaces the group; NCCL's watchdog must not take a worker down on its own timer first
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        # torchrun ends with the process that started it (its SIGTERM handler stops the workers): an orphaned
+        # elastic agent would restart workers that can never reach the driver again
+        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True,
+                                     preexec_fn=_die_with_parent_signal)
         self.starts += 1
         logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
 
@@ -763,6 +766,11 @@ class TorchrunWorkers:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5.0)
+
+
+def _die_with_parent_signal():
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _alive(pid, create_time) -> bool:
