@@ -528,7 +528,8 @@ class LocalWorkers:
         env[LOCAL_RANK_ENV] = str(rank % self.spec.local_size)
         env[PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
-        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever rank 0 simulates
+        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever the server simulates
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # see TorchrunWorkers.start
         threads = cpu_threads(self.spec)
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -685,9 +686,11 @@ class TorchrunWorkers:
         threads = cpu_threads(self.spec)
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
-        # nothing is killed that h3kit did not decide to kill: the driver ends a command on a failed rank and
-        # replaces the group; NCCL's watchdog must not take a worker down on its own timer first
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        # NCCL's watchdog tears a worker down when a collective passes the group timeout (3, torch's default,
+        # chosen explicitly): its death is a failure the driver handles like any other, replacing the group. The
+        # server is never in a collective, so the watchdog can never take the server and its queue down; with 0
+        # a collective stuck on every rank would hang while each rank's heartbeat still beats
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         # torchrun ends with the process that started it (its SIGTERM handler stops the workers): an orphaned
         # elastic agent would restart workers that can never reach the driver again
         self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True,
@@ -965,8 +968,7 @@ def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -
             return False  # the driver gave up on g (a member died): wait for the next one
         time.sleep(POLL)
     try:
-        torch.distributed.init_process_group(spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", base),
-                                             rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+        _init_group(spec, torch.distributed.PrefixStore(f"pg{g}", base), rank, context.device)
         comm = comfy.multinpu.ProcessComm(device=context.device, timeout=spec.timeout)
         total = comm.all_reduce(torch.ones(1, device=context.device))
         if int(total.item()) != spec.world_size:
@@ -977,6 +979,19 @@ def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -
         _leave(REPORTED_EXIT)
     ctl.put(f"up/{g}/{rank}", os.getpid())
     return True
+
+
+def _init_group(spec: GroupSpec, store, rank: int, device: torch.device):
+    """init_process_group with the device bound (device_id: the communicator is created now, on this rank's
+    device, instead of lazily at the first collective; unmeasured on Ascend and CUDA hardware)."""
+    kwargs = dict(store=store, rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+    if device.type != "cpu":
+        try:
+            torch.distributed.init_process_group(spec.backend, device_id=device, **kwargs)
+            return
+        except TypeError:  # a torch (or torch_npu backend) without device_id
+            pass
+    torch.distributed.init_process_group(spec.backend, **kwargs)
 
 
 def _commands(ctl: Control, context: WorkerContext, g: int):
