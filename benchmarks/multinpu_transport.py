@@ -144,7 +144,7 @@ def forward_part(args, tmp):
         wrapper = comfy.multinpu_dit.get_wrapper(proc)
         wrapper.count_bytes = True
         sec, out = _timed(lambda: _forward(proc, x, ctx), args.repeats, dev)
-        empty, _ = _timed(lambda: runtime.run("drop", [], lambda comm: None), args.repeats, dev)
+        empty, _ = _timed(lambda: runtime.run("drop", []), args.repeats, dev)
         rows.append({"npu_count": n, "transport": "process", "seconds_per_forward": sec, "max_rel": max_rel(out),
                      "bytes_per_forward": sum(wrapper.rank_bytes), "rank_bytes_per_forward": wrapper.rank_bytes,
                      "model_bytes_per_forward": model["total"] * 4,
@@ -179,7 +179,7 @@ def pss_child(args):
     n = args.child_count
     out = {"npu_count": n}
     runtime = _start_group(n, args.device_type) if n > 1 else None
-    pids = [os.getpid()] + ([r["pid"] for r in runtime.ranks()[1:]] if runtime else [])
+    pids = [os.getpid()] + ([r["pid"] for r in runtime.ranks()] if runtime else [])  # the server and every rank
     out["pss_idle"] = [_pss(p) for p in pids]
     for folder in set(mem.FOLDERS.values()):
         folder_paths.add_model_folder_path(folder, args.models, is_default=True)

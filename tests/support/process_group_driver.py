@@ -2,8 +2,8 @@
 
     python process_group_driver.py SCENARIO --out FILE [--world N] [--nnodes M] [--port P] [--root DIR]
 
-Starts comfy.multinpu_process.GroupRuntime with process_group_worker.py as the worker program, runs one
-scenario and writes what it observed as JSON. Each scenario is a function below; they measure, they do not
+Starts comfy.multinpu_process.GroupRuntime (the driver, never a rank) with process_group_worker.py as the
+worker program for every rank, runs one scenario and writes what it observed as JSON. Each scenario is a function below; they measure, they do not
 assert (the tests do).
 """
 
@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -46,32 +47,40 @@ def _attempt(fn):
 
 
 def _sum(rt):
-    def body(comm):
-        x = torch.zeros(4)
-        return comfy.multinpu.all_reduce(x, comm).tolist()
-    return rt.run("sum", {"x": torch.zeros(4)}, body)
+    return rt.run("sum", {"x": torch.zeros(4)})
 
 
 def _fail(rt, **payload):
-    return rt.run("fail", payload, lambda comm: comfy.multinpu.barrier(comm))
+    return rt.run("fail", payload)
+
+
+def _pids(rt):
+    return {r["rank"]: r["pid"] for r in rt.ranks()}
 
 
 def scenario_basics(rt, args):
-    out = {"first": _attempt(lambda: _sum(rt))}
-    # payload fidelity: dtypes, shapes, empty and CPU tensors through one header and one broadcast
+    out = {"first": _attempt(lambda: _sum(rt)), "driver_pid": os.getpid()}
+    # payload fidelity: dtypes, shapes, empty and CPU tensors through shared memory, one broadcast and back
     sent = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.tensor([True, False, True]),
             torch.randn(2, 3, 5).to(torch.bfloat16), torch.zeros(0, 7), torch.tensor(3, dtype=torch.int64)]
 
-    def echo(comm):
-        return all(torch.equal(comm.recv(torch.empty_like(t), r), t)
-                   for r in range(1, rt.world_size) for t in sent)
-    out["echo"] = _attempt(lambda: rt.run("echo", {"tensors": sent, "note": "x"}, echo))
+    def echo():
+        got = rt.run("echo", {"tensors": sent, "note": "x"})
+        return got["same"] and got["note"] == "x" and all(
+            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got["tensors"], sent))
+    out["echo"] = _attempt(echo)
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
         _sum(rt)
         times.append(time.perf_counter() - t0)
     out["command_seconds"] = sorted(times)[len(times) // 2]
+    t0 = time.perf_counter()
+    big = rt.run("big", {"mib": 256})
+    out["big"] = {"seconds": time.perf_counter() - t0, "bytes": big.numel() * big.element_size(),
+                  "ok": bool((big == 1.5).all())}
+    del big
+    out["shm_left"] = sorted(n for n in os.listdir(group.shm_dir()) if n.startswith(f"h3kit-{os.getpid()}-"))
     out["generation"] = rt.generation
     out["pids"] = dict(rt.members)
     return out
@@ -83,15 +92,68 @@ def scenario_failures(rt, args):
     out["after_raise"] = _attempt(lambda: _sum(rt))
     out["oom"] = _attempt(lambda: _fail(rt, rank=1, kind="oom"))
     out["after_oom"] = _attempt(lambda: _sum(rt))
-
-    class Interrupted(Exception):
-        pass
-
-    def interrupted(comm):
-        raise Interrupted("interrupted on rank 0")
-    out["rank0"] = _attempt(lambda: rt.run("fail", {"rank": -1, "kind": "raise"}, interrupted))
+    out["rank0"] = _attempt(lambda: _fail(rt, rank=0, kind="raise"))
     out["after_rank0"] = _attempt(lambda: _sum(rt))
     out["generation"] = rt.generation
+    return out
+
+
+def _later(delay, fn):
+    t = threading.Timer(delay, fn)
+    t.daemon = True
+    t.start()
+    return t
+
+
+def _fault(rt, name, args):
+    """One fault while a command runs, then the next command: what each cost, and who was left behind."""
+    last = rt.world_size - 1
+    before = dict(rt.members)
+    out = {"fault": name, "pids_before": before}
+    victim = None
+    if name == "raise_block0":
+        fault = lambda: _fail(rt, rank=last, kind="raise", steps=4, at=0)  # noqa: E731
+    elif name == "raise_later_block":
+        fault = lambda: _fail(rt, rank=last, kind="raise", steps=4, at=3)  # noqa: E731
+    elif name == "oom_last_rank":
+        fault = lambda: _fail(rt, rank=last, kind="oom", steps=4, at=1)  # noqa: E731
+    elif name == "raise_rank0":
+        fault = lambda: _fail(rt, rank=0, kind="raise", steps=4, at=2)  # noqa: E731
+    elif name in ("kill9", "sigstop"):
+        victim = before[1]
+        sig = signal.SIGKILL if name == "kill9" else signal.SIGSTOP
+        _later(1.0, lambda: os.kill(victim, sig))
+        # rank 0 sleeps while the others wait for it in the first all_reduce: the victim dies (or stops) in there
+        fault = lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0)  # noqa: E731
+    else:
+        raise ValueError(name)
+    out["victim_pid"] = victim
+    out["error"] = _attempt(fault)
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["generation"] = rt.generation
+    time.sleep(0.5)
+    out["left_behind"] = [pid for pid in before.values() if _alive(pid)]
+    return out
+
+
+def _alive(pid):
+    try:
+        import psutil
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+FAULTS = ("raise_block0", "raise_later_block", "oom_last_rank", "raise_rank0", "kill9", "sigstop")
+
+
+def scenario_faults(rt, args):
+    """Every fault of FAULTS once (run with H3KIT_EMULATE_NO_RELEASE=1 for HCCL/NCCL's semantics)."""
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt))}
+    for name in (args.faults.split(",") if args.faults else FAULTS):
+        out[name] = _fault(rt, name, args)
+    out["driver_pid_after"] = os.getpid()
     return out
 
 
@@ -99,11 +161,8 @@ def scenario_kill(rt, args):
     out = {}
     victim = rt.members[args.victim]
     out["victim_pid"] = victim
-
-    def killed(comm):
-        os.kill(victim, signal.SIGKILL)
-        comfy.multinpu.barrier(comm)
-    out["killed"] = _attempt(lambda: rt.run("fail", {"rank": args.victim, "kind": "sleep", "seconds": 30}, killed))
+    _later(0.5, lambda: os.kill(victim, signal.SIGKILL))
+    out["killed"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=30, steps=1, at=0))
     out["after_kill"] = _attempt(lambda: _sum(rt))
     out["replacement_pid"] = rt.members.get(args.victim)
     out["generation"] = rt.generation
@@ -132,14 +191,12 @@ def scenario_configs(rt, args):
     out = {}
     digest = {"files": "abc", "options": "def"}
     good = mp.RemoteConfig("config", {"digest": digest, "name": "a.safetensors"}, digest, "model a")
-    out["install"] = _attempt(lambda: rt.run("uses_config", {"id": good.id}, lambda comm: comfy.multinpu.all_reduce(
-        torch.tensor([2.0]), comm).item(), configs=[good]))
+    out["install"] = _attempt(lambda: rt.run("uses_config", {"id": good.id}, configs=[good]))
     out["installed"] = dict(good.installed)
     mismatch = mp.RemoteConfig("config", {"digest": digest, "differ_on": 2}, digest, "model b")
-    out["mismatch"] = _attempt(lambda: rt.run("uses_config", {"id": mismatch.id}, lambda comm: None,
-                                              configs=[mismatch]))
+    out["mismatch"] = _attempt(lambda: rt.run("uses_config", {"id": mismatch.id}, configs=[mismatch]))
     missing = mp.RemoteConfig("config", {"digest": digest, "fail_on": 1, "name": "c.safetensors"}, digest, "model c")
-    out["missing"] = _attempt(lambda: rt.run("uses_config", {"id": missing.id}, lambda comm: None, configs=[missing]))
+    out["missing"] = _attempt(lambda: rt.run("uses_config", {"id": missing.id}, configs=[missing]))
     out["after"] = _attempt(lambda: _sum(rt))
     return out
 
@@ -149,17 +206,108 @@ def scenario_form_only(rt, args):
 
 
 def scenario_remote_kill(rt, args):
-    """Two nodes: kill a worker of node 1 (the agent's) mid-command; the agent replaces it."""
+    """Two nodes: kill a worker of node 1 (the agent's) mid-command; the group is replaced."""
     out = {"first": _attempt(lambda: _sum(rt)), "pids": dict(rt.members)}
     victim = rt.members[rt.world_size - 1]
     out["victim_pid"] = victim
-
-    def killed(comm):
-        os.kill(victim, signal.SIGKILL)
-        comfy.multinpu.barrier(comm)
-    out["killed"] = _attempt(lambda: rt.run("fail", {"rank": -1, "kind": "raise"}, killed))
+    _later(0.5, lambda: os.kill(victim, signal.SIGKILL))
+    out["killed"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3, steps=1, at=0))
     out["after_kill"] = _attempt(lambda: _sum(rt))
     out["replacement_pid"] = rt.members.get(rt.world_size - 1)
+    return out
+
+
+def scenario_hostile(rt, args):
+    """A local user without the key writes into the control store: garbage into the next command's slot, into
+    `gen` and into a result slot; a signed command copied into another slot; a bumped failure counter; then a
+    flood of keys. Every worker must drop what it cannot verify and keep serving."""
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
+           "restarts_before": {r["rank"]: r["restarts"] for r in rt.ranks()}}
+    evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+    g, n = rt.generation, rt.next_cmd
+    evil.set(f"cmd/{g}/{n}", b"\x80\x05garbage that is no pickle")
+    evil.set("gen", b"not-a-number")
+    time.sleep(1.0)  # the workers read the garbage in the slot they wait on
+    out["after_garbage"] = _attempt(lambda: _sum(rt))
+
+    def forge(n=n + 1):  # while command n + 1 runs: a forged result, a forged error report, a bumped counter
+        evil.set(f"res/{g}/{n}", b"forged result")
+        evil.set(f"err/{g}/{n}/1", b"forged error")
+        evil.add(f"failed/{g}", 1)
+    _later(0.5, forge)
+    out["during_forgery"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=1.5, steps=1, at=0))
+    n += 1
+    copied = evil.get(f"cmd/{g}/{n}")  # a command this service signed, for slot n
+    evil.set(f"cmd/{g}/{n + 1}", copied)  # replayed into the next slot
+    time.sleep(1.0)
+    out["after_replay"] = _attempt(lambda: _sum(rt))
+    out["replayed_runs"] = rt.commands
+    import psutil
+    rss0 = psutil.Process().memory_info().rss
+    blob = b"x" * (4 << 20)
+    for i in range(int(args.flood)):
+        evil.set(f"flood/{i}", blob)
+    out["flood_rss_growth"] = psutil.Process().memory_info().rss - rss0
+    out["after_flood"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["restarts_after"] = {r["rank"]: r["restarts"] for r in rt.ranks()}
+    out["generation_before"], out["generation_after"] = g, rt.generation
+    return out
+
+
+def start_agent(rt, node=1):
+    """Node `node`'s agent (`python -m comfy.multinpu_group`) of this group, as another host would run it."""
+    import json as _json
+    import subprocess
+    spec = _json.loads(rt.spec.to_json())
+    spec.update(node_rank=node, master_port=rt.port, runtime_root=None)
+    env = dict(os.environ, **{group.GROUP_ENV: _json.dumps(spec)})
+    return subprocess.Popen([sys.executable, "-B", "-m", "comfy.multinpu_group"], env=env, stdin=subprocess.DEVNULL)
+
+
+def scenario_agent_lost(rt, args):
+    """Two nodes: node 1's agent is SIGKILLed (its workers die with it) while a command runs; then it is started
+    again and the group must come back by itself."""
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    agent = AGENT[0]
+    _later(1.0, lambda: os.kill(agent.pid, signal.SIGKILL))
+    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    agent.wait(10)
+    out["while_lost"] = _attempt(lambda: _sum(rt))  # fails fast: the host is known lost
+    out["state_while_lost"] = rt.state
+    AGENT[0] = start_agent(rt)
+    t0 = time.monotonic()
+    while rt.state != "ready" and time.monotonic() - t0 < 120:
+        time.sleep(0.2)
+    out["back_after"] = time.monotonic() - t0
+    out["after"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["driver_pid_after"] = os.getpid()
+    return out
+
+
+AGENT = [None]
+
+
+def scenario_launcher_lost(rt, args):
+    """Two nodes, torchrun on each: node 1's torchrun (its agent's child) is SIGKILLed while a command runs (its
+    workers die with it); its agent starts it again and the group comes back with nobody acting."""
+    import psutil
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    launcher = [p for p in psutil.Process(AGENT[0].pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+    out["launcher_pid"] = launcher[0].pid
+    _later(1.0, lambda: os.kill(launcher[0].pid, signal.SIGKILL))
+    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    t0 = time.monotonic()
+    out["next"] = _attempt(lambda: _sum(rt))
+    while not out["next"]["ok"] and time.monotonic() - t0 < 120:  # the report says whether one try sufficed
+        out.setdefault("retries", 0)
+        out["retries"] += 1
+        time.sleep(1.0)
+        out["next"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    out["driver_pid_after"] = os.getpid()
+    out["agent_alive"] = AGENT[0].poll() is None
     return out
 
 
@@ -188,18 +336,24 @@ def main(argv=None):
     ap.add_argument("--join-timeout", type=float, default=60.0)
     ap.add_argument("--victim", type=int, default=2)
     ap.add_argument("--idle", type=float, default=3.0)
+    ap.add_argument("--flood", type=int, default=0, help="hostile: how many 4 MiB keys to write")
+    ap.add_argument("--launcher", default="h3kit", choices=group.LAUNCHERS)
+    ap.add_argument("--agent", action="store_true", help="start node 1's agent (two nodes)")
+    ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[rank 0] %(asctime)s %(message)s', stream=sys.stdout)
+    logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[driver] %(asctime)s %(message)s', stream=sys.stdout)
     os.environ.setdefault(group.KEY_ENV, group.new_key())
     spec = group.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
                         master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,
-                        runtime_root=args.root, worker_module="process_group_worker")
+                        runtime_root=args.root, worker_module="process_group_worker", launcher=args.launcher)
     result = {"scenario": args.scenario}
     t0 = time.monotonic()
     try:
         rt = mp.start_runtime(spec, os.environ[group.KEY_ENV])
         result["port"] = rt.port
+        if args.agent:
+            AGENT[0] = start_agent(rt)
         Path(args.out + ".port").write_text(str(rt.port))
         form = _attempt(lambda: mp.wait_ready(rt, args.join_timeout + 5))
         result["form"] = form
@@ -213,6 +367,9 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     time.sleep(args.hold)
     mp.stop_runtime()
+    if AGENT[0] is not None:
+        AGENT[0].terminate()
+        AGENT[0].wait(10)
     sys.stdout.flush()
     os._exit(0)
 

@@ -1,8 +1,9 @@
 """A bare worker of comfy.multinpu_process's process group, for the runtime tests (test support, not shipped).
 
 Runs the real worker loop (comfy.multinpu_group.serve) with test programs instead of the H3 runners, so a
-rank costs an interpreter with torch, not one with ComfyUI. Started by GroupRuntime as
-`python -B -m process_group_worker` with PYTHONPATH holding patches/src and this folder.
+rank costs an interpreter with torch, not one with ComfyUI. Started by the driver as
+`python -B -m process_group_worker` with PYTHONPATH holding patches/src and this folder. Worker rank 0's
+return value is the command's result in the driver.
 """
 
 from __future__ import annotations
@@ -20,29 +21,48 @@ import comfy.multinpu_group as mp
 
 @mp.program("sum")
 def _sum(context, comm, payload):
-    """Every rank adds its contribution to rank 0's tensor; the result is checked on rank 0."""
+    """Every rank adds its rank to the payload's (zero) tensor: 0 + 1 + ... + P-1 everywhere."""
     x = payload["x"] * 0 + context.rank
-    comfy.multinpu.all_reduce(x, comm)
+    return comfy.multinpu.all_reduce(x, comm).tolist()
 
 
 @mp.program("echo")
 def _echo(context, comm, payload):
-    # the payload came through the store header plus one broadcast: send it back to rank 0 to compare
-    for t in payload["tensors"]:
-        comm.send(t.contiguous(), 0)
+    # the payload came through shared memory to rank 0 and one broadcast to the others: every rank's copy
+    # goes back to rank 0 to compare, and rank 0's copy back to the driver
+    tensors = payload["tensors"]
+    if comm.rank != 0:
+        for t in tensors:
+            comm.send(t.contiguous(), 0)
+        return None
+    same = all(torch.equal(comm.recv(torch.empty_like(t), r), t) for r in range(1, comm.world_size) for t in tensors)
+    return {"tensors": tensors, "same": same, "note": payload["note"]}
+
+
+@mp.program("big")
+def _big(context, comm, payload):
+    """A result of payload["mib"] MiB from rank 0 (the shared-memory hand-off of a decoded video)."""
+    comfy.multinpu.barrier(comm)
+    return torch.full((payload["mib"] << 18,), 1.5) if comm.rank == 0 else None
 
 
 @mp.program("fail")
 def _fail(context, comm, payload):
-    if context.rank == payload["rank"]:
-        if payload["kind"] == "oom":
-            raise torch.OutOfMemoryError(f"tried to allocate {payload.get('bytes', 1 << 40)} bytes")
-        if payload["kind"] == "exit":
-            os._exit(7)
-        if payload["kind"] == "sleep":
-            time.sleep(payload["seconds"])
-        raise ValueError(f"injected failure on rank {context.rank}")
-    comfy.multinpu.barrier(comm)
+    """`steps` all_reduces on every rank (the blocks of a forward); rank payload["rank"] fails at step `at`."""
+    steps, at = payload.get("steps", 1), payload.get("at", 0)
+    for step in range(steps):
+        if step == at and context.rank == payload["rank"]:
+            kind = payload["kind"]
+            if kind == "oom":
+                raise torch.OutOfMemoryError(f"tried to allocate {payload.get('bytes', 1 << 40)} bytes")
+            if kind == "exit":
+                os._exit(7)
+            if kind == "sleep":
+                time.sleep(payload["seconds"])
+            else:
+                raise ValueError(f"injected failure on rank {context.rank} at step {step}")
+        comfy.multinpu.all_reduce(torch.ones(4), comm)
+    return os.getpid()
 
 
 class _Held:
@@ -63,13 +83,13 @@ def _config(context, comm, payload):
 @mp.program("uses_config")
 def _uses_config(context, comm, payload):
     held = context.configs[payload["id"]]
-    comfy.multinpu.all_reduce(torch.tensor([float(len(held.digest))]), comm)
+    return comfy.multinpu.all_reduce(torch.tensor([float(len(held.digest))]), comm).item()
 
 
 def main():
     mp.die_with_parent()
     spec = mp.GroupSpec.from_json(os.environ[mp.GROUP_ENV])
-    rank = int(os.environ[mp.RANK_ENV])
+    rank = mp.rank_from_environment(spec)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stdout)
     freed = []
     context = mp.WorkerContext(spec, rank, "cpu")

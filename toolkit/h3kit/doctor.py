@@ -41,13 +41,18 @@ from h3kit.errors import H3kitError
 from h3kit.paths import repo_root
 from h3kit.runtime import costmodel
 
-CHECKS = ("interpreter", "torch", "cann", "driver", "devices", "memory", "tree", "service", "models", "disk", "ram")
+CHECKS = ("interpreter", "torch", "cann", "driver", "devices", "memory", "tree", "service", "models", "disk", "shm",
+          "ram")
 PROBE_TIMEOUT = 180.0          # importing torch_npu and touching every card can take a minute
 GB = 1e9
 DISK_ERROR_BYTES = 2 * GB      # below this ComfyUI cannot write a video, a log or its database
 DISK_WARN_BYTES = 20 * GB
 SAFETENSORS_HEADER_MAX = 100 * 1024 * 1024
 SERVICE_TIMEOUT = 3.0
+# The process transport hands each command's inputs and results between the server and worker rank 0 through
+# /dev/shm: a decoded 768p/15 s video is about 4.5 GB in fp32. Containers default to 64 MB.
+SHM_NEEDED_BYTES = 5 * GB
+SHM_ERROR_BYTES = 1 * GB
 
 
 @dataclass
@@ -117,6 +122,7 @@ class _Doctor:
             self.add("tree", "info", "no --comfy-home: the installed tree, its service and its models were not checked",
                      "pass --comfy-home DIR (or set H3KIT_COMFY_HOME)")
         self._disk()
+        self._shm()
         self._ram()
         self.findings.sort(key=lambda f: CHECKS.index(f.check))
         errors = sum(f.severity == "error" for f in self.findings)
@@ -454,6 +460,16 @@ class _Doctor:
             else:
                 self.add("disk", "ok", f"{label} ({path}): {free / GB:.0f} GB free")
 
+    def _shm(self):
+        path = "/dev/shm"
+        try:
+            free = shutil.disk_usage(path).free
+        except OSError:
+            free = None
+        several = self.kind in ("npu", "cuda") or (self.requested is not None and len(self.requested) > 1)
+        severity, message, fix = shm_verdict(free, several)
+        self.add("shm", severity, message, fix)
+
     def _ram(self):
         total = _meminfo("MemTotal")
         if total is None:
@@ -469,6 +485,25 @@ class _Doctor:
 
 
 # ---- pieces with their own tests -------------------------------------------------------------------------
+
+def shm_verdict(free: int | None, several_devices: bool) -> tuple:
+    """(severity, message, fix) for /dev/shm's free bytes: the process transport's hand-off between the server
+    and worker rank 0 lives there (a decoded 768p/15 s video is about 4.5 GB in fp32)."""
+    fix = ("give /dev/shm room: `docker run --shm-size 8g` (Kubernetes: an emptyDir with medium Memory on "
+           "/dev/shm), or `mount -o remount,size=8G /dev/shm`")
+    if free is None:
+        return ("warning" if several_devices else "info", "/dev/shm is missing: the process transport hands its "
+                "tensors through the temp folder instead (disk)", fix)
+    message = f"/dev/shm: {free / GB:.1f} GB free"
+    if free >= SHM_NEEDED_BYTES:
+        return "ok", message, None
+    if not several_devices:
+        return "info", message + " (only the process transport, on several devices, uses it)", None
+    if free < SHM_ERROR_BYTES:
+        return ("error", message + ": the process transport hands each command's inputs and results through it "
+                "(a decoded 768p/15 s video is about 4.5 GB in fp32)", fix)
+    return "warning", message + f", less than the {SHM_NEEDED_BYTES / GB:.0f} GB a long decoded video needs", fix
+
 
 def cann_pairing(version: str, entry: dict) -> str | None:
     """"listed" when `version` is the CANN release the torch-npu entry names (same major.minor), "compatible"

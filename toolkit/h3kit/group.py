@@ -1,7 +1,8 @@
 """The process group of a service: one process per device (`h3kit start --transport process`).
 
-With the process transport the ComfyUI server is rank 0 of a torch.distributed group and starts one worker
-process per other device of its host (comfy/multinpu_process.py, added by the patch series). On a group of
+With the process transport the ComfyUI server drives a torch.distributed group without being a rank of it: it
+starts one worker process per device of its host, rank 0 included (comfy/multinpu_process.py, added by the
+patch series). On a group of
 several hosts, `h3kit start --nnodes N --node-rank R --master-addr HOST --master-port P` on every other host
 runs that host's agent instead of ComfyUI; the agent starts and replaces the host's workers.
 
@@ -30,7 +31,7 @@ DEFAULT_JOIN_TIMEOUT = 300.0
 GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_group.py
 KEY_ENV = "H3KIT_GROUP_KEY"
 AGENT_MODULE = "comfy.multinpu_group"
-RANKS_FILE = "ranks.json"            # written by the runtime: rank 0 (node 0) or the agent (other nodes)
+RANKS_FILE = "ranks.json"            # written by the runtime: the driver (node 0) or the agent (other nodes)
 KEY_FILE = "group.key"
 
 
@@ -143,7 +144,7 @@ def group_key(root: Path, settings: GroupSettings) -> str:
 def environment(settings: GroupSettings, device_type: str, devices: list[int], root: Path, key: str,
                 worker_args: list[str]) -> dict:
     """The variables the server (node 0) or the agent (other nodes) starts with. worker_args: the ComfyUI
-    arguments an agent's workers parse (rank 0 gives its workers its own)."""
+    arguments an agent's workers parse (the server gives its workers its own)."""
     spec = {"nnodes": settings.nnodes, "node_rank": settings.node_rank, "local_size": len(devices),
             "device_type": device_type, "devices": list(devices), "master_addr": settings.master_addr,
             "master_port": settings.master_port, "join_timeout": settings.join_timeout,
@@ -196,7 +197,7 @@ def read_ranks(root: Path) -> dict | None:
 def ranks_view(root: Path, server_pid: int, node_rank: int, comfy_home: str) -> dict:
     """What status shows: the group's state and every rank, with `alive` verified here for the workers of
     this host (pid, start time and command line must still match, and it must be a worker running in
-    `comfy_home`) and taken from rank 0's monitor for the others. {"state", "error", "generation",
+    `comfy_home`) and taken from the driver's monitor for the others. {"state", "error", "generation",
     "world_size", "ranks": [...], "file": bool}."""
     worker = module_owner(comfy_home, WORKER_MODULE)
     data = read_ranks(root)
@@ -214,10 +215,8 @@ def ranks_view(root: Path, server_pid: int, node_rank: int, comfy_home: str) -> 
         item = {k: r.get(k) for k in ("rank", "node", "local_rank", "host", "device", "pid", "create_time",
                                        "joined", "restarts", "last_exit")}
         if r.get("node") == node_rank and isinstance(r.get("pid"), int) and r.get("create_time"):
-            if r["pid"] == server_pid:
-                item["alive"] = True  # rank 0 itself: the record's process, verified by the caller
-            else:
-                item["alive"] = proc.verify(r["pid"], r["create_time"], r.get("cmdline") or [], owner=worker).alive
+            # every rank is a worker process (the server is no rank)
+            item["alive"] = proc.verify(r["pid"], r["create_time"], r.get("cmdline") or [], owner=worker).alive
         else:
             item["alive"] = bool(r.get("alive"))
         ranks.append(item)

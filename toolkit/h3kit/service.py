@@ -1027,6 +1027,16 @@ def status(root: Path, *, timeout: float = 3.0, comfy_home: str | os.PathLike | 
     return _with_log(out, rec, root)
 
 
+def status_code(st: dict) -> int:
+    """status's exit code: 0 running (and, with the process transport, its group able to run prompts), 1 not
+    running, 4 running while its group cannot run prompts (failed, re-forming, a rank down)."""
+    if not st["running"]:
+        return 1
+    if st.get("group") is not None and not group.ready(st["group"], st["group"].get("node_rank") or 0)[0]:
+        return 4
+    return 0
+
+
 def _with_log(out: dict, rec: Record | None, root: Path) -> dict:
     log = Path(rec.log) if rec else latest_log(root)
     out["log"] = str(log.resolve()) if log.exists() else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import os
 import queue
 import threading
 import time
@@ -33,6 +34,10 @@ import torch.distributed
 # Long enough for the slowest rank to reach the next collective in a real 38k-token H3 forward
 # (a block is well under a second); short enough that a hung card surfaces as an error, not a hang.
 DEFAULT_TIMEOUT = 300.0
+# Test switch: "1" gives the process transport's gloo collectives HCCL's and NCCL's failure semantics, where an
+# error, a destroyed group or the death of one rank releases no peer: a collective that fails waits out the
+# group's timeout before it raises (gloo itself fails it within milliseconds).
+EMULATE_NO_RELEASE_ENV = "H3KIT_EMULATE_NO_RELEASE"
 
 
 class CollectiveError(RuntimeError):
@@ -383,10 +388,11 @@ class ProcessComm:
 
     transport = "process_group"
 
-    def __init__(self, group=None, device=None, parent=None):
+    def __init__(self, group=None, device=None, timeout: float = DEFAULT_TIMEOUT, parent=None):
         if not torch.distributed.is_initialized():
             raise CollectiveError("ProcessComm: torch.distributed is not initialised (call init_process_comm)")
         self.pg = group
+        self.timeout = float(timeout)  # the group's own collective timeout (EMULATE_NO_RELEASE waits it out)
         self.rank = torch.distributed.get_rank(group)
         self.world_size = torch.distributed.get_world_size(group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -403,16 +409,23 @@ class ProcessComm:
             ranks = (torch.distributed.get_process_group_ranks(self.pg) if self.pg is not None
                      else list(range(self.world_size)))
             pg = self._call("new_group", lambda group=None: torch.distributed.new_group(ranks=ranks))
-            self._side = ProcessComm(pg, self.device, parent=self)
+            self._side = ProcessComm(pg, self.device, self.timeout, parent=self)
         return self._side
 
     def _global(self, rank: int) -> int:
         return rank if self.pg is None else torch.distributed.get_global_rank(self.pg, rank)
 
     def _call(self, op: str, fn, *args, **kwargs):
+        t0 = time.monotonic()
         try:
             return fn(*args, group=self.pg, **kwargs)
         except RuntimeError as e:
+            if os.environ.get(EMULATE_NO_RELEASE_ENV) == "1":
+                # HCCL/NCCL semantics on gloo: a peer's error, destroy or death releases nobody; the
+                # collective returns only at the group timeout
+                time.sleep(max(0.0, t0 + self.timeout - time.monotonic()))
+                raise CollectiveTimeout(f"{op} on rank {self.rank} of {self.world_size} timed out after "
+                                        f"{self.timeout:g} s ({EMULATE_NO_RELEASE_ENV}=1; the backend said: {e})") from e
             raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {e}") from e
 
     def _count(self, nbytes: int):

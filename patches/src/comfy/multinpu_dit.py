@@ -350,22 +350,11 @@ class SequenceParallelDiT:
                    "fault_hook": fault_hook, "memory": self.memory_estimates, "x": x, "timestep": timestep,
                    "context": context, "options": plain_options(transformer_options), "args": args, "kwargs": kwargs}
 
-        def rank0(comm):
-            start = comm.bytes_moved
-            options = transformer_options.copy()
-            state = options[RANK_KEY] = rank_state(comm, self.attention, executor.class_obj)
-            try:
-                out = executor(x, timestep, context, options, *args, **kwargs)
-            finally:
-                weight_bytes = finish_rank(state)
-            counts = [comm.bytes_moved - start, 0, weight_bytes, comfy.multinpu_shard.resident_bytes(executor.class_obj),
-                      int(self.memory_estimates[0][0]) if self.memory_estimates else 0, state.ran_every_block(),
-                      _hook_report(comm.rank)]
-            return out, _rank_counts(comm, counts) if self.count_bytes else [counts]
-
         t0 = time.perf_counter()
         with self._lock:
-            out, counts = self.runtime.run("dit_forward", payload, rank0, configs=[self.config])
+            # every rank is a worker; rank 0's returns the forward's output after the final gather
+            out, counts = self.runtime.run("dit_forward", payload, configs=[self.config])
+        out = _to(out, x[0].device)  # from shared memory (the host) to where the sampler runs
         self.forwards += 1
         # what each rank counted itself (every rank's with count_bytes, else rank 0's alone)
         for r, c in enumerate(counts):
@@ -380,7 +369,7 @@ class SequenceParallelDiT:
             self.resident_bytes[r] = c[3]
             self.memory_used[r] = c[4]
         if fault_hook is not None and hasattr(fault_hook, "fired"):
-            fault_hook.fired += sum(c[1] for c in counts[1:])  # the strikes on the other ranks
+            fault_hook.fired += sum(c[1] for c in counts)  # the strikes on the ranks (all workers)
         logging.debug(f"MultiNPU: DiT forward on {self.runtime.world_size} processes in {time.perf_counter() - t0:.3f} s, "
                       f"{sum(self.rank_bytes) / 2**20:.1f} MiB exchanged")
         return out
@@ -389,11 +378,8 @@ class SequenceParallelDiT:
         """Return every rank's reserved but unused device memory to the device (after sampling: the next stage,
         the VAE decode, would otherwise find it taken). Counts the calls per rank in caches_emptied."""
         if self.runtime is not None:
-            def rank0(comm):
-                comfy.model_management.soft_empty_cache()
-                return _rank_counts(comm, [1])
             try:
-                counts = self.runtime.run("dit_empty_cache", None, rank0)
+                counts = self.runtime.run("dit_empty_cache", None)
             except (comfy.multinpu_group.GroupError, comfy.multinpu.CollectiveError) as e:
                 # the sampling itself succeeded; a rank that died since is named again by the next command
                 logging.warning(f"MultiNPU: the workers' caches were not emptied after sampling: {e}")
@@ -492,26 +478,29 @@ def _forward_on_worker(context, comm, payload):
     state = options[RANK_KEY] = rank_state(comm, payload["attention"], dm)
     # sized by this rank's activation estimate (its shard of the tokens), as rank 0 sized its own
     memory = payload["memory"][comm.rank] if payload["memory"] else (0, None)
+    out = None
     try:
         comfy.model_management.load_models_gpu([held.patcher], memory_required=memory[0],
                                                minimum_memory_required=memory[1])
-        dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev), options,
-                    *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
+        out = dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev),
+                          options, *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
     except _RankDone:
         pass  # the final gather took this rank's shard to rank 0: nothing left to compute here
     finally:
         fault_hook = None
         weight_bytes = finish_rank(state)
     report = int(hook.report(comm.rank)) if hasattr(hook, "report") else 0
-    if payload["count_bytes"]:
-        _rank_counts(comm, [comm.bytes_moved - start, getattr(hook, "fired", 0) - fired, weight_bytes,
-                            comfy.multinpu_shard.resident_bytes(dm), int(memory[0]), state.ran_every_block(), report])
+    counts = [comm.bytes_moved - start, getattr(hook, "fired", 0) - fired, weight_bytes,
+              comfy.multinpu_shard.resident_bytes(dm), int(memory[0]), state.ran_every_block(), report]
+    counts = _rank_counts(comm, counts) if payload["count_bytes"] else [counts]
+    # rank 0 holds the whole output after the final gather: the command's result
+    return (out, counts) if comm.rank == 0 else None
 
 
 @comfy.multinpu_group.program("dit_empty_cache")
 def _empty_cache_on_worker(context, comm, payload):
     comfy.model_management.soft_empty_cache()
-    _rank_counts(comm, [1])
+    return _rank_counts(comm, [1])
 
 
 def _replica_model(model):

@@ -53,11 +53,15 @@ RANK_ENV = "H3KIT_RANK"
 LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
 PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
-# Fault injection, for tests and acceptance runs: "PROGRAM:oom:PATH" makes a worker's run of PROGRAM ask for an
-# impossible allocation (the CPU or device allocator's own out-of-memory error) while the file PATH exists.
+# Fault injection, for tests and acceptance runs, a comma-separated list: "PROGRAM:oom:PATH" makes a worker's run
+# of PROGRAM ask for an impossible allocation (the CPU or device allocator's own out-of-memory error) while the
+# file PATH exists; "PROGRAM:raise:PATH" makes it raise a RuntimeError.
 FAULT_ENV = "H3KIT_MULTINPU_FAULT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+LAUNCHERS = ("h3kit", "torchrun")    # who starts and restarts a host's workers: LocalWorkers or TorchrunWorkers
+RDZV_READ_TIMEOUT = 15              # seconds: torchrun's c10d rendezvous store reads (its default is 60)
+TORCHRUN_MAX_RESTARTS = 1000         # torchrun's restart limit; the driver restarts torchrun itself past it
 WORKER_MODULE = "comfy.multinpu_worker"
 RANKS_FILE = "ranks.json"
 STORE_PREFIX = "h3kit"
@@ -70,6 +74,8 @@ HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
+REPORTED_EXIT = 70                   # a worker that posted its error exits with this code: not a crash
+RECYCLED_EXIT = 75                   # a worker told to leave (its generation was aborted): not a crash
 CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
 CRASH_WINDOW = 120.0
 POLL = 0.05
@@ -115,11 +121,13 @@ class GroupSpec:
     """
 
     FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
-              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module")
+              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher")
 
     def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
                  master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
-                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE):
+                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE, launcher="h3kit"):
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"MultiNPU: launcher {launcher!r} is not one of {LAUNCHERS}")
         if device_type not in BACKENDS:
             raise ValueError(f"MultiNPU: device type {device_type!r} is not one of {sorted(BACKENDS)}")
         if not (nnodes >= 1 and 0 <= node_rank < nnodes and local_size >= 1):
@@ -136,6 +144,7 @@ class GroupSpec:
         self.runtime_root = runtime_root
         self.worker_args = list(worker_args)
         self.worker_module = worker_module
+        self.launcher = launcher
 
     @property
     def world_size(self) -> int:
@@ -213,11 +222,15 @@ class _TensorPickler(pickle.Pickler):
     def __init__(self, file, tensors):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors = tensors
+        self.seen = {}
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
-            self.tensors.append(obj)
-            return len(self.tensors) - 1
+            index = self.seen.get(id(obj))
+            if index is None:  # a tensor named twice (rank 0's and the others' arguments) travels once
+                index = self.seen[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return index
         return None
 
 
@@ -315,51 +328,136 @@ def _store_gone(e: BaseException) -> bool:
 
 class Control:
     """Signed reads and writes of the control keys, under the service's prefix; one call at a time per
-    connection (rank 0's threads share them)."""
+    connection (the driver's threads share them).
+
+    Every value is signed together with its key's name (which holds the generation and the command's
+    number), so a signed value copied into another slot is refused like garbage. A value that does not
+    verify is never unpickled: it is dropped with a log line and reads as absent (peek, wait), so a local
+    user who can reach the store cannot make a rank act on, or die of, what they wrote.
+    """
 
     def __init__(self, store, signer: Signer):
         self.raw = store
         self.store = torch.distributed.PrefixStore(STORE_PREFIX, store)
         self.signer = signer
         self._lock = threading.RLock()
+        self._dropped = {}  # key -> the bytes last refused there (logged once)
 
     def put(self, key: str, obj):
-        data = self.signer.dumps(obj)
+        data = self.signer.dumps((key, obj))
         with self._lock:
             self.store.set(key, data)
 
-    def set(self, key: str, value: str):
-        with self._lock:
-            self.store.set(key, value)
-
-    def text(self, key: str) -> str:
-        with self._lock:
-            return self.store.get(key).decode()
+    def _load(self, key: str, data: bytes):
+        """The value of `key`, or _BAD when its bytes are not a value this service signed for that key."""
+        try:
+            slot, obj = self.signer.loads(data, f"store key {key!r}")
+            if slot != key:
+                raise GroupError(f"MultiNPU: store key {key!r} holds a value signed for {slot!r}; refusing it")
+            return obj
+        except Exception as e:
+            if self._dropped.get(key) != data:
+                self._dropped[key] = data
+                logging.warning(f"MultiNPU: dropped store key {key!r} ({len(data)} bytes): "
+                                f"{e if isinstance(e, GroupError) else 'not a signed value'}")
+            return _BAD
 
     def get(self, key: str):
         with self._lock:
             data = self.store.get(key)
-        return self.signer.loads(data, f"store key {key!r}")
+        obj = self._load(key, data)
+        if obj is _BAD:
+            raise GroupError(f"MultiNPU: store key {key!r} does not hold a value signed by this service")
+        return obj
 
     def has(self, key: str) -> bool:
         with self._lock:
             return self.store.check([key])
 
     def peek(self, key: str, default=None):
+        """The signed value of key, else `default` (absent, or dropped as unsigned)."""
         with self._lock:
-            return self.get(key) if self.store.check([key]) else default
+            if not self.store.check([key]):
+                return default
+            data = self.store.get(key)
+        obj = self._load(key, data)
+        return default if obj is _BAD else obj
 
     def counter(self, key: str, add: int = 0) -> int:
         with self._lock:
             return self.store.add(key, add)
 
     def wait(self, key: str, timeout: float):
-        # no lock: a worker's main thread is the only user of its connection, and waits here for hours
-        self.store.wait([key], td(timeout))
-        return self.get(key)
+        """The signed value of key once one is there; values that do not verify are dropped and waited past."""
+        deadline = time.monotonic() + timeout
+        while True:
+            # no lock: a worker's main thread is the only user of its connection, and waits here for hours
+            self.store.wait([key], td(max(0.001, deadline - time.monotonic())))
+            obj = self._load(key, self.store.get(key))
+            if obj is not _BAD:
+                return obj
+            if time.monotonic() >= deadline:
+                raise GroupError(f"MultiNPU: no signed value at store key {key!r} within {timeout:g} s")
+            time.sleep(POLL)
+
+
+_BAD = object()
+
+
+# ---- shared memory between the driver and worker rank 0 ------------------------------------------
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+
+
+def shm_write(path: str, tensors) -> tuple:
+    """Write tensors into a new file `path` (0600; /dev/shm is memory) laid out as flatten() does:
+    (metas, nbytes). Nothing is written for no bytes."""
+    metas, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    if offset == 0:
+        return metas, 0
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, offset)
+    finally:
+        os.close(fd)
+    buf = torch.from_file(path, shared=True, size=offset, dtype=torch.uint8)
+    for t, (start, nbytes, _, _, _) in zip(tensors, metas):
+        if nbytes:
+            buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return metas, offset
+
+
+def shm_read(path: str, nbytes: int) -> torch.Tensor:
+    """The bytes of a file shm_write made, mapped (no copy); the file can be removed at once."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def shm_remove(path):
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logging.warning(f"MultiNPU: cannot remove {path}: {e}")
 
 
 # ---- local worker processes ------------------------------------------------------------------------
+
+def rank_from_environment(spec: GroupSpec) -> int:
+    """This worker's rank: H3KIT_RANK (LocalWorkers), else the host's node rank and torchrun's LOCAL_RANK (h3kit
+    numbers ranks host by host; torchrun's own RANK follows its rendezvous order, which may differ)."""
+    if os.environ.get(RANK_ENV):
+        return int(os.environ[RANK_ENV])
+    return spec.rank_of(spec.node_rank, int(os.environ["LOCAL_RANK"]))
+
 
 def die_with_parent():
     """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
@@ -382,6 +480,10 @@ def process_identity(pid: int) -> dict:
 
 
 def _exit_reason(code: int) -> str:
+    if code == REPORTED_EXIT:
+        return f"exited after reporting its error (code {code})"
+    if code == RECYCLED_EXIT:
+        return f"left its aborted generation (code {code})"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -409,6 +511,7 @@ class LocalWorkers:
         self.deaths = collections.defaultdict(collections.deque)
         self.failed = {}
         self.killed = {}               # rank -> why this object killed it
+        self.recycled = set()          # ranks killed to replace the whole group: not crashes
         self.respawn_at = {}           # rank -> monotonic time its replacement starts
         self.stopping = False
         for rank in self.ranks:
@@ -425,7 +528,8 @@ class LocalWorkers:
         env[LOCAL_RANK_ENV] = str(rank % self.spec.local_size)
         env[PARENT_ENV] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
-        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever rank 0 simulates
+        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever the server simulates
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # see TorchrunWorkers.start
         threads = cpu_threads(self.spec)
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -465,6 +569,12 @@ class LocalWorkers:
             ended.append((rank, proc.pid, reason))
             if self.stopping:
                 continue
+            if rank in self.recycled or code in (REPORTED_EXIT, RECYCLED_EXIT):
+                # replaced with the group (h3kit's decision, or the worker's own error report): at once,
+                # and not counted as a crash
+                self.recycled.discard(rank)
+                self.respawn_at[rank] = now
+                continue
             deaths = self.deaths[rank]
             deaths.append(now)
             while deaths and now - deaths[0] > CRASH_WINDOW:
@@ -486,12 +596,24 @@ class LocalWorkers:
                 self.spawn(rank)
         return ended
 
-    def kill(self, rank: int, why: str):
+    def kill(self, rank: int, why: str, recycle: bool = False):
+        """SIGKILL one worker; recycle: as part of replacing the whole group (not counted as a crash)."""
         proc = self.procs.get(rank)
         if proc is not None and proc.poll() is None:
             logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {proc.pid}): {why}")
             self.killed[rank] = why
+            if recycle:
+                self.recycled.add(rank)
             proc.kill()
+
+    def recycle(self, why: str):
+        """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too);
+        poll() replaces each at once. The reliable reset of a rank that saw an error is a fresh process."""
+        for rank, proc in self.procs.items():
+            if proc.poll() is None:
+                self.killed[rank] = why
+                self.recycled.add(rank)
+                proc.kill()
 
     def pid(self, rank: int):
         proc = self.procs.get(rank)
@@ -512,6 +634,157 @@ class LocalWorkers:
         for rank, p in self.procs.items():
             if p.poll() is not None:
                 self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
+
+
+class TorchrunWorkers:
+    """This host's workers, launched and restarted by torchrun (`python -m torch.distributed.run`, the elastic
+    agent): c10d rendezvous at the master address on master_port + 1 (the control store holds master_port),
+    --max-restarts, --monitor-interval 0.5. On any worker's failure torchrun restarts every worker of the group,
+    on every host; h3kit kills workers (SIGKILL, a stopped one too) to make it do so. The same interface as
+    LocalWorkers; the workers' pids come from their signed announcements in the store. The driver runs one for
+    node 0, each other host's agent one for its node (not wired into `h3kit start` yet: GroupSpec.launcher)."""
+
+    def __init__(self, spec: GroupSpec, key: str, local_ranks, ctl, cwd=None, python=None):
+        self.spec = spec
+        self.key = key
+        self.ctl = ctl
+        self.cwd = cwd or os.getcwd()
+        self.python = python or sys.executable
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
+        self.proc = None
+        self.failed = {}
+        self.recycled = set()
+        self.seen = {}       # rank -> (pid, create_time) of the announced worker last looked at
+        self.info = {r: {"rank": r, "node": spec.node_rank, "local_rank": r % spec.local_size,
+                         "host": socket.gethostname(), "device": spec.device_name(r), "pid": None,
+                         "create_time": None, "cmdline": [], "alive": False, "restarts": 0, "last_exit": None,
+                         "incarnation": 0} for r in self.ranks}
+        self.starts = 0
+        self.exits = collections.deque()
+        self.stopping = False
+
+    def argv(self) -> list:
+        s = self.spec
+        return [self.python, "-B", "-m", "torch.distributed.run", "--nnodes", str(s.nnodes), "--node-rank",
+                str(s.node_rank), "--nproc-per-node", str(s.local_size), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{s.master_addr}:{s.master_port + 1}", "--rdzv-id", "h3kit",
+                # node 0 hosts the rendezvous store (on one machine every node's address would match)
+                # read_timeout bounds a rendezvous that a lost and restarted host's new torchrun cannot complete
+                # (it starts at round 0 while the others wait in their restart round): torchrun then exits and is
+                # started again here, on every host
+                "--rdzv-conf", f"is_host={'true' if s.node_rank == 0 else 'false'},read_timeout={RDZV_READ_TIMEOUT}",
+                "--max-restarts", str(TORCHRUN_MAX_RESTARTS), "--monitor-interval", "0.5",
+                "-m", s.worker_module, *s.worker_args]
+
+    def start(self):
+        env = dict(os.environ)
+        env[GROUP_ENV] = self.spec.to_json()
+        env[KEY_ENV] = self.key
+        for k in (RANK_ENV, LOCAL_RANK_ENV, PARENT_ENV, "H3KIT_SIM_DEVICES"):
+            env.pop(k, None)
+        env["PYTHONUNBUFFERED"] = "1"
+        threads = cpu_threads(self.spec)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        # NCCL's watchdog tears a worker down when a collective passes the group timeout (3, torch's default,
+        # chosen explicitly): its death is a failure the driver handles like any other, replacing the group. The
+        # server is never in a collective, so the watchdog can never take the server and its queue down; with 0
+        # a collective stuck on every rank would hang while each rank's heartbeat still beats
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # torchrun ends with the process that started it (its SIGTERM handler stops the workers): an orphaned
+        # elastic agent would restart workers that can never reach the driver again
+        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True,
+                                     preexec_fn=_die_with_parent_signal)
+        self.starts += 1
+        logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
+
+    def _announced(self, rank: int):
+        info = self.ctl.peek(f"worker/{rank}")
+        if not isinstance(info, dict) or not _alive(info.get("pid"), info.get("create_time")):
+            return None
+        return info
+
+    def poll(self) -> list:
+        ended = []
+        for rank in self.ranks:
+            info = self._announced(rank)
+            old = self.seen.get(rank)
+            if old is not None and (info is None or (info["pid"], info.get("create_time")) != old):
+                why = "killed by h3kit (the group is replaced)" if rank in self.recycled else "exited"
+                self.recycled.discard(rank)
+                reason = f"{why}; torchrun restarts the group"
+                self.info[rank].update(alive=False, last_exit=reason)
+                ended.append((rank, old[0], reason))
+                self.seen.pop(rank)
+            if info is not None and self.seen.get(rank) != (info["pid"], info.get("create_time")):
+                self.seen[rank] = (info["pid"], info.get("create_time"))
+                self.info[rank].update({k: info.get(k) for k in ("pid", "create_time", "cmdline", "host")},
+                                       alive=True)
+                self.info[rank]["restarts"] = self.info[rank]["incarnation"]
+                self.info[rank]["incarnation"] += 1
+        if self.proc is not None and self.proc.poll() is not None and not self.failed and not self.stopping:
+            # torchrun itself ended (killed, past --max-restarts, its rendezvous failed): start it again, unless
+            # it keeps ending
+            reason = _exit_reason(self.proc.returncode)
+            now = time.monotonic()
+            self.exits.append(now)
+            while self.exits and now - self.exits[0] > CRASH_WINDOW:
+                self.exits.popleft()
+            if len(self.exits) > CRASH_LIMIT:
+                self.failed[self.ranks[0]] = (f"torchrun ended {len(self.exits)} times within {CRASH_WINDOW:g} s "
+                                              f"(last: pid {self.proc.pid} {reason}); not started again")
+                logging.error(f"MultiNPU: {self.failed[self.ranks[0]]}")
+            else:
+                logging.warning(f"MultiNPU: torchrun (pid {self.proc.pid}) {reason}; starting it again")
+                self.start()
+        return ended
+
+    def pid(self, rank: int):
+        info = self._announced(rank)
+        return info["pid"] if info else None
+
+    def kill(self, rank: int, why: str, recycle: bool = False):
+        info = self._announced(rank)
+        if info is None:
+            return
+        logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {info['pid']}): {why}")
+        if recycle:
+            self.recycled.add(rank)
+        try:
+            os.kill(info["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def recycle(self, why: str):
+        for rank in self.ranks:
+            self.kill(rank, why, recycle=True)
+
+    def stop(self, grace: float = 5.0):
+        self.stopping = True
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # torchrun stops its workers
+        try:
+            self.proc.wait(grace + 10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5.0)
+
+
+def _die_with_parent_signal():
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _alive(pid, create_time) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        import psutil
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and (create_time is None or abs(p.create_time() - create_time) < 0.01)
+    except Exception:
+        return False
 
 
 def write_ranks_file(root, data: dict):
@@ -583,14 +856,30 @@ class WorkerContext:
         self.device = torch.device(device)
         self.configs = {}
         self.ctl = None
+        self.generation = None  # the generation this process joins or serves
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
 
-def _heartbeat(spec: GroupSpec, port: int, rank: int, stop: threading.Event):
+class After:
+    """What a program returns for work to run after the command's closing barrier (reading model files):
+    it must not hold the group."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threading.Event):
+    """Beat once a second; leave at once when the driver aborted this process's generation (it replaces the
+    whole group after a failure: this process may be blocked in a collective that will not return)."""
     try:
-        store = torch.distributed.PrefixStore(STORE_PREFIX, connect_store(spec.master_addr, port, spec.timeout))
+        ctl = Control(connect_store(spec.master_addr, port, spec.timeout), Signer(key_from_environment()))
         while not stop.wait(HEARTBEAT_INTERVAL):
-            store.add(f"hb/{rank}", 1)
+            ctl.counter(f"hb/{context.rank}", 1)
+            g = context.generation
+            if g is not None and ctl.has(f"abort/{g}") and ctl.peek(f"abort/{g}") is not None:
+                logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
+                sys.stdout.flush()
+                os._exit(RECYCLED_EXIT)
     except Exception:
         return  # the store is gone: the main loop notices and exits
 
@@ -598,8 +887,8 @@ def _heartbeat(spec: GroupSpec, port: int, rank: int, stop: threading.Event):
 def _report(ctl: Control, key: str, exc: BaseException, collective: bool):
     import traceback
     try:
-        ctl.put(key, {"pid": os.getpid(), "type": type(exc).__name__, "message": str(exc)[:2000],
-                      "oom": is_oom(exc), "collective": collective,
+        ctl.put(key, {"pid": os.getpid(), "host": socket.gethostname(), "type": type(exc).__name__,
+                      "message": str(exc)[:2000], "oom": is_oom(exc), "collective": collective, "time": time.time(),
                       "traceback": "".join(traceback.format_exception(exc))[-6000:]})
     except Exception:
         pass
@@ -614,8 +903,17 @@ def is_oom(exc: BaseException) -> bool:
     return "out of memory" in text or "can't allocate memory" in text
 
 
+def _leave(code: int):
+    """End this worker now: a process that saw an error is never reused (its communicator, and on Ascend its
+    stream, may be wedged), and interpreter teardown can hang in a broken process group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def serve(context: WorkerContext):
-    """A worker's life: join each generation that includes it and run its commands, until rank 0 is gone."""
+    """A worker's life: join the next generation that lists it and run its commands, until the driver ends
+    the generation (END) or is gone. A worker whose command or join fails reports it and exits."""
     spec, rank = context.spec, context.rank
     signer = Signer(key_from_environment())
     deadline = time.monotonic() + spec.join_timeout
@@ -624,57 +922,80 @@ def serve(context: WorkerContext):
     context.ctl = ctl
     layout = ctl.wait("layout", spec.join_timeout)
     if layout != spec.layout():
-        raise GroupError(f"MultiNPU: rank {rank} was started for {spec.layout()}, rank 0 runs {layout}")
+        raise GroupError(f"MultiNPU: rank {rank} was started for {spec.layout()}, the driver runs {layout}")
     ctl.put(f"worker/{rank}", {"pid": os.getpid(), "host": socket.gethostname(), "device": str(context.device),
                                **process_identity(os.getpid())})
     stop = threading.Event()
-    threading.Thread(target=_heartbeat, args=(spec, spec.master_port, rank, stop), daemon=True,
+    threading.Thread(target=_heartbeat, args=(spec, spec.master_port, context, stop), daemon=True,
                      name="multinpu-heartbeat").start()
     logging.info(f"MultiNPU: rank {rank} ({context.device}) pid {os.getpid()} waiting for the group")
     done = 0
     try:
         while True:
             g = _next_generation(ctl, rank, done)
-            if g is None:
-                continue
-            done = g
-            if _join(ctl, base, spec, rank, g):
+            done = context.generation = g
+            if _join(ctl, base, spec, context, g):
                 _commands(ctl, context, g)
+                return
     except BaseException as e:
         if _store_gone(e) or isinstance(e, torch.distributed.DistStoreError):
-            logging.info(f"MultiNPU: rank {rank}: rank 0 is gone; exiting")
+            logging.info(f"MultiNPU: rank {rank}: the driver is gone; exiting")
             return
         raise
     finally:
         stop.set()
 
 
-def _next_generation(ctl: Control, rank: int, after: int):
-    """The newest generation after `after` that lists this process; None to look again."""
+def _next_generation(ctl: Control, rank: int, after: int) -> int:
+    """The newest generation after `after` that lists this process."""
     pid = os.getpid()
     while True:
-        if ctl.has("gen"):
-            g = int(ctl.text("gen"))
-            if g > after and ctl.get(f"gen/{g}")["members"].get(rank) == pid:
+        g = ctl.peek("gen")
+        if isinstance(g, int) and g > after:
+            gen = ctl.peek(f"gen/{g}")
+            if isinstance(gen, dict) and gen.get("members", {}).get(rank) == pid:
                 return g
         time.sleep(POLL)
 
 
-def _join(ctl: Control, base, spec: GroupSpec, rank: int, g: int) -> bool:
-    destroy_group()
-    ctl.set(f"joined/{g}/{rank}", str(os.getpid()))
-    while not ctl.has(f"go/{g}"):
-        if int(ctl.text("gen")) != g:
-            return False  # rank 0 gave up on g (a member died): wait for the next one
+def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -> bool:
+    """Join generation g: announce, wait for the driver's go, form the process group and prove it with a
+    warm-up all_reduce ("up" means the communicator works). False when the driver gave up on g."""
+    rank = context.rank
+    ctl.put(f"joined/{g}/{rank}", os.getpid())
+    while ctl.peek(f"go/{g}") is None:
+        if ctl.peek("gen") != g:
+            return False  # the driver gave up on g (a member died): wait for the next one
         time.sleep(POLL)
-    torch.distributed.init_process_group(spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", base),
-                                         rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+    try:
+        _init_group(spec, torch.distributed.PrefixStore(f"pg{g}", base), rank, context.device)
+        comm = comfy.multinpu.ProcessComm(device=context.device, timeout=spec.timeout)
+        total = comm.all_reduce(torch.ones(1, device=context.device))
+        if int(total.item()) != spec.world_size:
+            raise GroupError(f"MultiNPU: the warm-up all_reduce gave {total.item()}, not {spec.world_size}")
+    except Exception as e:
+        logging.exception(f"MultiNPU: rank {rank} could not join generation {g}")
+        _report(ctl, f"joinerr/{g}/{rank}", e, isinstance(e, comfy.multinpu.CollectiveError))
+        _leave(REPORTED_EXIT)
+    ctl.put(f"up/{g}/{rank}", os.getpid())
     return True
 
 
+def _init_group(spec: GroupSpec, store, rank: int, device: torch.device):
+    """init_process_group with the device bound (device_id: the communicator is created now, on this rank's
+    device, instead of lazily at the first collective; unmeasured on Ascend and CUDA hardware)."""
+    kwargs = dict(store=store, rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+    if device.type != "cpu":
+        try:
+            torch.distributed.init_process_group(spec.backend, device_id=device, **kwargs)
+            return
+        except TypeError:  # a torch (or torch_npu backend) without device_id
+            pass
+    torch.distributed.init_process_group(spec.backend, **kwargs)
+
+
 def _commands(ctl: Control, context: WorkerContext, g: int):
-    comm = comfy.multinpu.ProcessComm(device=context.device)
-    broken = False
+    comm = comfy.multinpu.ProcessComm(device=context.device, timeout=context.spec.timeout)
     n = 1
     while True:
         header = ctl.wait(f"cmd/{g}/{n}", 365 * 24 * 3600.0)
@@ -683,44 +1004,64 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
             destroy_group()
             return
         after = None
-        modes = (torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)))
-        if not broken:
-            try:
+        try:
+            if comm.rank == 0:
+                buf = shm_read(header["shm"], header["nbytes"]).to(comm.device)
+            else:
                 buf = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm.device)
-                if header["nbytes"]:
-                    buf = comm.broadcast(buf, 0)
-                payload = unpack(header["data"], unflatten(buf, header["metas"]))
-                fn = _BUILTINS.get(name) or PROGRAMS.get(name)
-                if fn is None:
-                    raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
-                _inject_fault(context, name)
-                with modes[0], modes[1]:
-                    after = fn(context, comm, payload)
-                comm.barrier()
-            except BaseException as e:
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                collective = isinstance(e, comfy.multinpu.CollectiveError)
-                if not collective:
-                    logging.exception(f"MultiNPU: rank {context.rank} failed in {name}")
-                _report(ctl, f"err/{g}/{n}/{context.rank}", e, collective)
-                if is_oom(e):
-                    _free_memory(context)
-                destroy_group()  # the others' collectives fail now, not at the timeout
-                broken = True
+            if header["nbytes"]:
+                buf = comm.broadcast(buf, 0)
+            payload = unpack(header["data"], unflatten(buf, header["metas"]))
+            fn = _BUILTINS.get(name) or PROGRAMS.get(name)
+            if fn is None:
+                raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
+            _inject_fault(context, name)
+            # the workers run in the driver's grad and inference modes (ComfyUI executes prompts in inference mode)
+            with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
+                result = fn(context, comm, payload)
+            if isinstance(result, After):
+                after, result = result.fn, None
+            comm.barrier()
+            if comm.rank == 0:
+                _post_result(ctl, header, g, n, result)
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            collective = isinstance(e, comfy.multinpu.CollectiveError)
+            if not collective:
+                logging.exception(f"MultiNPU: rank {context.rank} failed in {name}")
+            else:
+                logging.error(f"MultiNPU: rank {context.rank}: {name}: {e}")
+            _report(ctl, f"err/{g}/{n}/{context.rank}", e, collective)
+            try:
+                ctl.counter(f"failed/{g}", 1)
+            except Exception:
+                pass
+            _leave(REPORTED_EXIT)  # never reused: the driver replaces the whole group
         if after is not None:
             with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
                 after()
         n += 1
 
 
+def _post_result(ctl: Control, header: dict, g: int, n: int, result):
+    """Rank 0: the command's result to the driver, its tensors through shared memory (header["out"])."""
+    data, tensors = pack(result)
+    metas, nbytes = shm_write(header["out"], tensors)
+    ctl.put(f"res/{g}/{n}", {"pid": os.getpid(), "data": data, "metas": metas, "nbytes": nbytes})
+
+
 def _inject_fault(context: WorkerContext, name: str):
-    fault = os.environ.get(FAULT_ENV, "")
-    program, _, rest = fault.partition(":")
-    kind, _, trigger = rest.partition(":")
-    if program == name and kind == "oom" and trigger and os.path.exists(trigger):
-        logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
-        torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
+    for fault in os.environ.get(FAULT_ENV, "").split(","):
+        program, _, rest = fault.partition(":")
+        kind, _, trigger = rest.partition(":")
+        if program != name or not trigger or not os.path.exists(trigger):
+            continue
+        if kind == "oom":
+            logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
+            torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
+        if kind == "raise":
+            raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
 
 
 def _free_memory(context: WorkerContext):
@@ -745,11 +1086,11 @@ def _install(context: WorkerContext, comm, payload):
             ctl.put(key, {"pid": os.getpid(), "digest": held.digest})
         except Exception as e:
             logging.exception(f"MultiNPU: rank {context.rank} could not load {payload['program']}")
-            if is_oom(e):
-                _free_memory(context)
-            ctl.put(key, {"pid": os.getpid(), "error": {"pid": os.getpid(), "type": type(e).__name__,
-                                                        "message": str(e)[:2000], "oom": is_oom(e)}})
-    return load
+            ctl.put(key, {"pid": os.getpid(), "error": {"pid": os.getpid(), "host": socket.gethostname(),
+                                                        "type": type(e).__name__, "message": str(e)[:2000],
+                                                        "oom": is_oom(e)}})
+            _leave(REPORTED_EXIT)
+    return After(load)
 
 
 def _drop(context: WorkerContext, comm, ids):
@@ -807,7 +1148,10 @@ class Agent:
         spec = self.spec
         ctl.put(f"node/{spec.node_rank}", {"pid": os.getpid(), "host": socket.gethostname(),
                                            "local_size": spec.local_size})
-        local = LocalWorkers(spec, self.key, range(spec.local_size))
+        if spec.launcher == "torchrun":
+            local = TorchrunWorkers(spec, self.key, range(spec.local_size), ctl)
+        else:
+            local = LocalWorkers(spec, self.key, range(spec.local_size))
         local.start()
         logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
         last_write = 0.0
@@ -817,9 +1161,10 @@ class Agent:
                     ctl.put(f"exit/{rank}", {"pid": pid, "reason": reason})
                 for rank in local.ranks:
                     req = ctl.peek(f"kill/{rank}")
-                    if req is not None and req.get("pid") == local.pid(rank):
-                        local.kill(rank, req.get("why", "rank 0 asked"))
+                    if isinstance(req, dict) and req.get("pid") == local.pid(rank):
+                        local.kill(rank, req.get("why", "the driver asked"), recycle=bool(req.get("abort")))
                 if time.monotonic() - last_write > 1.0:
+                    ctl.counter(f"agent_hb/{spec.node_rank}", 1)  # the driver tells a lost host by its silence
                     state = ctl.peek("state") or {"state": "starting"}
                     self._write(local, state.get("state"), state.get("error"), state)
                     last_write = time.monotonic()

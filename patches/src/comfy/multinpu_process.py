@@ -1,23 +1,31 @@
-"""One process per device: rank 0 of the torch.distributed group the multi-device H3 runners use.
+"""The driver of the multi-device process group: the ComfyUI server, which is never a rank.
 
-With `h3kit start --transport process` (the default on NPU and CUDA) every device is a process, and the
-ranks of one service form one torch.distributed group: hccl on Ascend, nccl on CUDA, gloo on CPU. Rank 0 is
-the ComfyUI server (or the parity and benchmark scripts): GroupRuntime hosts the group's store on the port
-h3kit recorded, starts one worker per other device of its host, replaces a worker that dies, forms the
-group, and runs every multi-device command (run()). The members' side (settings, wire format, the worker
-loop, the agents of other hosts) is comfy.multinpu_group.
+With `h3kit start --transport process` (the default on NPU and CUDA) every rank of the parallel components
+(DiT, text encoder, video VAE decode) is a worker process, rank 0 included (on device 0, beside the server);
+the ranks of one service form one torch.distributed group: hccl on Ascend, nccl on CUDA, gloo on CPU. The
+server drives them (GroupRuntime): it hosts the group's control store on the port h3kit recorded, starts one
+worker per device of its host, forms numbered generations of the group and hands each command to the ranks
+(run()). It never enters a collective: on HCCL and NCCL a collective whose peer failed, was destroyed or
+died releases nobody before the group timeout (H3_FACTS 9), and the server's queue must not wait inside one.
+The members' side (settings, wire format, the worker loop, the agents of other hosts) is
+comfy.multinpu_group.
 
-Failures are bounded. Every command ends with a barrier, so all ranks know when one failed. A rank that
-raises posts its error and destroys its process group, so the others' pending collectives fail at once;
-rank 0 re-raises the root cause naming the rank (an out-of-memory error as torch.OutOfMemoryError, so
-ComfyUI's unload-and-retry path runs), and the next command forms a new generation. A liveness monitor on
-rank 0 checks every rank before each command and while one runs: local workers by their process, remote
-ones by the reports of their agent and by the heartbeat each worker keeps in the store. A dead rank fails
-the command at once, named, and is replaced. On hccl/nccl a collective does not notice a dead peer by
-itself (HCCL_EXEC_TIMEOUT: 68 s at best), so the monitor also aborts the process group there: written
-against torch's documented _abort_process_group, unmeasured on Ascend and CUDA hardware. On gloo (its CPU
-twin, the path the tests run) a dead or killed peer closes its sockets, which fails the collective within
-milliseconds.
+A command: the driver writes its inputs' tensors into one file in /dev/shm (memory; only this host's worker
+rank 0 reads it) and a signed header into the store; worker rank 0 broadcasts the tensors to the other
+ranks, every rank runs the command's program, and rank 0 writes the program's result into another /dev/shm
+file, announced by a signed result header. The driver waits for it with a bound, watching every rank
+meanwhile: error reports, deaths (local workers by their process, remote ones by their agent's reports),
+heartbeats.
+
+A failure costs one prompt. Any rank's exception, out-of-memory error, death or hang ends the command in
+the driver as soon as it is seen (a hang: HEARTBEAT_STALE seconds without a heartbeat), with the first error
+named (rank, host, pid, exception type and message; an out-of-memory error as torch.OutOfMemoryError, so
+ComfyUI's unload-and-retry path runs). The whole generation is then aborted and every worker replaced by a
+fresh process: a worker that saw an error exits by itself, the driver SIGKILLs this host's workers (one that
+is stopped or blocked in a collective too) and asks the other hosts' agents to do the same. The next command
+forms a new generation; nothing that saw the error is reused (on Ascend a process whose stream held a failed
+task usually needs a restart). gloo's early release of peers is not relied on: H3KIT_EMULATE_NO_RELEASE=1
+gives the CPU tests HCCL/NCCL's semantics.
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ import comfy.multinpu_group as group
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
+REFUSED_ARGS = ("--cuda-device", "--default-device")  # in the server's arguments, with the process transport
 
-# ---- rank 0 ----------------------------------------------------------------------------------------
 
 class RemoteConfig:
     """Something every worker must hold before a command uses it: a model loaded from the same files
@@ -62,47 +70,49 @@ class RemoteConfig:
 
 
 class GroupRuntime:
-    """Rank 0 of the process group: owns the store, this host's workers, the group and every command.
+    """The driver of the process group: owns the store, this host's workers, the generations and every command.
 
     One command runs at a time (`run`); the monitor thread forms the group, watches every rank, replaces
-    dead local workers and re-forms the group when the server is idle, so `h3kit status` shows every
+    the whole group after a failure and re-forms it while the server is idle, so `h3kit status` shows every
     rank joined without waiting for the next prompt.
     """
 
     def __init__(self, spec: group.GroupSpec, key: str, device=None):
         if spec.node_rank != 0:
-            raise ValueError("MultiNPU: rank 0 runs on node 0; other nodes run an agent")
+            raise ValueError("MultiNPU: the driver runs on node 0; other nodes run an agent")
         self.spec = spec
         self.key = key
         self.signer = group.Signer(key.encode())
         self.world_size = spec.world_size
-        self.rank = 0
         self.device = torch.device(device if device is not None else spec.device_name(0))
         self.state = "starting"
         self.error = None
         self.generation = 0
-        self.comm = None
-        self.members = {}              # rank -> pid in the current generation
+        self.members = {}              # rank -> pid in the current generation (empty while none is formed)
         self.commands = 0
         self.next_cmd = 1
         self.port = None
         self.inflight = None           # (program, command number) while a command runs
-        self.dead = {}                 # rank -> "pid X: reason" noticed since the last command
+        self.dead = {}                 # rank -> "pid X: reason" noticed in the current generation
         self.configs = weakref.WeakSet()  # RemoteConfigs the workers were asked to hold
+        self.last_failure = None       # {"message", "seconds_to_error"} of the last failed command
         self._drops = []
         self._free_pending = False
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
+        self._agent_hb = {}            # node -> (agent heartbeat counter, monotonic time it last changed)
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
-        self._ended = True             # the current generation's END has been posted
         self._remote_exits = {}        # rank -> last exit report read
+        self._retired = set()          # (pid, start time) of aborted generations' workers: never members again
+        self._aborted = set()
+        self._failed_at = 0.0
+        self._token = uuid.uuid4().hex[:12]
         self._local = None
         self._thread = None
         self._sock = None
-        self._threads = None           # torch's intra-op threads before start() took a share of the cores
         self.ctl = None
 
     # -- start and stop --
@@ -112,36 +122,34 @@ class GroupRuntime:
         if spec.device_type == "cpu" and group.is_loopback(spec.master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", group.loopback_interface())
         group.set_hccl_timeout(spec)
-        threads = group.cpu_threads(spec)
-        if threads is not None:  # rank 0 takes its share of the cores too (given back at shutdown)
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(threads)
         store, self._sock, self.port = group.host_store(spec.master_addr, spec.master_port, spec.timeout)
         spec.master_port = self.port  # the workers connect to the port the store got (0 asks for a free one)
         self._base = store
         self.ctl = group.Control(store, self.signer)
         self.ctl.put("layout", spec.layout())
         self._mon = group.Control(group.connect_store(spec.master_addr, self.port, spec.timeout), self.signer)
-        self._local = group.LocalWorkers(spec, self.key, range(1, spec.local_size))
+        # the connection a command's result is waited on with, one command at a time
+        self._waiter = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store(spec.master_addr, self.port,
+                                                                                             spec.timeout))
+        if spec.launcher == "torchrun":
+            self._local = group.TorchrunWorkers(spec, self.key, range(spec.local_size), self._mon)
+        else:
+            self._local = group.LocalWorkers(spec, self.key, range(spec.local_size))
         self._thread = threading.Thread(target=self._monitor, name="multinpu-monitor", daemon=True)
         self._thread.start()
-        logging.info(f"MultiNPU: process group of {self.world_size} ranks ({spec.backend}) on "
+        logging.info(f"MultiNPU: process group of {self.world_size} worker ranks ({spec.backend}) driven from "
                      f"{spec.master_addr}:{self.port}, {spec.nnodes} node(s) of {spec.local_size} device(s)")
         return self
 
     def shutdown(self, grace: float = 5.0):
         self._stop.set()
         with self._lock:
-            if self.comm is not None:
-                self._close_generation()
+            self._end_generation()
             if self._local is not None:
                 self._local.stop(grace)
         if self._thread is not None:
             self._thread.join(5.0)
         self._write_ranks()
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
-            self._threads = None
 
     # -- the monitor --
 
@@ -152,9 +160,10 @@ class GroupRuntime:
         while not self._stop.is_set():
             try:
                 self._watch()
-                if self.state not in ("ready", "failed") and self._lock.acquire(blocking=False):
+                if self._should_form() and self._lock.acquire(blocking=False):
                     try:
-                        self._form()
+                        if self._should_form():
+                            self._form()
                     except group.GroupError as e:
                         logging.error(str(e))
                     finally:
@@ -169,6 +178,13 @@ class GroupRuntime:
                 logging.exception(f"MultiNPU: monitor: {e}")
             self._stop.wait(0.1)
 
+    def _should_form(self) -> bool:
+        if self.state in ("starting", "broken"):
+            return True
+        # a group that could not form tries again once every rank is back (a host restarted), not in a loop
+        return (self.state == "failed" and not self._local.failed and time.monotonic() - self._failed_at > 5.0
+                and all(pid is not None for pid in self._announced().values()))
+
     def _watch(self):
         """Notice dead and hung ranks: local processes at once, agents' exit reports and heartbeats twice a
         second."""
@@ -181,13 +197,13 @@ class GroupRuntime:
             if now - self._last_remote < 0.5:
                 return
             self._last_remote = now
-            for rank in range(1, self.world_size):
+            for rank in range(self.world_size):
                 self._check_heartbeat(rank, now)
                 if self.spec.node_of(rank) != 0:
                     report = self._mon.peek(f"exit/{rank}")
-                    if report is not None and report != self._remote_exits.get(rank):
+                    if isinstance(report, dict) and report != self._remote_exits.get(rank):
                         self._remote_exits[rank] = report
-                        self._note_death(rank, report["pid"], report["reason"])
+                        self._note_death(rank, report.get("pid"), str(report.get("reason")))
 
     def _check_heartbeat(self, rank: int, now: float):
         pid = self.members.get(rank)
@@ -204,28 +220,34 @@ class GroupRuntime:
         self._hb[rank] = (pid, count, now)
         if self.spec.node_of(rank) == 0:
             if self._local.pid(rank) == pid:  # never its replacement, which beats on the same key
-                self._local.kill(rank, why)  # its death is noticed (and it is replaced) like any other
+                self._local.kill(rank, why)
         else:
             self._mon.put(f"kill/{rank}", {"pid": pid, "why": why})
-            self._note_death(rank, pid, why)
+        self._note_death(rank, pid, why)
 
     def _note_death(self, rank: int, pid, reason: str):
         self._ranks_changed = True
         if pid is None or self.members.get(rank) != pid:
-            return  # not a member of the current generation (a replacement that had not joined yet)
-        self.dead[rank] = f"pid {pid}: {reason}"
-        if self.state == "ready":
-            self.state = "broken"
-            self._put_state()
-            if self.inflight is not None:
-                logging.error(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {pid}) {reason} during "
-                              f"{self.inflight[0]}")
-                if self.spec.backend != "gloo":
-                    _abort_group()
+            return  # not a member of the current generation (a replacement, or one already given up on)
+        self.dead.setdefault(rank, f"pid {pid}: {reason}")
+        if self.inflight is None and self.state == "ready":
+            # idle: replace the whole group now, so the next prompt finds it formed
+            logging.error(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {pid}) {reason} while idle")
+            self._abort_generation(f"{self.spec.describe_rank(rank)} {reason}")
+
+    def _where(self, rank: int) -> str:
+        """A rank and its host, for messages."""
+        if self.spec.node_of(rank) == 0:
+            host = socket.gethostname()
+        else:
+            info = self._mon.peek(f"worker/{rank}")
+            host = info.get("host") if isinstance(info, dict) else None
+        return f"{self.spec.describe_rank(rank)}" + (f", host {host}" if host else "")
 
     def _fail(self, message: str):
         self.state = "failed"
         self.error = message
+        self._failed_at = time.monotonic()
         self._ranks_changed = True
         self._put_state()
 
@@ -236,22 +258,30 @@ class GroupRuntime:
         except Exception:
             pass
 
-    # -- forming a generation --
+    # -- generations --
 
     def _announced(self) -> dict:
-        """rank -> pid of the live worker announced for each rank (None where none is)."""
+        """rank -> pid of the live, fresh worker announced for each rank (None where none is)."""
         out = {}
-        for rank in range(1, self.world_size):
+        for rank in range(self.world_size):
             if self.spec.node_of(rank) == 0:
-                out[rank] = self._local.pid(rank)
-                continue
-            info = self._mon.peek(f"worker/{rank}")
-            exited = self._remote_exits.get(rank)
-            if info is None or (exited is not None and exited["pid"] == info["pid"]):
-                out[rank] = None
+                pid = self._local.pid(rank)
             else:
-                out[rank] = info["pid"]
+                info = self._mon.peek(f"worker/{rank}")
+                exited = self._remote_exits.get(rank)
+                pid = info.get("pid") if isinstance(info, dict) else None
+                if exited is not None and exited.get("pid") == pid:
+                    pid = None
+            out[rank] = None if pid is not None and self._identity(rank, pid) in self._retired else pid
         return out
+
+    def _identity(self, rank: int, pid: int) -> tuple:
+        """(pid, start time) of a rank's worker: what is retired after an abort (the OS may reuse a pid)."""
+        if self.spec.node_of(rank) == 0:
+            info = self._local.info.get(rank) or {}
+        else:
+            info = self._mon.peek(f"worker/{rank}") or {}
+        return (pid, info.get("create_time") if isinstance(info, dict) and info.get("pid") == pid else None)
 
     def _missing(self, ranks) -> str:
         """Who is missing, by node where a whole node is."""
@@ -267,71 +297,126 @@ class GroupRuntime:
                 parts.append(", ".join(self.spec.describe_rank(r) for r in rs) + " did not join")
         return "; ".join(parts)
 
-    def _close_generation(self):
-        """Tell the workers of the current generation it is over (they leave their command loop) and
-        destroy rank 0's process group."""
-        if not self._ended:
-            self._ended = True
+    def _end_generation(self):
+        """Shutdown: tell the workers of the current generation it is over (they leave)."""
+        if self.members:
             try:
                 self.ctl.put(f"cmd/{self.generation}/{self.next_cmd}", {"name": group.END})
             except Exception:
                 pass
-        if self.comm is not None or torch.distributed.is_initialized():
-            group.destroy_group()
-        self.comm = None
+
+    def _abort_generation(self, why: str):
+        """Replace the whole group: the current generation's workers leave (remote ones when their heartbeat
+        thread sees the abort, or are killed by their agent), this host's are SIGKILLed; all are replaced by
+        fresh processes, and none of these pids is a member again."""
+        g = self.generation
+        self.state = "broken"
+        self._ranks_changed = True
+        if g in self._aborted:
+            return
+        self._aborted.add(g)
+        members, self.members = dict(self.members), {}
+        self._retired.update(self._identity(r, pid) for r, pid in members.items() if pid is not None)
+        try:
+            self.ctl.put(f"abort/{g}", {"why": why})
+            for rank, pid in members.items():
+                if self.spec.node_of(rank) != 0:
+                    self._mon.put(f"kill/{rank}", {"pid": pid, "why": f"generation {g} aborted: {why}", "abort": True})
+        except Exception as e:
+            logging.warning(f"MultiNPU: could not post the abort of generation {g}: {e}")
+        # this host's workers that had not joined yet are replaced too: fresh means after the failure
+        self._retired.update(self._identity(r, self._local.pid(r)) for r in self._local.ranks
+                             if self._local.pid(r) is not None)
+        self._local.recycle(f"generation {g} aborted: {why}")
+        self._put_state()
+        logging.warning(f"MultiNPU: generation {g} aborted ({why}); every rank is replaced by a fresh process")
 
     def _form(self):
         """Form generation g+1 with every rank; bounded by join_timeout (group.GroupError naming who is missing)."""
-        self._close_generation()
         self.state = "forming"
         self._ranks_changed = True
+        self._put_state()
         deadline = time.monotonic() + self.spec.join_timeout
         while True:
             members = self._wait_members(deadline)
             g = self.generation + 1
             self.generation = g
             self.ctl.put(f"gen/{g}", {"members": members})
-            self.ctl.set("gen", str(g))
+            self.ctl.put("gen", g)
             self._put_state()
-            if self._wait_joined(g, members, deadline):
+            if not self._wait_keys("joined", g, members, deadline, "started but did not join"):
+                continue  # a member died before go: the others wait for the next generation
+            self.ctl.put(f"go/{g}", True)
+            if self._wait_keys("up", g, members, deadline, "joined but did not form the group"):
                 break
-        self.ctl.set(f"go/{g}", "1")
-        torch.distributed.init_process_group(self.spec.backend, store=torch.distributed.PrefixStore(f"pg{g}", self._base),
-                                             rank=0, world_size=self.world_size, timeout=group.td(self.spec.timeout))
-        self.comm = comfy.multinpu.ProcessComm(device=self.device)
-        self.members = {0: os.getpid(), **members}
+            # a member failed inside init_process_group or the warm-up: the others may be blocked there
+            self.members = members
+            self._abort_generation(f"generation {g} did not form")
+            self.state = "forming"
+        self.members = members
         self.next_cmd = 1
-        self._ended = False
         self.dead = {}
         self.state = "ready"
         self.error = None
         self._ranks_changed = True
         self._put_state()
         for cfg in self.configs:
-            # a replaced worker holds nothing; the others keep what they loaded
             cfg.installed = {r: pid for r, pid in cfg.installed.items() if self.members.get(r) == pid}
-        logging.info(f"MultiNPU: process group generation {g} ready: {self.world_size} ranks")
+        logging.info(f"MultiNPU: process group generation {g} ready: {self.world_size} ranks "
+                     f"(pids {', '.join(str(members[r]) for r in sorted(members))})")
+
+    def _agent_gone(self, node: int):
+        """Seconds since node's agent last beat, when it beat once and has been silent for HEARTBEAT_STALE
+        (the host or its agent is lost); else None."""
+        count = self._mon.counter(f"agent_hb/{node}")
+        now = time.monotonic()
+        last = self._agent_hb.get(node)
+        if last is None or last[0] != count:
+            self._agent_hb[node] = (count, now)
+            return None
+        silent = now - last[1]
+        return silent if count > 0 and silent > group.HEARTBEAT_STALE else None
 
     def _wait_members(self, deadline: float) -> dict:
         def attempt():
-            if self.state == "failed":
+            if self._local.failed:
                 raise group.GroupError(f"MultiNPU: the process group failed: {self.error}")
             announced = self._announced()
-            return announced if all(pid is not None for pid in announced.values()) else None
+            if all(pid is not None for pid in announced.values()):
+                return announced
+            for node in sorted({self.spec.node_of(r) for r, pid in announced.items() if pid is None} - {0}):
+                silent = self._agent_gone(node)
+                if silent is not None:
+                    # fail now rather than hold the queue for the join timeout; the monitor forms the group by
+                    # itself once the host's ranks are back
+                    ranks = [r for r in range(self.world_size) if self.spec.node_of(r) == node]
+                    message = (f"MultiNPU: node {node} (ranks {', '.join(map(str, ranks))}) is lost: its agent has "
+                               f"not been heard from for {silent:.0f} s. Fix: start it there again (h3kit start "
+                               f"--nnodes {self.spec.nnodes} --node-rank {node} ...); the group re-forms by itself")
+                    self._fail(message)
+                    raise group.GroupError(message)
+            return None
         return self._poll(deadline, attempt,
                           lambda: self._missing([r for r, pid in self._announced().items() if pid is None]))
 
-    def _wait_joined(self, g: int, members: dict, deadline: float) -> bool:
-        """True once every member has joined g; False when one died meanwhile (form again)."""
+    def _wait_keys(self, what: str, g: int, members: dict, deadline: float, late: str) -> bool:
+        """True once every member wrote what/{g}/{rank} with its pid; False when one died or reported an
+        error meanwhile."""
         def waiting():
-            return [r for r in members if not self.ctl.has(f"joined/{g}/{r}")]
+            return [r for r, pid in members.items() if self.ctl.peek(f"{what}/{g}/{r}") != pid]
 
         def attempt():
             if any(self._announced().get(r) != pid for r, pid in members.items()):
                 return False
+            for r in members:
+                rep = self.ctl.peek(f"joinerr/{g}/{r}")
+                if isinstance(rep, dict):
+                    logging.error(f"MultiNPU: {self.spec.describe_rank(r)} could not join generation {g}: "
+                                  f"{rep.get('type')}: {rep.get('message')}")
+                    return False
             return True if not waiting() else None
-        return self._poll(deadline, attempt, lambda: f"{', '.join(self.spec.describe_rank(r) for r in waiting())} "
-                                                     "started but did not join")
+        return self._poll(deadline, attempt,
+                          lambda: f"{', '.join(self.spec.describe_rank(r) for r in waiting())} {late}")
 
     def _poll(self, deadline: float, attempt, late):
         """attempt() after each look at the ranks until it returns something other than None; past the deadline
@@ -354,78 +439,168 @@ class GroupRuntime:
         if self.state == "failed":
             raise group.GroupError(f"MultiNPU: the process group failed: {self.error}")
         if self.state != "ready":
-            logging.info(f"MultiNPU: re-forming the process group before {what}")
+            logging.info(f"MultiNPU: forming the process group before {what}")
             self._form()
 
-    def _post(self, name: str, payload) -> tuple:
-        data, tensors = group.pack(payload)
-        buf, metas = group.flatten(tensors, self.comm.device)
-        n = self.next_cmd
-        self.next_cmd += 1
-        self.commands += 1
-        # the workers run in rank 0's grad and inference modes (ComfyUI executes prompts in inference mode)
-        self.ctl.put(f"cmd/{self.generation}/{n}", {"name": name, "data": data, "metas": metas, "nbytes": buf.numel(),
-                                                   "grad": torch.is_grad_enabled(),
-                                                   "inference": torch.is_inference_mode_enabled()})
-        return n, buf
-
-    def run(self, name: str, payload, body, configs=()):
-        """Run command `name` on every rank: the workers run PROGRAMS[name](context, comm, payload), rank 0
-        runs body(comm) here; returns body's result.
+    def run(self, name: str, payload, configs=()):
+        """Run command `name` on every rank (PROGRAMS[name](context, comm, payload) in each worker) and return
+        what worker rank 0's program returned.
 
         configs: RemoteConfigs the workers must hold first (installed and checked where missing). Raises
-        group.GroupError subclasses naming the rank that failed or died (group.RankFailed, group.RankDied, group.ConfigMismatch),
-        torch.OutOfMemoryError for a worker that ran out of memory, or rank 0's own exception.
+        group.GroupError subclasses naming the rank that failed or died (group.RankFailed, group.RankDied,
+        group.ConfigMismatch) or torch.OutOfMemoryError for a rank that ran out of memory; the group is then
+        replaced by fresh processes and the next call forms it again.
         """
         with self._lock:
             self._ensure_ready(name)
             self._housekeeping()
             for cfg in configs:
                 self._install(cfg)
-            return self._execute(name, payload, body)
+            return self._execute(name, payload)
 
-    def _execute(self, name, payload, body):
-        n, buf = self._post(name, payload)
+    def _execute(self, name, payload):
+        g, n = self.generation, self.next_cmd
+        self.next_cmd += 1
+        self.commands += 1
+        data, tensors = group.pack(payload)
+        base = os.path.join(group.shm_dir(), f"h3kit-{os.getpid()}-{self._token}-{g}-{n}")
+        inp, out = f"{base}-in", f"{base}-out"
         self.inflight = (name, n)
         try:
-            if buf.numel():
-                self.comm.broadcast(buf, 0)
-            result = body(self.comm)
-            self.comm.barrier()
-            return result
-        except BaseException as e:
-            root = self._after_failure(e, name, n)
-            if root is e:
-                raise
-            raise root from e
+            metas, nbytes = group.shm_write(inp, tensors)
+            # the workers run in the server's grad and inference modes (ComfyUI executes prompts in inference mode)
+            self.ctl.put(f"cmd/{g}/{n}", {"name": name, "data": data, "metas": metas, "nbytes": nbytes,
+                                          "shm": inp, "out": out, "grad": torch.is_grad_enabled(),
+                                          "inference": torch.is_inference_mode_enabled()})
+            rep = self._await(name, g, n)
+            buf = group.shm_read(out, rep["nbytes"])
+            return group.unpack(rep["data"], group.unflatten(buf, rep["metas"]))
         finally:
             self.inflight = None
+            group.shm_remove(inp)
+            group.shm_remove(out)
+
+    def _await(self, name: str, g: int, n: int) -> dict:
+        """Worker rank 0's result header of command n; the root cause of a failure, raised, otherwise. A thread
+        blocks in a store wait for the result (so it is seen the moment it is written); this thread watches
+        every rank meanwhile, ten times a second, and never blocks longer than that."""
+        key = f"res/{g}/{n}"
+        arrived = threading.Event()
+
+        def wait():
+            try:
+                self._waiter.wait([key], group.td(365 * 24 * 3600.0))
+            except Exception:
+                pass
+            arrived.set()
+        waiter = threading.Thread(target=wait, name="multinpu-result", daemon=True)
+        waiter.start()
+        t0 = time.monotonic()
+        hint = 0
+        try:
+            while True:
+                if arrived.is_set() or not waiter.is_alive():
+                    rep = self.ctl.peek(key)
+                    if isinstance(rep, dict) and rep.get("pid") == self.members.get(0):
+                        return rep
+                self._watch()
+                if self.dead or self.state != "ready":
+                    raise self._failure(name, g, n, t0)
+                count = self.ctl.counter(f"failed/{g}")
+                if count != hint:
+                    # the counter only says where to look (anyone reaching the store can add to it): a failure is
+                    # a signed report from a member
+                    hint = count
+                    if self._reports(g, n):
+                        raise self._failure(name, g, n, t0)
+                if arrived.is_set():
+                    time.sleep(group.POLL)  # something unsigned sits in the result's slot: look again shortly
+                else:
+                    arrived.wait(0.1)
+        finally:
+            if not arrived.is_set():
+                try:
+                    self.ctl.put(key, {"abandoned": True})  # wakes the waiting thread
+                except Exception:
+                    pass
+            waiter.join(5.0)
+
+    def _reports(self, g: int, n: int) -> dict:
+        """{rank: signed error report of command n written by the member itself}."""
+        out = {}
+        for r, pid in self.members.items():
+            rep = self.ctl.peek(f"err/{g}/{n}/{r}")
+            if isinstance(rep, dict) and rep.get("pid") == pid:
+                out[r] = rep
+        return out
+
+    def _failure(self, name: str, g: int, n: int, t0: float) -> BaseException:
+        """The first error of a failed command (a rank's own exception before a death, a death before the
+        collective errors it caused), after which the whole generation is replaced."""
+        members = dict(self.members)
+        reports = {}
+        first_seen = time.monotonic()
+        deadline = first_seen + ERROR_WAIT
+        while True:
+            for r, pid in members.items():
+                if r not in reports:
+                    rep = self.ctl.peek(f"err/{g}/{n}/{r}")
+                    if isinstance(rep, dict) and rep.get("pid") == pid:
+                        reports[r] = rep
+            self._watch()
+            if any(not rep.get("collective") for rep in reports.values()):
+                break
+            if any(r not in reports for r in self.dead):
+                # a death is a root cause by itself; a report explaining it is written before its exit
+                deadline = min(deadline, first_seen + DEATH_WAIT)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(group.POLL)
+        primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
+        dead = [r for r in self.dead if r not in reports]  # in the order they were seen: the first death first
+        if primary:
+            r = min(primary, key=lambda r: (primary[r].get("time") or 0, r))
+            exc = _rank_exception(self.spec, r, primary[r], name)
+        elif dead:
+            r = dead[0]
+            exc = group.RankDied(f"MultiNPU: {self._where(r)} died during {name} ({self.dead[r]})")
+        elif reports:
+            r = min(reports)
+            exc = _rank_exception(self.spec, r, reports[r], name)
+        else:
+            exc = group.GroupError(f"MultiNPU: the process group broke during {name} ({self.error or 'no report'})")
+        self._abort_generation(str(exc).splitlines()[0][:300])
+        self.last_failure = {"message": str(exc), "seconds_to_error": time.monotonic() - t0}
+        logging.error(f"{exc}; the next command runs on a fresh group ({time.monotonic() - t0:.2f} s after the "
+                      "command started)")
+        return exc
 
     def _housekeeping(self):
         if self._free_pending:
             self._free_pending = False
-            self._execute("free", None, lambda comm: None)
+            self._execute("free", None)
             for cfg in self.configs:
                 cfg.installed = {}
         if self._drops:
             ids, self._drops = self._drops, []
-            self._execute("drop", ids, lambda comm: None)
+            self._execute("drop", ids)
 
     def _install(self, cfg: RemoteConfig):
-        todo = [r for r in range(1, self.world_size) if cfg.installed.get(r) != self.members.get(r)]
+        todo = [r for r in range(self.world_size) if cfg.installed.get(r) != self.members.get(r)]
         if not todo:
             return
         if cfg not in self.configs:
             self.configs.add(cfg)
-            weakref.finalize(cfg, self._drops.append, cfg.id)  # the workers let go of it with rank 0
+            weakref.finalize(cfg, self._drops.append, cfg.id)  # the workers let go of it with the driver
         t0 = time.monotonic()
-        self._execute("install", {"id": cfg.id, "program": cfg.program, "payload": cfg.payload, "ranks": todo},
-                      lambda comm: None)
+        self._execute("install", {"id": cfg.id, "program": cfg.program, "payload": cfg.payload, "ranks": todo})
         reports = self._wait_reports(f"ready/{cfg.id}", todo, LOAD_TIMEOUT, f"loading {cfg.what}")
         failed = {r: rep for r, rep in reports.items() if "error" in rep}
         if failed:
             r = min(failed)
-            raise _rank_exception(self.spec, r, failed[r]["error"], f"loading {cfg.what}")
+            exc = _rank_exception(self.spec, r, failed[r]["error"], f"loading {cfg.what}")
+            self._abort_generation(str(exc)[:300])
+            raise exc
         bad = {}
         for r, rep in reports.items():
             diff = [k for k in sorted(set(cfg.digest) | set(rep["digest"])) if cfg.digest.get(k) != rep["digest"].get(k)]
@@ -433,10 +608,10 @@ class GroupRuntime:
                 bad[r] = diff
         if bad:
             lines = [f"{self.spec.describe_rank(r)} differs in {', '.join(d)} ("
-                     + "; ".join(f"{k}: rank 0 {cfg.digest.get(k)!s:.40}, rank {r} {reports[r]['digest'].get(k)!s:.40}"
+                     + "; ".join(f"{k}: the server {cfg.digest.get(k)!s:.40}, rank {r} {reports[r]['digest'].get(k)!s:.40}"
                                  for k in d) + ")" for r, d in sorted(bad.items())]
             raise group.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
-                                 + ". Fix: the same model files at the same paths on every host")
+                                       + ". Fix: the same model files at the same paths on every host")
         for r in todo:
             cfg.installed[r] = self.members[r]
         logging.info(f"MultiNPU: {cfg.what} loaded and checked on {len(todo)} worker(s) in "
@@ -445,94 +620,54 @@ class GroupRuntime:
     def _wait_reports(self, prefix: str, ranks, timeout: float, what: str) -> dict:
         """{rank: report} of `prefix/{rank}` keys written by the current members; bounded, dead ranks named."""
         deadline = time.monotonic() + timeout
+        members = dict(self.members)
         reports = {}
         while True:
             for r in ranks:
-                if r in reports or not self.ctl.has(f"{prefix}/{r}"):
-                    continue
-                rep = self.ctl.get(f"{prefix}/{r}")
-                if rep.get("pid") == self.members.get(r):
-                    reports[r] = rep
-            if len(reports) == len(ranks):
+                if r not in reports:
+                    rep = self.ctl.peek(f"{prefix}/{r}")
+                    if isinstance(rep, dict) and rep.get("pid") == members.get(r):
+                        reports[r] = rep
+            if len(reports) == len(ranks) or any("error" in rep for rep in reports.values()):
                 return reports
             self._watch()
             gone = [r for r in ranks if r not in reports and r in self.dead]
             if gone:
                 r = gone[0]
-                self.state = "broken"
-                raise group.RankDied(f"MultiNPU: {self.spec.describe_rank(r)} died while {what} ({self.dead[r]}); "
-                               "it is being replaced")
+                exc = group.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
+                self._abort_generation(str(exc)[:300])
+                raise exc
             if time.monotonic() >= deadline:
                 late = [r for r in ranks if r not in reports]
-                raise group.GroupError(f"MultiNPU: {', '.join(self.spec.describe_rank(r) for r in late)} did not finish "
-                                 f"{what} within {timeout:g} s")
+                exc = group.GroupError(f"MultiNPU: {', '.join(self.spec.describe_rank(r) for r in late)} did not "
+                                       f"finish {what} within {timeout:g} s")
+                self._abort_generation(str(exc)[:300])
+                raise exc
             time.sleep(group.POLL)
-
-    def _after_failure(self, exc: BaseException, name: str, n: int) -> BaseException:
-        """Break the generation and find the root cause of a failed command."""
-        self.state = "broken"
-        self._ranks_changed = True
-        self._close_generation()  # the others leave their collectives now instead of at the timeout
-        self._put_state()
-        if not isinstance(exc, comfy.multinpu.CollectiveError):
-            return exc  # rank 0 itself failed first (an interrupt, an OOM on rank 0): the others followed
-        t0 = time.monotonic()
-        g = self.generation
-        reports = {}
-        deadline = time.monotonic() + ERROR_WAIT
-        while True:
-            for r in range(1, self.world_size):
-                if r not in reports and self.ctl.has(f"err/{g}/{n}/{r}"):
-                    reports[r] = self.ctl.get(f"err/{g}/{n}/{r}")
-            self._watch()
-            settled = all(r in reports or r in self.dead for r in range(1, self.world_size))
-            if self.dead:
-                # a death is a root cause by itself: a live rank blocked on the dead one may only fail at
-                # the collective timeout, so its report is waited for briefly
-                deadline = min(deadline, t0 + DEATH_WAIT)
-            if settled or time.monotonic() >= deadline:
-                break
-            time.sleep(group.POLL)
-        logging.debug(f"MultiNPU: {name} failed ({exc}); reports from {sorted(reports)}, dead {sorted(self.dead)} "
-                      f"after {time.monotonic() - t0:.2f} s")
-        primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
-        if primary:
-            r = min(primary)
-            return _rank_exception(self.spec, r, primary[r], name)
-        dead = sorted(r for r in self.dead if r in self.members)
-        if dead:
-            r = dead[0]
-            return group.RankDied(f"MultiNPU: {self.spec.describe_rank(r)} died during {name} ({self.dead[r]}); the "
-                            "group is re-formed with its replacement for the next command")
-        return exc
 
     # -- frees and drops --
 
     def request_free(self):
-        """The workers unload their models with rank 0's (POST /free, the OOM handler); sent before the next
-        command, since the caller may be the prompt thread inside a failed command."""
+        """The workers unload their models with the server's (POST /free, the OOM handler); sent before the
+        next command."""
         self._free_pending = True
 
     # -- the ranks file --
 
     def ranks(self) -> list:
         out = []
-        me = group.process_identity(os.getpid())
-        out.append({"rank": 0, "node": 0, "local_rank": 0, "host": socket.gethostname(),
-                    "device": str(self.device), **me, "alive": True, "joined": self.state == "ready",
-                    "restarts": 0, "last_exit": None})
-        for rank in range(1, self.world_size):
+        for rank in range(self.world_size):
             if self.spec.node_of(rank) == 0:
                 info = dict(self._local.info[rank])
             else:
                 info = {"rank": rank, "node": self.spec.node_of(rank), "local_rank": rank % self.spec.local_size,
                         "device": self.spec.device_name(rank)}
                 announced = self._mon.peek(f"worker/{rank}") if self.ctl is not None else None
-                if announced:
-                    info.update({k: announced[k] for k in ("host", "pid", "create_time", "cmdline")})
+                if isinstance(announced, dict):
+                    info.update({k: announced.get(k) for k in ("host", "pid", "create_time", "cmdline")})
                 exited = self._remote_exits.get(rank)
-                info["alive"] = bool(announced) and not (exited and exited["pid"] == announced["pid"])
-                info["last_exit"] = exited["reason"] if exited else None
+                info["alive"] = bool(announced) and not (exited and exited.get("pid") == info.get("pid"))
+                info["last_exit"] = exited.get("reason") if exited else None
             info["joined"] = self.state == "ready" and self.members.get(rank) == info.get("pid") is not None
             out.append(info)
         return out
@@ -548,14 +683,15 @@ class GroupRuntime:
             logging.debug(f"MultiNPU: ranks not readable now: {e}")
             return
         group.write_ranks_file(self.spec.runtime_root, {
-            "role": "rank0", "pid": os.getpid(), "updated": group.now(), "state": self.state, "error": self.error,
+            "role": "driver", "pid": os.getpid(), "updated": group.now(), "state": self.state, "error": self.error,
             "generation": self.generation, "world_size": self.world_size, "backend": self.spec.backend,
             "master": f"{self.spec.master_addr}:{self.port}", "nnodes": self.spec.nnodes,
-            "commands": self.commands, "ranks": ranks})
+            "commands": self.commands, "last_failure": self.last_failure, "ranks": ranks})
 
 
 def _rank_exception(spec: group.GroupSpec, rank: int, report: dict, what: str) -> BaseException:
-    where = f"{spec.describe_rank(rank)}, pid {report.get('pid')}"
+    host = f", host {report['host']}" if report.get("host") else ""
+    where = f"{spec.describe_rank(rank)}{host}, pid {report.get('pid')}"
     message = f"MultiNPU: {where} failed in {what}: {report.get('type')}: {report.get('message')}"
     if report.get("oom"):
         # torch's own OOM type, so ComfyUI's handler unloads the models and the user can retry
@@ -565,22 +701,14 @@ def _rank_exception(spec: group.GroupSpec, rank: int, report: dict, what: str) -
     return exc
 
 
-def _abort_group():
-    # hccl/nccl: a collective waiting for a dead peer does not return by itself before HCCL_EXEC_TIMEOUT /
-    # the NCCL watchdog; abort it. torch's documented abort, unmeasured on Ascend and CUDA hardware.
-    try:
-        torch.distributed.distributed_c10d._abort_process_group()
-    except Exception as e:
-        logging.warning(f"MultiNPU: could not abort the process group: {e}")
 
-
-# ---- rank 0's runtime in this process --------------------------------------------------------------
+# ---- the driver in this process --------------------------------------------------------------
 
 _RUNTIME = None
 
 
 def get_runtime():
-    """The GroupRuntime of this process when it is rank 0 of a process group, else None (threads)."""
+    """The GroupRuntime of this process when it drives a process group, else None (threads, one device)."""
     return _RUNTIME
 
 
@@ -600,13 +728,20 @@ def stop_runtime():
 
 
 def start_from_environment(device=None):
-    """Start rank 0's runtime when h3kit started this server with the process transport (H3KIT_GROUP set)."""
+    """Start the driver when h3kit started this server with the process transport (H3KIT_GROUP set)."""
     text = os.environ.get(group.GROUP_ENV)
     if not text:
         return None
     spec = group.GroupSpec.from_json(text)
     if spec.node_rank != 0:
         raise group.GroupError(f"MultiNPU: {group.GROUP_ENV} names node {spec.node_rank}; ComfyUI runs on node 0 only")
+    refused = [a for a in sys.argv[1:] if a.split("=")[0] in REFUSED_ARGS]
+    if refused:
+        # upstream rewrites CUDA_VISIBLE_DEVICES / picks another device before the workers start: rank r would
+        # not be on device r
+        raise group.GroupError(f"MultiNPU: {', '.join(refused)} cannot be used with the process transport (every "
+                               "rank binds its own device). Fix: remove it from the server's arguments, or start "
+                               "with --transport threads")
     spec.worker_args = list(sys.argv[1:])  # the workers parse the server's ComfyUI arguments
     return start_runtime(spec, group.key_from_environment().decode(), device)
 

@@ -338,24 +338,16 @@ class TextEncoderParallel:
         if self.mode == "layers" and isinstance(intermediate, int):
             raise RuntimeError("MultiNPU: the layer-split text encoder returns an intermediate layer with the thread "
                                "transport only")
-        ctx0 = self.contexts[0]
-        payload = {"config": self.config.id, "kwargs": others, "return_output": self.keep_rank_outputs}
-
-        def rank0(comm):
-            start = comm.bytes_moved
-            ctx0.comm = comm
-            try:
-                out = comfy.text_encoders.llama.Llama2_.forward(decoder0, None, **kwargs)
-            finally:
-                ctx0.comm = None
-            outs = None
-            if self.keep_rank_outputs:
-                outs = [out[0]] + [comm.recv(torch.empty_like(out[0]), r) for r in range(1, comm.world_size)]
-            return out, outs, comm.bytes_moved - start
+        # every rank is a worker: rank 0 runs on the server's inputs (vision embeddings included), the others
+        # on theirs, and rank 0's output is the command's result
+        payload = {"config": self.config.id, "kwargs0": kwargs, "kwargs": others,
+                   "return_output": self.keep_rank_outputs}
 
         t0 = time.perf_counter()
         with self._lock:
-            out, outs, moved = self.runtime.run("te_forward", payload, rank0, configs=[self.config])
+            out, outs, moved = self.runtime.run("te_forward", payload, configs=[self.config])
+        device = kwargs["embeds"].device
+        out = tuple(o.to(device) if isinstance(o, torch.Tensor) else o for o in out)
         self.forwards += 1
         self.bytes_moved += moved
         if outs is not None:
@@ -390,13 +382,21 @@ def _load_on_worker(context, comm, payload):
 def _forward_on_worker(context, comm, payload):
     held = context.configs[payload["config"]]
     comfy.model_management.load_models_gpu([held.patcher])
+    start = comm.bytes_moved
     held.ctx.comm = comm
     try:
-        out = held.decoder(None, **_copy_to(payload["kwargs"], held.patcher.load_device, []))
+        inputs = payload["kwargs0"] if comm.rank == 0 else payload["kwargs"]
+        out = held.decoder(None, **_copy_to(inputs, held.patcher.load_device, []))
     finally:
         held.ctx.comm = None
+    if comm.rank != 0:
+        if payload["return_output"]:
+            comm.send(out[0].contiguous(), 0)
+        return None
+    outs = None
     if payload["return_output"]:
-        comm.send(out[0].contiguous(), 0)
+        outs = [out[0]] + [comm.recv(torch.empty_like(out[0]), r) for r in range(1, comm.world_size)]
+    return tuple(out), outs, comm.bytes_moved - start
 
 
 # Llama2_.forward's arguments after x, for callers that pass some positionally

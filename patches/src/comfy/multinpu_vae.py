@@ -19,9 +19,10 @@ bit-identical to the one-device decode (h3kit parity --component vae gates max_a
 wave of decoded chunks exists at a time, each on the device that decoded it. Encoding (reference images,
 keyframes) and single-frame decodes stay on rank 0.
 
-With the process transport (comfy.multinpu_process) the ranks are processes: rank 0 broadcasts the planned
-chunks, every worker decodes its chunks (i % P == its rank) on the VAE it loaded from the same file and
-sends each to rank 0 in order, and rank 0 blends them as above.
+With the process transport (comfy.multinpu_process) the ranks are worker processes, rank 0 included: the
+server hands the planned chunks to the group, every worker decodes its chunks (i % P == its rank) on the VAE
+it loaded from the same file, worker rank 0 gathers them in order and hands them back through shared
+memory, and the server blends them as above (all the decoded chunks are on the host at once there).
 """
 
 from __future__ import annotations
@@ -78,8 +79,7 @@ class _ChunkStream:
         self.vae0 = vae0
         self.chunks = chunks
         self.next = 0
-        self.ready = {}
-        self.comm = None  # processes: rank 0's communicator while the command runs
+        self.ready = {}  # index -> (rank, decoded chunk); processes: every chunk, from the workers
 
     def take(self, z: torch.Tensor) -> torch.Tensor:
         i = self.next
@@ -88,12 +88,9 @@ class _ChunkStream:
             raise RuntimeError(f"MultiNPU: the VAE asked for a chunk (#{i}, {tuple(z.shape)}) that the parallel "
                                f"plan of {len(self.chunks)} chunks does not have at that place")
         if i not in self.ready:
-            self.ready = (self.runner.decode_wave(self.vae0, self.chunks, i) if self.comm is None
-                          else _wave_processes(self.vae0, self.chunks, i, self.comm))
+            self.ready = self.runner.decode_wave(self.vae0, self.chunks, i)
         self.next += 1
         rank, chunk = self.ready.pop(i)
-        if callable(chunk):
-            chunk = chunk()  # decoded by another process: received now, in blend order
         self.runner.bytes_moved += 0 if rank == 0 else chunk.numel() * chunk.element_size()
         return fetch_chunk(chunk, z.device, rank)
 
@@ -158,23 +155,26 @@ class VideoDecodeParallel:
         self.chunk_ranks = []
         t0 = time.perf_counter()
 
-        def blend(comm=None):
-            stream.comm = comm
+        def blend():
             vae0.__dict__["_multinpu_stream"] = stream
             try:
                 return comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal(vae0, z, output_buffer)
             finally:
                 vae0.__dict__.pop("_multinpu_stream", None)
-                stream.comm = None
 
         with self._lock:
             if self.runtime is None:
                 out = blend()
             else:
-                self.chunk_ranks = [i % self.runtime.world_size for i in range(len(chunks))]
+                # every rank is a worker: chunk i decoded on rank i % P, all of them handed back by rank 0 in
+                # order; the blend runs here, upstream's code on the chunks as one-device decoding would
+                world = self.runtime.world_size
+                decoded = self.runtime.run("vae_decode", {"config": self.config.id, "chunks": chunks},
+                                           configs=[self.config])
+                self.chunk_ranks = [i % world for i in range(len(chunks))]
                 self.chunks += len(chunks)
-                out = self.runtime.run("vae_decode", {"config": self.config.id, "chunks": chunks}, blend,
-                                       configs=[self.config])
+                stream.ready = {i: (i % world, c) for i, c in enumerate(decoded)}
+                out = blend()
         if stream.next != len(chunks):
             raise RuntimeError(f"MultiNPU: the VAE blended {stream.next} of the {len(chunks)} chunks it planned")
         self.forwards += 1
@@ -184,15 +184,6 @@ class VideoDecodeParallel:
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-def _wave_processes(vae0, chunks: list, first: int, comm) -> dict:
-    """Rank 0's part of a wave: decode chunk `first` here; chunks first+1.. come from ranks 1.. when asked."""
-    out = {first: (0, comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(vae0, chunks[first]))}
-    for r in range(1, comm.world_size):
-        if first + r < len(chunks):
-            out[first + r] = (r, lambda r=r: _recv_chunk(comm, r))
-    return out
 
 
 def _send_chunk(comm, chunk: torch.Tensor):
@@ -228,12 +219,22 @@ def _load_on_worker(context, comm, payload):
 
 @comfy.multinpu_group.program("vae_decode")
 def _decode_on_worker(context, comm, payload):
+    """Chunk i on rank i % P; rank 0 returns every decoded chunk in order, each moved to the host as it
+    arrives (they reach the server through shared memory; the device holds one wave at a time)."""
     held = context.configs[payload["config"]]
     comfy.model_management.load_models_gpu([held.vae.patcher])
     chunks = payload["chunks"]
-    for i in range(comm.rank, len(chunks), comm.world_size):
+
+    def decode(i):
         z = chunks[i].to(held.vae.device)
-        _send_chunk(comm, comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(held.vae.first_stage_model, z))
+        return comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(held.vae.first_stage_model, z)
+
+    if comm.rank != 0:
+        for i in range(comm.rank, len(chunks), comm.world_size):
+            _send_chunk(comm, decode(i))
+        return None
+    return [(decode(i) if i % comm.world_size == 0 else _recv_chunk(comm, i % comm.world_size)).cpu()
+            for i in range(len(chunks))]
 
 
 class ParallelVideoVAE(comfy.ldm.minimax.vae.MiniMaxH3VideoVAE):

@@ -214,16 +214,18 @@ def restart(comfy_home, runtime_root, force, requeue_running, grace, timeout, as
 def status(comfy_home, runtime_root, as_json):
     """Show whether the server runs, its devices and its queue.
 
-    Exits 0 when the recorded process runs, 1 when it does not.
+    Exits 0 when the recorded process runs, 1 when it does not, 4 when it runs with the process transport
+    but its group cannot run prompts now (failed, re-forming, a rank down).
     """
     root = service.runtime_root(comfy_home, runtime_root)
     st = service.status(root, comfy_home=comfy_home)
+    code = service.status_code(st)
     if as_json:
-        emit_json(st, ok=st["running"])
+        emit_json(st, ok=code == 0)
     else:
         for line in _status_lines(st):
             click.echo(line)
-    raise SystemExit(0 if st["running"] else 1)
+    raise SystemExit(code)
 
 
 def _status_lines(st: dict) -> list[str]:

@@ -18,7 +18,8 @@ BAD = {"max_abs": float("inf"), "max_rel": float("inf"), "cos": float("-inf"), "
 
 
 def start_group(args):
-    """--transport process: this process becomes rank 0 of N processes (the workers import the tree); None with
+    """--transport process: this process drives N worker processes, rank 0 included, as the server does (the
+    workers import the tree); None with
     threads. The one place the parity worker sets the process runtime up: what it returns is handed to the node's
     runners (and its figures read from them), so another runtime changes this function alone."""
     if args.transport != "process":

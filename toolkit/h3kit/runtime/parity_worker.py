@@ -10,8 +10,8 @@
 MultiNPUParallelConfig node (validate_inputs, then execute) for the parallel side. N must be 2 or more: one device
 would be compared with itself. One module per component builds and judges its rows: parity_dit.py (sequence
 parallel DiT), parity_te.py (text encoder), parity_vae.py (video and audio VAE); parity_common.py holds what they
-share, the process group's set-up included (--transport process: this script becomes rank 0 of a group of N
-processes, comfy.multinpu_process; the workers load the same checkpoint files, which stay on disk for the whole
+share, the process group's set-up included (--transport process: this script drives a group of N worker
+processes, rank 0 included, as the server does, comfy.multinpu_process; the workers load the same checkpoint files, which stay on disk for the whole
 run, in --out's folder).
 
 The JSON written to --out: {"ok", "rows": [...], "config": {...}} or {"ok": false, "error"}; each row has "pass"
