@@ -184,3 +184,14 @@ def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
     assert result["after"]["ok"] and result["after"]["value"] == [6.0] * 4
     assert result["driver_pid_after"] == result["driver_pid"]
     assert not set(result["pids_before"].values()) & set(result["pids_after"].values())
+
+
+@pytest.mark.parametrize("arg", [["--cuda-device", "1"], ["--default-device=1"]])
+def test_device_choosing_arguments_are_refused_with_the_process_transport(monkeypatch, arg):
+    # upstream would move the visible devices under the workers: rank r would not be on device r
+    monkeypatch.setenv(group.GROUP_ENV, group.GroupSpec(local_size=2).to_json())
+    monkeypatch.setenv(group.KEY_ENV, group.new_key())
+    monkeypatch.setattr(sys, "argv", ["main.py", "--listen", "127.0.0.1", *arg])
+    with pytest.raises(group.GroupError, match="cannot be used with the process transport"):
+        mp.start_from_environment()
+    assert mp.get_runtime() is None

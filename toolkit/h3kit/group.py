@@ -31,6 +31,10 @@ DEFAULT_JOIN_TIMEOUT = 300.0
 GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_group.py
 KEY_ENV = "H3KIT_GROUP_KEY"
 AGENT_MODULE = "comfy.multinpu_group"
+# Who launches and restarts a host's workers: h3kit's own (default) or torchrun's elastic agent (experimental;
+# set in the environment of `h3kit start` on every host alike)
+LAUNCHER_ENV = "H3KIT_LAUNCHER"
+LAUNCHERS = ("h3kit", "torchrun")
 RANKS_FILE = "ranks.json"            # written by the runtime: the driver (node 0) or the agent (other nodes)
 KEY_FILE = "group.key"
 
@@ -149,6 +153,12 @@ def environment(settings: GroupSettings, device_type: str, devices: list[int], r
             "device_type": device_type, "devices": list(devices), "master_addr": settings.master_addr,
             "master_port": settings.master_port, "join_timeout": settings.join_timeout,
             "runtime_root": str(root), "worker_args": list(worker_args)}
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if launcher:
+        if launcher not in LAUNCHERS:
+            raise UsageError(f"{LAUNCHER_ENV}={launcher!r} is not one of {', '.join(LAUNCHERS)}",
+                             code="bad_launcher", hint=f"unset it (h3kit's own launcher) or set it to torchrun")
+        spec["launcher"] = launcher
     return {GROUP_ENV: json.dumps(spec), KEY_ENV: key}
 
 
