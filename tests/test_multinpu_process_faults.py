@@ -112,7 +112,12 @@ def test_torchrun_two_hosts_a_killed_worker_of_node_1(tmp_path):
     killed = result["killed"]
     assert not killed["ok"] and killed["error"]["type"] == "RankDied" and killed["seconds"] < BOUND, killed
     message = killed["error"]["message"]
-    assert "rank 3 (cpu, node 1), host " in message and f"pid {result['victim_pid']}" in message
+    # torchrun on node 1 ends the victim's sibling (rank 2) as soon as it sees the victim die; the agent can tell
+    # neither apart by exit code (torchrun reaps its children), so on a busy machine the sibling's death can be
+    # seen first. What is named is a rank of node 1 that died in this generation, with its own pid
+    named = [r for r in (2, 3) if f"rank {r} (cpu, node 1), host " in message]
+    assert named and f"pid {result['pids'][str(named[0])]}" in message, (message, result["pids"])
+    assert result["pids"]["3"] == result["victim_pid"]
     assert result["after_kill"]["ok"] and result["after_kill"]["value"] == [6.0] * 4
     assert result["replacement_pid"] not in (None, result["victim_pid"])
 
