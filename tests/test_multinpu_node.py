@@ -222,3 +222,13 @@ def test_server_rejects_a_weights_value_the_node_does_not_take(server):
     with pytest.raises(urllib.error.HTTPError) as refused:
         comfy_server.http("POST", server.url + "/prompt", {"prompt": bad}, timeout=30)
     assert refused.value.code == 400 and "weights" in json.dumps(json.loads(refused.value.read())["node_errors"]["2"])
+
+
+def test_with_processes_the_servers_dit_copy_stays_on_the_host_unpatched(checks):
+    # worker rank 0 computes on device 0; a server copy loaded there too would hold a second DiT on that card
+    for weights, v in value(checks, "process_transport_server_copy").items():
+        assert v["load_device"] == v["offload_device"] == "cpu" and v["devices"] == ["cpu"], (weights, v)
+        assert v["rank_device"] == "meta", (weights, v)  # the fit check asks worker rank 0's device
+        assert v["server_patches"] == 0 and v["sent_patches"] > 0, (weights, v)  # the LoRA goes to the workers
+    assert value(checks, "process_transport_server_copy")["sharded"]["shard_device"] == "cpu"
+    assert value(checks, "process_transport_server_copy")["sharded"]["on_load"] == 0  # no slices built on the host

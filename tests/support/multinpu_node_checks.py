@@ -50,6 +50,35 @@ def _forward(patcher, seed=0):
 
 
 @check
+def process_transport_server_copy():
+    """With the process transport the server computes no DiT forward: its copy of the model must stay on the host,
+    unpatched, while worker rank 0's device and the LoRA go to the workers. A stand-in accelerator ("meta") as the
+    loaded model's device, and a stand-in runtime (apply_sequence_parallel only reads its size and backend)."""
+    import torch
+    import comfy.multinpu_dit
+    import comfy.multinpu_shard
+    import comfy.patcher_extension
+    from h3kit.runtime import parity_common, parity_dit
+    base, _ = _tiny_patcher()
+    lora = parity_common.lora_state_dict(base.model.diffusion_model.state_dict(), "blocks.", "diffusion_model.", 0)
+    patched = parity_dit._apply_lora(base, lora)[0]
+    runtime = types.SimpleNamespace(world_size=2, spec=types.SimpleNamespace(backend="hccl"))
+    out = {}
+    for weights in ("replicated", "sharded"):
+        p = patched.clone()
+        p.load_device = torch.device("meta")  # where an accelerator's rank 0 would compute
+        m = comfy.multinpu_dit.apply_sequence_parallel(p, None, runtime=runtime, weights=weights)
+        wrapper = comfy.multinpu_dit.get_wrapper(m)
+        shards = comfy.multinpu_shard.of(m.model.diffusion_model)
+        out[weights] = {"load_device": str(m.load_device), "offload_device": str(m.offload_device),
+                        "rank_device": str(wrapper.rank_device), "devices": [str(d) for d in wrapper.devices],
+                        "server_patches": len(m.patches), "sent_patches": len(wrapper.config.payload["patches"]),
+                        "shard_device": str(shards.device) if shards is not None else None,
+                        "on_load": len(m.get_all_callbacks(comfy.patcher_extension.CallbacksMP.ON_LOAD))}
+    return out
+
+
+@check
 def multidevice():
     import torch
     import comfy.multidevice as md

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 import weakref
 from typing import TYPE_CHECKING
 
@@ -267,6 +268,7 @@ class SequenceParallelDiT:
         self.resident_bytes = [0] * self.world
         self.memory_estimates = None      # [(memory_required, minimum_memory_required)] per rank
         self.memory_estimate_one = None   # ComfyUI's own estimate for the whole latent on one device
+        self.rank_device = self.devices[0]  # processes: worker rank 0's device (the server's copy stays on the host)
         self.memory_used = [0] * self.world  # the memory_required each rank's last load was sized with
         self.caches_emptied = [0] * self.world
         self.rank_reports = []  # per forward, while fault_hook has a report(): what it reported on every rank
@@ -662,13 +664,27 @@ def _apply_processes(patcher: ModelPatcher, attention: str, timeout: float, runt
     config = comfy.multinpu_process.RemoteConfig(
         "dit_config", {"source": src, "patches": patches, "weights": weights},
         comfy.multinpu_models.digest(src, patcher.model, patches, weights=weights), f"DiT {src.paths[0]}")
+    # The server computes no DiT forward (worker rank 0 does, on device 0): its copy stays on the host, mapped from
+    # the file, and the sampler's latents with it, so device 0 holds one DiT, worker rank 0's, not two. The copy
+    # keeps rank 0's structure (its slices when sharded), which ComfyUI sizes rank 0's load and estimate by.
+    device, host = patcher.load_device, patcher.offload_device
     if weights == "sharded":
-        m = sharded_patcher(patcher, patcher.load_device, 0, runtime.world_size)
+        m = sharded_patcher(patcher, host, 0, runtime.world_size)
+        # its slices would only be built to sit on the host unused: the workers build their own
+        m.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY)
     else:
         m = patcher.clone()
+    m.load_device = host
+    if hasattr(m, "register_load_device"):
+        m.register_load_device(host)
+    # the weight patches travel to the workers in the configuration; applied to the host copy they would compute
+    # every LoRA'd weight on the CPU into a private copy no forward reads
+    m.patches = {}
+    m.patches_uuid = uuid.uuid4()
     m.remove_additional_models(KEY)
-    _install_wrappers(m, SequenceParallelDiT([patcher.load_device], [None], attention, timeout, runtime, config,
-                                             weights=weights))
+    wrapper = SequenceParallelDiT([host], [None], attention, timeout, runtime, config, weights=weights)
+    wrapper.rank_device = device
+    _install_wrappers(m, wrapper)
     _replace_blocks(m, len(patcher.model.diffusion_model.blocks))
     logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {runtime.world_size} processes "
                  f"({runtime.spec.backend}), attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
@@ -711,12 +727,18 @@ class RankMemory:
         patchers = [model] + model.get_additional_models_with_key(KEY)
         for r, p in enumerate(patchers):
             need = p.model_size() + self.dit.memory_estimates[r][0]
-            free = comfy.multidevice.free_memory(p.load_device) + p.loaded_size()
+            device = p.load_device
+            if self.dit.runtime is None:
+                free = comfy.multidevice.free_memory(device) + p.loaded_size()
+            else:
+                # processes: the server's copy stands for worker rank 0's, whose device and resident weights count
+                device = self.dit.rank_device
+                free = comfy.multidevice.free_memory(device) + self.dit.resident_bytes[0]
             if need <= free:
                 continue
             fix = ("weights sharded on MultiNPUParallelConfig, INT8 weights" if self.dit.weights == "replicated"
                    else "INT8 weights")
-            logging.warning(f"MultiNPU: {p.load_device} (rank {r}) needs {need / 1e9:.3g} GB for the DiT "
+            logging.warning(f"MultiNPU: {device} (rank {r}) needs {need / 1e9:.3g} GB for the DiT "
                             f"({self.dit.weights} weights {p.model_size() / 1e9:.3g} GB, activations "
                             f"{self.dit.memory_estimates[r][0] / 1e9:.3g} GB) and has {free / 1e9:.3g} GB free: "
                             f"ComfyUI loads part of the weights and streams the rest every step. Fix: {fix}, a "
