@@ -49,14 +49,8 @@ FOLDERS = {"dit": "diffusion_models", "te": "text_encoders", "video_vae": "vae",
 
 def _setup(comfy_home, device_type, npu_count):
     sys.path.insert(0, str(TOOLKIT))
-    sys.path.insert(0, comfy_home)
-    os.chdir(comfy_home)
-    if device_type == "cpu":
-        os.environ["H3KIT_SIM_DEVICES"] = str(npu_count)
-    import comfy.cli_args
-    if device_type == "cpu":
-        comfy.cli_args.args.cpu = True
-    import comfy.model_management  # noqa: F401
+    from h3kit.runtime.parity_common import setup_comfy  # the parity worker's: --cpu and the simulated devices
+    setup_comfy(comfy_home, device_type, npu_count)
 
 
 def write_models(models_dir):

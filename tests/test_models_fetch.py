@@ -25,6 +25,7 @@ from h3kit import modelpaths
 from tests.support import jsondoc
 from tests.support.fakekit import REAL_ROOT, h3, install, kit, payload, refreshed, upstream  # noqa: F401
 from tests.support.hub_standin import HubStandin
+from tests.support.model_trees import home  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLKIT = ROOT / "toolkit"
@@ -62,14 +63,6 @@ def hub(monkeypatch, tmp_path):
         monkeypatch.delenv("HF_TOKEN", raising=False)
         yield h
 
-
-@pytest.fixture
-def home(tmp_path):
-    """A ComfyUI tree as far as model lookup goes: main.py and models/."""
-    h = tmp_path / "ComfyUI"
-    (h / "models").mkdir(parents=True)
-    (h / "main.py").write_text("")
-    return h
 
 
 def fetch(runner, *args):

@@ -16,6 +16,7 @@ from h3kit.workflow import check_paths
 from tests.support import jsondoc
 from tests.support.check_workflow_api import to_api
 from tests.support.check_workflow_helpers import messages
+from tests.support.model_trees import home  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "workflows").glob("*.json"))
@@ -37,13 +38,6 @@ def template_entries(doc: dict) -> dict:
                 out.setdefault(m["name"], m["url"])
     return out
 
-
-@pytest.fixture
-def home(tmp_path):
-    h = tmp_path / "ComfyUI"
-    (h / "models").mkdir(parents=True)
-    (h / "main.py").write_text("")
-    return h
 
 
 def test_shipped_workflows_name_their_sources_like_upstreams_templates(runner):

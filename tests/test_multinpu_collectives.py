@@ -192,6 +192,9 @@ def test_copy_counter_sees_a_spare_copy():
     assert n == 4.0 and set(ops) == {"aten.cat.default", "aten.clone.default"}
     _, n, _ = copycount.copies(lambda: x.permute(1, 0, 2).unflatten(0, (2, 4))[0], x.numel() * 4)
     assert n == 0.0
+    # an uninitialised buffer writes nothing, a zero-filled one writes its bytes
+    assert copycount.copies(lambda: torch.empty(3, 8, 16), x.numel() * 4)[1] == 0.0
+    assert copycount.copies(lambda: torch.zeros(3, 8, 16), x.numel() * 4)[1] == 1.0
 
 
 def test_weight_gathers_run_on_a_group_of_their_own_gloo(tmp_path):

@@ -4,15 +4,17 @@ Used by the Ulysses exchange's copy test (tests/test_multinpu_collectives.py) an
 benchmarks/multinpu_memory.py. Run in the ComfyUI interpreter (it needs torch, imported here lazily).
 
 Every aten operator that runs inside `WriteCounter` is seen through a TorchDispatchMode: a view writes nothing;
-an allocation (empty, new_empty, empty_like...) writes nothing; an in-place or out= operator writes the
+an uninitialised allocation (empty, new_empty, empty_like...) writes nothing, a filled one (zeros, full...)
+writes its bytes; an in-place or out= operator writes the
 tensors its schema marks as written (copy_'s destination, a collective's receive buffer); any other operator
 writes its outputs. So `copies(fn, nbytes)` measures what a function materialises, not what its code says.
 """
 
 from __future__ import annotations
 
-_ALLOC = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "zeros", "ones", "full",
-          "new_zeros", "new_full", "detach", "lift_fresh", "alias", "set_", "_unsafe_view"}
+# operators that write no tensor bytes: allocations left uninitialised, and aliases (names with "_" stripped)
+_NO_WRITE = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "lift_fresh",
+             "alias", "set", "unsafe_view"}
 
 
 def _nbytes(t) -> int:
@@ -37,8 +39,7 @@ def WriteCounter():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            name = func.overloadpacket.__name__.rstrip("_") if func.overloadpacket.__name__ not in _ALLOC else None
-            if name is None or name.lstrip("_") in _ALLOC or getattr(func, "is_view", False):
+            if func.overloadpacket.__name__.strip("_") in _NO_WRITE or getattr(func, "is_view", False):
                 return out
             schema = func._schema
             written = 0

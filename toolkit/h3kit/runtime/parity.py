@@ -7,8 +7,8 @@ max_abs, max_rel, cos, rel_rms, the bytes moved and (te, vae) how often the weig
 also carry each rank's own counts and the floor one device measured on itself. This
 module finds the interpreter, starts the worker (h3kit.runtime.worker: its own session, a deadline,
 only that session killed on expiry), and turns its failures into H3kitErrors. With transport "process" the
-worker is rank 0 of a process group of N processes (comfy.multinpu_process), started and ended in that
-session.
+worker drives a process group of N worker processes, rank 0 included, as the server does
+(comfy.multinpu_process), started and ended in that session.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_group.py", "comfy/
                  "comfy/multinpu_models.py")
 TRANSPORTS = ("threads", "process")
 # with processes a LoRA that differs on a worker stops the run at the handshake (ConfigMismatch, before any
-# forward): there is no device copy in rank 0's process to break
+# forward): the parity worker holds no device copy a rank computes with, so there is none to break
 PROCESS_UNREACHABLE = ("lora-twice", "lora-missing")
 
 
@@ -75,8 +75,8 @@ def check_request(component: str, npu_count: int, fault: str = None, weights: st
     if transport not in TRANSPORTS:
         raise UsageError(f"unknown transport {transport!r}", hint=f"use one of {', '.join(TRANSPORTS)}")
     if transport == "process" and fault in PROCESS_UNREACHABLE:
-        raise UsageError(f"--inject-fault {fault} breaks a device copy in rank 0's process, which the process "
-                         "transport does not have (a worker whose LoRA differs fails the digest check before any "
+        raise UsageError(f"--inject-fault {fault} breaks a device copy in the parity worker's process, which "
+                         "computes nothing with the process transport (a worker whose LoRA differs fails the digest check before any "
                          "forward, tests/test_multinpu_process.py)", code="fault_not_applicable",
                          hint=f"use --transport threads for {fault}, or another fault")
     if transport == "process" and weights != "float":
