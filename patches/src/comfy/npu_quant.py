@@ -353,7 +353,8 @@ def _is_int8_weight(t) -> bool:
 
 
 def _owns_storage(t) -> bool:
-    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def landed(param):
@@ -386,7 +387,8 @@ def layout_stats() -> dict:
     """{"casts": weights cast to NZ so far, "kept_nd": casts that came back ND} and how the kernels received their
     weights ({"npu_quant_matmul/nz/plain": n, ...}; counted by the reference kernels)."""
     with _stats_lock:
-        return {"casts": _layout_stats["casts"], "kept_nd": _layout_stats["kept_nd"], "x2": dict(sorted(_x2_stats.items()))}
+        return {"casts": _layout_stats["casts"], "kept_nd": _layout_stats["kept_nd"],
+                "x2": dict(sorted(_x2_stats.items()))}
 
 
 def _log_once(key, message):
@@ -406,7 +408,7 @@ def _nz_call(x, weight, bias, out_dtype, transposed: bool):
     if isinstance(x, QuantizedTensor):
         x = x.dequantize()
     p = weight._params
-    if kernels_for(x.device) is None or max(weight._qdata.shape) > MAX_DIM:  # the arm switched off since: upstream's math
+    if kernels_for(x.device) is None or max(weight._qdata.shape) > MAX_DIM:  # arm off since the cast: upstream math
         w = weight.dequantize().to(x.dtype)
         return torch.nn.functional.linear(x, w.t() if transposed else w, bias)
     return int8_linear(x.contiguous(), weight._qdata, p.scale, bias, out_dtype or x.dtype,
