@@ -184,3 +184,40 @@ def test_demo_with_int8_weights_end_to_end(tmp_path, comfy_source, comfy_python)
     assert video.name.startswith("npu2_int8_video") and set(rep["video"]["tracks"]) >= {"vide", "soun"}
     parity = rep["parity"]
     assert parity["ok"] and parity["max_rel"] <= PARITY_GATE and parity["rows"]["video"]["non_finite"] == 0
+
+
+def test_int8_weights_take_the_kernels_layout_once_per_load(checks):
+    """The FRACTAL_NZ pre-cast (comfy/npu_quant.py landed(); unmeasured on hardware) on its CPU twin: each of the 12
+    INT8 weights is cast once when it lands (not per forward), the ND device copy is released and one copy's bytes
+    are held, the kernels get the held [K, N] NZ weight untransposed, outputs equal the ND path bit for bit; an
+    unload gives upstream's values back and a reload casts once more; H3KIT_NPU_INT8_NZ=0 and the CPU simulation
+    never cast. The faults (the ND copy kept, a cast per forward) miss these."""
+    v = value(checks, "nz_precast")
+    n = v["layers"]
+    assert n == 12
+    calls = {"npu_quant_matmul": 8, "npu_weight_quant_batchmatmul": 4}  # per forward of the tiny DiT: W8A8, W8A16
+    load = v["load"]
+    assert load["casts"] == n and load["layouts"] == ["NpuNzINT8Layout"] and load["formats"] == [29]
+    assert load["storage_shapes"], "the int8 data is held [K, N]"
+    assert load["nd_copies"] == n and load["nd_released"] == n, "the ND device copies are released"
+    assert load["held_bytes"] == load["one_copy_bytes"], "one copy of each weight, no second one"
+    f = v["forwards"]
+    assert f["casts"] == n, "three forwards cast nothing"
+    assert f["equal"] and f["weights_passed_are_held"]
+    assert f["x2"] == {f"{k}/nz/plain": 3 * c for k, c in calls.items()}, "the NZ weight as it is, transposeX2 false"
+    u = v["unload"]
+    assert u["casts"] == 0 and u["formats"] == [2] and u["held_bytes"] == u["one_copy_bytes"]
+    assert u["dequantize_equal"] and u["state_dict_equal"], "upstream's [N, K] values after the copy back"
+    assert u["equal"] and u["x2"] == {f"{k}/nd/plain": c for k, c in calls.items()}
+    r = v["reload"]
+    assert r["casts"] == n and r["formats"] == [29] and r["equal"]
+    assert r["x2"] == {f"{k}/nz/plain": 2 * c for k, c in calls.items()}
+    off = v["off"]
+    assert off["casts"] == 0 and off["layouts"] == ["TensorWiseINT8Layout"] and off["equal"]
+    assert off["x2"] == {f"{k}/nd/transposed": c for k, c in calls.items()}, "H3KIT_NPU_INT8_NZ=0: the ND path"
+    sim = v["simulation"]
+    assert sim["ops"] and sim["casts"] == 0 and sim["layouts"] == ["TensorWiseINT8Layout"] and sim["equal"]
+    assert sim["x2"] == {f"{k}/nd/transposed": c for k, c in calls.items()}
+    # the faults: each misses one of the assertions above
+    assert v["fault_keep_nd"]["nd_copies"] == n and v["fault_keep_nd"]["nd_released"] < n
+    assert v["fault_cast_per_forward"]["casts"] > n

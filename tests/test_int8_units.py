@@ -141,3 +141,83 @@ def test_the_call_rule_leaves_what_the_kernels_cannot_take_to_upstream(nq, monke
     assert nq._applies(call(64, 8, 3)).failed_param == "weight_scale"
     monkeypatch.setenv(nq.MODE_ENV, "off")
     assert nq._applies(call(64, 8, 8)).failed_param == "x"
+
+
+def test_the_layout_twin_keeps_a_format_per_storage(nq):
+    """ReferenceLayout, the CPU twin of npu_format_cast / get_npu_format: the format belongs to the storage (views and
+    detached aliases share it, a copy is ND), a cast to the format a tensor has is a no-op, casts are counted."""
+    import gc
+    import torch
+    twin = nq.ReferenceLayout()
+    w = torch.arange(12, dtype=torch.int8).reshape(3, 4)
+    nz = twin.npu_format_cast(w.t().contiguous(), nq.ACL_FORMAT_FRACTAL_NZ)
+    assert twin.casts == 1 and nz.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    assert torch.equal(nz, w.t()), "the values keep their logical [K, N] order"
+    assert nq.npu_format(w) == nq.ACL_FORMAT_ND
+    assert nq.npu_format(nz) == nq.npu_format(nz.detach()) == nq.npu_format(nz.t()) == nq.ACL_FORMAT_FRACTAL_NZ
+    assert nq.npu_format(nz.clone()) == nq.ACL_FORMAT_ND
+    assert twin.npu_format_cast(nz, nq.ACL_FORMAT_FRACTAL_NZ) is nz and twin.casts == 1
+    n = len(nq._FORMATS)
+    del nz
+    gc.collect()
+    assert len(nq._FORMATS) == n - 1, "a freed storage leaves the record"
+
+
+def test_an_nz_weight_must_reach_the_kernel_contiguous(nq):
+    """aclnnQuantMatmulWeightNz on A2/A3 takes no non-contiguous NZ x2; the reference kernels refuse it too, and count
+    how each call received its weight (the transposeX2 op-plugin would pass)."""
+    import torch
+    twin = nq.ReferenceLayout()
+    g = torch.Generator().manual_seed(2)
+    w = torch.randint(-128, 128, (8, 64), dtype=torch.int8, generator=g)  # [N, K]
+    x8 = torch.randint(-128, 128, (3, 64), dtype=torch.int8, generator=g)
+    nz = twin.npu_format_cast(w.t().contiguous(), nq.ACL_FORMAT_FRACTAL_NZ)
+    before = nq.layout_stats()["x2"]
+    a = nq.ReferenceOps.npu_quant_matmul(x8, nz, torch.ones(8), output_dtype=torch.bfloat16)
+    b = nq.ReferenceOps.npu_quant_matmul(x8, w.t(), torch.ones(8), output_dtype=torch.bfloat16)
+    assert torch.equal(a, b)
+    after = nq.layout_stats()["x2"]
+    assert after["npu_quant_matmul/nz/plain"] - before.get("npu_quant_matmul/nz/plain", 0) == 1
+    assert after["npu_quant_matmul/nd/transposed"] - before.get("npu_quant_matmul/nd/transposed", 0) == 1
+    nz_nk = twin.npu_format_cast(w, nq.ACL_FORMAT_FRACTAL_NZ)
+    with pytest.raises(ValueError, match="contiguous"):
+        nq.ReferenceOps.npu_quant_matmul(x8, nz_nk.t(), torch.ones(8), output_dtype=torch.bfloat16)
+    assert nq.is_transpose_last_two_dims(w.t()) and not nq.is_transpose_last_two_dims(nz)
+
+
+def test_landed_casts_an_int8_weight_once_and_keeps_its_meaning(nq, monkeypatch):
+    """landed(): under the twin an INT8 weight becomes NpuNzINT8Layout over one [K, N] NZ copy, once; F.linear on it
+    runs the arm with that copy and equals the ND weight's result bit for bit; dequantize() and state_dict() give
+    upstream's [N, K]. No twin (the CPU simulation), H3KIT_NPU_INT8_NZ=0, a weight that is a view into a larger
+    buffer (a sharded DiT's gathered block) or a float weight: returned as they are."""
+    import torch
+    from comfy_kitchen.tensor.base import QuantizedTensor
+    nq.register_layout()
+    monkeypatch.setenv(nq.MODE_ENV, "reference")
+    monkeypatch.delenv(nq.NZ_ENV, raising=False)
+    g = torch.Generator().manual_seed(4)
+    qt = QuantizedTensor.from_float(torch.randn(96, 128, generator=g), "TensorWiseINT8Layout", per_channel=True,
+                                    convrot=True, convrot_groupsize=64)
+    x = torch.randn(2, 20, 128, generator=g).to(torch.bfloat16)
+    ref = nq.int8_linear(x, qt._qdata, qt._params.scale, None, torch.bfloat16, True, 64)
+    assert nq.landed(qt) is qt, "no twin: the CPU simulation never casts"
+    twin = nq.ReferenceLayout()
+    with nq.simulate_layout(twin):
+        p = nq.landed(qt)
+        assert twin.casts == 1 and p._layout_cls == nq.NZ_LAYOUT and tuple(p._qdata.shape) == (128, 96)
+        assert nq.npu_format(p._qdata) == nq.ACL_FORMAT_FRACTAL_NZ and p.shape == qt.shape
+        assert nq.landed(p) is p and twin.casts == 1, "already NZ: not cast again"
+        monkeypatch.setenv(nq.NZ_ENV, "0")
+        assert nq.landed(qt) is qt and twin.casts == 1, "the off switch"
+        monkeypatch.delenv(nq.NZ_ENV)
+        buffer = torch.zeros(2 * 96 * 128, dtype=torch.int8)
+        view = QuantizedTensor(buffer[:96 * 128].view(96, 128), "TensorWiseINT8Layout", qt._params)
+        assert nq.landed(view) is view, "a view into a larger buffer is not cast (its buffer would stay)"
+        plain = torch.randn(4, 4)
+        assert nq.landed(plain) is plain
+        before = nq.layout_stats()["x2"].get("npu_quant_matmul/nz/plain", 0)
+        out = torch.nn.functional.linear(x, torch.nn.Parameter(p, requires_grad=False))
+        assert torch.equal(out, ref), "the same arithmetic as the ND weight"
+        assert nq.layout_stats()["x2"]["npu_quant_matmul/nz/plain"] == before + 1 and twin.casts == 1
+    assert torch.equal(p.dequantize(), qt.dequantize())
+    assert torch.equal(p.state_dict()[""], qt._qdata) and torch.equal(p.state_dict()["_scale"], qt._params.scale)

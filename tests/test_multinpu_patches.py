@@ -14,7 +14,7 @@ from h3kit.patches import Series, structural_problems
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_PATCHES = {
     "multidevice-npu-device-layer.patch": ["comfy/multidevice.py", "comfy/model_management.py"],
-    "npu-int8-linear.patch": ["comfy/npu_quant.py", "comfy/quant_ops.py"],
+    "npu-int8-linear.patch": ["comfy/npu_quant.py", "comfy/quant_ops.py", "comfy/ops.py"],
     "multinpu-collectives.patch": ["comfy/multinpu.py"],
     "multinpu-weights-read-once.patch": ["comfy/multinpu_weights.py"],
     "h3-dit-sharded-weights.patch": ["comfy/multinpu_shard.py"],
@@ -61,3 +61,4 @@ def test_series_applied_to_the_pin(installed_tree):
     assert "torch.npu.set_device(device)" in mm and "torch.npu.synchronize()" in mm
     assert '"nodes_multinpu.py",' in (tree / "nodes.py").read_text()
     assert "comfy.npu_quant.register(ck.registry)" in (tree / "comfy" / "quant_ops.py").read_text()
+    assert "p = comfy.npu_quant.landed(p)" in (tree / "comfy" / "ops.py").read_text()

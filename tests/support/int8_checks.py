@@ -303,6 +303,157 @@ def anchors():
             "unanchored_back_from_meta": unanchored}
 
 
+def _same(a, b) -> bool:
+    """Bit-identical outputs (a DiT forward returns [video, audio])."""
+    import torch
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
+
+
+def _private_model():
+    """The tiny INT8 DiT's ModelPatcher, loaded apart from the loaders' global cache (a model this check may change)."""
+    import comfy.sd
+    import comfy.utils
+    return comfy.sd.load_diffusion_model_state_dict(comfy.utils.load_torch_file(_int8_file()))
+
+
+@check
+def nz_precast():
+    """INT8 weights cast once to [K, N] FRACTAL_NZ where they land on an NPU, on the CPU twin (ReferenceLayout under
+    simulate_layout: the cpu stands for the NPU; a load or unload is Module._apply with a copying function, the copy
+    .to(npu) and .to(cpu) make, which reaches comfy.ops._quantized_apply as ComfyUI's moves do). Counted: casts per
+    load and over forwards, the ND device copies released, the bytes held, how the kernels received the weight,
+    outputs against the ND path; then an unload, a reload, the off switch, the CPU simulation without the twin, and
+    two faults (the ND copy kept, a cast per forward)."""
+    import gc
+    import weakref
+
+    import torch
+
+    import comfy.npu_quant as nq
+    import comfy.utils
+    out = {}
+
+    def move(dm, record=None):
+        def fn(t):
+            c = t.clone()
+            if record is not None and hasattr(c, "_qdata"):
+                record.append(weakref.ref(c._qdata))
+            return c
+        with torch.no_grad():
+            dm._apply(fn)
+        gc.collect()
+
+    def state(dm):
+        layers = int8_probe.quantized_layers(dm)
+        return {"layouts": sorted({m.weight._layout_cls for m in layers.values()}),
+                "formats": sorted({nq.npu_format(m.weight._qdata) for m in layers.values()}),
+                "storage_shapes": all(tuple(m.weight._qdata.shape) == tuple(m.weight.shape[::-1])
+                                      for m in layers.values()),
+                "held_bytes": sum(m.weight._qdata.untyped_storage().nbytes() for m in layers.values()),
+                "one_copy_bytes": sum(m.weight.shape[0] * m.weight.shape[1] for m in layers.values())}
+
+    def forwards(dm, n, ref):
+        before = nq.layout_stats()["x2"]
+        outs = [_forward(dm) for _ in range(n)]
+        after = nq.layout_stats()["x2"]
+        return {"equal": all(_same(o, ref) for o in outs),
+                "x2": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}}
+
+    patcher = _private_model()
+    dm = patcher.model.diffusion_model
+    layers = int8_probe.quantized_layers(dm)
+    out["layers"] = len(layers)
+    host = {n: m.weight.dequantize() for n, m in layers.items()}
+    ref = _forward(dm)  # the unmodified ND path (the CPU simulation's reference kernels)
+
+    # the CPU simulation itself never casts: a ModelPatcher load on cpu, forwards
+    casts0 = nq.layout_stats()["casts"]
+    patcher.load(torch.device("cpu"), full_load=True)
+    sim = forwards(dm, 1, ref)
+    out["simulation"] = {"ops": nq.layout_ops_for(torch.device("cpu")) is None,
+                         "casts": nq.layout_stats()["casts"] - casts0, "equal": sim["equal"], "x2": sim["x2"],
+                         "layouts": state(dm)["layouts"]}
+    patcher.detach()
+
+    twin = nq.ReferenceLayout()
+    with nq.simulate_layout(twin):
+        nd_copies = []
+        move(dm, nd_copies)  # load
+        out["load"] = dict(state(dm), casts=twin.casts, nd_copies=len(nd_copies),
+                           nd_released=sum(r() is None for r in nd_copies))
+        seen = []
+        real = nq.ReferenceOps.npu_quant_matmul
+
+        def spy(x1, x2, *a, **k):
+            seen.append(x2.untyped_storage().data_ptr())
+            return real(x1, x2, *a, **k)
+        nq.ReferenceOps.npu_quant_matmul = staticmethod(spy)
+        try:
+            f = forwards(dm, 3, ref)
+        finally:
+            nq.ReferenceOps.npu_quant_matmul = staticmethod(real)
+        held = {m.weight._qdata.untyped_storage().data_ptr() for m in layers.values()}
+        out["forwards"] = dict(f, casts=twin.casts, weights_passed_are_held=bool(seen) and set(seen) <= held)
+    casts = twin.casts
+    move(dm)  # unload: to a device that is not an NPU (the copy back to the host, ND)
+    out["unload"] = dict(state(dm), casts=twin.casts - casts,
+                         dequantize_equal=all(torch.equal(m.weight.dequantize(), host[n]) for n, m in layers.items()))
+    sd, mine = comfy.utils.load_torch_file(_int8_file()), dm.state_dict()
+    out["unload"]["state_dict_equal"] = all(torch.equal(mine[k], sd[k]) for k in sd
+                                            if k.rsplit(".", 1)[0] in layers and not k.endswith("comfy_quant"))
+    out["unload"].update(forwards(dm, 1, ref))
+    with nq.simulate_layout(twin):
+        casts = twin.casts
+        move(dm)  # reload
+        out["reload"] = dict(state(dm), casts=twin.casts - casts, **forwards(dm, 2, ref))
+
+    # the off switch, on a fresh copy
+    dm2 = _private_model().model.diffusion_model
+    env = dict(os.environ)
+    try:
+        os.environ[nq.NZ_ENV] = "0"
+        with nq.simulate_layout(nq.ReferenceLayout()) as off:
+            move(dm2)
+            out["off"] = dict(state(dm2), casts=off.casts, **forwards(dm2, 1, ref))
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+    # faults: the ND copy kept beside the cast one; a cast on every forward
+    kept, real_landed = [], nq.landed
+
+    def keeping(p):
+        kept.append(p)
+        return real_landed(p)
+    dm3 = _private_model().model.diffusion_model
+    nq.landed = keeping
+    try:
+        with nq.simulate_layout(nq.ReferenceLayout()):
+            nd_copies = []
+            move(dm3, nd_copies)
+    finally:
+        nq.landed = real_landed
+    out["fault_keep_nd"] = {"nd_released": sum(r() is None for r in nd_copies), "nd_copies": len(nd_copies)}
+    del kept
+    real_linear = nq.int8_linear
+
+    def casting(x, weight, *a, weight_kn=False, **k):
+        if weight_kn:
+            weight = fault_twin.npu_format_cast(weight.clone(), nq.ACL_FORMAT_FRACTAL_NZ)
+        return real_linear(x, weight, *a, weight_kn=weight_kn, **k)
+    with nq.simulate_layout(nq.ReferenceLayout()) as fault_twin:
+        move(dm3)
+        nq.int8_linear = casting
+        try:
+            f = forwards(dm3, 3, ref)
+        finally:
+            nq.int8_linear = real_linear
+        out["fault_cast_per_forward"] = dict(f, casts=fault_twin.casts)
+    return out
+
+
 def main(argv=None):
     args = checks_runner.boot_comfy(argv)
     return checks_runner.run_checks(CHECKS, args.only, args.out)

@@ -45,6 +45,22 @@ on a CPU that simulates devices (H3KIT_SIM_DEVICES, as `h3kit start --device-typ
 dispatch, the per-layer choice, the scales and the shapes are the ones an NPU runs, and tests compare them
 with upstream's own dequantized result. H3KIT_NPU_INT8=reference selects it on any device (on an NPU: to
 compare the kernels with it), =npu requires torch_npu's kernels, =off leaves every call to upstream.
+
+INT8 weights in the kernels' layout, cast once per load (UNMEASURED ON HARDWARE). An INT8 weight that lands
+on an NPU (ComfyUI's load: module.to(device) reaches comfy.ops._quantized_apply, which calls landed() for
+each parameter it moved) is transposed to [K, N] and cast with torch_npu.npu_format_cast(w, 29) to
+FRACTAL_NZ, the layout vLLM-Ascend and MindIE give W8A8 weights once at load (vllm-ascend
+quantization/methods/w8a8/w8a8_dynamic.py, process_weights_after_loading: transpose(0, 1).contiguous() then
+maybe_trans_nz). torch_npu's npu_quant_matmul then runs aclnnQuantMatmulWeightNz with transposeX2 false
+(op-plugin QuantMatmulKernelNpuOpApi.cpp picks it when x2's storage format is FRACTAL_NZ; ops-nn
+aclnnQuantMatmulWeightNz.md: on A2/A3 an NZ x2 must be contiguous, (n1, k1, k0=16, n0=32) for transposeX2
+false). The cast result replaces the loaded parameter: the ND device copy is released, nothing is kept
+twice. The weight becomes a QuantizedTensor of NpuNzINT8Layout (TensorWiseINT8Layout with its int8 data
+stored [K, N]): dequantize(), state_dict() and a move back to the host give upstream's [N, K] values, and
+its linear calls the arm with the [K, N] weight as it is, so a forward never casts or copies it again.
+H3KIT_NPU_INT8_NZ=0 keeps the ND weights (the A/B switch on hardware). Only weights that own their device
+storage are cast (a sharded DiT's gathered block views are not). The CPU simulation never casts; tests run
+the same steps against ReferenceLayout, the twin of npu_format_cast / get_npu_format (simulate_layout()).
 """
 
 from __future__ import annotations
@@ -53,16 +69,25 @@ import collections
 import functools
 import logging
 import os
+import contextlib
+import dataclasses
 import sys
 import threading
+import weakref
 
 import torch
 from comfy_kitchen.constraints import ExactDims, FunctionConstraints, ParamConstraint, ValidationResult
+from comfy_kitchen.tensor.base import QuantizedTensor, dequantize_args, register_layout_class
+from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
 from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_activation
 
 BACKEND = "npu"
 MODE_ENV = "H3KIT_NPU_INT8"            # unset (auto) | reference | npu | off
 LINEAR_ENV = "H3KIT_NPU_INT8_LINEAR"   # unset (auto) | w8a8 | w8a16
+NZ_ENV = "H3KIT_NPU_INT8_NZ"           # unset / 1: INT8 weights cast to FRACTAL_NZ when they land on an NPU; 0: kept ND
+ACL_FORMAT_ND = 2
+ACL_FORMAT_FRACTAL_NZ = 29
+NZ_LAYOUT = "NpuNzINT8Layout"
 W8A8 = "w8a8"
 W8A16 = "w8a16"
 # At or below this many rows a linear runs weight-only (W8A16): the time / adaLN projections of H3 see one
@@ -73,6 +98,8 @@ MAX_DIM = 65535
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 _stats = collections.Counter()
+_x2_stats = collections.Counter()
+_layout_stats = collections.Counter()
 _stats_lock = threading.Lock()
 _logged = set()
 
@@ -110,6 +137,7 @@ class ReferenceOps:
                  and x1.shape[1] == x2.shape[0] and x1.shape[1] <= MAX_DIM, "npu_quant_matmul takes int8 [M, K] @ [K, N]",
                  x1, x2)
         _require(scale.dim() == 1 and scale.numel() in (1, x2.shape[1]), "scale must be (1,) or (N,)", scale)
+        _x2_layout("npu_quant_matmul", x2)
         out = _int32_matmul(x1, x2).float() * scale.float()
         if pertoken_scale is not None:
             _require(pertoken_scale.shape == (x1.shape[0],), "pertoken_scale must be (M,)", pertoken_scale)
@@ -129,11 +157,31 @@ class ReferenceOps:
                  x, weight)
         _require(antiquant_scale.dtype == x.dtype and antiquant_scale.numel() in (1, weight.shape[1]),
                  "antiquant_scale must have x's dtype and (1,) or (N,) elements", antiquant_scale)
+        _x2_layout("npu_weight_quant_batchmatmul", weight)
         w = (weight.float() * antiquant_scale.float().reshape(1, -1)).to(x.dtype)
         out = x.float() @ w.float()
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype)
+
+
+def is_transpose_last_two_dims(t) -> bool:
+    """op-plugin's rule (QuantMatmulKernelNpuOpApi.cpp): a 2-D x2 whose strides are those of a transposed
+    contiguous matrix is passed to the kernel as transposed (transposeX2 true); a contiguous one is not."""
+    return t.dim() == 2 and t.stride(0) == 1 and t.stride(1) == t.shape[0] and not (t.shape[0] == 1 and t.shape[1] == 1)
+
+
+def _x2_layout(kernel: str, x2):
+    """Count how a kernel received its weight: FRACTAL_NZ (the pre-cast one), or ND and transposed or not. An NZ
+    weight must be contiguous [K, N] (aclnnQuantMatmulWeightNz on A2/A3: no non-contiguous NZ x2)."""
+    fmt = npu_format(x2)
+    transposed = is_transpose_last_two_dims(x2)
+    if fmt == ACL_FORMAT_FRACTAL_NZ:
+        _require(x2.is_contiguous() and x2.storage_offset() == 0,
+                 f"{kernel}: a FRACTAL_NZ weight must be a contiguous [K, N] tensor (transposeX2 false)", x2)
+    key = f"{kernel}/{'nz' if fmt == ACL_FORMAT_FRACTAL_NZ else 'nd'}/{'transposed' if transposed else 'plain'}"
+    with _stats_lock:
+        _x2_stats[key] += 1
 
 
 def _require(ok: bool, what: str, *tensors):
@@ -192,6 +240,225 @@ def kernels_for(device: torch.device):
     return None
 
 
+# ---- INT8 weights in the kernels' layout, cast once when they land on an NPU (unmeasured on hardware) ----
+
+_FORMATS = weakref.WeakKeyDictionary()  # the twin's storage formats: {untyped storage: ACL format}
+
+
+def npu_format(t) -> int:
+    """The ACL format of t's storage: torch_npu's for an NPU tensor, else the twin's record (ND unless ReferenceLayout
+    cast it). A format belongs to the storage, as torch_npu keeps it in the NPU storage's description: views and
+    detached aliases share it, a copy does not."""
+    if t.device.type == "npu" and _torch_npu() is not None:
+        return int(_torch_npu().get_npu_format(t))
+    return _FORMATS.get(t.untyped_storage(), ACL_FORMAT_ND)
+
+
+class ReferenceLayout:
+    """The CPU twin of torch_npu.npu_format_cast / get_npu_format for the INT8 weight cast: the same contract (a
+    new tensor whose storage carries the format, a no-op when the format is already the one asked for) with the
+    values kept in their logical [K, N] order, and a count of the casts it made."""
+
+    def __init__(self):
+        self.casts = 0
+
+    def npu_format_cast(self, t, fmt):
+        if npu_format(t) == fmt:
+            return t
+        out = t.clone(memory_format=torch.contiguous_format)
+        if fmt != ACL_FORMAT_ND:
+            _FORMATS[out.untyped_storage()] = fmt
+        self.casts += 1
+        return out
+
+    @staticmethod
+    def get_npu_format(t):
+        return npu_format(t)
+
+
+class _TorchNpuLayout:
+    """torch_npu's cast. torch.npu.config.allow_internal_format (default False on A3, True on A2: op-plugin docs,
+    torch_npu-npu-config-allow_internal_format.md) forbids allocating a private-format tensor, so it is allowed
+    for the cast alone; a cast that still comes back ND is reported and the weight kept as it was."""
+
+    @staticmethod
+    def npu_format_cast(t, fmt):
+        config = getattr(getattr(torch, "npu", None), "config", None)
+        before = getattr(config, "allow_internal_format", None)
+        try:
+            if config is not None:
+                config.allow_internal_format = True
+            return _torch_npu().npu_format_cast(t, fmt)
+        finally:
+            if config is not None and before is not None:
+                config.allow_internal_format = before
+
+    @staticmethod
+    def get_npu_format(t):
+        return int(_torch_npu().get_npu_format(t))
+
+
+_simulated = None  # (ReferenceLayout, device types that stand for NPUs): tests only
+
+
+@contextlib.contextmanager
+def simulate_layout(twin: ReferenceLayout, device_types=("cpu",)):
+    """Within: weights landing on these device types are cast by the twin as on an NPU (tests, on the CPU)."""
+    global _simulated
+    before, _simulated = _simulated, (twin, frozenset(device_types))
+    try:
+        yield twin
+    finally:
+        _simulated = before
+
+
+def layout_ops_for(device: torch.device):
+    """What casts an INT8 weight that lands on `device` to FRACTAL_NZ: torch_npu where its kernels run the arm,
+    the twin under simulate_layout(), None elsewhere (the CPU simulation, H3KIT_NPU_INT8=reference or off,
+    H3KIT_NPU_INT8_NZ=0)."""
+    if os.environ.get(NZ_ENV, "").strip() == "0":
+        return None
+    if _simulated is not None and device.type in _simulated[1]:
+        return _simulated[0] if kernels_for(device) is not None else None
+    if device.type == "npu" and _torch_npu() is not None and kernels_for(device) is _torch_npu():
+        return _TorchNpuLayout
+    return None
+
+
+class NpuNzINT8Layout(TensorWiseINT8Layout):
+    """TensorWiseINT8Layout with its int8 data stored [K, N] (FRACTAL_NZ on an NPU): the weight as the kernels take
+    it. Logically the same tensor: shape [N, K], dequantize() and state_dict_tensors() give upstream's [N, K]."""
+
+    @classmethod
+    def get_logical_shape_from_storage(cls, storage_shape):
+        return tuple(reversed(storage_shape))
+
+    @classmethod
+    def quantize(cls, *args, **kwargs):
+        qdata, params = TensorWiseINT8Layout.quantize(*args, **kwargs)
+        return qdata.t().contiguous(), params
+
+    @classmethod
+    def dequantize(cls, qdata, params):
+        return TensorWiseINT8Layout.dequantize(qdata.t().contiguous(), params)
+
+    @classmethod
+    def state_dict_tensors(cls, qdata, params):
+        return TensorWiseINT8Layout.state_dict_tensors(qdata.t().contiguous(), params)
+
+
+def _is_int8_weight(t) -> bool:
+    return (isinstance(t, QuantizedTensor) and t._layout_cls in ("TensorWiseINT8Layout", NZ_LAYOUT)
+            and not getattr(t._params, "transposed", False) and t._qdata.dtype == torch.int8 and t._qdata.dim() == 2)
+
+
+def _owns_storage(t) -> bool:
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def landed(param):
+    """The parameter a module keeps after a move: an INT8 weight on a device whose kernels take FRACTAL_NZ is cast
+    once, here, ([N, K] -> [K, N] -> NZ) and the result replaces it (the ND copy goes when the caller drops it);
+    anything else, or a weight already in NZ, is returned as it is. Called by comfy.ops._quantized_apply."""
+    if not _is_int8_weight(param):
+        return param
+    q = param._qdata
+    ops = layout_ops_for(q.device)
+    if ops is None or ops.get_npu_format(q) == ACL_FORMAT_FRACTAL_NZ or max(q.shape) > MAX_DIM or not _owns_storage(q):
+        return param
+    kn = q if param._layout_cls == NZ_LAYOUT else q.t().contiguous()
+    nz = ops.npu_format_cast(kn, ACL_FORMAT_FRACTAL_NZ)
+    del kn
+    if ops.get_npu_format(nz) != ACL_FORMAT_FRACTAL_NZ:
+        with _stats_lock:
+            _layout_stats["kept_nd"] += 1
+        _log_once(("nz", "kept"), f"NPU INT8: npu_format_cast to FRACTAL_NZ returned format {ops.get_npu_format(nz)} "
+                                  f"on {q.device}; INT8 weights stay ND ({NZ_ENV}=0 skips the attempt)")
+        return param
+    with _stats_lock:
+        _layout_stats["casts"] += 1
+    _log_once(("nz", q.device.type), f"NPU INT8: INT8 weights on {q.device.type} are cast once to FRACTAL_NZ [K, N] "
+                                     f"as they load ({NZ_ENV}=0 keeps them ND; docs/int8.md)")
+    return QuantizedTensor(nz, NZ_LAYOUT, param._params)
+
+
+def layout_stats() -> dict:
+    """{"casts": weights cast to NZ so far, "kept_nd": casts that came back ND} and how the kernels received their
+    weights ({"npu_quant_matmul/nz/plain": n, ...}; counted by the reference kernels)."""
+    with _stats_lock:
+        return {"casts": _layout_stats["casts"], "kept_nd": _layout_stats["kept_nd"],
+                "x2": dict(sorted(_x2_stats.items()))}
+
+
+def _log_once(key, message):
+    with _stats_lock:
+        first = key not in _logged
+        _logged.add(key)
+    if first:
+        logging.info(message)
+
+
+def _nz_call(x, weight, bias, out_dtype, transposed: bool):
+    """x @ W.T (+ bias) for an NpuNzINT8Layout weight W: the arm with the [K, N] data as it is (no copy, no cast).
+    `transposed`: whether the weight arrives as W.t() (F.linear reaches a QuantizedTensor as t() then mm/addmm)."""
+    if not (isinstance(weight, QuantizedTensor) and weight._layout_cls == NZ_LAYOUT
+            and bool(getattr(weight._params, "transposed", False)) == transposed) or isinstance(bias, QuantizedTensor):
+        return None
+    if isinstance(x, QuantizedTensor):
+        x = x.dequantize()
+    p = weight._params
+    if kernels_for(x.device) is None or max(weight._qdata.shape) > MAX_DIM:  # arm off since the cast: upstream math
+        w = weight.dequantize().to(x.dtype)
+        return torch.nn.functional.linear(x, w.t() if transposed else w, bias)
+    return int8_linear(x.contiguous(), weight._qdata, p.scale, bias, out_dtype or x.dtype,
+                       getattr(p, "convrot", False), getattr(p, "convrot_groupsize", 256), weight_kn=True)
+
+
+def _nz_linear(qt, args, kwargs):
+    out = _nz_call(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"), kwargs.get("out_dtype"), False)
+    return out if out is not None else torch.nn.functional.linear(*dequantize_args(args), **dequantize_args(kwargs))
+
+
+def _nz_mm(qt, args, kwargs):
+    out = _nz_call(args[0], args[1], None, kwargs.get("out_dtype"), True)
+    return out if out is not None else torch.mm(*dequantize_args(args), **dequantize_args(kwargs))
+
+
+def _nz_addmm(qt, args, kwargs):
+    out = None
+    if len(args) == 3 and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
+        out = _nz_call(args[1], args[2], args[0], kwargs.get("out_dtype"), True)
+    return out if out is not None else torch.addmm(*dequantize_args(args), **dequantize_args(kwargs))
+
+
+def _nz_transpose(qt, args, kwargs):
+    """t() flips the logical shape and the `transposed` flag, the data stays (upstream's rule for INT8)."""
+    t = args[0]
+    old = t._params
+    params = dataclasses.replace(old, orig_shape=(old.orig_shape[1], old.orig_shape[0]), transposed=not old.transposed)
+    return QuantizedTensor(t._qdata, NZ_LAYOUT, params)
+
+
+def _dequantized_op(func):
+    def handler(qt, args, kwargs):
+        return func(*dequantize_args(args), **dequantize_args(kwargs))
+    return handler
+
+
+def register_layout():
+    """Make NpuNzINT8Layout a comfy-kitchen layout: F.linear (t, then mm or addmm) runs the arm on the [K, N]
+    weight as TensorWiseINT8Layout's handlers do on [N, K]; any other op goes through dequantize()."""
+    import comfy_kitchen.tensor.base as ck_base
+    register_layout_class(NZ_LAYOUT, NpuNzINT8Layout)
+    for op, handlers in list(ck_base._LAYOUT_DISPATCH_TABLE.items()):
+        if TensorWiseINT8Layout in handlers:
+            handlers[NpuNzINT8Layout] = _dequantized_op(op)
+    for op, handler in ((torch.ops.aten.linear.default, _nz_linear), (torch.ops.aten.mm.default, _nz_mm),
+                        (torch.ops.aten.addmm.default, _nz_addmm), (torch.ops.aten.t.default, _nz_transpose)):
+        ck_base.register_layout_op(op, NpuNzINT8Layout)(handler)
+
+
 def linear_mode(rows: int, input_act=None, convrot=False, environ=None) -> str:
     """W8A8 or W8A16 for one linear call (docs/int8.md: which H3 layer takes which, and why).
 
@@ -207,11 +474,13 @@ def linear_mode(rows: int, input_act=None, convrot=False, environ=None) -> str:
 
 
 def int8_linear(x, weight, weight_scale, bias=None, out_dtype=torch.bfloat16, convrot=False, convrot_groupsize=256,
-                input_act=None):
+                input_act=None, weight_kn=False):
     """comfy-kitchen's int8_linear on the NPU kernels: [..., K] activations, int8 [N, K] -> [..., N] out_dtype.
 
     As upstream: input_act (an MLP's activation) is applied first, then the ConvRot rotation in x's dtype;
-    the activations then go to the kernels in bf16/fp16.
+    the activations then go to the kernels in bf16/fp16. weight_kn: the weight is already [K, N] (an
+    NpuNzINT8Layout weight, FRACTAL_NZ on an NPU) and goes to the kernels as it is; otherwise the kernels get
+    the [N, K] weight's transposed view (transposeX2 true).
     """
     ops = kernels_for(x.device)
     if input_act not in (None, "none"):
@@ -219,20 +488,21 @@ def int8_linear(x, weight, weight_scale, bias=None, out_dtype=torch.bfloat16, co
     if convrot:
         x = _rotate_activation(x, _build_hadamard(convrot_groupsize, device=x.device, dtype=x.dtype), convrot_groupsize)
     shape = x.shape
-    n = weight.shape[0]
+    weight = weight.to(device=x.device)
+    w_kn = weight if weight_kn else weight.t()
+    n = w_kn.shape[1]
     kdtype = x.dtype if x.dtype in KERNEL_DTYPES else torch.bfloat16
     x2 = x.reshape(-1, shape[-1]).to(kdtype)
-    weight = weight.to(device=x.device)
     scale = weight_scale.to(device=x.device, dtype=torch.float32).reshape(-1)
     mode = linear_mode(x2.shape[0], input_act, convrot)
     if mode == W8A8:
         x8, token_scale = ops.npu_dynamic_quant(x2)
-        out = ops.npu_quant_matmul(x8, weight.t(), scale, pertoken_scale=token_scale,
+        out = ops.npu_quant_matmul(x8, w_kn, scale, pertoken_scale=token_scale,
                                    bias=None if bias is None else bias.to(device=x.device, dtype=torch.float32),
                                    output_dtype=kdtype)
     else:
         bias_dtype = torch.float32 if kdtype == torch.bfloat16 else kdtype  # the kernel's rule for bias
-        out = ops.npu_weight_quant_batchmatmul(x2, weight.t(), scale.to(kdtype),
+        out = ops.npu_weight_quant_batchmatmul(x2, w_kn, scale.to(kdtype),
                                                bias=None if bias is None else bias.to(device=x.device, dtype=bias_dtype))
     _count(mode, ops, x.device)
     return out.to(out_dtype).reshape(*shape[:-1], n)
@@ -280,5 +550,6 @@ def register(registry):
         default_devices=frozenset({"*"}),
         call_rules=(_applies,))
     registry.register(BACKEND, sys.modules[__name__], {"int8_linear": constraints})
+    register_layout()
     order = getattr(registry, "_priority", ["cuda", "triton", "eager"])
     registry.set_priority([BACKEND] + [b for b in order if b != BACKEND])
