@@ -63,6 +63,16 @@ if TYPE_CHECKING:
 KEY = "multinpu_text_encoder"  # the CLIP patcher's transformer_options["patches"] entry that brings the shards
 MODES = ("auto", "tensor", "layers")
 
+# A test hook (h3kit parity --inject-fault): fault_hook(stage, x, comm) -> x at each exchange of the split, "reduce"
+# (a row-parallel partial sum before its all-reduce), "broadcast" (the final hidden states a layer split's last
+# rank broadcast, as received) and "copy" (the hidden states handed to the next rank, as received). With the process
+# transport it travels with every forward to the workers (so it must pickle: a module-level class or function).
+fault_hook = None
+
+
+def _fault(stage: str, x, comm):
+    return x if fault_hook is None else fault_hook(stage, x, comm)
+
 
 class _RankContext:
     """What one rank's modules need during a parallel forward: the communicator (None outside one).
@@ -97,7 +107,8 @@ class _AllReduceOutput:
         self.ctx = ctx
 
     def __call__(self, module, args, output):
-        return comfy.multinpu.all_reduce(output, self.ctx.get())
+        comm = self.ctx.get()
+        return comfy.multinpu.all_reduce(_fault("reduce", output, comm), comm)
 
 
 def head_split(heads: int, kv_heads: int, world_size: int, rank: int):
@@ -179,8 +190,9 @@ class _Relay(torch.nn.Module):
             return x, None
         comm = self.ctx.get()
         if self.source == "broadcast":
-            return comfy.multinpu.broadcast(x, comm, src=comm.world_size - 1), None
-        return comfy.multinpu.peer_copy(torch.empty_like(x), comm, src=self.source, dst=comm.rank), None
+            return _fault("broadcast", comfy.multinpu.broadcast(x, comm, src=comm.world_size - 1), comm), None
+        received = comfy.multinpu.peer_copy(torch.empty_like(x), comm, src=self.source, dst=comm.rank)
+        return _fault("copy", received, comm), None
 
 
 class _HandOver:
@@ -344,7 +356,7 @@ class TextEncoderParallel:
         # every rank is a worker: rank 0 runs on the server's inputs (vision embeddings included), the others
         # on theirs, and rank 0's output is the command's result
         payload = {"config": self.config.id, "kwargs0": kwargs, "kwargs": others,
-                   "return_output": self.keep_rank_outputs}
+                   "return_output": self.keep_rank_outputs, "fault_hook": fault_hook}
 
         t0 = time.perf_counter()
         with self._lock:
@@ -385,6 +397,8 @@ def _load_on_worker(context, comm, payload):
 
 @comfy.multinpu_group.program("te_forward")
 def _forward_on_worker(context, comm, payload):
+    global fault_hook
+    fault_hook = payload.get("fault_hook")  # the server's, for this forward (None but in h3kit parity's fault runs)
     held = context.configs[payload["config"]]
     comfy.model_management.load_models_gpu([held.patcher])
     start = comm.bytes_moved
