@@ -525,7 +525,8 @@ def process_transport_server_copies():
     mm.unload_model_and_clones(vae.patcher, all_devices=True)
     runtime = _StandInRuntime(vae=vae)
     pv = mv.apply_decode_parallel(vae, None, runtime=runtime)
-    for name, run, ref in (("decode", lambda: pv.decode(z), ones[0]), ("decode_1", lambda: pv.decode(z[:, :, :1]), ones[1]),
+    for name, run, ref in (("decode", lambda: pv.decode(z), ones[0]),
+                           ("decode_1", lambda: pv.decode(z[:, :, :1]), ones[1]),
                            ("encode_image", lambda: pv.encode(image), ones[2]),
                            ("encode_video", lambda: pv.encode(video), ones[3])):
         with _StandInAccelerator([pv.patcher]) as acc:

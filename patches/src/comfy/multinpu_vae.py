@@ -236,7 +236,8 @@ def server_model(source):
 def worker_model(source):
     """A worker's video VAE: the decoder side only (the server encodes)."""
     return comfy.multinpu_weights.share_module(source, replace=[
-        (source.encoder, _InWorkers("encoder", "the server")), (source.quant_conv, _InWorkers("quant convolution", "the server"))])
+        (source.encoder, _InWorkers("encoder", "the server")),
+        (source.quant_conv, _InWorkers("quant convolution", "the server"))])
 
 
 class _WorkerVAE:
