@@ -148,6 +148,33 @@ def test_node_wires_clip_vae_and_audio_vae(checks):
     assert v["already_split_passes_through"] and v["inputs_untouched"]
 
 
+def test_with_processes_the_servers_te_and_vae_copies_hold_only_the_non_parallel_parts(checks):
+    """The process transport: the server runs the text encoder's embeddings and vision tower and the VAE's encoder;
+    the decoder's layers and the VAE decoder live only in the workers. "meta" stands in for device 0: what the
+    server's copies place there during each command (upstream's loader), with a stand-in runtime computing the
+    workers' part on the host, so each output is compared with one device's."""
+    v = value(checks, "process_transport_server_copies")
+    te = "qwen3vl_32b.transformer."
+    vision = {te + p for p in ("visual.blocks", "visual.deepstack_merger_list", "visual.merger", "visual.patch_embed",
+                               "visual.pos_embed", "visual.rotary_pos_emb")}
+    for image in (False, True):
+        row = v[f"te_image_{image}"]
+        assert row["layers"] == 0 and not any(".layers" in p for p in row["parts"]), row
+        assert set(row["parts"]) == {te + "model.embed_tokens", "qwen3vl_32b.logit_scale"} | vision, row
+        assert row["max_abs"] == 0, "the encode equals one device's"
+    assert v["te_calls"] == ["te_forward"] * 2, "both encodes ran the layers in the workers"
+    # worker rank 0 holds the layers only: the server embeds, so device 0 holds each weight once
+    assert v["te_worker0_parts"] == ["layers"]
+    for command in ("decode", "decode_1", "encode_image", "encode_video"):
+        row = v[f"vae_{command}"]
+        assert row["parts"] == ["encoder", "latents_mean", "latents_std", "pixel_mean", "pixel_std", "quant_conv"], row
+        assert row["max_abs"] == 0, f"{command}: equal to one device's"
+    # the decode of 2 chunks and the single-frame decode both went to the workers
+    assert v["vae_calls"] == ["vae_decode"] * 2 and v["vae_counts"] == {"chunks": 2, "single_frames": 1}
+    assert v["vae_worker0_parts"] == ["decoder", "latents_mean", "latents_std", "pixel_mean", "pixel_std",
+                                      "post_quant_conv"]
+
+
 def test_each_file_read_once_in_the_checks(checks):
     reads = value(checks, "reads")
     assert reads and set(reads.values()) == {1}, reads

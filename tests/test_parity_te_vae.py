@@ -115,3 +115,38 @@ def test_vae_injected_fault_fails_the_gate(installed_tree, comfy_python):
     failed = {r["layout"] for r in rows if not r["pass"]}
     assert failed == {"39f", "73f", "90f"}
     assert "parity FAILED: 3 of 6 row(s)" in proc.stderr
+
+
+# ---- the process transport: every rank a worker process, the server keeps the non-parallel parts ----------
+
+def test_te_parity_over_processes(installed_tree, comfy_python):
+    """The workers hold the layers (worker rank 0 no embeddings), the server's copy the embeddings and the vision
+    tower: the rows pass the same gates as with threads."""
+    report = parity_lib.run(installed_tree, "te", "cpu", 2, python=comfy_python, timeout=600, transport="process",
+                            extra_args=("--dtypes", "float32"))
+    assert report["ok"]
+    rows = report["rows"]
+    assert {r["transport"] for r in rows if not r["lora"]} == {"process"}
+    assert len([r for r in rows if not r["lora"]]) == 6
+    for r in rows:
+        assert r["pass"], r
+        if not r["lora"] and r["mode"] == "layers":
+            assert r["max_abs"] == 0
+
+
+def test_te_injected_fault_fails_the_gate_over_processes(installed_tree, comfy_python):
+    """The fault travels to the workers with each forward (comfy.multinpu_te.fault_hook): patched in the server
+    alone, it reached no collective, and every row passed."""
+    report = parity_lib.run(installed_tree, "te", "cpu", 2, python=comfy_python, fault="reduce", timeout=600,
+                            transport="process", extra_args=("--dtypes", "float32", "--no-lora"))
+    rows = report["rows"]
+    assert not report["ok"] and len(rows) == 6
+    assert all(not r["pass"] and r["failed"][0].startswith("max_rel > 1e-05") for r in rows), rows
+
+
+def test_vae_parity_over_processes(installed_tree, comfy_python):
+    """The workers decode (a single frame too, on worker rank 0), the server's copy holds the encoder: bit-identical."""
+    report = parity_lib.run(installed_tree, "vae", "cpu", 2, python=comfy_python, timeout=600, transport="process")
+    assert report["ok"]
+    _check_vae(report["rows"], 2)
+    assert {r["transport"] for r in report["rows"]} == {"process"}

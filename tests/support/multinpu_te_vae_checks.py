@@ -55,6 +55,21 @@ def _vae(name="video_vae.safetensors", component="video_vae"):
     return _CACHE[key]
 
 
+def _vae_through_loader(name):
+    """A video VAE loaded by VAELoader (its cached loader records the file, as the process transport needs), from a
+    folder of its own."""
+    import shutil
+    import folder_paths
+    import nodes
+    folder = _path(name + ".d")
+    if not os.path.exists(os.path.join(folder, name)):
+        os.makedirs(folder, exist_ok=True)
+        shutil.move(_tiny("video_vae", name), os.path.join(folder, name))
+    exts = folder_paths.folder_names_and_paths["vae"][1]
+    folder_paths.folder_names_and_paths["vae"] = ([folder], exts)
+    return nodes.VAELoader().load_vae(name)[0]
+
+
 def _dit():
     import torch
     import comfy.sd
@@ -381,6 +396,149 @@ def dit_weights_shared():
     for r in replicas:
         r.detach()
     out["back_in_source"] = all(_storages(r.model) <= source for r in replicas)
+    return out
+
+
+class _StandInRuntime:
+    """The process transport's runtime as apply_tensor_parallel / apply_decode_parallel use it, in this process:
+    each command computes what the workers would, on the host from the plain (unsplit) models, as one device does,
+    and is recorded."""
+
+    def __init__(self, clip=None, vae=None):
+        import types
+        self.world_size = 2
+        self.spec = types.SimpleNamespace(backend="hccl")
+        self.clip, self.vae, self.calls = clip, vae, []
+
+    def run(self, name, payload, configs):
+        import torch
+        import comfy.ldm.minimax.vae
+        import comfy.multinpu_te as te
+        import comfy.text_encoders.llama
+        self.calls.append(name)
+        if name == "te_forward":
+            decoder = te.find_decoder(self.clip.cond_stage_model)
+            inputs = te._copy_to(payload["kwargs0"], torch.device("cpu"), [])  # a worker computes on its own copy
+            return tuple(comfy.text_encoders.llama.Llama2_.forward(decoder, None, **inputs)), None, 0
+        assert name == "vae_decode", name
+        model = self.vae.first_stage_model
+        return [comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(model, c).cpu() for c in payload["chunks"]]
+
+
+def _parts(names, depth):
+    """Parameter and buffer names cut to their part (the first `depth` components, fewer before a layer index)."""
+    parts = set()
+    for n in names:
+        cut = []
+        for c in n.split(".")[:depth]:
+            if c.isdigit():
+                break
+            cut.append(c)
+        parts.add(".".join(cut))
+    return sorted(parts)
+
+
+def _on_device(module, device):
+    import itertools
+    return [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.device == device]
+
+
+class _StandInAccelerator:
+    """"meta" stands in for device 0 as the load device of the server's copies: every load ComfyUI makes of one
+    of them during a command places it there for real (load_models_gpu, upstream's loader), and what it placed is
+    recorded; then the copy goes back to its host weights (anchored: a move back from a device re-points) and the
+    command computes on the host, where the stand-in runtime's results can be compared with one device's."""
+
+    def __init__(self, patchers):
+        import torch
+        self.meta, self.host = torch.device("meta"), torch.device("cpu")
+        self.patchers = patchers
+        self.placed = []
+
+    def __enter__(self):
+        import comfy.model_management as mm
+        self.real_load, self.real_free = mm.load_models_gpu, mm.get_free_memory
+
+        def free(dev=None, torch_free_too=False):
+            if dev is not None and dev.type == "meta":
+                return (2**40, 2**40) if torch_free_too else 2**40
+            return self.real_free(dev, torch_free_too)
+
+        def unload(p):  # upstream's unload frees the real devices only
+            for i in reversed(range(len(mm.current_loaded_models))):
+                if mm.current_loaded_models[i].model is p:
+                    mm.current_loaded_models.pop(i).model_unload()
+
+        def load(models, *args, **kwargs):
+            for p in models:
+                if any(p is q for q in self.patchers):
+                    unload(p)
+                    p.load_device = self.meta
+                    self.real_load([p], *args, **kwargs)
+                    self.placed += _on_device(p.model, self.meta)
+                    unload(p)
+                    p.load_device = self.host
+            return self.real_load(models, *args, **kwargs)
+
+        mm.load_models_gpu, mm.get_free_memory = load, free
+        return self
+
+    def __exit__(self, *exc):
+        import comfy.model_management as mm
+        mm.load_models_gpu, mm.get_free_memory = self.real_load, self.real_free
+
+
+@check
+def process_transport_server_copies():
+    """With the process transport the server runs only the non-parallel parts of the text encoder (the embeddings
+    and the vision tower) and of the video VAE (the encoder): what its copies place on the device during an encode
+    with and without an image, a decode of several chunks, of a single frame and an encode, and what worker rank 0
+    holds (its configuration loaded here, with a stand-in context)."""
+    import types
+    import torch
+    import comfy.model_management as mm
+    import comfy.multinpu_te as te
+    import comfy.multinpu_vae as mv
+    out = {}
+    clip = _clip(name="te_proc.safetensors")
+    one_no_image, one_image = _encode(clip, image=False), _encode(clip, image=True)
+    mm.unload_model_and_clones(clip.patcher, all_devices=True)
+    runtime = _StandInRuntime(clip=clip)
+    par = te.apply_tensor_parallel(clip, None, runtime=runtime)
+    for image in (False, True):
+        with _StandInAccelerator([par.patcher]) as acc:
+            cond = _encode(par, image=image)
+        out[f"te_image_{image}"] = {"parts": _parts(acc.placed, 4), "layers": sum(".layers." in n for n in acc.placed),
+                                    "max_abs": _max_abs(cond, one_image if image else one_no_image)}
+    out["te_calls"] = list(runtime.calls)
+    out["te_server_parts"] = _parts([n for n, _ in par.cond_stage_model.named_parameters()], 4)
+    context = types.SimpleNamespace(rank=0, spec=types.SimpleNamespace(world_size=2))
+    held = te._load_on_worker(context, None, te.get_runner(par).config.payload)
+    out["te_worker0_parts"] = _parts([n for n, _ in held.patcher.model.named_parameters()], 2)
+    mm.unload_all_models()
+
+    vae = _vae_through_loader("video_vae_proc.safetensors")
+    z = torch.randn(1, 24, 12, 2, 3, generator=torch.Generator().manual_seed(4))  # 2 chunks
+    image = torch.rand(1, 32, 48, 3, generator=torch.Generator().manual_seed(5))
+    video = torch.rand(9, 32, 48, 3, generator=torch.Generator().manual_seed(6))
+    ones = [vae.decode(z), vae.decode(z[:, :, :1]), vae.encode(image), vae.encode(video)]
+    mm.unload_model_and_clones(vae.patcher, all_devices=True)
+    runtime = _StandInRuntime(vae=vae)
+    pv = mv.apply_decode_parallel(vae, None, runtime=runtime)
+    for name, run, ref in (("decode", lambda: pv.decode(z), ones[0]),
+                           ("decode_1", lambda: pv.decode(z[:, :, :1]), ones[1]),
+                           ("encode_image", lambda: pv.encode(image), ones[2]),
+                           ("encode_video", lambda: pv.encode(video), ones[3])):
+        with _StandInAccelerator([pv.patcher]) as acc:
+            result = run()
+        out[f"vae_{name}"] = {"parts": _parts(acc.placed, 1), "max_abs": _max_abs(result, ref)}
+    out["vae_calls"] = list(runtime.calls)
+    runner = mv.get_runner(pv)
+    out["vae_counts"] = {"chunks": runner.chunks, "single_frames": getattr(runner, "single_frames", None)}
+    held = mv._load_on_worker(context, None, runner.config.payload)
+    patcher = held.patcher if hasattr(held, "patcher") else held.vae.patcher  # before: the whole VAE's
+    out["vae_worker0_parts"] = _parts(_on_device(patcher.model, torch.device("cpu")), 1)
+    mm.unload_all_models()
     return out
 
 

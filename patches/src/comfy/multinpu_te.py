@@ -29,8 +29,11 @@ Weights: each rank's modules are structural copies of the loaded ones whose weig
 of the one host copy (comfy.multinpu_weights), anchored so that unloading returns them to it.
 
 With the process transport (comfy.multinpu_process) the ranks are processes: every worker loads the same
-text encoder file, keeps its own shard of it, and rank 0 broadcasts the embeddings and the forward's
-arguments; the all-reduces run over the process group.
+text encoder file, keeps its own shard of the decoder's layers, and rank 0 broadcasts the embeddings and the
+forward's arguments; the all-reduces run over the process group. The server computes only what is not
+parallel, the token embeddings and the vision tower (images and video blocks of the prompt), so its copy
+holds only those: the decoder's layers are left out of it (server_decoder) and of what it loads onto device 0,
+and the workers hold no embeddings (they receive them), so device 0 holds each weight once.
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ if TYPE_CHECKING:
 
 KEY = "multinpu_text_encoder"  # the CLIP patcher's transformer_options["patches"] entry that brings the shards
 MODES = ("auto", "tensor", "layers")
+
+# A test hook (h3kit parity --inject-fault): fault_hook(stage, x, comm) -> x at each exchange of the split, "reduce"
+# (a row-parallel partial sum before its all-reduce), "broadcast" (the final hidden states a layer split's last
+# rank broadcast, as received) and "copy" (the hidden states handed to the next rank, as received). With the process
+# transport it travels with every forward to the workers (so it must pickle: a module-level class or function).
+fault_hook = None
+
+
+def _fault(stage: str, x, comm):
+    return x if fault_hook is None else fault_hook(stage, x, comm)
 
 
 class _RankContext:
@@ -94,7 +107,8 @@ class _AllReduceOutput:
         self.ctx = ctx
 
     def __call__(self, module, args, output):
-        return comfy.multinpu.all_reduce(output, self.ctx.get())
+        comm = self.ctx.get()
+        return comfy.multinpu.all_reduce(_fault("reduce", output, comm), comm)
 
 
 def head_split(heads: int, kv_heads: int, world_size: int, rank: int):
@@ -176,8 +190,9 @@ class _Relay(torch.nn.Module):
             return x, None
         comm = self.ctx.get()
         if self.source == "broadcast":
-            return comfy.multinpu.broadcast(x, comm, src=comm.world_size - 1), None
-        return comfy.multinpu.peer_copy(torch.empty_like(x), comm, src=self.source, dst=comm.rank), None
+            return _fault("broadcast", comfy.multinpu.broadcast(x, comm, src=comm.world_size - 1), comm), None
+        received = comfy.multinpu.peer_copy(torch.empty_like(x), comm, src=self.source, dst=comm.rank)
+        return _fault("copy", received, comm), None
 
 
 class _HandOver:
@@ -341,7 +356,7 @@ class TextEncoderParallel:
         # every rank is a worker: rank 0 runs on the server's inputs (vision embeddings included), the others
         # on theirs, and rank 0's output is the command's result
         payload = {"config": self.config.id, "kwargs0": kwargs, "kwargs": others,
-                   "return_output": self.keep_rank_outputs}
+                   "return_output": self.keep_rank_outputs, "fault_hook": fault_hook}
 
         t0 = time.perf_counter()
         with self._lock:
@@ -374,12 +389,16 @@ def _load_on_worker(context, comm, payload):
     comfy.multinpu_models.map_file_weights(clip.cond_stage_model, src.paths)
     ctx = _RankContext(context.rank, context.spec.world_size)
     decoder = _shard_decoder(find_decoder(clip.cond_stage_model), ctx, mode)
+    if hasattr(decoder, "embed_tokens"):
+        del decoder.embed_tokens  # the server embeds (its copy holds the embeddings): rank 0 receives them too
     patcher = comfy.multinpu_weights.device_patcher(clip.patcher, decoder, clip.patcher.load_device)
     return _WorkerTE(ctx, decoder, patcher, comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode))
 
 
 @comfy.multinpu_group.program("te_forward")
 def _forward_on_worker(context, comm, payload):
+    global fault_hook
+    fault_hook = payload.get("fault_hook")  # the server's, for this forward (None but in h3kit parity's fault runs)
     held = context.configs[payload["config"]]
     comfy.model_management.load_models_gpu([held.patcher])
     start = comm.bytes_moved
@@ -409,6 +428,17 @@ class ParallelLlama(comfy.text_encoders.llama.Llama2_):
     def forward(self, x, *args, **kwargs):
         kwargs.update(zip(_FORWARD_ARGS, args))
         return self.multinpu(self, x, **kwargs)
+
+
+def server_decoder(llama):
+    """The server's decoder with the process transport: the token embeddings alone, the one part of the decoder the
+    server computes (the layers, and a final norm or head where a model has one, run in the workers). A structural
+    copy that shares the embeddings' host weights; its forward is ParallelLlama's, which runs the workers."""
+    dropped = [m for m in (getattr(llama, "norm", None), getattr(llama, "lm_head", None)) if m is not None]
+    dec = comfy.multinpu_weights.share_module(llama, dropped=dropped, replace=[(llama.layers, torch.nn.ModuleList())])
+    if hasattr(dec, "lm_head"):
+        del dec.lm_head
+    return dec
 
 
 def find_decoder(cond_stage_model):
@@ -445,7 +475,8 @@ def _refuse_weight_patches(patcher, *args):
 def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
                           timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> CLIP:
     """A clone of `clip` whose text encoder runs on `devices` (rank 0 = devices[0], where the CLIP loads),
-    or on the processes of `runtime` (devices ignored: every worker loads the same file and keeps its shard).
+    or on the processes of `runtime` (devices ignored: every worker loads the same file and keeps its shard of
+    the layers; the clone, which loads onto the CLIP's device, holds only the embeddings and the vision tower).
 
     mode "auto" picks tensor parallelism when the device count divides the query heads, else the exact
     layer split; "tensor" and "layers" force one. Rank 1..P-1 shards load onto their devices with the
@@ -472,7 +503,11 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     comfy.multinpu_weights.anchor_host_copy(clip.cond_stage_model)
 
     contexts = [_RankContext(r, world) for r in range(len(devices))]
-    decoders = [_shard_decoder(decoder, ctx, mode) for ctx in contexts]
+    if runtime is None:
+        decoders = [_shard_decoder(decoder, ctx, mode) for ctx in contexts]
+    else:
+        # every rank is a worker: the server's copy leaves the layers to them (device 0 holds worker rank 0's shard)
+        decoders = [server_decoder(decoder)]
     config = None
     if runtime is not None:
         config = comfy.multinpu_process.RemoteConfig(
@@ -495,9 +530,12 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     size = [p.model_size() / 2**30 for p in [n.patcher] + others]
     where = (f"{world} processes ({runtime.spec.backend})" if runtime is not None
              else comfy.multidevice.describe_devices(devices))
+    held = ("the server holds the embeddings and vision tower, "
+            f"{size[0]:.2f} GiB, the workers the layers" if runtime is not None else
+            f"weights per device {', '.join(f'{s:.2f}' for s in size)} GiB (rank 0 also holds the embeddings and "
+            "vision tower)")
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
-                 f"{where}; weights per device "
-                 f"{', '.join(f'{s:.2f}' for s in size)} GiB (rank 0 also holds the embeddings and vision tower)")
+                 f"{where}; {held}")
     return n
 
 

@@ -22,7 +22,10 @@ keyframes) and single-frame decodes stay on rank 0.
 With the process transport (comfy.multinpu_process) the ranks are worker processes, rank 0 included: the
 server hands the planned chunks to the group, every worker decodes its chunks (i % P == its rank) on the VAE
 it loaded from the same file, worker rank 0 gathers them in order and hands them back through shared
-memory, and the server blends them as above (all the decoded chunks are on the host at once there).
+memory, and the server blends them as above (all the decoded chunks are on the host at once there). A
+single-frame decode goes to worker rank 0 as one chunk. The server computes no decode, so its copy holds
+only what it runs, the encoder (reference images, keyframes) and the latent and pixel statistics, and the
+workers hold only the decoder (and its post-quant convolution): device 0 holds each weight once.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class VideoDecodeParallel:
         self.config = config
         self.forwards = 0
         self.chunks = 0
+        self.single_frames = 0  # processes: single-frame decodes worker rank 0 ran
         self.bytes_moved = 0
         self.chunk_ranks = []
         self._threads = None
@@ -148,6 +152,14 @@ class VideoDecodeParallel:
         self.chunks += sum(o is not None for o in outs)
         self.chunk_ranks += [r for r, o in enumerate(outs) if o is not None]
         return {first + r: (r, o) for r, o in enumerate(outs) if o is not None}
+
+    def decode_in_workers(self, z: torch.Tensor) -> torch.Tensor:
+        """Processes: a decode outside decode_temporal (a single frame), upstream's _adaptive_decode on worker rank
+        0 (the server's copy holds no decoder); the pixels come back onto z's device."""
+        with self._lock:
+            (out,) = self.runtime.run("vae_decode", {"config": self.config.id, "chunks": [z]}, configs=[self.config])
+        self.single_frames += 1
+        return out.to(z.device)
 
     def decode_temporal(self, vae0, z, output_buffer):
         chunks = plan_chunks(vae0, z)
@@ -200,11 +212,40 @@ def _recv_chunk(comm, src: int) -> torch.Tensor:
     return comm.recv(torch.empty(shape, dtype=_DTYPES[header[1]], device=comm.device), src)
 
 
-class _WorkerVAE:
-    """A worker's video VAE for one configuration (the one it loaded)."""
+class _InWorkers(torch.nn.Module):
+    """Where a copy of the VAE leaves out a part another process runs: no weights, the attributes upstream reads
+    (the decoder's out_channels), and a forward that refuses."""
 
-    def __init__(self, vae, digest):
-        self.vae = vae
+    def __init__(self, what: str, where: str, **attributes):
+        super().__init__()
+        self.what, self.where = what, where
+        self.__dict__.update(attributes)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"MultiNPU: the video VAE's {self.what} runs in {self.where}, not here")
+
+
+def server_model(source):
+    """The server's video VAE with the process transport: the encoder, the quant convolution and the statistics
+    (buffers), what the server computes; the decoder and its post-quant convolution are left to the workers."""
+    return comfy.multinpu_weights.share_module(source, replace=[
+        (source.decoder, _InWorkers("decoder", "the worker processes", out_channels=source.decoder.out_channels)),
+        (source.post_quant_conv, _InWorkers("post-quant convolution", "the worker processes"))])
+
+
+def worker_model(source):
+    """A worker's video VAE: the decoder side only (the server encodes)."""
+    return comfy.multinpu_weights.share_module(source, replace=[
+        (source.encoder, _InWorkers("encoder", "the server")),
+        (source.quant_conv, _InWorkers("quant convolution", "the server"))])
+
+
+class _WorkerVAE:
+    """A worker's video VAE for one configuration: the decoder side of the one it loaded, and its patcher."""
+
+    def __init__(self, model, patcher, digest):
+        self.model = model
+        self.patcher = patcher
         self.digest = digest
 
 
@@ -214,7 +255,10 @@ def _load_on_worker(context, comm, payload):
     vae = comfy.multinpu_models.load(src)
     comfy.multinpu_models.map_file_weights(vae.first_stage_model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(vae.first_stage_model)
-    return _WorkerVAE(vae, comfy.multinpu_models.digest(src, vae.first_stage_model))
+    model = worker_model(vae.first_stage_model)
+    comfy.multinpu_weights.reset_load_state(model)
+    patcher = comfy.multinpu_weights.device_patcher(vae.patcher, model, vae.device)
+    return _WorkerVAE(model, patcher, comfy.multinpu_models.digest(src, vae.first_stage_model))
 
 
 @comfy.multinpu_group.program("vae_decode")
@@ -222,12 +266,12 @@ def _decode_on_worker(context, comm, payload):
     """Chunk i on rank i % P; rank 0 returns every decoded chunk in order, each moved to the host as it
     arrives (they reach the server through shared memory; the device holds one wave at a time)."""
     held = context.configs[payload["config"]]
-    comfy.model_management.load_models_gpu([held.vae.patcher])
+    comfy.model_management.load_models_gpu([held.patcher])
     chunks = payload["chunks"]
 
     def decode(i):
-        z = chunks[i].to(held.vae.device)
-        return comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(held.vae.first_stage_model, z)
+        z = chunks[i].to(held.patcher.load_device)
+        return comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(held.model, z)
 
     if comm.rank != 0:
         for i in range(comm.rank, len(chunks), comm.world_size):
@@ -245,14 +289,17 @@ class ParallelVideoVAE(comfy.ldm.minimax.vae.MiniMaxH3VideoVAE):
 
     def _adaptive_decode(self, z):
         stream = self.__dict__.get("_multinpu_stream")
-        if stream is None:
-            return super()._adaptive_decode(z)
-        return stream.take(z)
+        if stream is not None:
+            return stream.take(z)
+        if self.multinpu.runtime is not None:
+            return self.multinpu.decode_in_workers(z)
+        return super()._adaptive_decode(z)
 
 
 def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> VAE:
     """A copy of `vae` (a MiniMax H3 video VAE) that decodes on `devices` (rank 0 = devices[0], where it loads),
-    or on the processes of `runtime` (devices ignored: every worker loads the same file).
+    or on the processes of `runtime` (devices ignored: every worker loads the same file and keeps its decoder;
+    the copy, which loads onto the VAE's device, keeps the encoder and decodes nothing itself).
 
     The replicas for devices[1:] share the loaded host weights and load onto their devices with the VAE
     (load_models_gpu, upstream memory management). Raises ValueError for any other VAE (the audio VAE
@@ -272,7 +319,8 @@ def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEF
 
     replicas = []
     for _ in devices:
-        r = comfy.multinpu_weights.share_module(source)
+        # processes: the server's one copy keeps the encoder side, the workers decode
+        r = comfy.multinpu_weights.share_module(source) if runtime is None else server_model(source)
         comfy.multinpu_weights.reset_load_state(r)
         replicas.append(r)
     config = None
@@ -288,10 +336,14 @@ def apply_decode_parallel(vae: VAE, devices, timeout: float = comfy.multinpu.DEF
     n.patcher = comfy.multinpu_weights.device_patcher(vae.patcher, replicas[0], devices[0])
     others = [comfy.multinpu_weights.device_patcher(vae.patcher, r, d) for r, d in zip(replicas[1:], devices[1:])]
     comfy.multinpu_weights.attach_device_models(n.patcher, KEY, others)
-    where = (f"{runtime.world_size} processes" if runtime is not None
-             else comfy.multidevice.describe_devices(devices))
-    logging.info(f"MultiNPU: video VAE decodes temporal chunks on {where} "
-                 f"(every device holds the VAE, {vae.patcher.model_size() / 2**30:.2f} GiB)")
+    if runtime is not None:
+        where = f"{runtime.world_size} processes"
+        held = (f"every worker holds the decoder, the server the encoder, {n.patcher.model_size() / 2**30:.2f} of "
+                f"{vae.patcher.model_size() / 2**30:.2f} GiB")
+    else:
+        where = comfy.multidevice.describe_devices(devices)
+        held = f"every device holds the VAE, {vae.patcher.model_size() / 2**30:.2f} GiB"
+    logging.info(f"MultiNPU: video VAE decodes temporal chunks on {where} ({held})")
     return n
 
 

@@ -55,24 +55,20 @@ def _encode(clip, layout, seed):
     return out[0][0].detach().float().cpu(), out[0][1]["minimax_token_tags"]
 
 
+class TEFault:
+    """comfy.multinpu_te.fault_hook of --inject-fault: rank 0's share of every reduction dropped, and the hidden
+    states a layer split hands over zeroed where they arrive. A module-level class: with the process transport the
+    hook is pickled and sent to the workers with every forward."""
+
+    def __call__(self, stage, x, comm):
+        if stage == "reduce":
+            return x * 0 if comm.rank == 0 else x
+        return x * 0  # a received broadcast or hand-over
+
+
 def _inject_te_fault(npu_count):
-    import comfy.multinpu
-    all_reduce, broadcast, peer_copy = comfy.multinpu.all_reduce, comfy.multinpu.broadcast, comfy.multinpu.peer_copy
-
-    def dropped_reduce(x, comm):
-        # rank 0's share: with the process transport only rank 0's process is patched, and its zero still
-        # reaches every rank through the collective
-        return all_reduce(x * 0 if comm.rank == 0 else x, comm)
-
-    def zeroed_broadcast(x, comm, src=0):
-        out = broadcast(x, comm, src)
-        return out if comm.rank == src else out * 0
-
-    def zeroed_copy(x, comm, src, dst):
-        out = peer_copy(x, comm, src, dst)
-        return out * 0 if comm.rank == dst and dst != src else out
-
-    comfy.multinpu.all_reduce, comfy.multinpu.broadcast, comfy.multinpu.peer_copy = dropped_reduce, zeroed_broadcast, zeroed_copy
+    import comfy.multinpu_te
+    comfy.multinpu_te.fault_hook = TEFault()
 
 
 def _bf16_copy(path):
