@@ -150,22 +150,67 @@ def test_messages_signed_with_another_key_are_refused():
         mine.loads(b"\0" * 32 + mine.dumps(obj)[32:], "tampered")
 
 
+FLOOD = 40          # the issue's probe: 40 values of 4 MiB (they grew the server by 171 MiB when it hosted the store)
+FLOOD_BOUND = 32 << 20
+
+
 def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
     """The issue's probes: garbage in the next command's slot, in `gen`, in a result and an error slot, a bumped
-    failure counter, a signed command replayed into the next slot, a flood of keys. No worker dies or acts on
-    them, the driver fails no command, the next commands run on the same processes (same generation)."""
-    result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", 10)
-    for step in ("first", "after_garbage", "after_replay", "after_flood"):
+    failure counter, a signed command replayed into the next slot, a flood of keys; then the command channel:
+    garbage, an oversized frame, a hello signed with another key, one replayed from another connection, one
+    naming worker rank 0's pid, a flood of 4 MiB frames, and a connection by another user. No worker dies or acts
+    on them, the driver fails no command and does not grow, the next commands run on the same processes."""
+    result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", FLOOD)
+    for step in ("first", "after_garbage", "after_replay", "after_flood", "after_channel"):
         assert result[step]["ok"] and result[step]["value"] == [3.0] * 4, (step, result[step])
     assert result["during_forgery"]["ok"] and result["during_forgery"]["value"] == result["pids_before"]["0"], \
         "a forged result, error report and failure count while a command ran: the real result came back"
     assert result["pids_after"] == result["pids_before"] and result["restarts_after"] == result["restarts_before"]
     assert result["generation_after"] == result["generation_before"]
+    # the store runs in a process of its own: the flood grows that one, not the server
+    assert result["flood_rss_growth"] < FLOOD_BOUND, result["flood_rss_growth"]
+    assert result["flood_store_rss_growth"] > FLOOD * (4 << 20) // 2, "the flood did reach the store"
     log = (tmp_path / "hostile.log").read_text()
-    for r in range(3):
+    for r in (1, 2):  # worker rank 0 takes its commands from the channel, the others from the store
         assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/2'" in log  # the garbage, logged once per rank
         assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/4' (" in log and "signed for 'cmd/1/3'" in log
-    assert "dropped store key 'res/1/3'" in log and "dropped store key 'err/1/3/1'" in log  # the driver's side
+    assert "dropped store key 'err/1/3/1'" in log  # the driver's side
+
+    ch = result["channel"]
+    assert ch["folder_mode"] == 0o700 and ch["socket_mode"] == 0o600, ch
+    for probe in ("garbage", "oversized", "foreign", "replayed", "impostor"):
+        assert ch[probe] is True, (probe, ch)  # closed by the driver, nothing acted on
+    assert ch["flood_closed"] == FLOOD and ch["flood_rss_growth"] < FLOOD_BOUND, ch
+    assert ch["dropped"] >= 5 + FLOOD
+    dropped = "MultiNPU: command channel: dropped a connection from pid "
+    for words in ("its first frame (16 bytes) is MultiNPU: channel frame is not signed with this service's key",
+                  "a frame of 4294967295 bytes (the limit is 4096)",
+                  "MultiNPU: a channel frame signed for another connection: a replay",
+                  f"its hello names pid {result['pids_before']['0']}"):
+        assert any(dropped in line and words in line for line in log.splitlines()), words
+    if "other_user" in ch:  # as root: another user is refused by the folder's mode before the driver sees it
+        assert ch["other_user"]["rc"] != 0 and "Permission denied" in ch["other_user"]["stderr"], ch["other_user"]
+
+
+def test_the_channel_folder_must_be_private(tmp_path):
+    """The command channel's folder is made 0700; one open to the group or others, a link or another user's is
+    refused with the fix, before the driver starts anything."""
+    made = group.private_dir(str(tmp_path / "channel"))
+    assert (os.stat(made).st_mode & 0o777) == 0o700
+    open_one = tmp_path / "open"
+    open_one.mkdir(mode=0o755)
+    open_one.chmod(0o755)
+    with pytest.raises(group.GroupError, match=f"open to other users \\(mode 755\\).*chmod 700 {open_one}"):
+        group.private_dir(str(open_one))
+    (tmp_path / "link").symlink_to(made)
+    with pytest.raises(group.GroupError, match="is not a folder"):
+        group.private_dir(str(tmp_path / "link"))
+    root = tmp_path / "root"
+    (root / group.CHANNEL_DIR).mkdir(parents=True, mode=0o777)
+    (root / group.CHANNEL_DIR).chmod(0o777)
+    spec = group.GroupSpec(local_size=1, runtime_root=str(root))
+    with pytest.raises(group.GroupError, match="open to other users"):
+        mp.GroupRuntime(spec, group.new_key()).start()
 
 
 def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):

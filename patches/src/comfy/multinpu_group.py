@@ -504,7 +504,10 @@ def _address(path: str):
 def _recv_exact(sock, n: int) -> bytes:
     parts, left = [], n
     while left:
-        chunk = sock.recv(min(left, 1 << 20))
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except ConnectionResetError:
+            chunk = b""
         if not chunk:
             raise ChannelClosed("MultiNPU: the channel's other end closed it")
         parts.append(chunk)
@@ -543,9 +546,11 @@ class Link:
     def open(self, data: bytes):
         """The message of a frame this connection's peer sent next; GroupError for anything else."""
         nonce, direction, seq, obj = self.signer.loads(data, "channel frame")
-        if nonce != self.nonce or direction != self.theirs or seq != self.received + 1:
-            raise GroupError(f"MultiNPU: a channel frame signed for another connection or out of order "
-                             f"(sequence {seq}, expected {self.received + 1}): a replay")
+        if nonce != self.nonce:
+            raise GroupError("MultiNPU: a channel frame signed for another connection: a replay")
+        if direction != self.theirs or seq != self.received + 1:
+            raise GroupError(f"MultiNPU: a channel frame out of order (sequence {seq} from the "
+                             f"{'worker' if direction == 'w' else 'driver'}, expected {self.received + 1}): a replay")
         self.received = seq
         return obj
 
