@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -211,6 +212,31 @@ def test_the_channel_folder_must_be_private(tmp_path):
     spec = group.GroupSpec(local_size=1, runtime_root=str(root))
     with pytest.raises(group.GroupError, match="open to other users"):
         mp.GroupRuntime(spec, group.new_key()).start()
+
+
+def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path):
+    """Two nodes: node 0's workers beat on their channel connections, node 1's write signed beats in the store.
+    A forger without the key writes garbage into every heartbeat key, copies a remote rank's old signed beat back
+    over its pointer to the newest and into numbered slots after it, bumps the old counters, overwrites the agent's beat and
+    sends hellos on the channel naming a worker: for three heartbeat bounds nothing is killed, and a SIGSTOPped
+    worker of node 1, then one of node 0, is still named hung within the bound."""
+    result = drive(tmp_path, "forged_heartbeats", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
+                   "--join-timeout", 120, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+    assert result["first"]["ok"] and result["forged_rounds"] > 20 and result["captured"] >= 2, result
+    assert result["healthy"]["ok"] and result["pids_healthy"] == result["pids_before"], \
+        "no healthy rank was killed while its heartbeats were forged"
+    for name, rank in (("remote_stopped", "3 (cpu, node 1)"), ("local_stopped", "1 (cpu, node 0)")):
+        kind, message, seconds = error_of(result[name])
+        assert kind == "RankDied" and f"rank {rank}" in message and "no heartbeat" in message, message
+        assert f"pid {result[name]['victim_pid']}" in message
+        assert seconds < HEARTBEAT + mp.ERROR_WAIT + 10, "the forged beats did not keep it alive past the bound"
+        assert result[f"after_{name}"]["ok"] and result[f"after_{name}"]["value"] == [6.0] * 4
+    log = (tmp_path / "forged_heartbeats.log").read_text()
+    assert "dropped store key 'agent_hb/1'" in log and "command channel: dropped a connection" in log
+    # "rank 3 (cpu, node 1), host vm died during sum (pid 9: no heartbeat" and "rank 3 (cpu, node 1) (pid 9) no heartbeat"
+    hung = set(re.findall(r"(rank \d \(cpu, node \d\))(?:, host \S+ died during \w+)? \(pid \d+(?:: |\) )no heartbeat",
+                          log))
+    assert hung <= {"rank 3 (cpu, node 1)", "rank 1 (cpu, node 0)"}, f"a healthy rank was taken for hung: {hung}"
 
 
 def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):

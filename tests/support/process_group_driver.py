@@ -323,6 +323,76 @@ def _channel_probes(rt, args):
     return out
 
 
+def scenario_forged_heartbeats(rt, args):
+    """Two nodes (node 0's ranks beat on the command channel, node 1's in the store), a forger without the key
+    running all along: garbage into every rank's heartbeat keys, each remote rank's old signed beat copied back
+    over its pointer and into the slots its next beats would have if they were numbered, the old counters bumped,
+    the agent's beat overwritten, hellos on the channel naming a worker. Healthy ranks must not be killed; a SIGSTOPped one, on either node,
+    must still be found hung within the bound."""
+    import pickle
+    import socket as so
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+    foreign = group.Signer(group.new_key().encode())
+    stop = threading.Event()
+    captured = {}
+    rounds = [0]
+
+    def forge():
+        while not stop.wait(0.2):
+            rounds[0] += 1
+            for r, pid in dict(rt.members).items():
+                evil.add(f"hb/{r}", 1)
+                pointer = f"hb/{r}/{pid}"
+                if rt.spec.node_of(r) != 0:
+                    if (r, pid) not in captured and evil.check([pointer]):
+                        old = evil.get(pointer)
+                        try:  # the worker's signed value (not the garbage written here): readable, not signable
+                            captured[(r, pid)] = (old, pickle.loads(old[32:])[1])
+                        except Exception:
+                            pass
+                    if (r, pid) in captured:
+                        old, seq = captured[(r, pid)]
+                        evil.set(pointer, old)
+                        for k in range(seq + 1, seq + 4):
+                            evil.set(f"{pointer}/{k}", old)
+                    else:
+                        evil.set(pointer, b"\x80\x05forged beat")
+                elif rounds[0] % 5 == 0:
+                    try:  # a beat on the channel naming this worker, signed with another key
+                        address, fd = group._address(rt._channel.path)
+                        with so.socket(so.AF_UNIX, so.SOCK_STREAM) as c:
+                            c.settimeout(5)
+                            c.connect(address)
+                            nonce = group._recv_exact(c, 32)
+                            c.sendall(_frame(foreign, nonce, {"hello": {"role": "beat", "rank": r, "pid": pid}}))
+                            c.recv(1)
+                        if fd is not None:
+                            os.close(fd)
+                    except OSError:
+                        pass
+            evil.set("agent_hb/1", b"\x80\x05forged agent beat")
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    time.sleep(3 * group.HEARTBEAT_STALE)  # idle: the monitor checks every rank's heartbeat all along
+    out["healthy"] = _attempt(lambda: _sum(rt))
+    out["pids_healthy"] = dict(rt.members)
+    for name, rank in (("remote_stopped", rt.world_size - 1), ("local_stopped", 1)):
+        victim = rt.members.get(rank)
+        if victim is None:
+            out[name] = {"ok": True, "skipped": f"the group is {rt.state}: {rt.error}"}
+            continue
+        os.kill(victim, signal.SIGSTOP)
+        out[name] = _attempt(lambda: _sum(rt))
+        out[name]["victim_pid"] = victim
+        out[f"after_{name}"] = _attempt(lambda: _sum(rt))
+    stop.set()
+    forger.join(10)
+    out["forged_rounds"] = rounds[0]
+    out["captured"] = len(captured)
+    return out
+
+
 def start_agent(rt, node=1):
     """Node `node`'s agent (`python -m comfy.multinpu_group`) of this group, as another host would run it."""
     import json as _json

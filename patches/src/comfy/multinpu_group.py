@@ -1154,7 +1154,14 @@ class After:
         self.fn = fn
 
 
-HEARTBEAT_KEEP = 4                   # a remote rank's last beats kept in the store (the driver may read late)
+HEARTBEAT_KEEP = 8                   # a remote rank's last beats kept in the store (the driver may read late)
+
+
+def beat_key(signer: Signer, rank, pid: int, seq: int) -> str:
+    """The store key of a remote rank's beat `seq`: named by an HMAC, so nobody without the key can create the
+    key of a beat to come (the value does not matter: the beat is that the key exists)."""
+    tag = hmac.new(signer.key, f"beat/{rank}/{pid}/{seq}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"hb/{rank}/{pid}/{tag}"
 
 
 def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threading.Event):
@@ -1162,9 +1169,9 @@ def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threadi
     whole group after a failure: this process may be blocked in a collective that will not return).
 
     A beat is authenticated: on the driver's host it is a frame on this process's own connection to the
-    command channel (the driver knows the process at the other end); on another host a value signed for
-    its slot, hb/{rank}/{pid}/{seq}, and the pointer hb/{rank}/{pid} to the newest. Nobody without the key
-    can write a beat the driver counts, nor replay an old one as new (the driver counts only a higher seq)."""
+    command channel (the driver knows the process at the other end); on another host a store key whose name
+    only the key can make (beat_key), and a signed pointer hb/{rank}/{pid} to the newest. Nobody without the
+    key can make a beat the driver counts, nor replay an old one as new (the driver counts only a higher seq)."""
     try:
         signer = Signer(key_from_environment())
         ctl = Control(connect_store(spec.master_addr, port, spec.timeout), signer)
@@ -1178,10 +1185,10 @@ def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threadi
             if link is not None:
                 link.send({"seq": seq})
             else:
-                ctl.put(f"hb/{context.rank}/{pid}/{seq}", seq)
+                ctl.put(beat_key(signer, context.rank, pid, seq), seq)
                 ctl.put(f"hb/{context.rank}/{pid}", seq)
                 if seq > HEARTBEAT_KEEP:
-                    ctl.delete(f"hb/{context.rank}/{pid}/{seq - HEARTBEAT_KEEP}")
+                    ctl.delete(beat_key(signer, context.rank, pid, seq - HEARTBEAT_KEEP))
             g = context.generation
             if g is not None and ctl.has(f"abort/{g}") and ctl.peek(f"abort/{g}") is not None:
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
@@ -1493,8 +1500,13 @@ class Agent:
                     if isinstance(req, dict) and req.get("pid") == local.pid(rank):
                         local.kill(rank, req.get("why", "the driver asked"), recycle=bool(req.get("abort")))
                 if time.monotonic() - last_write > 1.0:
-                    beat += 1  # signed: the driver tells a lost host by its silence, which nobody can fake
+                    # the driver tells a lost host by its silence, which nobody without the key can fill (_heartbeat)
+                    beat += 1
+                    who = f"agent{spec.node_rank}"
+                    ctl.put(beat_key(self.signer, who, os.getpid(), beat), beat)
                     ctl.put(f"agent_hb/{spec.node_rank}", {"pid": os.getpid(), "seq": beat})
+                    if beat > HEARTBEAT_KEEP:
+                        ctl.delete(beat_key(self.signer, who, os.getpid(), beat - HEARTBEAT_KEEP))
                     state = ctl.peek("state") or {"state": "starting"}
                     self._write(local, state.get("state"), state.get("error"), state)
                     last_write = time.monotonic()

@@ -297,16 +297,19 @@ class GroupRuntime:
 
     def _beat(self, rank: int, pid: int, known: int) -> int:
         """The newest heartbeat seq of rank's worker `pid` (known: the newest seen before). This host's workers
-        beat on their own channel connections; another host's write values signed for their slot: the pointer
-        hb/{rank}/{pid}, and each beat's own hb/{rank}/{pid}/{seq}, looked at when the pointer says nothing new
-        (someone may have copied an old value over it)."""
+        beat on their own channel connections; another host's create a key per beat whose name only the key can
+        make (group.beat_key), and point at the newest with a signed hb/{rank}/{pid}; the pointer is only a
+        hint (someone may have copied an old value over it): a beat counts when its key exists."""
         if self.spec.node_of(rank) == 0:
             return self._beats.get((rank, pid), known)
-        newest = self._mon.peek(f"hb/{rank}/{pid}")
-        if isinstance(newest, int) and newest > known:
-            return newest
+        return self._store_beat(rank, pid, known, self._mon.peek(f"hb/{rank}/{pid}"))
+
+    def _store_beat(self, who, pid: int, known: int, hint) -> int:
+        """The newest beat of `who` (a rank, or "agentN") of process pid in the store, newer than `known`."""
+        if isinstance(hint, int) and hint > known and self._mon.has(group.beat_key(self.signer, who, pid, hint)):
+            return hint
         for seq in range(known + group.HEARTBEAT_KEEP, known, -1):
-            if self._mon.peek(f"hb/{rank}/{pid}/{seq}") == seq:
+            if self._mon.has(group.beat_key(self.signer, who, pid, seq)):
                 return seq
         return known
 
@@ -457,16 +460,22 @@ class GroupRuntime:
     def _agent_gone(self, node: int):
         """Seconds since node's agent last beat, when it beat once and has been silent for HEARTBEAT_STALE
         (the host or its agent is lost); else None."""
-        beat = self._mon.peek(f"agent_hb/{node}")  # signed: {"pid", "seq"}
+        beat = self._mon.peek(f"agent_hb/{node}")  # signed {"pid", "seq"}: a hint; the beat is its key (_beat)
+        beat = beat if isinstance(beat, dict) else {}
         now = time.monotonic()
         seen, since = self._agent_hb.setdefault(node, ({}, now))  # (newest seq of each agent pid, last news)
-        if isinstance(beat, dict) and isinstance(beat.get("seq"), int) and beat["seq"] > seen.get(beat.get("pid"), 0):
-            # only a newer beat is news: an old signed one copied back is no sign of life
-            seen[beat.get("pid")] = beat["seq"]
+        if isinstance(beat.get("pid"), int):
+            seen.setdefault(beat["pid"], 0)
+        news = False
+        for pid, known in list(seen.items()):
+            newest = self._store_beat(f"agent{node}", pid, known, beat.get("seq") if beat.get("pid") == pid else None)
+            if newest > known:
+                seen[pid], news = newest, True
+        if news:
             self._agent_hb[node] = (seen, now)
             return None
         silent = now - since
-        return silent if seen and silent > group.HEARTBEAT_STALE else None
+        return silent if any(seen.values()) and silent > group.HEARTBEAT_STALE else None
 
     def _wait_members(self, deadline: float) -> dict:
         def attempt():
