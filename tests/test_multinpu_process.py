@@ -239,6 +239,18 @@ def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_o
     assert hung <= {"rank 3 (cpu, node 1)", "rank 1 (cpu, node 0)"}, f"a healthy rank was taken for hung: {hung}"
 
 
+def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
+    """The store is a process of its own (not the server's); killed, it is started again on the same port and the
+    group is replaced: the next command runs, the driver lives on."""
+    result = drive(tmp_path, "store_lost", "--world", 2, "--timeout", 20)
+    assert result["first"]["ok"] and result["store_pid"] != result["driver_pid"]
+    assert result["store_starts"] == 2 and result["store_pid_after"] != result["store_pid"]
+    assert result["next"]["ok"] and result["next"]["value"] == [1.0] * 4, result["next"]
+    assert result["driver_pid_after"] == result["driver_pid"]
+    assert not set(result["pids_before"].values()) & set(result["pids_after"].values())
+    assert "the group's store (pid" in (tmp_path / "store_lost.log").read_text()
+
+
 def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
     """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics:
     the command fails naming a rank of node 1, the next fails at once naming the lost node instead of holding

@@ -393,6 +393,24 @@ def scenario_forged_heartbeats(rt, args):
     return out
 
 
+def scenario_store_lost(rt, args):
+    """The store's process is SIGKILLed while the group is idle (as the OOM killer would after a flood): the
+    driver starts it again on the same port, the whole group is replaced, the next command runs."""
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
+           "store_pid": rt._store.proc.pid}
+    os.kill(rt._store.proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while rt._store.starts < 2 and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["next_after"] = time.monotonic() - t0
+    out["store_pid_after"] = rt._store.proc.pid
+    out["store_starts"] = rt._store.starts
+    out["pids_after"] = dict(rt.members)
+    out["driver_pid_after"] = os.getpid()
+    return out
+
+
 def start_agent(rt, node=1):
     """Node `node`'s agent (`python -m comfy.multinpu_group`) of this group, as another host would run it."""
     import json as _json
