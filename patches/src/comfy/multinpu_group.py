@@ -5,20 +5,25 @@ rank shares and what the other ranks run:
 
 - GroupSpec: where and how big the group is (h3kit start writes it into H3KIT_GROUP).
 - The wire: a command is a small header, pickled. Pickle runs code when it loads, so every value written to
-  the store carries an HMAC-SHA256 under a key only the ranks of this service hold (H3KIT_GROUP_KEY), and
-  nothing unauthenticated is unpickled: pickle is the trusted transport between the ranks of one service,
-  nothing more. Tensors never travel through the store: rank 0 packs a command's tensors into one byte
-  buffer (the layout is in the header) and broadcasts it over the group.
-- The store: rank 0 hosts one TCPStore for the life of the service, listening on the master address only.
-  Generation g of the group has its members in "gen/{g}" and its commands in "cmd/{g}/{n}", numbered from 1;
-  its process group uses PrefixStore(f"pg{g}"), so re-forming needs no new port.
+  the store or sent on the command channel carries an HMAC-SHA256 under a key only the ranks of this service
+  hold (H3KIT_GROUP_KEY), and nothing unauthenticated is unpickled: pickle is the trusted transport between
+  the ranks of one service, nothing more. Tensors never travel through the store or the channel: the driver
+  writes a command's tensors into /dev/shm, worker rank 0 broadcasts them over the group.
+- The command channel (ChannelServer, Link): a Unix socket in a 0700 folder of the runtime root, from the
+  driver to this host's workers: worker rank 0 takes each command there and returns its result there, every
+  local worker beats there. Frames are length-prefixed, capped and signed per connection (nonce, direction,
+  sequence), so garbage, replays and foreign frames are dropped with a log line.
+- The store: one TCPStore for the life of the service, in a small process of its own (StoreHost), listening on
+  the master address only. Generation g of the group has its members in "gen/{g}" and its commands, relayed
+  by worker rank 0, in "cmd/{g}/{n}", numbered from 1; its process group uses PrefixStore(f"pg{g}"), so
+  re-forming needs no new port.
 - LocalWorkers: a host's worker processes (`python -B -m comfy.multinpu_worker`), started, watched and
   replaced by rank 0's monitor or by an agent; they die with the process that started them.
 - serve(): a worker's life. It waits for its next command in a blocking store wait (no collective is open
   while the server is idle, however long), runs the command's program, and closes every command with a
   barrier. A program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so
   the others' collectives fail at once instead of at the timeout; the next command forms a new generation.
-  A thread keeps a heartbeat counter in the store, so rank 0 can tell a hung worker from a busy one.
+  A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one.
 - Agent: a host other than node 0 (`python -B -m comfy.multinpu_group`, no ComfyUI) starts and replaces
   its workers, reports their deaths, and follows rank 0 through restarts of the master.
 """

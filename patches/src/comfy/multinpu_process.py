@@ -3,17 +3,18 @@
 With `h3kit start --transport process` (the default on NPU and CUDA) every rank of the parallel components
 (DiT, text encoder, video VAE decode) is a worker process, rank 0 included (on device 0, beside the server);
 the ranks of one service form one torch.distributed group: hccl on Ascend, nccl on CUDA, gloo on CPU. The
-server drives them (GroupRuntime): it hosts the group's control store on the port h3kit recorded, starts one
-worker per device of its host, forms numbered generations of the group and hands each command to the ranks
-(run()). It never enters a collective: on HCCL and NCCL a collective whose peer failed, was destroyed or
+server drives them (GroupRuntime): it starts the group's control store in a process of its own on the port
+h3kit recorded (a flood of keys grows that process, never the server), opens the command channel (a Unix
+socket in the runtime root's 0700 channel folder), starts one worker per device of its host, forms numbered
+generations of the group and hands each command to worker rank 0 (run()). It never enters a collective: on HCCL and NCCL a collective whose peer failed, was destroyed or
 died releases nobody before the group timeout (H3_FACTS 9), and the server's queue must not wait inside one.
 The members' side (settings, wire format, the worker loop, the agents of other hosts) is
 comfy.multinpu_group.
 
 A command: the driver writes its inputs' tensors into one file in /dev/shm (memory; only this host's worker
-rank 0 reads it) and a signed header into the store; worker rank 0 broadcasts the tensors to the other
-ranks, every rank runs the command's program, and rank 0 writes the program's result into another /dev/shm
-file, announced by a signed result header. The driver waits for it with a bound, watching every rank
+rank 0 reads it) and sends a signed header on the channel; worker rank 0 relays the header to the other ranks
+through the store and broadcasts the tensors to them, every rank runs the command's program, and rank 0
+writes the program's result into another /dev/shm file, announced by a signed result header on the channel. The driver waits for it with a bound, watching every rank
 meanwhile: error reports, deaths (local workers by their process, remote ones by their agent's reports),
 heartbeats.
 
