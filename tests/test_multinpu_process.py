@@ -239,6 +239,58 @@ def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_o
     assert hung <= {"rank 3 (cpu, node 1)", "rank 1 (cpu, node 0)"}, f"a healthy rank was taken for hung: {hung}"
 
 
+def test_channel_frames_replayed_reordered_or_reflected_are_dropped(caplog):
+    """On one connection: a frame sent again (a replay), one sent back the way it came, garbage and one signed
+    with another key are dropped with a log line; the next real frame still arrives."""
+    import socket
+    a, b = socket.socketpair()
+    signer = group.Signer(group.new_key().encode())
+    nonce = os.urandom(32)
+    worker, driver = group.Link(a, signer, nonce, "w", "d"), group.Link(b, signer, nonce, "d", "w")
+    worker.send({"seq": 1})
+    assert driver.recv() == {"seq": 1}
+    again = signer.dumps((nonce, "w", 1, {"seq": 1}))  # the same frame again
+    a.sendall(len(again).to_bytes(4, "big") + again)
+    body = signer.dumps((nonce, "d", 1, {"name": "end"}))  # as if the driver had sent it: reflected
+    a.sendall(len(body).to_bytes(4, "big") + body)
+    a.sendall(b"\x00\x00\x00\x05junk!")
+    foreign = group.Signer(group.new_key().encode()).dumps((nonce, "w", 2, {"seq": 9}))
+    a.sendall(len(foreign).to_bytes(4, "big") + foreign)
+    worker.send({"seq": 2})
+    with caplog.at_level("WARNING"):
+        assert driver.recv() == {"seq": 2}
+    dropped = [r.getMessage() for r in caplog.records if "dropped a channel frame" in r.getMessage()]
+    assert len(dropped) == 4 and "a replay" in dropped[0] and "from the driver" in dropped[1], dropped
+    assert "is not signed with this service's key" in dropped[2] and "is not signed with this service's key" in dropped[3]
+    b.sendall((10 << 20).to_bytes(4, "big"))
+    with pytest.raises(group.GroupError, match="a frame of 10485760 bytes"):
+        worker.recv(limit=4096)
+    a.close()
+    b.close()
+
+
+def test_the_channel_reaches_a_socket_past_the_unix_path_limit(tmp_path):
+    """A runtime root deep enough that its socket's path passes 107 bytes: bound and reached through the
+    folder's descriptor."""
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    got = []
+    server = group.ChannelServer(str(deep / group.CHANNEL_DIR), group.Signer(b"k" * 64),
+                                 lambda link, hello: got.append((hello, link.recv())))
+    try:
+        assert len(server.path) > 107
+        link = group.connect_channel(server.path, group.Signer(b"k" * 64), {"role": "beat", "rank": 0,
+                                                                          "pid": os.getpid()})
+        link.send({"seq": 1})
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got == [({"role": "beat", "rank": 0, "pid": os.getpid()}, {"seq": 1})]
+        link.close()
+    finally:
+        server.close()
+
+
 def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
     """The store is a process of its own (not the server's); killed, it is started again on the same port and the
     group is replaced: the next command runs, the driver lives on."""
