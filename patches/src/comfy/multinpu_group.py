@@ -675,7 +675,7 @@ class ChannelServer:
             self._pending.release()
         try:
             self.on_link(link, hello)
-        except ChannelClosed:
+        except (ChannelClosed, OSError):  # the worker left, or the driver closed the connection
             pass
         except Exception as e:
             logging.warning(f"MultiNPU: command channel: the connection of pid {peer} ended: {e}")
