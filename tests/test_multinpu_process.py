@@ -287,8 +287,17 @@ def test_the_channel_reaches_a_socket_past_the_unix_path_limit(tmp_path):
             time.sleep(0.05)
         assert got == [({"role": "beat", "rank": 0, "pid": os.getpid()}, {"seq": 1})]
         link.close()
+        with pytest.raises(group.GroupError, match="another server's command channel answers"):
+            group.ChannelServer(str(deep / group.CHANNEL_DIR), group.Signer(b"k" * 64), lambda link, hello: None)
     finally:
         server.close()
+    # a socket left by a server that was killed (nobody listens on it) is replaced
+    import socket
+    folder = group.private_dir(str(tmp_path / "left"))
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(os.path.join(folder, group.CHANNEL_SOCKET))
+    left.close()
+    group.ChannelServer(folder, group.Signer(b"k" * 64), lambda link, hello: None).close()
 
 
 def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):

@@ -613,13 +613,18 @@ class ChannelServer:
         self.dropped = 0
         self._pending = threading.Semaphore(MAX_PENDING)
         self._stop = threading.Event()
-        try:
-            os.unlink(self.path)  # a socket left by a server that was killed
-        except FileNotFoundError:
-            pass
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         address, fd = _address(self.path)
         try:
+            if os.path.lexists(self.path):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                    try:
+                        probe.connect(address)
+                    except OSError:
+                        os.unlink(self.path)  # a socket left by a server that was killed
+                    else:
+                        raise GroupError(f"MultiNPU: another server's command channel answers at {self.path}. Fix: "
+                                         "stop that server, or give this one its own runtime root")
             self.sock.bind(address)
         finally:
             if fd is not None:
