@@ -319,6 +319,10 @@ def test_restart_restarts_the_whole_group(group):
 
 def test_stop_leaves_no_process_behind(group):
     pids = [r["pid"] for r in group.ranks()] + [group.status(0)["pid"], group.status(1)["pid"]]
+    # the group's store runs in a process of its own, the server's child
+    store = [c.pid for c in psutil.Process(group.status(0)["pid"]).children() if "--store" in c.cmdline()]
+    assert len(store) == 1
+    pids += store
     assert all(pid_running(p) for p in pids)
     for node in (1, 0):
         r = group.stop(node)
