@@ -312,6 +312,18 @@ def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
     assert "the group's store (pid" in (tmp_path / "store_lost.log").read_text()
 
 
+def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(tmp_path):
+    """A flood of keys past the store's growth limit (here 64 MiB): the store's process ends itself rather than
+    grow until the host's OOM killer picks a process; the driver starts a fresh one, the group is replaced, the
+    next command runs, and the server did not grow."""
+    result = drive(tmp_path, "store_lost", "--world", 2, "--timeout", 20, "--flood", 40,
+                   env=_env(**{group.STORE_GROWTH_ENV: "64"}))
+    assert result["store_starts"] == 2 and result["next"]["ok"], result
+    assert result["flood_rss_growth"] < FLOOD_BOUND and result["driver_pid_after"] == result["driver_pid"]
+    log = (tmp_path / "store_lost.log").read_text()
+    assert "past its limit (H3KIT_STORE_GROWTH_LIMIT=64)" in log and "past its memory limit: a flood of keys" in log
+
+
 def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
     """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics:
     the command fails naming a rank of node 1, the next fails at once naming the lost node instead of holding

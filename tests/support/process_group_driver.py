@@ -394,11 +394,24 @@ def scenario_forged_heartbeats(rt, args):
 
 
 def scenario_store_lost(rt, args):
-    """The store's process is SIGKILLed while the group is idle (as the OOM killer would after a flood): the
-    driver starts it again on the same port, the whole group is replaced, the next command runs."""
+    """The store's process is SIGKILLed while the group is idle (with --flood N: N values of 4 MiB written into
+    it, past its growth limit, and it ends itself): the driver starts it again on the same port, the whole
+    group is replaced, the next command runs."""
+    import psutil
     out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
            "store_pid": rt._store.proc.pid}
-    os.kill(rt._store.proc.pid, signal.SIGKILL)
+    if args.flood:
+        rss0 = psutil.Process().memory_info().rss
+        evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+        try:
+            for i in range(int(args.flood)):
+                evil.set(f"flood/{i}", b"x" * (4 << 20))
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - the store ended under the flood
+            out["flood_stopped"] = _err(e)
+        out["flood_rss_growth"] = psutil.Process().memory_info().rss - rss0
+    else:
+        os.kill(rt._store.proc.pid, signal.SIGKILL)
     t0 = time.monotonic()
     while rt._store.starts < 2 and time.monotonic() - t0 < 30:
         time.sleep(0.1)

@@ -344,16 +344,37 @@ class StoreHost:
         self.sock.close()
 
 
+STORE_GROWTH_ENV = "H3KIT_STORE_GROWTH_LIMIT"  # MiB the store's process may grow by before it ends itself
+STORE_EXIT = 76                      # the store's process ended itself: it grew past its limit
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def store_main(argv) -> int:
     """The store's process: host the TCPStore on the listening socket the driver handed over, until the
-    driver is gone (its stdin ends)."""
+    driver is gone (its stdin ends). A store that grows by more than H3KIT_STORE_GROWTH_LIMIT MiB (1024; a
+    flood of keys: the group's own keys are small) ends itself: the driver starts a fresh one and replaces the
+    group, rather than the host's OOM killer choosing a process (a worker holding a model is the biggest)."""
+    import select
     addr, port, fd, timeout = argv
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[store] %(asctime)s %(message)s", stream=sys.stdout)
     store = torch.distributed.TCPStore(addr, int(port), None, is_master=True, wait_for_workers=False,  # noqa: F841
                                        timeout=td(float(timeout)), master_listen_fd=int(fd), use_libuv=True)
-    sys.stdin.buffer.read()
-    return 0
+    limit = float(os.environ.get(STORE_GROWTH_ENV, "1024")) * 2**20
+    base = _rss()
+    while True:
+        if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 4096):
+            return 0  # the driver is gone
+        if _rss() - base > limit:
+            logging.error(f"MultiNPU: the group's store grew by {(_rss() - base) / 2**20:.0f} MiB, past its limit "
+                          f"({STORE_GROWTH_ENV}={limit / 2**20:g}): a flood of keys; it ends, the driver starts a "
+                          "fresh one")
+            sys.stdout.flush()
+            os._exit(STORE_EXIT)
 
 
 def connect_store(addr: str, port: int, timeout: float, deadline: float = None, stop: threading.Event = None):

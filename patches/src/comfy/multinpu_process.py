@@ -170,8 +170,9 @@ class GroupRuntime:
         """The store's process died (killed, out of memory after a flood of keys): start it again on the same
         socket and replace the whole group (every worker lost its connection to the store)."""
         code = self._store.proc.returncode
-        logging.error(f"MultiNPU: the group's store (pid {self._store.proc.pid}) ended ({group._exit_reason(code)}); "
-                      "starting it again and replacing the group")
+        why = "past its memory limit: a flood of keys" if code == group.STORE_EXIT else group._exit_reason(code)
+        logging.error(f"MultiNPU: the group's store (pid {self._store.proc.pid}) ended ({why}); starting it again "
+                      "and replacing the group")
         self._store.start()
         self._connect_store()
         self._abort_generation("the group's store ended")
