@@ -6,17 +6,17 @@ the ranks of one service form one torch.distributed group: hccl on Ascend, nccl 
 server drives them (GroupRuntime): it starts the group's control store in a process of its own on the port
 h3kit recorded (a flood of keys grows that process, never the server), opens the command channel (a Unix
 socket in the runtime root's 0700 channel folder), starts one worker per device of its host, forms numbered
-generations of the group and hands each command to worker rank 0 (run()). It never enters a collective: on HCCL and NCCL a collective whose peer failed, was destroyed or
-died releases nobody before the group timeout (H3_FACTS 9), and the server's queue must not wait inside one.
-The members' side (settings, wire format, the worker loop, the agents of other hosts) is
-comfy.multinpu_group.
+generations of the group and hands each command to worker rank 0 (run()). It never enters a collective: on
+HCCL and NCCL a collective whose peer failed, was destroyed or died releases nobody before the group timeout
+(H3_FACTS 9), and the server's queue must not wait inside one. The members' side (settings, wire format, the
+channel, the worker loop, the agents of other hosts) is comfy.multinpu_group.
 
 A command: the driver writes its inputs' tensors into one file in /dev/shm (memory; only this host's worker
 rank 0 reads it) and sends a signed header on the channel; worker rank 0 relays the header to the other ranks
 through the store and broadcasts the tensors to them, every rank runs the command's program, and rank 0
-writes the program's result into another /dev/shm file, announced by a signed result header on the channel. The driver waits for it with a bound, watching every rank
-meanwhile: error reports, deaths (local workers by their process, remote ones by their agent's reports),
-heartbeats.
+writes the program's result into another /dev/shm file, announced by a signed result header on the channel.
+The driver waits for it with a bound, watching every rank meanwhile: error reports, deaths (local workers by
+their process, remote ones by their agent's reports), heartbeats.
 
 A failure costs one prompt. Any rank's exception, out-of-memory error, death or hang ends the command in
 the driver as soon as it is seen (a hang: HEARTBEAT_STALE seconds without a heartbeat), with the first error
@@ -74,7 +74,8 @@ class RemoteConfig:
 
 
 class GroupRuntime:
-    """The driver of the process group: owns the store, this host's workers, the generations and every command.
+    """The driver of the process group: owns the store's process, the command channel, this host's workers, the
+    generations and every command.
 
     One command runs at a time (`run`); the monitor thread forms the group, watches every rank, replaces
     the whole group after a failure and re-forms it while the server is idle, so `h3kit status` shows every
