@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -150,22 +151,177 @@ def test_messages_signed_with_another_key_are_refused():
         mine.loads(b"\0" * 32 + mine.dumps(obj)[32:], "tampered")
 
 
+FLOOD = 40          # the issue's probe: 40 values of 4 MiB (they grew the server by 171 MiB when it hosted the store)
+FLOOD_BOUND = 32 << 20
+
+
 def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
     """The issue's probes: garbage in the next command's slot, in `gen`, in a result and an error slot, a bumped
-    failure counter, a signed command replayed into the next slot, a flood of keys. No worker dies or acts on
-    them, the driver fails no command, the next commands run on the same processes (same generation)."""
-    result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", 10)
-    for step in ("first", "after_garbage", "after_replay", "after_flood"):
+    failure counter, a signed command replayed into the next slot, a flood of keys; then the command channel:
+    garbage, an oversized frame, a hello signed with another key, one replayed from another connection, one
+    naming worker rank 0's pid, a flood of 4 MiB frames, and a connection by another user. No worker dies or acts
+    on them, the driver fails no command and does not grow, the next commands run on the same processes."""
+    result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", FLOOD)
+    for step in ("first", "after_garbage", "after_replay", "after_flood", "after_channel"):
         assert result[step]["ok"] and result[step]["value"] == [3.0] * 4, (step, result[step])
     assert result["during_forgery"]["ok"] and result["during_forgery"]["value"] == result["pids_before"]["0"], \
         "a forged result, error report and failure count while a command ran: the real result came back"
     assert result["pids_after"] == result["pids_before"] and result["restarts_after"] == result["restarts_before"]
     assert result["generation_after"] == result["generation_before"]
+    # the store runs in a process of its own: the flood grows that one, not the server
+    assert result["flood_rss_growth"] < FLOOD_BOUND, result["flood_rss_growth"]
+    assert result["flood_store_rss_growth"] > FLOOD * (4 << 20) // 2, "the flood did reach the store"
     log = (tmp_path / "hostile.log").read_text()
-    for r in range(3):
+    for r in (1, 2):  # worker rank 0 takes its commands from the channel, the others from the store
         assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/2'" in log  # the garbage, logged once per rank
         assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/4' (" in log and "signed for 'cmd/1/3'" in log
-    assert "dropped store key 'res/1/3'" in log and "dropped store key 'err/1/3/1'" in log  # the driver's side
+    assert "dropped store key 'err/1/3/1'" in log  # the driver's side
+
+    ch = result["channel"]
+    assert ch["folder_mode"] == 0o700 and ch["socket_mode"] == 0o600, ch
+    for probe in ("garbage", "oversized", "foreign", "replayed", "impostor"):
+        assert ch[probe] is True, (probe, ch)  # closed by the driver, nothing acted on
+    assert ch["flood_closed"] == FLOOD and ch["flood_rss_growth"] < FLOOD_BOUND, ch
+    assert ch["dropped"] >= 5 + FLOOD
+    dropped = "MultiNPU: command channel: dropped a connection from pid "
+    for words in ("its first frame (16 bytes) is MultiNPU: channel frame is not signed with this service's key",
+                  "a frame of 4294967295 bytes (the limit is 4096)",
+                  "MultiNPU: a channel frame signed for another connection: a replay",
+                  f"its hello names pid {result['pids_before']['0']}"):
+        assert any(dropped in line and words in line for line in log.splitlines()), words
+    if "other_user" in ch:  # as root: another user is refused by the folder's mode before the driver sees it
+        assert ch["other_user"]["rc"] != 0 and "Permission denied" in ch["other_user"]["stderr"], ch["other_user"]
+
+
+def test_the_channel_folder_must_be_private(tmp_path):
+    """The command channel's folder is made 0700; one open to the group or others, a link or another user's is
+    refused with the fix, before the driver starts anything."""
+    made = group.private_dir(str(tmp_path / "channel"))
+    assert (os.stat(made).st_mode & 0o777) == 0o700
+    open_one = tmp_path / "open"
+    open_one.mkdir(mode=0o755)
+    open_one.chmod(0o755)
+    with pytest.raises(group.GroupError, match=f"open to other users \\(mode 755\\).*chmod 700 {open_one}"):
+        group.private_dir(str(open_one))
+    (tmp_path / "link").symlink_to(made)
+    with pytest.raises(group.GroupError, match="is not a folder"):
+        group.private_dir(str(tmp_path / "link"))
+    root = tmp_path / "root"
+    (root / group.CHANNEL_DIR).mkdir(parents=True, mode=0o777)
+    (root / group.CHANNEL_DIR).chmod(0o777)
+    spec = group.GroupSpec(local_size=1, runtime_root=str(root))
+    with pytest.raises(group.GroupError, match="open to other users"):
+        mp.GroupRuntime(spec, group.new_key()).start()
+
+
+def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path):
+    """Two nodes: node 0's workers beat on their channel connections, node 1's write signed beats in the store.
+    A forger without the key writes garbage into every heartbeat key, copies a remote rank's old signed beat back
+    over its pointer to the newest and into numbered slots after it, bumps the old counters, overwrites the agent's beat and
+    sends hellos on the channel naming a worker: for three heartbeat bounds nothing is killed, and a SIGSTOPped
+    worker of node 1, then one of node 0, is still named hung within the bound."""
+    result = drive(tmp_path, "forged_heartbeats", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
+                   "--join-timeout", 120, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+    assert result["first"]["ok"] and result["forged_rounds"] > 20 and result["captured"] >= 2, result
+    assert result["healthy"]["ok"] and result["pids_healthy"] == result["pids_before"], \
+        "no healthy rank was killed while its heartbeats were forged"
+    for name, rank in (("remote_stopped", "3 (cpu, node 1)"), ("local_stopped", "1 (cpu, node 0)")):
+        kind, message, seconds = error_of(result[name])
+        assert kind == "RankDied" and f"rank {rank}" in message and "no heartbeat" in message, message
+        assert f"pid {result[name]['victim_pid']}" in message
+        assert seconds < HEARTBEAT + mp.ERROR_WAIT + 10, "the forged beats did not keep it alive past the bound"
+        assert result[f"after_{name}"]["ok"] and result[f"after_{name}"]["value"] == [6.0] * 4
+    log = (tmp_path / "forged_heartbeats.log").read_text()
+    assert "dropped store key 'agent_hb/1'" in log and "command channel: dropped a connection" in log
+    # "rank 3 (cpu, node 1), host vm died during sum (pid 9: no heartbeat" and "rank 3 (cpu, node 1) (pid 9) no heartbeat"
+    hung = set(re.findall(r"(rank \d \(cpu, node \d\))(?:, host \S+ died during \w+)? \(pid \d+(?:: |\) )no heartbeat",
+                          log))
+    assert hung <= {"rank 3 (cpu, node 1)", "rank 1 (cpu, node 0)"}, f"a healthy rank was taken for hung: {hung}"
+
+
+def test_channel_frames_replayed_reordered_or_reflected_are_dropped(caplog):
+    """On one connection: a frame sent again (a replay), one sent back the way it came, garbage and one signed
+    with another key are dropped with a log line; the next real frame still arrives."""
+    import socket
+    a, b = socket.socketpair()
+    signer = group.Signer(group.new_key().encode())
+    nonce = os.urandom(32)
+    worker, driver = group.Link(a, signer, nonce, "w", "d"), group.Link(b, signer, nonce, "d", "w")
+    worker.send({"seq": 1})
+    assert driver.recv() == {"seq": 1}
+    again = signer.dumps((nonce, "w", 1, {"seq": 1}))  # the same frame again
+    a.sendall(len(again).to_bytes(4, "big") + again)
+    body = signer.dumps((nonce, "d", 1, {"name": "end"}))  # as if the driver had sent it: reflected
+    a.sendall(len(body).to_bytes(4, "big") + body)
+    a.sendall(b"\x00\x00\x00\x05junk!")
+    foreign = group.Signer(group.new_key().encode()).dumps((nonce, "w", 2, {"seq": 9}))
+    a.sendall(len(foreign).to_bytes(4, "big") + foreign)
+    worker.send({"seq": 2})
+    with caplog.at_level("WARNING"):
+        assert driver.recv() == {"seq": 2}
+    dropped = [r.getMessage() for r in caplog.records if "dropped a channel frame" in r.getMessage()]
+    assert len(dropped) == 4 and "a replay" in dropped[0] and "from the driver" in dropped[1], dropped
+    assert "is not signed with this service's key" in dropped[2] and "is not signed with this service's key" in dropped[3]
+    b.sendall((10 << 20).to_bytes(4, "big"))
+    with pytest.raises(group.GroupError, match="a frame of 10485760 bytes"):
+        worker.recv(limit=4096)
+    a.close()
+    b.close()
+
+
+def test_the_channel_reaches_a_socket_past_the_unix_path_limit(tmp_path):
+    """A runtime root deep enough that its socket's path passes 107 bytes: bound and reached through the
+    folder's descriptor."""
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    got = []
+    server = group.ChannelServer(str(deep / group.CHANNEL_DIR), group.Signer(b"k" * 64),
+                                 lambda link, hello: got.append((hello, link.recv())))
+    try:
+        assert len(server.path) > 107
+        link = group.connect_channel(server.path, group.Signer(b"k" * 64), {"role": "beat", "rank": 0,
+                                                                          "pid": os.getpid()})
+        link.send({"seq": 1})
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got == [({"role": "beat", "rank": 0, "pid": os.getpid()}, {"seq": 1})]
+        link.close()
+        with pytest.raises(group.GroupError, match="another server's command channel answers"):
+            group.ChannelServer(str(deep / group.CHANNEL_DIR), group.Signer(b"k" * 64), lambda link, hello: None)
+    finally:
+        server.close()
+    # a socket left by a server that was killed (nobody listens on it) is replaced
+    import socket
+    folder = group.private_dir(str(tmp_path / "left"))
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(os.path.join(folder, group.CHANNEL_SOCKET))
+    left.close()
+    group.ChannelServer(folder, group.Signer(b"k" * 64), lambda link, hello: None).close()
+
+
+def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
+    """The store is a process of its own (not the server's); killed, it is started again on the same port and the
+    group is replaced: the next command runs, the driver lives on."""
+    result = drive(tmp_path, "store_lost", "--world", 2, "--timeout", 20)
+    assert result["first"]["ok"] and result["store_pid"] != result["driver_pid"]
+    assert result["store_starts"] == 2 and result["store_pid_after"] != result["store_pid"]
+    assert result["next"]["ok"] and result["next"]["value"] == [1.0] * 4, result["next"]
+    assert result["driver_pid_after"] == result["driver_pid"]
+    assert not set(result["pids_before"].values()) & set(result["pids_after"].values())
+    assert "the group's store (pid" in (tmp_path / "store_lost.log").read_text()
+
+
+def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(tmp_path):
+    """A flood of keys past the store's growth limit (here 64 MiB): the store's process ends itself rather than
+    grow until the host's OOM killer picks a process; the driver starts a fresh one, the group is replaced, the
+    next command runs, and the server did not grow."""
+    result = drive(tmp_path, "store_lost", "--world", 2, "--timeout", 20, "--flood", 40,
+                   env=_env(**{group.STORE_GROWTH_ENV: "64"}))
+    assert result["store_starts"] == 2 and result["next"]["ok"], result
+    assert result["flood_rss_growth"] < FLOOD_BOUND and result["driver_pid_after"] == result["driver_pid"]
+    log = (tmp_path / "store_lost.log").read_text()
+    assert "past its limit (H3KIT_STORE_GROWTH_LIMIT=64)" in log and "past its memory limit: a flood of keys" in log
 
 
 def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):

@@ -170,11 +170,14 @@ def test_status_lists_every_rank_alive_and_joined(group):
     agent = group.status(1)
     assert agent["running"] and agent["healthy"] and agent["queue"] is None, agent
     # the agent's two workers are its children (torchrun's, with H3KIT_LAUNCHER=torchrun); ranks 0 and 1 the server's
+    # and the server's other child is the group's store, in a process of its own
     def workers_under(pid):
         return {p.pid for p in psutil.Process(pid).children(recursive=True) if "torch.distributed.run" not in
-                " ".join(p.cmdline())}
+                " ".join(p.cmdline()) and "--store" not in p.cmdline()}
     assert workers_under(agent["pid"]) == {r["pid"] for r in ranks[2:]}
     assert workers_under(st["pid"]) == {ranks[0]["pid"], ranks[1]["pid"]}
+    store = [p for p in psutil.Process(st["pid"]).children() if "--store" in p.cmdline()]
+    assert len(store) == 1 and "comfy.multinpu_group" in store[0].cmdline()
 
 
 def test_npu_count_must_equal_the_ranks_of_the_group(group):
@@ -319,6 +322,10 @@ def test_restart_restarts_the_whole_group(group):
 
 def test_stop_leaves_no_process_behind(group):
     pids = [r["pid"] for r in group.ranks()] + [group.status(0)["pid"], group.status(1)["pid"]]
+    # the group's store runs in a process of its own, the server's child
+    store = [c.pid for c in psutil.Process(group.status(0)["pid"]).children() if "--store" in c.cmdline()]
+    assert len(store) == 1
+    pids += store
     assert all(pid_running(p) for p in pids)
     for node in (1, 0):
         r = group.stop(node)

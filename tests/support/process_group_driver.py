@@ -220,7 +220,11 @@ def scenario_remote_kill(rt, args):
 def scenario_hostile(rt, args):
     """A local user without the key writes into the control store: garbage into the next command's slot, into
     `gen` and into a result slot; a signed command copied into another slot; a bumped failure counter; then a
-    flood of keys. Every worker must drop what it cannot verify and keep serving."""
+    flood of keys. Every worker must drop what it cannot verify and keep serving. Then the command channel:
+    what this user can send on it (garbage, an oversized frame, a hello signed with another key, one replayed
+    from another connection, one naming worker rank 0's pid, a flood of big frames) is dropped, and another
+    user cannot connect at all."""
+    import psutil
     out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
            "restarts_before": {r["rank"]: r["restarts"] for r in rt.ranks()}}
     evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
@@ -237,21 +241,186 @@ def scenario_hostile(rt, args):
     _later(0.5, forge)
     out["during_forgery"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=1.5, steps=1, at=0))
     n += 1
-    copied = evil.get(f"cmd/{g}/{n}")  # a command this service signed, for slot n
+    copied = evil.get(f"cmd/{g}/{n}")  # a command this service signed (relayed by rank 0), for slot n
     evil.set(f"cmd/{g}/{n + 1}", copied)  # replayed into the next slot
     time.sleep(1.0)
     out["after_replay"] = _attempt(lambda: _sum(rt))
     out["replayed_runs"] = rt.commands
-    import psutil
-    rss0 = psutil.Process().memory_info().rss
+    me, store = psutil.Process(), psutil.Process(rt._store.proc.pid)
+    rss0, store0 = me.memory_info().rss, store.memory_info().rss
     blob = b"x" * (4 << 20)
     for i in range(int(args.flood)):
         evil.set(f"flood/{i}", blob)
-    out["flood_rss_growth"] = psutil.Process().memory_info().rss - rss0
+    out["flood_rss_growth"] = me.memory_info().rss - rss0
+    out["flood_store_rss_growth"] = store.memory_info().rss - store0
     out["after_flood"] = _attempt(lambda: _sum(rt))
+    out["channel"] = _channel_probes(rt, args)
+    out["after_channel"] = _attempt(lambda: _sum(rt))
     out["pids_after"] = dict(rt.members)
     out["restarts_after"] = {r["rank"]: r["restarts"] for r in rt.ranks()}
     out["generation_before"], out["generation_after"] = g, rt.generation
+    return out
+
+
+def _probe(path, send, nonce_to=None):
+    """Connect to the command channel as this user, send what send(nonce) gives; True when the driver closed the
+    connection without a word."""
+    import socket as so
+    address, fd = group._address(path)
+    s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    try:
+        s.settimeout(15)
+        s.connect(address)
+        nonce = group._recv_exact(s, 32)
+        try:
+            s.sendall(send(nonce))
+            return s.recv(1) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+    finally:
+        s.close()
+        if fd is not None:
+            os.close(fd)
+
+
+def _frame(signer, nonce, obj, seq=1):
+    body = signer.dumps((nonce, "w", seq, obj))
+    return len(body).to_bytes(4, "big") + body
+
+
+def _channel_probes(rt, args):
+    import psutil
+    import stat
+    import subprocess
+    path = rt._channel.path
+    signer = group.Signer(os.environ[group.KEY_ENV].encode())
+    foreign = group.Signer(group.new_key().encode())
+    rank0 = rt.members[0]
+    out = {"path": path, "folder_mode": stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode),
+           "socket_mode": stat.S_IMODE(os.stat(path).st_mode)}
+    probes = {
+        "garbage": lambda nonce: b"\x00\x00\x00\x10" + b"\x80\x05garbage bytes!",
+        "oversized": lambda nonce: b"\xff\xff\xff\xff" + b"x" * 1024,
+        "foreign": lambda nonce: _frame(foreign, nonce, {"hello": {"role": "command", "rank": 0, "pid": os.getpid(),
+                                                                     "generation": rt.generation}}),
+        "replayed": lambda nonce: _frame(signer, os.urandom(32), {"hello": {"role": "command", "rank": 0,
+                                                                            "pid": os.getpid(), "generation": rt.generation}}),
+        "impostor": lambda nonce: _frame(signer, nonce, {"hello": {"role": "beat", "rank": 0, "pid": rank0}}),
+    }
+    for name, send in probes.items():
+        out[name] = _probe(path, send)
+    me = psutil.Process()
+    rss0 = me.memory_info().rss
+    blob = b"\x00\x40\x00\x00" + b"y" * (4 << 20)  # a 4 MiB frame, as a flood
+    out["flood_closed"] = sum(_probe(path, lambda nonce: blob) for _ in range(int(args.flood)))
+    out["flood_rss_growth"] = me.memory_info().rss - rss0
+    out["dropped"] = rt._channel.dropped
+    if os.geteuid() == 0 and os.path.exists("/usr/bin/setpriv") and os.path.exists("/usr/bin/python3"):
+        other = subprocess.run(["/usr/bin/setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                                "/usr/bin/python3", "-c", "import socket, sys; socket.socket(socket.AF_UNIX)"
+                                ".connect(sys.argv[1])", path], capture_output=True, text=True, timeout=60)
+        out["other_user"] = {"rc": other.returncode, "stderr": other.stderr[-300:]}
+    return out
+
+
+def scenario_forged_heartbeats(rt, args):
+    """Two nodes (node 0's ranks beat on the command channel, node 1's in the store), a forger without the key
+    running all along: garbage into every rank's heartbeat keys, each remote rank's old signed beat copied back
+    over its pointer and into the slots its next beats would have if they were numbered, the old counters bumped,
+    the agent's beat overwritten, hellos on the channel naming a worker. Healthy ranks must not be killed; a SIGSTOPped one, on either node,
+    must still be found hung within the bound."""
+    import pickle
+    import socket as so
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+    foreign = group.Signer(group.new_key().encode())
+    stop = threading.Event()
+    captured = {}
+    rounds = [0]
+
+    def forge():
+        while not stop.wait(0.2):
+            rounds[0] += 1
+            for r, pid in dict(rt.members).items():
+                evil.add(f"hb/{r}", 1)
+                pointer = f"hb/{r}/{pid}"
+                if rt.spec.node_of(r) != 0:
+                    if (r, pid) not in captured and evil.check([pointer]):
+                        old = evil.get(pointer)
+                        try:  # the worker's signed value (not the garbage written here): readable, not signable
+                            captured[(r, pid)] = (old, pickle.loads(old[32:])[1])
+                        except Exception:
+                            pass
+                    if (r, pid) in captured:
+                        old, seq = captured[(r, pid)]
+                        evil.set(pointer, old)
+                        for k in range(seq + 1, seq + 4):
+                            evil.set(f"{pointer}/{k}", old)
+                    else:
+                        evil.set(pointer, b"\x80\x05forged beat")
+                elif rounds[0] % 5 == 0:
+                    try:  # a beat on the channel naming this worker, signed with another key
+                        address, fd = group._address(rt._channel.path)
+                        with so.socket(so.AF_UNIX, so.SOCK_STREAM) as c:
+                            c.settimeout(5)
+                            c.connect(address)
+                            nonce = group._recv_exact(c, 32)
+                            c.sendall(_frame(foreign, nonce, {"hello": {"role": "beat", "rank": r, "pid": pid}}))
+                            c.recv(1)
+                        if fd is not None:
+                            os.close(fd)
+                    except OSError:
+                        pass
+            evil.set("agent_hb/1", b"\x80\x05forged agent beat")
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    time.sleep(3 * group.HEARTBEAT_STALE)  # idle: the monitor checks every rank's heartbeat all along
+    out["healthy"] = _attempt(lambda: _sum(rt))
+    out["pids_healthy"] = dict(rt.members)
+    for name, rank in (("remote_stopped", rt.world_size - 1), ("local_stopped", 1)):
+        victim = rt.members.get(rank)
+        if victim is None:
+            out[name] = {"ok": True, "skipped": f"the group is {rt.state}: {rt.error}"}
+            continue
+        os.kill(victim, signal.SIGSTOP)
+        out[name] = _attempt(lambda: _sum(rt))
+        out[name]["victim_pid"] = victim
+        out[f"after_{name}"] = _attempt(lambda: _sum(rt))
+    stop.set()
+    forger.join(10)
+    out["forged_rounds"] = rounds[0]
+    out["captured"] = len(captured)
+    return out
+
+
+def scenario_store_lost(rt, args):
+    """The store's process is SIGKILLed while the group is idle (with --flood N: N values of 4 MiB written into
+    it, past its growth limit, and it ends itself): the driver starts it again on the same port, the whole
+    group is replaced, the next command runs."""
+    import psutil
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
+           "store_pid": rt._store.proc.pid}
+    if args.flood:
+        rss0 = psutil.Process().memory_info().rss
+        evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+        try:
+            for i in range(int(args.flood)):
+                evil.set(f"flood/{i}", b"x" * (4 << 20))
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - the store ended under the flood
+            out["flood_stopped"] = _err(e)
+        out["flood_rss_growth"] = psutil.Process().memory_info().rss - rss0
+    else:
+        os.kill(rt._store.proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while rt._store.starts < 2 and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["next_after"] = time.monotonic() - t0
+    out["store_pid_after"] = rt._store.proc.pid
+    out["store_starts"] = rt._store.starts
+    out["pids_after"] = dict(rt.members)
+    out["driver_pid_after"] = os.getpid()
     return out
 
 

@@ -5,20 +5,25 @@ rank shares and what the other ranks run:
 
 - GroupSpec: where and how big the group is (h3kit start writes it into H3KIT_GROUP).
 - The wire: a command is a small header, pickled. Pickle runs code when it loads, so every value written to
-  the store carries an HMAC-SHA256 under a key only the ranks of this service hold (H3KIT_GROUP_KEY), and
-  nothing unauthenticated is unpickled: pickle is the trusted transport between the ranks of one service,
-  nothing more. Tensors never travel through the store: rank 0 packs a command's tensors into one byte
-  buffer (the layout is in the header) and broadcasts it over the group.
-- The store: rank 0 hosts one TCPStore for the life of the service, listening on the master address only.
-  Generation g of the group has its members in "gen/{g}" and its commands in "cmd/{g}/{n}", numbered from 1;
-  its process group uses PrefixStore(f"pg{g}"), so re-forming needs no new port.
+  the store or sent on the command channel carries an HMAC-SHA256 under a key only the ranks of this service
+  hold (H3KIT_GROUP_KEY), and nothing unauthenticated is unpickled: pickle is the trusted transport between
+  the ranks of one service, nothing more. Tensors never travel through the store or the channel: the driver
+  writes a command's tensors into /dev/shm, worker rank 0 broadcasts them over the group.
+- The command channel (ChannelServer, Link): a Unix socket in a 0700 folder of the runtime root, from the
+  driver to this host's workers: worker rank 0 takes each command there and returns its result there, every
+  local worker beats there. Frames are length-prefixed, capped and signed per connection (nonce, direction,
+  sequence), so garbage, replays and foreign frames are dropped with a log line.
+- The store: one TCPStore for the life of the service, in a small process of its own (StoreHost), listening on
+  the master address only. Generation g of the group has its members in "gen/{g}" and its commands, relayed
+  by worker rank 0, in "cmd/{g}/{n}", numbered from 1; its process group uses PrefixStore(f"pg{g}"), so
+  re-forming needs no new port.
 - LocalWorkers: a host's worker processes (`python -B -m comfy.multinpu_worker`), started, watched and
   replaced by rank 0's monitor or by an agent; they die with the process that started them.
 - serve(): a worker's life. It waits for its next command in a blocking store wait (no collective is open
   while the server is idle, however long), runs the command's program, and closes every command with a
   barrier. A program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so
   the others' collectives fail at once instead of at the timeout; the next command forms a new generation.
-  A thread keeps a heartbeat counter in the store, so rank 0 can tell a hung worker from a busy one.
+  A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one.
 - Agent: a host other than node 0 (`python -B -m comfy.multinpu_group`, no ComfyUI) starts and replaces
   its workers, reports their deaths, and follows rank 0 through restarts of the master.
 """
@@ -37,6 +42,8 @@ import os
 import pickle
 import signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -121,11 +128,12 @@ class GroupSpec:
     """
 
     FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
-              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher")
+              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher", "channel")
 
     def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
                  master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
-                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE, launcher="h3kit"):
+                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE, launcher="h3kit",
+                 channel=None):
         if launcher not in LAUNCHERS:
             raise ValueError(f"MultiNPU: launcher {launcher!r} is not one of {LAUNCHERS}")
         if device_type not in BACKENDS:
@@ -145,6 +153,7 @@ class GroupSpec:
         self.worker_args = list(worker_args)
         self.worker_module = worker_module
         self.launcher = launcher
+        self.channel = channel  # the driver's command channel (a Unix socket path; set by the driver)
 
     @property
     def world_size(self) -> int:
@@ -288,18 +297,84 @@ def td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def host_store(addr: str, port: int, timeout: float):
-    """The group's TCPStore, listening on addr:port only (torch's own server would listen on every
-    interface). Returns (store, listening socket, port); port 0 picks a free one."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, port))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    store = torch.distributed.TCPStore(addr, port, None, is_master=True, wait_for_workers=False,
-                                       timeout=td(timeout), master_listen_fd=sock.fileno(), use_libuv=True)
-    return store, sock, port
+STORE_START_TIMEOUT = 120.0         # seconds for the store's process to answer (it imports torch)
+
+
+class StoreHost:
+    """The group's TCPStore, in a small process of its own (`python -B -m comfy.multinpu_group --store ...`),
+    not in the ComfyUI server: a client that reaches the port can write keys of any size into a TCPStore, and
+    that memory is the store's process's, never the server's. The driver binds the listening socket on
+    addr:port only (torch's own server would listen on every interface) and keeps it for the life of the
+    service: the store's process gets it as a descriptor, and a store that dies is started again on the same
+    socket (start()). The process ends with the driver (parent-death signal, and the end of its stdin)."""
+
+    def __init__(self, addr: str, port: int, timeout: float):
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((addr, port))
+        self.sock.listen(128)
+        self.addr = addr
+        self.port = self.sock.getsockname()[1]
+        self.timeout = timeout
+        self.proc = None
+        self.starts = 0
+
+    def start(self):
+        fd = self.sock.fileno()
+        argv = [sys.executable, "-B", "-m", "comfy.multinpu_group", "--store", self.addr, str(self.port), str(fd),
+                str(self.timeout)]
+        env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=(fd,), close_fds=True,
+                                     preexec_fn=_die_with_parent_signal)
+        self.starts += 1
+        logging.info(f"MultiNPU: the group's store runs in pid {self.proc.pid} on {self.addr}:{self.port}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5.0)
+        self.sock.close()
+
+
+STORE_GROWTH_ENV = "H3KIT_STORE_GROWTH_LIMIT"  # MiB the store's process may grow by before it ends itself
+STORE_EXIT = 76                      # the store's process ended itself: it grew past its limit
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def store_main(argv) -> int:
+    """The store's process: host the TCPStore on the listening socket the driver handed over, until the
+    driver is gone (its stdin ends). A store that grows by more than H3KIT_STORE_GROWTH_LIMIT MiB (1024; a
+    flood of keys: the group's own keys are small) ends itself: the driver starts a fresh one and replaces the
+    group, rather than the host's OOM killer choosing a process (a worker holding a model is the biggest)."""
+    import select
+    addr, port, fd, timeout = argv
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="[store] %(asctime)s %(message)s", stream=sys.stdout)
+    store = torch.distributed.TCPStore(addr, int(port), None, is_master=True, wait_for_workers=False,  # noqa: F841
+                                       timeout=td(float(timeout)), master_listen_fd=int(fd), use_libuv=True)
+    limit = float(os.environ.get(STORE_GROWTH_ENV, "1024")) * 2**20
+    base = _rss()
+    while True:
+        if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 4096):
+            return 0  # the driver is gone
+        if _rss() - base > limit:
+            logging.error(f"MultiNPU: the group's store grew by {(_rss() - base) / 2**20:.0f} MiB, past its limit "
+                          f"({STORE_GROWTH_ENV}={limit / 2**20:g}): a flood of keys; it ends, the driver starts a "
+                          "fresh one")
+            sys.stdout.flush()
+            os._exit(STORE_EXIT)
 
 
 def connect_store(addr: str, port: int, timeout: float, deadline: float = None, stop: threading.Event = None):
@@ -356,8 +431,9 @@ class Control:
                 raise GroupError(f"MultiNPU: store key {key!r} holds a value signed for {slot!r}; refusing it")
             return obj
         except Exception as e:
-            if self._dropped.get(key) != data:
-                self._dropped[key] = data
+            digest = hashlib.sha256(data).digest()  # not the bytes: a flood of big values must not stay here
+            if self._dropped.get(key) != digest:
+                self._dropped[key] = digest
                 logging.warning(f"MultiNPU: dropped store key {key!r} ({len(data)} bytes): "
                                 f"{e if isinstance(e, GroupError) else 'not a signed value'}")
             return _BAD
@@ -387,6 +463,10 @@ class Control:
         with self._lock:
             return self.store.add(key, add)
 
+    def delete(self, key: str):
+        with self._lock:
+            self.store.delete_key(key)
+
     def wait(self, key: str, timeout: float):
         """The signed value of key once one is there; values that do not verify are dropped and waited past."""
         deadline = time.monotonic() + timeout
@@ -402,6 +482,242 @@ class Control:
 
 
 _BAD = object()
+
+
+# ---- the command channel: the driver and this host's workers, over a Unix socket --------------------
+
+CHANNEL_DIR = "channel"              # under the runtime root: 0700, the socket in it
+CHANNEL_SOCKET = "driver.sock"
+HELLO_LIMIT = 4096                   # bytes of a connection's first frame (who it is)
+FRAME_LIMIT = 256 << 20              # bytes of any frame (a command's header: its tensors go through /dev/shm)
+HANDSHAKE_TIMEOUT = 5.0
+MAX_PENDING = 16                     # connections not yet authenticated; more are closed at once
+
+
+class ChannelClosed(GroupError):
+    """The other end of a channel connection went away."""
+
+
+def private_dir(path: str) -> str:
+    """`path` as a folder only this user can enter: made 0700 when absent; GroupError when it is a link, another
+    user's or open to the group or others (the command channel's socket lives there)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise GroupError(f"MultiNPU: {path} is not a folder (the command channel's socket lives there). "
+                         f"Fix: remove it; the server makes the folder, mode 0700")
+    if st.st_uid != os.getuid():
+        raise GroupError(f"MultiNPU: {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): the command "
+                         "channel's folder must be this user's alone. Fix: remove it; the server makes it, mode 0700")
+    if st.st_mode & 0o077:
+        raise GroupError(f"MultiNPU: {path} is open to other users (mode {st.st_mode & 0o777:o}): the command "
+                         f"channel's folder must be this user's alone. Fix: chmod 700 {path}")
+    return path
+
+
+def _address(path: str):
+    """A path bind/connect take: a Unix socket's path is limited to 107 bytes, a longer one is reached through
+    an open descriptor of its folder (/proc/self/fd/N/name). Returns (address, fd to close or None)."""
+    if len(path.encode()) < 100:
+        return path, None
+    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
+
+
+def _recv_exact(sock, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            raise ChannelClosed("MultiNPU: the channel's other end closed it")
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def recv_frame(sock, limit: int) -> bytes:
+    """One length-prefixed frame's bytes; GroupError for one longer than `limit` (nothing of it is read)."""
+    size = int.from_bytes(_recv_exact(sock, 4), "big")
+    if size > limit:
+        raise GroupError(f"MultiNPU: a frame of {size} bytes (the limit is {limit})")
+    return _recv_exact(sock, size)
+
+
+class Link:
+    """One authenticated connection of the command channel. Every frame is length-prefixed and carries an
+    HMAC over the connection's nonce (the driver's random challenge), its direction and its sequence number
+    with the message: a frame copied from another connection, replayed, reordered or reflected back does not
+    verify, and is dropped like garbage (never unpickled)."""
+
+    def __init__(self, sock, signer: Signer, nonce: bytes, mine: str, theirs: str):
+        self.sock = sock
+        self.signer = signer
+        self.nonce = nonce
+        self.mine, self.theirs = mine, theirs
+        self.sent = self.received = 0
+        self._send_lock = threading.Lock()
+
+    def send(self, obj):
+        with self._send_lock:
+            self.sent += 1
+            body = self.signer.dumps((self.nonce, self.mine, self.sent, obj))
+            self.sock.sendall(len(body).to_bytes(4, "big") + body)
+
+    def open(self, data: bytes):
+        """The message of a frame this connection's peer sent next; GroupError for anything else."""
+        nonce, direction, seq, obj = self.signer.loads(data, "channel frame")
+        if nonce != self.nonce:
+            raise GroupError("MultiNPU: a channel frame signed for another connection: a replay")
+        if direction != self.theirs or seq != self.received + 1:
+            raise GroupError(f"MultiNPU: a channel frame out of order (sequence {seq} from the "
+                             f"{'worker' if direction == 'w' else 'driver'}, expected {self.received + 1}): a replay")
+        self.received = seq
+        return obj
+
+    def recv(self, limit: int = FRAME_LIMIT):
+        """The next verified message (blocking); a frame that does not verify is dropped with a log line."""
+        while True:
+            data = recv_frame(self.sock, limit)
+            try:
+                return self.open(data)
+            except Exception as e:
+                logging.warning(f"MultiNPU: dropped a channel frame ({len(data)} bytes): "
+                                f"{e if isinstance(e, GroupError) else 'not signed by this service'}")
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def connect_channel(path: str, signer: Signer, hello: dict, timeout: float = 30.0) -> Link:
+    """A worker's connection to the driver's channel: the driver sends a nonce, the worker answers with a
+    signed hello naming itself ({"role", "rank", "pid", ...}); the driver checks it against the socket's peer."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address, fd = _address(path)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        nonce = _recv_exact(sock, 32)
+        sock.settimeout(None)
+    except OSError as e:
+        sock.close()
+        raise GroupError(f"MultiNPU: cannot reach the driver's command channel {path}: {e}") from None
+    finally:
+        if fd is not None:
+            os.close(fd)
+    link = Link(sock, signer, nonce, "w", "d")
+    link.send({"hello": hello})
+    return link
+
+
+class ChannelServer:
+    """The driver's end of the command channel: a Unix socket in a folder only this user can enter
+    (private_dir), so no other local user can connect. A connection is accepted only when its signed hello
+    answers this connection's nonce and names the process at the other end (SO_PEERCRED: same pid, same
+    uid); anything else is closed with a log line, its bytes never unpickled, a frame past the size limit
+    never read. on_link(link, hello) takes each accepted connection (it runs on the connection's thread)."""
+
+    def __init__(self, folder: str, signer: Signer, on_link):
+        self.folder = private_dir(folder)
+        self.path = os.path.join(folder, CHANNEL_SOCKET)
+        self.signer = signer
+        self.on_link = on_link
+        self.dropped = 0
+        self._pending = threading.Semaphore(MAX_PENDING)
+        self._stop = threading.Event()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address, fd = _address(self.path)
+        try:
+            if os.path.lexists(self.path):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                    try:
+                        probe.connect(address)
+                    except OSError:
+                        os.unlink(self.path)  # a socket left by a server that was killed
+                    else:
+                        raise GroupError(f"MultiNPU: another server's command channel answers at {self.path}. Fix: "
+                                         "stop that server, or give this one its own runtime root")
+            self.sock.bind(address)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        os.chmod(self.path, 0o600)
+        self.sock.listen(64)
+        self._thread = threading.Thread(target=self._accept, name="multinpu-channel", daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                self._drop(conn, f"{MAX_PENDING} connections are already being checked")
+                continue
+            threading.Thread(target=self._handshake, args=(conn,), name="multinpu-channel-link", daemon=True).start()
+
+    def _drop(self, conn, why: str, peer=None):
+        self.dropped += 1
+        logging.warning(f"MultiNPU: command channel: dropped a connection{f' from pid {peer}' if peer else ''}: {why}")
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def _handshake(self, conn):
+        peer = None
+        try:
+            try:
+                peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))
+                if uid != os.getuid():
+                    return self._drop(conn, f"uid {uid} is not this service's user", peer)
+                conn.settimeout(HANDSHAKE_TIMEOUT)
+                nonce = os.urandom(32)
+                conn.sendall(nonce)
+                link = Link(conn, self.signer, nonce, "d", "w")
+                data = recv_frame(conn, HELLO_LIMIT)
+                try:
+                    hello = link.open(data)["hello"]
+                except Exception as e:
+                    return self._drop(conn, f"its first frame ({len(data)} bytes) is "
+                                      f"{e if isinstance(e, GroupError) else 'not signed by this service'}", peer)
+                if not isinstance(hello, dict) or hello.get("pid") != peer:
+                    return self._drop(conn, f"its hello names pid {hello.get('pid') if isinstance(hello, dict) else '?'}", peer)
+                conn.settimeout(None)
+            except (OSError, GroupError) as e:
+                return self._drop(conn, str(e) or type(e).__name__, peer)
+        finally:
+            self._pending.release()
+        try:
+            self.on_link(link, hello)
+        except (ChannelClosed, OSError):  # the worker left, or the driver closed the connection
+            pass
+        except Exception as e:
+            logging.warning(f"MultiNPU: command channel: the connection of pid {peer} ended: {e}")
+        finally:
+            link.close()
+
+    def close(self):
+        self._stop.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
 
 
 # ---- shared memory between the driver and worker rank 0 ------------------------------------------
@@ -856,6 +1172,7 @@ class WorkerContext:
         self.device = torch.device(device)
         self.configs = {}
         self.ctl = None
+        self.link = None        # rank 0: its connection to the driver's command channel
         self.generation = None  # the generation this process joins or serves
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
@@ -868,20 +1185,49 @@ class After:
         self.fn = fn
 
 
+HEARTBEAT_KEEP = 8                   # a remote rank's last beats kept in the store (the driver may read late)
+
+
+def beat_key(signer: Signer, rank, pid: int, seq: int) -> str:
+    """The store key of a remote rank's beat `seq`: named by an HMAC, so nobody without the key can create the
+    key of a beat to come (the value does not matter: the beat is that the key exists)."""
+    tag = hmac.new(signer.key, f"beat/{rank}/{pid}/{seq}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"hb/{rank}/{pid}/{tag}"
+
+
 def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threading.Event):
     """Beat once a second; leave at once when the driver aborted this process's generation (it replaces the
-    whole group after a failure: this process may be blocked in a collective that will not return)."""
+    whole group after a failure: this process may be blocked in a collective that will not return).
+
+    A beat is authenticated: on the driver's host it is a frame on this process's own connection to the
+    command channel (the driver knows the process at the other end); on another host a store key whose name
+    only the key can make (beat_key), and a signed pointer hb/{rank}/{pid} to the newest. Nobody without the
+    key can make a beat the driver counts, nor replay an old one as new (the driver counts only a higher seq)."""
     try:
-        ctl = Control(connect_store(spec.master_addr, port, spec.timeout), Signer(key_from_environment()))
+        signer = Signer(key_from_environment())
+        ctl = Control(connect_store(spec.master_addr, port, spec.timeout), signer)
+        pid = os.getpid()
+        link = None
+        if spec.channel and spec.node_rank == 0:
+            link = connect_channel(spec.channel, signer, {"role": "beat", "rank": context.rank, "pid": pid})
+        seq = 0
         while not stop.wait(HEARTBEAT_INTERVAL):
-            ctl.counter(f"hb/{context.rank}", 1)
+            seq += 1
+            if link is not None:
+                link.send({"seq": seq})
+            else:
+                ctl.put(beat_key(signer, context.rank, pid, seq), seq)
+                ctl.put(f"hb/{context.rank}/{pid}", seq)
+                if seq > HEARTBEAT_KEEP:
+                    ctl.delete(beat_key(signer, context.rank, pid, seq - HEARTBEAT_KEEP))
             g = context.generation
             if g is not None and ctl.has(f"abort/{g}") and ctl.peek(f"abort/{g}") is not None:
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
                 sys.stdout.flush()
                 os._exit(RECYCLED_EXIT)
-    except Exception:
-        return  # the store is gone: the main loop notices and exits
+    except Exception as e:
+        # the store or the driver is gone: the main loop notices and exits
+        logging.warning(f"MultiNPU: rank {context.rank}: the heartbeat stopped: {e}")
 
 
 def _report(ctl: Control, key: str, exc: BaseException, collective: bool):
@@ -938,7 +1284,7 @@ def serve(context: WorkerContext):
                 _commands(ctl, context, g)
                 return
     except BaseException as e:
-        if _store_gone(e) or isinstance(e, torch.distributed.DistStoreError):
+        if _store_gone(e) or isinstance(e, (torch.distributed.DistStoreError, ChannelClosed)):
             logging.info(f"MultiNPU: rank {rank}: the driver is gone; exiting")
             return
         raise
@@ -996,9 +1342,16 @@ def _init_group(spec: GroupSpec, store, rank: int, device: torch.device):
 
 def _commands(ctl: Control, context: WorkerContext, g: int):
     comm = comfy.multinpu.ProcessComm(device=context.device, timeout=context.spec.timeout)
+    if context.rank == 0:
+        # worker rank 0 takes the commands from the driver on its own connection to the command channel
+        context.link = connect_channel(context.spec.channel, ctl.signer, {"role": "command", "rank": 0,
+                                                                          "pid": os.getpid(), "generation": g})
     n = 1
     while True:
-        header = ctl.wait(f"cmd/{g}/{n}", 365 * 24 * 3600.0)
+        if context.rank == 0:
+            header = _next_command(ctl, context, g, n)
+        else:
+            header = ctl.wait(f"cmd/{g}/{n}", 365 * 24 * 3600.0)
         name = header["name"]
         if name == END:
             destroy_group()
@@ -1023,7 +1376,7 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
                 after, result = result.fn, None
             comm.barrier()
             if comm.rank == 0:
-                _post_result(ctl, header, g, n, result)
+                _post_result(context, header, g, n, result)
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -1044,11 +1397,25 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
         n += 1
 
 
-def _post_result(ctl: Control, header: dict, g: int, n: int, result):
-    """Rank 0: the command's result to the driver, its tensors through shared memory (header["out"])."""
+def _next_command(ctl: Control, context: WorkerContext, g: int, n: int) -> dict:
+    """Rank 0: command n of generation g from the driver's channel, relayed to the other ranks through the
+    store (cmd/{g}/{n}, signed for that slot; they wait there, in no collective, while the server is idle)."""
+    while True:
+        header = context.link.recv()
+        if isinstance(header, dict) and header.get("g") == g and header.get("n") == n:
+            break
+        logging.warning(f"MultiNPU: rank 0: dropped a command that is not command {n} of generation {g}")
+    if context.spec.world_size > 1:
+        ctl.put(f"cmd/{g}/{n}", header)
+    return header
+
+
+def _post_result(context: WorkerContext, header: dict, g: int, n: int, result):
+    """Rank 0: the command's result to the driver on the channel, its tensors through shared memory
+    (header["out"])."""
     data, tensors = pack(result)
     metas, nbytes = shm_write(header["out"], tensors)
-    ctl.put(f"res/{g}/{n}", {"pid": os.getpid(), "data": data, "metas": metas, "nbytes": nbytes})
+    context.link.send({"g": g, "n": n, "pid": os.getpid(), "data": data, "metas": metas, "nbytes": nbytes})
 
 
 def _inject_fault(context: WorkerContext, name: str):
@@ -1154,7 +1521,7 @@ class Agent:
             local = LocalWorkers(spec, self.key, range(spec.local_size))
         local.start()
         logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
-        last_write = 0.0
+        last_write, beat = 0.0, 0
         try:
             while not self.stop.wait(0.1):
                 for rank, pid, reason in local.poll():
@@ -1164,7 +1531,13 @@ class Agent:
                     if isinstance(req, dict) and req.get("pid") == local.pid(rank):
                         local.kill(rank, req.get("why", "the driver asked"), recycle=bool(req.get("abort")))
                 if time.monotonic() - last_write > 1.0:
-                    ctl.counter(f"agent_hb/{spec.node_rank}", 1)  # the driver tells a lost host by its silence
+                    # the driver tells a lost host by its silence, which nobody without the key can fill (_heartbeat)
+                    beat += 1
+                    who = f"agent{spec.node_rank}"
+                    ctl.put(beat_key(self.signer, who, os.getpid(), beat), beat)
+                    ctl.put(f"agent_hb/{spec.node_rank}", {"pid": os.getpid(), "seq": beat})
+                    if beat > HEARTBEAT_KEEP:
+                        ctl.delete(beat_key(self.signer, who, os.getpid(), beat - HEARTBEAT_KEEP))
                     state = ctl.peek("state") or {"state": "starting"}
                     self._write(local, state.get("state"), state.get("error"), state)
                     last_write = time.monotonic()
@@ -1201,4 +1574,4 @@ def agent_main():
 
 
 if __name__ == "__main__":
-    sys.exit(agent_main())
+    sys.exit(store_main(sys.argv[2:]) if sys.argv[1:2] == ["--store"] else agent_main())

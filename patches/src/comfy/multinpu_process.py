@@ -3,19 +3,20 @@
 With `h3kit start --transport process` (the default on NPU and CUDA) every rank of the parallel components
 (DiT, text encoder, video VAE decode) is a worker process, rank 0 included (on device 0, beside the server);
 the ranks of one service form one torch.distributed group: hccl on Ascend, nccl on CUDA, gloo on CPU. The
-server drives them (GroupRuntime): it hosts the group's control store on the port h3kit recorded, starts one
-worker per device of its host, forms numbered generations of the group and hands each command to the ranks
-(run()). It never enters a collective: on HCCL and NCCL a collective whose peer failed, was destroyed or
-died releases nobody before the group timeout (H3_FACTS 9), and the server's queue must not wait inside one.
-The members' side (settings, wire format, the worker loop, the agents of other hosts) is
-comfy.multinpu_group.
+server drives them (GroupRuntime): it starts the group's control store in a process of its own on the port
+h3kit recorded (a flood of keys grows that process, never the server), opens the command channel (a Unix
+socket in the runtime root's 0700 channel folder), starts one worker per device of its host, forms numbered
+generations of the group and hands each command to worker rank 0 (run()). It never enters a collective: on
+HCCL and NCCL a collective whose peer failed, was destroyed or died releases nobody before the group timeout
+(H3_FACTS 9), and the server's queue must not wait inside one. The members' side (settings, wire format, the
+channel, the worker loop, the agents of other hosts) is comfy.multinpu_group.
 
 A command: the driver writes its inputs' tensors into one file in /dev/shm (memory; only this host's worker
-rank 0 reads it) and a signed header into the store; worker rank 0 broadcasts the tensors to the other
-ranks, every rank runs the command's program, and rank 0 writes the program's result into another /dev/shm
-file, announced by a signed result header. The driver waits for it with a bound, watching every rank
-meanwhile: error reports, deaths (local workers by their process, remote ones by their agent's reports),
-heartbeats.
+rank 0 reads it) and sends a signed header on the channel; worker rank 0 relays the header to the other ranks
+through the store and broadcasts the tensors to them, every rank runs the command's program, and rank 0
+writes the program's result into another /dev/shm file, announced by a signed result header on the channel.
+The driver waits for it with a bound, watching every rank meanwhile: error reports, deaths (local workers by
+their process, remote ones by their agent's reports), heartbeats.
 
 A failure costs one prompt. Any rank's exception, out-of-memory error, death or hang ends the command in
 the driver as soon as it is seen (a hang: HEARTBEAT_STALE seconds without a heartbeat), with the first error
@@ -33,8 +34,11 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -70,7 +74,8 @@ class RemoteConfig:
 
 
 class GroupRuntime:
-    """The driver of the process group: owns the store, this host's workers, the generations and every command.
+    """The driver of the process group: owns the store's process, the command channel, this host's workers, the
+    generations and every command.
 
     One command runs at a time (`run`); the monitor thread forms the group, watches every rank, replaces
     the whole group after a failure and re-forms it while the server is idle, so `h3kit status` shows every
@@ -102,7 +107,7 @@ class GroupRuntime:
         self._stop = threading.Event()
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
-        self._agent_hb = {}            # node -> (agent heartbeat counter, monotonic time it last changed)
+        self._agent_hb = {}            # node -> ({agent pid: newest beat}, monotonic time of the last new one)
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
         self._remote_exits = {}        # rank -> last exit report read
@@ -112,7 +117,12 @@ class GroupRuntime:
         self._token = uuid.uuid4().hex[:12]
         self._local = None
         self._thread = None
-        self._sock = None
+        self._store = None             # group.StoreHost: the store's own process
+        self._channel = None           # group.ChannelServer: the command channel to this host's workers
+        self._own_channel_dir = None   # a temporary folder for it when there is no runtime root
+        self._links = {}               # (generation, pid) -> (Link, queue of its messages): rank 0's connections
+        self._link = None              # the current generation's: (Link, queue)
+        self._beats = {}               # (rank, pid) -> the newest heartbeat seq on its channel connection
         self.ctl = None
 
     # -- start and stop --
@@ -122,15 +132,13 @@ class GroupRuntime:
         if spec.device_type == "cpu" and group.is_loopback(spec.master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", group.loopback_interface())
         group.set_hccl_timeout(spec)
-        store, self._sock, self.port = group.host_store(spec.master_addr, spec.master_port, spec.timeout)
-        spec.master_port = self.port  # the workers connect to the port the store got (0 asks for a free one)
-        self._base = store
-        self.ctl = group.Control(store, self.signer)
-        self.ctl.put("layout", spec.layout())
-        self._mon = group.Control(group.connect_store(spec.master_addr, self.port, spec.timeout), self.signer)
-        # the connection a command's result is waited on with, one command at a time
-        self._waiter = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store(spec.master_addr, self.port,
-                                                                                             spec.timeout))
+        # the command channel first: a folder other users could enter is refused before anything starts
+        self._channel = group.ChannelServer(self._channel_folder(), self.signer, self._on_link)
+        spec.channel = self._channel.path
+        self._store = group.StoreHost(spec.master_addr, spec.master_port, spec.timeout)
+        self.port = spec.master_port = self._store.port  # the workers connect to the port the store got (0: any)
+        self._store.start()
+        self._connect_store()
         if spec.launcher == "torchrun":
             self._local = group.TorchrunWorkers(spec, self.key, range(spec.local_size), self._mon)
         else:
@@ -141,6 +149,35 @@ class GroupRuntime:
                      f"{spec.master_addr}:{self.port}, {spec.nnodes} node(s) of {spec.local_size} device(s)")
         return self
 
+    def _channel_folder(self) -> str:
+        """<runtime root>/channel (0700), or a temporary private folder when the driver has no runtime root."""
+        if self.spec.runtime_root:
+            os.makedirs(self.spec.runtime_root, exist_ok=True)
+            return os.path.join(self.spec.runtime_root, group.CHANNEL_DIR)
+        self._own_channel_dir = tempfile.mkdtemp(prefix="h3kit-channel-")  # mode 0700
+        return os.path.join(self._own_channel_dir, group.CHANNEL_DIR)
+
+    def _connect_store(self):
+        """The driver's connections to the group's store (it is only a client of it), once its process answers."""
+        spec = self.spec
+        deadline = time.monotonic() + group.STORE_START_TIMEOUT
+        self.ctl = group.Control(group.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
+        self.ctl.put("layout", spec.layout())
+        self._mon = group.Control(group.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
+        if self._local is not None and hasattr(self._local, "ctl"):
+            self._local.ctl = self._mon  # TorchrunWorkers reads the workers' announcements through it
+
+    def _restart_store(self):
+        """The store's process died (killed, out of memory after a flood of keys): start it again on the same
+        socket and replace the whole group (every worker lost its connection to the store)."""
+        code = self._store.proc.returncode
+        why = "past its memory limit: a flood of keys" if code == group.STORE_EXIT else group._exit_reason(code)
+        logging.error(f"MultiNPU: the group's store (pid {self._store.proc.pid}) ended ({why}); starting it again "
+                      "and replacing the group")
+        self._store.start()
+        self._connect_store()
+        self._abort_generation("the group's store ended")
+
     def shutdown(self, grace: float = 5.0):
         self._stop.set()
         with self._lock:
@@ -150,6 +187,37 @@ class GroupRuntime:
         if self._thread is not None:
             self._thread.join(5.0)
         self._write_ranks()
+        if self._channel is not None:
+            self._channel.close()
+        if self._store is not None:
+            self._store.stop()
+        if self._own_channel_dir:
+            shutil.rmtree(self._own_channel_dir, ignore_errors=True)
+
+    # -- the command channel --
+
+    def _on_link(self, link, hello: dict):
+        """A worker's authenticated connection (on its own thread): heartbeats, or worker rank 0's command link."""
+        pid = hello["pid"]
+        if hello.get("role") == "beat" and isinstance(hello.get("rank"), int):
+            rank = hello["rank"]
+            try:
+                while True:
+                    beat = link.recv(group.HELLO_LIMIT)
+                    if isinstance(beat, dict) and isinstance(beat.get("seq"), int):
+                        self._beats[(rank, pid)] = beat["seq"]
+            finally:
+                self._beats.pop((rank, pid), None)
+        elif hello.get("role") == "command" and hello.get("rank") == 0:
+            messages = queue.Queue()
+            self._links[(hello.get("generation"), pid)] = (link, messages)
+            try:
+                while True:
+                    messages.put(link.recv())
+            finally:
+                messages.put(None)  # the connection ended
+        else:
+            logging.warning(f"MultiNPU: command channel: pid {pid} says it is {hello!r:.200}; closing it")
 
     # -- the monitor --
 
@@ -189,6 +257,8 @@ class GroupRuntime:
         """Notice dead and hung ranks: local processes at once, agents' exit reports and heartbeats twice a
         second."""
         with self._watch_lock:
+            if not self._store.alive() and not self._stop.is_set():
+                self._restart_store()
             for rank, pid, reason in self._local.poll():
                 self._note_death(rank, pid, reason)
             if self._local.failed and self.state != "failed":
@@ -209,9 +279,12 @@ class GroupRuntime:
         pid = self.members.get(rank)
         if pid is None:
             return  # not joined yet: a starting worker may take a while to import its modules
-        count = self._mon.counter(f"hb/{rank}")
         last = self._hb.get(rank)
-        if last is None or last[0] != pid or last[1] != count:
+        if last is None or last[0] != pid:
+            self._hb[rank] = (pid, 0, now)
+            return
+        count = self._beat(rank, pid, last[1])
+        if count > last[1]:  # only a newer beat counts: an old signed one copied back is no sign of life
             self._hb[rank] = (pid, count, now)
             return
         if now - last[2] <= group.HEARTBEAT_STALE:
@@ -224,6 +297,24 @@ class GroupRuntime:
         else:
             self._mon.put(f"kill/{rank}", {"pid": pid, "why": why})
         self._note_death(rank, pid, why)
+
+    def _beat(self, rank: int, pid: int, known: int) -> int:
+        """The newest heartbeat seq of rank's worker `pid` (known: the newest seen before). This host's workers
+        beat on their own channel connections; another host's create a key per beat whose name only the key can
+        make (group.beat_key), and point at the newest with a signed hb/{rank}/{pid}; the pointer is only a
+        hint (someone may have copied an old value over it): a beat counts when its key exists."""
+        if self.spec.node_of(rank) == 0:
+            return self._beats.get((rank, pid), known)
+        return self._store_beat(rank, pid, known, self._mon.peek(f"hb/{rank}/{pid}"))
+
+    def _store_beat(self, who, pid: int, known: int, hint) -> int:
+        """The newest beat of `who` (a rank, or "agentN") of process pid in the store, newer than `known`."""
+        if isinstance(hint, int) and hint > known and self._mon.has(group.beat_key(self.signer, who, pid, hint)):
+            return hint
+        for seq in range(known + group.HEARTBEAT_KEEP, known, -1):
+            if self._mon.has(group.beat_key(self.signer, who, pid, seq)):
+                return seq
+        return known
 
     def _note_death(self, rank: int, pid, reason: str):
         self._ranks_changed = True
@@ -299,9 +390,9 @@ class GroupRuntime:
 
     def _end_generation(self):
         """Shutdown: tell the workers of the current generation it is over (they leave)."""
-        if self.members:
+        if self.members and self._link is not None:
             try:
-                self.ctl.put(f"cmd/{self.generation}/{self.next_cmd}", {"name": group.END})
+                self._link[0].send({"name": group.END, "g": self.generation, "n": self.next_cmd})
             except Exception:
                 pass
 
@@ -316,6 +407,9 @@ class GroupRuntime:
             return
         self._aborted.add(g)
         members, self.members = dict(self.members), {}
+        if self._link is not None:
+            self._link[0].close()
+            self._link = None
         self._retired.update(self._identity(r, pid) for r, pid in members.items() if pid is not None)
         try:
             self.ctl.put(f"abort/{g}", {"why": why})
@@ -347,7 +441,8 @@ class GroupRuntime:
             if not self._wait_keys("joined", g, members, deadline, "started but did not join"):
                 continue  # a member died before go: the others wait for the next generation
             self.ctl.put(f"go/{g}", True)
-            if self._wait_keys("up", g, members, deadline, "joined but did not form the group"):
+            if (self._wait_keys("up", g, members, deadline, "joined but did not form the group")
+                    and self._wait_link(g, members, deadline)):
                 break
             # a member failed inside init_process_group or the warm-up: the others may be blocked there
             self.members = members
@@ -368,14 +463,22 @@ class GroupRuntime:
     def _agent_gone(self, node: int):
         """Seconds since node's agent last beat, when it beat once and has been silent for HEARTBEAT_STALE
         (the host or its agent is lost); else None."""
-        count = self._mon.counter(f"agent_hb/{node}")
+        beat = self._mon.peek(f"agent_hb/{node}")  # signed {"pid", "seq"}: a hint; the beat is its key (_beat)
+        beat = beat if isinstance(beat, dict) else {}
         now = time.monotonic()
-        last = self._agent_hb.get(node)
-        if last is None or last[0] != count:
-            self._agent_hb[node] = (count, now)
+        seen, since = self._agent_hb.setdefault(node, ({}, now))  # (newest seq of each agent pid, last news)
+        if isinstance(beat.get("pid"), int):
+            seen.setdefault(beat["pid"], 0)
+        news = False
+        for pid, known in list(seen.items()):
+            newest = self._store_beat(f"agent{node}", pid, known, beat.get("seq") if beat.get("pid") == pid else None)
+            if newest > known:
+                seen[pid], news = newest, True
+        if news:
+            self._agent_hb[node] = (seen, now)
             return None
-        silent = now - last[1]
-        return silent if count > 0 and silent > group.HEARTBEAT_STALE else None
+        silent = now - since
+        return silent if any(seen.values()) and silent > group.HEARTBEAT_STALE else None
 
     def _wait_members(self, deadline: float) -> dict:
         def attempt():
@@ -417,6 +520,19 @@ class GroupRuntime:
             return True if not waiting() else None
         return self._poll(deadline, attempt,
                           lambda: f"{', '.join(self.spec.describe_rank(r) for r in waiting())} {late}")
+
+    def _wait_link(self, g: int, members: dict, deadline: float) -> bool:
+        """True once worker rank 0 of generation g connected to the command channel; False when a member died."""
+        for key in [k for k in self._links if k[0] != g]:  # connections of generations given up on
+            self._links.pop(key)[0].close()
+
+        def attempt():
+            if any(self._announced().get(r) != pid for r, pid in members.items()):
+                return False
+            self._link = self._links.pop((g, members[0]), None)
+            return True if self._link is not None else None
+        return self._poll(deadline, attempt, lambda: f"{self.spec.describe_rank(0)} did not connect to the command "
+                                                     f"channel {self._channel.path}")
 
     def _poll(self, deadline: float, attempt, late):
         """attempt() after each look at the ranks until it returns something other than None; past the deadline
@@ -469,9 +585,12 @@ class GroupRuntime:
         try:
             metas, nbytes = group.shm_write(inp, tensors)
             # the workers run in the server's grad and inference modes (ComfyUI executes prompts in inference mode)
-            self.ctl.put(f"cmd/{g}/{n}", {"name": name, "data": data, "metas": metas, "nbytes": nbytes,
-                                          "shm": inp, "out": out, "grad": torch.is_grad_enabled(),
-                                          "inference": torch.is_inference_mode_enabled()})
+            try:
+                self._link[0].send({"name": name, "g": g, "n": n, "data": data, "metas": metas, "nbytes": nbytes,
+                                    "shm": inp, "out": out, "grad": torch.is_grad_enabled(),
+                                    "inference": torch.is_inference_mode_enabled()})
+            except OSError as e:
+                logging.warning(f"MultiNPU: could not send {name} to worker rank 0: {e}")  # _await names why
             rep = self._await(name, g, n)
             buf = group.shm_read(out, rep["nbytes"])
             return group.unpack(rep["data"], group.unflatten(buf, rep["metas"]))
@@ -481,49 +600,39 @@ class GroupRuntime:
             group.shm_remove(out)
 
     def _await(self, name: str, g: int, n: int) -> dict:
-        """Worker rank 0's result header of command n; the root cause of a failure, raised, otherwise. A thread
-        blocks in a store wait for the result (so it is seen the moment it is written); this thread watches
-        every rank meanwhile, ten times a second, and never blocks longer than that."""
-        key = f"res/{g}/{n}"
-        arrived = threading.Event()
-
-        def wait():
-            try:
-                self._waiter.wait([key], group.td(365 * 24 * 3600.0))
-            except Exception:
-                pass
-            arrived.set()
-        waiter = threading.Thread(target=wait, name="multinpu-result", daemon=True)
-        waiter.start()
+        """Worker rank 0's result header of command n, from its channel connection; the root cause of a failure,
+        raised, otherwise. Waits at most 0.1 s at a time and watches every rank in between."""
+        _, messages = self._link
         t0 = time.monotonic()
         hint = 0
-        try:
-            while True:
-                if arrived.is_set() or not waiter.is_alive():
-                    rep = self.ctl.peek(key)
-                    if isinstance(rep, dict) and rep.get("pid") == self.members.get(0):
-                        return rep
-                self._watch()
-                if self.dead or self.state != "ready":
-                    raise self._failure(name, g, n, t0)
-                count = self.ctl.counter(f"failed/{g}")
-                if count != hint:
-                    # the counter only says where to look (anyone reaching the store can add to it): a failure is
-                    # a signed report from a member
-                    hint = count
-                    if self._reports(g, n):
-                        raise self._failure(name, g, n, t0)
-                if arrived.is_set():
-                    time.sleep(group.POLL)  # something unsigned sits in the result's slot: look again shortly
-                else:
-                    arrived.wait(0.1)
-        finally:
-            if not arrived.is_set():
+        closed_at = None
+        while True:
+            if closed_at is not None:
+                time.sleep(0.1)
+                rep = False
+            else:
                 try:
-                    self.ctl.put(key, {"abandoned": True})  # wakes the waiting thread
-                except Exception:
-                    pass
-            waiter.join(5.0)
+                    rep = messages.get(timeout=0.1)
+                except queue.Empty:
+                    rep = False
+            if rep is None:  # rank 0's connection ended: its death is about to be seen, or it is named here
+                closed_at = time.monotonic()
+            elif rep is not False:
+                if isinstance(rep, dict) and rep.get("g") == g and rep.get("n") == n and rep.get("pid") == self.members.get(0):
+                    return rep
+                logging.warning(f"MultiNPU: dropped a message of worker rank 0 that is not the result of command {n}")
+            self._watch()
+            if closed_at is not None and time.monotonic() - closed_at > 2.0 and not self.dead:
+                self._note_death(0, self.members.get(0), "closed the command channel")
+            if self.dead or self.state != "ready":
+                raise self._failure(name, g, n, t0)
+            count = self.ctl.counter(f"failed/{g}")
+            if count != hint:
+                # the counter only says where to look (anyone reaching the store can add to it): a failure is
+                # a signed report from a member
+                hint = count
+                if self._reports(g, n):
+                    raise self._failure(name, g, n, t0)
 
     def _reports(self, g: int, n: int) -> dict:
         """{rank: signed error report of command n written by the member itself}."""
