@@ -137,6 +137,22 @@ def test_workers_copy_their_inputs_before_rank0_works(checks):
     assert v["copies"] == 2 and v["rank0_started_after"]
 
 
+def test_the_thread_runtime_runs_commands_as_the_process_driver_does(checks):
+    v = value(checks, "thread_runtime")
+    assert v["spec"] == {"backend": "threads", "world_size": 3, "rank1": "rank 1 (cpu)"}
+    # every rank its own context and its own unpacked copy of the payload, in the caller's modes
+    assert v["copies"] == 4 and set(v["seen"]) == {"0", "1", "2"}
+    for r, s in v["seen"].items():
+        assert s["same_context"] and s["device"] == "cpu" and s["inference"] and not s["grad"], (r, s)
+        assert s["value"] == [0.0, 1.0, 2.0, 3.0] and s["text"] == "hello", (r, s)
+    assert v["result"] == {"sum": [0.0, 3.0, 6.0, 9.0]}  # rank 0's return, through the wire code
+    assert v["after"] == [3], "After runs once the command closed, every rank having run it"
+    assert v["failed"] == {"message": "injected on rank 2", "notes": ["raised on rank 2 (cpu) of 3"]}
+    assert "no program 'h3kit_no_such_program'" in v["unknown"]
+    assert "the ranks do not hold the same DiT" in v["mismatch"] and "rank 0 (cpu) differs in files" in v["mismatch"]
+    assert v["installed"] == [0, 1, 2]
+
+
 def test_threads_run_the_worker_programs_of_the_process_transport(checks):
     v = value(checks, "same_programs")
     # the functions the process workers run, found by name in the one registry

@@ -326,6 +326,69 @@ def inputs_copied_before_rank0_works():
 
 
 @check
+def thread_runtime():
+    """comfy.multinpu_threads.ThreadRuntime on its own: the command path (the payload through the wire code, one copy
+    per rank), the caller's modes on every rank, After after the closing barrier, a rank's exception with its type and
+    rank, and a configuration whose digest differs refused as the process driver refuses it."""
+    import torch
+    import comfy.multinpu_dit
+    import comfy.multinpu_group as group
+    import comfy.multinpu_process
+    import comfy.multinpu_threads
+    rt = comfy.multinpu_threads.ThreadRuntime(["cpu"] * 3, timeout=60.0)
+    seen, after = {}, []
+
+    def probe(context, comm, payload):
+        t = payload["t"]
+        seen[comm.rank] = {"device": str(context.device), "same_context": context is rt.contexts[comm.rank],
+                           "inference": torch.is_inference_mode_enabled(), "grad": torch.is_grad_enabled(),
+                           "own_copy": t.data_ptr(), "value": t.tolist(), "text": payload["text"]}
+        total = comfy.multinpu.all_reduce(t, comm)
+        if comm.rank == 1:
+            return group.After(lambda: after.append(len(seen)))
+        return {"sum": total} if comm.rank == 0 else None
+
+    def failing(context, comm, payload):
+        if comm.rank == 2:
+            raise ValueError("injected on rank 2")
+        comm.barrier()
+
+    group.PROGRAMS["h3kit_test_probe"], group.PROGRAMS["h3kit_test_fail"] = probe, failing
+    try:
+        x = torch.arange(4.0)
+        with torch.inference_mode():
+            out = rt.run("h3kit_test_probe", {"t": x, "text": "hello"})
+        try:
+            rt.run("h3kit_test_fail", None)
+            failed = None
+        except ValueError as e:
+            failed = {"message": str(e), "notes": getattr(e, "__notes__", [])}
+        try:
+            rt.run("h3kit_no_such_program", None)
+            unknown = None
+        except group.GroupError as e:
+            unknown = str(e)
+        patcher, _ = _tiny_patcher()
+        m = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu"] * 3)
+        good = comfy.multinpu_dit.get_wrapper(m).config
+        bad = comfy.multinpu_process.RemoteConfig(good.program, good.payload, dict(good.digest, files="other"), good.what)
+        try:
+            rt.run("dit_empty_cache", None, configs=[bad])
+            mismatch = None
+        except group.ConfigMismatch as e:
+            mismatch = str(e)
+        rt.run("dit_empty_cache", None, configs=[good])
+        installed = dict(good.installed)
+    finally:
+        del group.PROGRAMS["h3kit_test_probe"], group.PROGRAMS["h3kit_test_fail"]
+        rt.shutdown()
+    return {"result": {"sum": out["sum"].tolist()}, "seen": {str(k): v for k, v in seen.items()},
+            "copies": len({v["own_copy"] for v in seen.values()} | {x.data_ptr()}), "after": after,
+            "failed": failed, "unknown": unknown, "mismatch": mismatch, "installed": sorted(installed),
+            "spec": {"backend": rt.spec.backend, "world_size": rt.world_size, "rank1": rt.spec.describe_rank(1)}}
+
+
+@check
 def same_programs():
     """The thread transport runs the worker programs the process workers run (comfy.multinpu_group.PROGRAMS, by
     name), each rank with its own context: every registered DiT program is counted per rank over a setup, a forward
