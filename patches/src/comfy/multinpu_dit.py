@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from comfy.model_patcher import ModelPatcher
 
 RANK_KEY = "multinpu_rank"           # transformer_options: this rank's _RankState during a forward
-KEY = "multinpu_sequence_parallel"   # wrapper key and additional-models key on the ModelPatcher
+KEY = "multinpu_sequence_parallel"   # the wrappers' and callbacks' key on the ModelPatcher
 ATTENTION_MODES = ("auto", "ulysses", "kv_gather")
 WEIGHTS_MODES = ("auto", "replicated", "sharded")
 
@@ -411,8 +411,9 @@ def _load_on_worker(context, comm, payload):
     src, patches, weights = payload["source"], payload["patches"], payload["weights"]
     base = comfy.multinpu_models.load(src)
     # another configuration of the same file may be loaded with its patches applied to the shared host weights:
-    # unloaded, they are the file's again (what rank 0 does before it sets a configuration up)
-    comfy.model_management.unload_model_and_clones(base)
+    # unloaded, they are the file's again (what the server does before it sets a configuration up). Only those: the
+    # server's own copy (unpatched, on the host; the same process when the ranks are threads) stays loaded
+    _unload_patched_clones(base)
     comfy.multinpu_models.map_file_weights(base.model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(base.model)
     patcher = comfy.multinpu_models.patched_clone(base, patches)
@@ -423,6 +424,16 @@ def _load_on_worker(context, comm, payload):
     else:
         patcher = _replica_patcher(patcher, context.device)
     return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches, weights=weights))
+
+
+def _unload_patched_clones(patcher):
+    """Unload the loaded clones of `patcher` (ModelPatchers over the same model) that carry weight patches."""
+    mm = comfy.model_management
+    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+        loaded = mm.current_loaded_models[i]
+        clone = loaded.model
+        if clone is not None and clone.is_clone(patcher) and clone.patches:
+            mm.current_loaded_models.pop(i).model_unload()
 
 
 @comfy.multinpu_group.program("dit_forward")
@@ -495,7 +506,6 @@ def _replica_patcher(patcher: ModelPatcher, device: torch.device) -> ModelPatche
     n.load_device = device
     if hasattr(n, "register_load_device"):
         n.register_load_device(device)
-    n.remove_additional_models(KEY)
     n.is_multigpu_base_clone = False
     return n
 
