@@ -44,6 +44,7 @@ import torch
 
 import comfy.ldm.minimax.model
 import comfy.model_management
+import comfy.model_patcher
 import comfy.multidevice
 import comfy.multinpu
 import comfy.multinpu_group
@@ -410,10 +411,11 @@ class _WorkerDiT:
 def _load_on_worker(context, comm, payload):
     src, patches, weights = payload["source"], payload["patches"], payload["weights"]
     base = comfy.multinpu_models.load(src)
-    # another configuration of the same file may be loaded with its patches applied to the shared host weights:
-    # unloaded, they are the file's again (what the server does before it sets a configuration up). Only those: the
-    # server's own copy (unpatched, on the host; the same process when the ranks are threads) stays loaded
-    _unload_patched_clones(base)
+    # another configuration of the same file may be loaded with its patches applied to the shared host weights, or
+    # moved to a device: unloaded, they are the file's on the host again (what the server does before it sets a
+    # configuration up). Only those: the server's own copy (unpatched, on the host; in this process when the ranks
+    # are threads) stays loaded
+    _restore_host_weights(base)
     comfy.multinpu_models.map_file_weights(base.model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(base.model)
     patcher = comfy.multinpu_models.patched_clone(base, patches)
@@ -426,13 +428,14 @@ def _load_on_worker(context, comm, payload):
     return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches, weights=weights))
 
 
-def _unload_patched_clones(patcher):
-    """Unload the loaded clones of `patcher` (ModelPatchers over the same model) that carry weight patches."""
+def _restore_host_weights(patcher):
+    """Unload the loaded clones of `patcher` (ModelPatchers over the same model) that patched its weights or hold
+    them off the host."""
     mm = comfy.model_management
     for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-        loaded = mm.current_loaded_models[i]
-        clone = loaded.model
-        if clone is not None and clone.is_clone(patcher) and clone.patches:
+        clone = mm.current_loaded_models[i].model
+        if clone is not None and clone.is_clone(patcher) and (
+                clone.patches or clone.current_loaded_device() != clone.offload_device):
             mm.current_loaded_models.pop(i).model_unload()
 
 
@@ -495,8 +498,13 @@ def _replica_model(model):
     # shared, not copied: the config answers every unknown attribute (deepcopy's probes included) with None
     replica = comfy.multinpu_weights.share_module(model, shared=[model.model_config],
                                                   dropped=[patcher] if patcher is not None else [])
-    # the source's load bookkeeping (ModelPatcher keeps it on the model) does not describe the replica
+    # the source's load bookkeeping (ModelPatcher keeps it on the model and its modules: a loaded source, such as the
+    # server's unpatched host copy, marks every module's weights as patched) does not describe the replica
     comfy.multinpu_weights.reset_load_state(replica)
+    for m in replica.modules():
+        if hasattr(m, "comfy_patched_weights"):
+            del m.comfy_patched_weights
+        comfy.model_patcher.wipe_lowvram_weight(m)
     return replica
 
 
