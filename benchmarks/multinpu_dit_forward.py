@@ -144,8 +144,8 @@ def main(argv=None):
         results.append({"npu_count": n, "seconds_per_forward": sec, "speedup": None, "tflops_per_device": flops / sec / 1e12,
                         "bytes_moved_per_forward": moved, "bytes_model": ex["total"] * (4 if args.dtype == "fp32" else 2),
                         "max_rel_vs_1": max_rel, "attention": ex["attention"]})
-        if wrapper is not None and wrapper._threads is not None:
-            wrapper._threads.shutdown()
+        if wrapper is not None:
+            wrapper.runtime.shutdown()
         comfy.model_management.unload_all_models()
     for r in results:
         r["speedup"] = results[0]["seconds_per_forward"] / r["seconds_per_forward"]

@@ -158,7 +158,8 @@ def reference_child(args):
 
 def _budget(model_load, nbytes):
     def load(self, lowvram_model_memory=0, force_patch_weights=False):
-        return model_load(self, nbytes, force_patch_weights)
+        # less what the model already holds, as load_models_gpu computes it (every rank loads before each forward)
+        return model_load(self, max(0.1, nbytes - self.model_loaded_memory()), force_patch_weights)
     return load
 
 
@@ -194,7 +195,9 @@ def starved_part(args, dit):
 
     m = comfy.multinpu_dit.apply_sequence_parallel(base, comfy.multidevice.devices_for(dev, args.ranks),
                                                    weights="sharded")
-    ranks = [m] + m.get_nested_additional_models()
+    w = comfy.multinpu_dit.get_wrapper(m)
+    w.runtime.run("dit_empty_cache", None, configs=[w.config])  # every rank sets up its own copy
+    ranks = [c.configs[w.config.id].patcher for c in w.runtime.contexts]
     shards = [comfy.multinpu_shard.of(p.model.diffusion_model) for p in ranks]
     slice_bytes = sum(lay.shard for lay in shards[0].layouts)
     other = ranks[0].model_size() - slice_bytes  # what a rank holds outside the blocks
@@ -214,8 +217,7 @@ def starved_part(args, dit):
     finally:
         mm.LoadedModel.model_load = real
         wrapper = comfy.multinpu_dit.get_wrapper(m)
-        if wrapper._threads is not None:
-            wrapper._threads.shutdown()
+        wrapper.runtime.shutdown()
         mm.unload_all_models()
     return {"weight_bytes": weight_bytes, "slice_bytes_per_rank": slice_bytes,
             "resident_share": [sum(r) / len(r) for r in loaded], "h2d_bytes_per_forward": per_forward,

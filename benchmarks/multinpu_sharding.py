@@ -103,8 +103,8 @@ def measured_part(args, tmp):
                 if weights == "sharded":
                     row["max_abs_vs_replicated"] = (outputs["sharded"] - outputs["replicated"]).abs().max().item()
                 rows.append(row)
-                if wrapper._threads is not None:
-                    wrapper._threads.shutdown()
+                if runtime is None:
+                    wrapper.runtime.shutdown()  # the row's own thread runtime (the process group serves every row)
                 comfy.model_management.unload_all_models()
             if runtime is not None:
                 mp.stop_runtime()

@@ -7,10 +7,11 @@ Run it with the interpreter that runs ComfyUI, on a tree with the h3kit patches.
 
 forward: a small random-weight H3 DiT (hidden 512, 8x64 heads, 2 blocks, saved to a file and loaded by
 comfy.sd.load_diffusion_model, as a worker loads it) runs direct DiT forwards on 1 device, then for each N on
-N threads (apply_sequence_parallel with devices) and on N processes (a process group of N ranks, rank 0 this
-process, apply_sequence_parallel with the runtime), median of --repeats after a warm-up. Beside each: an
-empty command's round trip on the group (header in the store, closing barrier: the fixed cost a forward pays
-on top of its collectives), the bytes each rank received per forward against the cost model's figure for
+N threads (apply_sequence_parallel with devices: comfy.multinpu_threads) and on N processes (a process group of
+N worker ranks driven by this process, apply_sequence_parallel with the runtime): the same worker programs on
+both, median of --repeats after a warm-up. Beside each: an empty command's round trip (threads: the packed
+header and the closing barrier; processes: the header in the store, /dev/shm, the closing barrier: the fixed
+cost a forward pays on top of its collectives), the bytes each rank received per forward against the cost model's figure for
 that rank, and max_rel against one device.
 
 pss (--pss N): the host memory of the pipeline's weights (the ~1 GiB set of benchmarks/multinpu_host_memory.py:
@@ -128,13 +129,15 @@ def forward_part(args, tmp):
     for n in args.counts:
         model = costmodel.exchange_elements(seq["seq_len"], n, **cfg)
         threads = comfy.multinpu_dit.apply_sequence_parallel(base, comfy.multidevice.devices_for(dev, n))
-        comfy.model_management.load_models_gpu([threads] + threads.get_nested_additional_models(), force_full_load=True)
+        comfy.model_management.load_models_gpu([threads], force_full_load=True)
         wrapper = comfy.multinpu_dit.get_wrapper(threads)
+        wrapper.count_bytes = True  # the same command as the process arm's (every rank's counts to rank 0)
         sec, out = _timed(lambda: _forward(threads, x, ctx), args.repeats, dev)
+        empty, _ = _timed(lambda: wrapper.runtime.run("drop", []), args.repeats, dev)
         rows.append({"npu_count": n, "transport": "threads", "seconds_per_forward": sec, "max_rel": max_rel(out),
-                     "bytes_per_forward": wrapper.bytes_moved // (args.repeats + 1),
-                     "model_bytes_per_forward": model["total"] * 4})
-        wrapper._threads.shutdown()
+                     "bytes_per_forward": sum(wrapper.rank_bytes), "rank_bytes_per_forward": wrapper.rank_bytes,
+                     "model_bytes_per_forward": model["total"] * 4, "empty_command_seconds": empty})
+        wrapper.runtime.shutdown()
         comfy.model_management.unload_all_models()
         base = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
 

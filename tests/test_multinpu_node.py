@@ -113,9 +113,12 @@ def test_wrapper_matches_one_device_and_shares_host_weights(checks):
                                      head_dim=tiny["attention_head_dim"], blocks=tiny["num_layers"])
     assert ex["attention"] == "kv_gather" and v["bytes"] == ex["total"] * 4
     assert v["bytes_received"] == [x * 4 for x in ex["per_device"]]
-    assert v["replicas"] == 3 and v["extra_models"] == 2 and v["replicas_share_weights"]
+    # every rank its own copy over the one host copy of the weights, none an additional model of the server's, which
+    # stays on the host
+    assert v["replicas"] == 3 and v["extra_models"] == 0 and v["replicas_share_weights"]
+    assert v["server_device"] == "cpu"
     assert v["blocks_without_wrapper_equal"]
-    assert v["reapplied_wrappers"] == 1 and v["reapplied_extra_models"] == 2
+    assert v["reapplied_wrappers"] == 1 and v["reapplied_extra_models"] == 0
 
 
 def test_the_final_output_is_gathered_to_rank0_only(checks):
@@ -134,11 +137,44 @@ def test_workers_copy_their_inputs_before_rank0_works(checks):
     assert v["copies"] == 2 and v["rank0_started_after"]
 
 
+def test_the_thread_runtime_runs_commands_as_the_process_driver_does(checks):
+    v = value(checks, "thread_runtime")
+    assert v["spec"] == {"backend": "threads", "world_size": 3, "rank1": "rank 1 (cpu)"}
+    # every rank its own context and its own unpacked copy of the payload, in the caller's modes
+    assert v["copies"] == 4 and set(v["seen"]) == {"0", "1", "2"}
+    for r, s in v["seen"].items():
+        assert s["same_context"] and s["device"] == "cpu" and s["inference"] and not s["grad"], (r, s)
+        assert s["value"] == [0.0, 1.0, 2.0, 3.0] and s["text"] == "hello", (r, s)
+    assert v["result"] == {"sum": [0.0, 3.0, 6.0, 9.0]}  # rank 0's return, through the wire code
+    assert v["after"] == [3], "After runs once the command closed, every rank having run it"
+    assert v["failed"] == {"message": "injected on rank 2", "notes": ["raised on rank 2 (cpu) of 3"]}
+    assert "no program 'h3kit_no_such_program'" in v["unknown"]
+    assert "the ranks do not hold the same DiT" in v["mismatch"] and "rank 0 (cpu) differs in files" in v["mismatch"]
+    assert v["installed"] == [0, 1, 2]
+
+
+def test_threads_run_the_worker_programs_of_the_process_transport(checks):
+    v = value(checks, "same_programs")
+    # the functions the process workers run, found by name in the one registry
+    assert v["registered"] == {"dit_config": "comfy.multinpu_dit._load_on_worker",
+                               "dit_forward": "comfy.multinpu_dit._forward_on_worker",
+                               "dit_empty_cache": "comfy.multinpu_dit._empty_cache_on_worker"}
+    assert v["runtime"] == "comfy.multinpu_threads.ThreadRuntime" and v["equal"]
+    # each called once per rank (the configuration, one forward, the cache after sampling), each rank its own context
+    assert v["calls"] == {"dit_config": [0, 1, 2], "dit_forward": [0, 1, 2], "dit_empty_cache": [0, 1, 2]}
+    assert v["contexts"] == {"dit_config": 3, "dit_forward": 3, "dit_empty_cache": 3}
+    # one code path: no branch on the transport, nothing of the thread-only path left
+    assert v["runtime_is_none"] == 0 and v["thread_only"] == []
+
+
 def test_refusals_name_the_problem(checks):
     v = value(checks, "refusals")
     assert "DiT blocks [1] are already replaced" in v["foreign_block"]
     assert "supports the MiniMax H3 DiT, not Linear" in v["not_h3"]
     assert "block 2 is no longer replaced" in v["overridden_later"]
+    # refused with threads as with processes: the ranks run neither
+    assert "1 diffusion-model wrapper(s) were added after MultiNPUParallelConfig" in v["wrapper_after"]
+    assert "another node set an attention override" in v["attention_override"]
 
 
 def test_rank_failure_surfaces_at_once(checks):

@@ -2,8 +2,10 @@
 
 The worker samples a tiny random-weight H3 DiT on one device and through the MultiNPUParallelConfig
 node on N simulated devices (real node, wrapper, block replacements and attention override; real
-sampler), for t2va, fl2va and ref2va, with Ulysses and K/V-gather attention, in fp32, in bf16, with a random
-LoRA and with a user attention override, with replicated and with sharded weights, on 2, 4 and 8 devices. Every
+sampler; the ranks are threads running the worker programs the process transport's workers run), for t2va,
+fl2va and ref2va, with Ulysses and K/V-gather attention, in fp32, in bf16 and with a random LoRA, with
+replicated and with sharded weights, on 2, 4 and 8 devices (a user attention override is refused by the node on
+both transports: tests/test_multinpu_node.py). Every
 row must equal one device exactly (cpu) on each output of each forward with the work really split (counted by
 each rank on itself), every sharded row must equal its replicated twin exactly, each injected
 fault must fail the gate of every row it reaches, and the bytes the threads moved, in all and per device, the
@@ -25,8 +27,8 @@ from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 LAYOUTS = {"t2va", "fl2va", "ref2va"}
-VARIANTS = {("float32", False, False), ("bfloat16", False, False), ("float32", True, False),
-            ("float32", False, True)}  # (dtype, LoRA, attention override)
+VARIANTS = {("float32", False, False), ("bfloat16", False, False),
+            ("float32", True, False)}  # (dtype, LoRA, attention override)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 WEIGHTS = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "bf16"), "int8": ("int8", "fp32")}  # (weights, other)
 # the packed latent the tiny rows sample: video 24 x 2 x 8 x 12 and audio 32 x 2 x 8 elements
@@ -58,8 +60,8 @@ def check_weights(r, n):
     one, sizes = r["memory_estimate_one_device"], costmodel.shard_sizes(LATENT_ELEMENTS, n)
     for k in range(2):  # memory_required, minimum_memory_required: upstream's estimate at each rank's shard
         assert [e[k] for e in r["memory_estimates"]] == pytest.approx([one[k] * s / LATENT_ELEMENTS for s in sizes])
-    rank0_only = r["transport"] == "threads"  # the thread ranks load with rank 0's model, sized by its shard
-    assert r["memory_used"] == pytest.approx([r["memory_estimates"][0 if rank0_only else i][0] for i in range(n)], abs=1)
+    # every rank loads with its own shard's estimate, on both transports
+    assert r["memory_used"] == pytest.approx([r["memory_estimates"][i][0] for i in range(n)], abs=1)
     assert r["caches_emptied"] == [1] * n
 
 
@@ -136,17 +138,16 @@ def test_parity_four_devices_cli(installed_tree, comfy_python):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = jsondoc.data(proc.stdout, proc.returncode)
     _check_rows(rows, 4)
-    assert "parity passed: 24 row(s) within max_abs == 0" in proc.stderr
+    assert "parity passed: 21 row(s) within max_abs == 0" in proc.stderr
 
 
 def test_parity_eight_devices(installed_tree, comfy_python):
     """8 devices (the node offers 1, 2, 4 and 8): a longer prompt there, so that each rank's shard is 12 rows or
-    more, and still every row exact, fp32 with the LoRA and the attention override."""
+    more, and still every row exact, fp32 and with the LoRA."""
     report = parity_lib.run(installed_tree, "dit", "cpu", 8, python=comfy_python, timeout=600,
                             extra_args=("--dtypes", "float32", "--layouts", "t2va"))
     assert report["ok"] and report["config"]["text_len"] == parity_worker.TEXT_LEN_8
-    _check_rows(report["rows"], 8, variants={("float32", False, False), ("float32", True, False),
-                                            ("float32", False, True)}, layouts={"t2va"})
+    _check_rows(report["rows"], 8, variants={("float32", False, False), ("float32", True, False)}, layouts={"t2va"})
     assert all(min(costmodel.shard_sizes(r["seq_len"], 8)) >= 12 for r in report["rows"])
 
 

@@ -263,7 +263,7 @@ def shards():
 
 @check
 def anchors():
-    """The INT8 DiT made sequence-parallel on 4 devices: each replica loaded onto a stand-in device ("meta":
+    """The INT8 DiT made sequence-parallel on 4 devices: each of ranks 1-3's copies (replicas) loaded onto a stand-in device ("meta":
     nothing can come back by copying) and unloaded 3 times, through ModelPatcher; afterwards every INT8 weight
     of the source and the 3 replicas is back in one host copy. The control, an unanchored copy, cannot come back."""
     import torch
@@ -276,7 +276,9 @@ def anchors():
     dm = patcher.model.diffusion_model
     source = {n: m.weight._qdata.untyped_storage().data_ptr() for n, m in int8_probe.quantized_layers(dm).items()}
     par = mdit.apply_sequence_parallel(patcher, [torch.device("cpu")] * 4)
-    replicas = [p.model for p in par.get_additional_models_with_key(mdit.KEY)]
+    w = mdit.get_wrapper(par)
+    w.runtime.run("dit_empty_cache", None, configs=[w.config])  # every rank sets up its own copy (a real command)
+    replicas = [c.configs[w.config.id].patcher.model for c in w.runtime.contexts[1:]]
     cycles = 0
     for _ in range(3):
         for r in replicas:

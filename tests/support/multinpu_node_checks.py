@@ -53,16 +53,17 @@ def _forward(patcher, seed=0):
 def process_transport_server_copy():
     """With the process transport the server computes no DiT forward: its copy of the model must stay on the host,
     unpatched, while worker rank 0's device and the LoRA go to the workers. A stand-in accelerator ("meta") as the
-    loaded model's device, and a stand-in runtime (apply_sequence_parallel only reads its size and backend)."""
+    loaded model's device, and a stand-in runtime (apply_sequence_parallel only reads its size and settings)."""
     import torch
     import comfy.multinpu_dit
+    import comfy.multinpu_group
     import comfy.multinpu_shard
     import comfy.patcher_extension
     from h3kit.runtime import parity_common, parity_dit
     base, _ = _tiny_patcher()
     lora = parity_common.lora_state_dict(base.model.diffusion_model.state_dict(), "blocks.", "diffusion_model.", 0)
     patched = parity_dit._apply_lora(base, lora)[0]
-    runtime = types.SimpleNamespace(world_size=2, spec=types.SimpleNamespace(backend="hccl"))
+    runtime = types.SimpleNamespace(world_size=2, spec=comfy.multinpu_group.GroupSpec(local_size=2, device_type="npu"))
     out = {}
     for weights in ("replicated", "sharded"):
         p = patched.clone()
@@ -71,7 +72,7 @@ def process_transport_server_copy():
         wrapper = comfy.multinpu_dit.get_wrapper(m)
         shards = comfy.multinpu_shard.of(m.model.diffusion_model)
         out[weights] = {"load_device": str(m.load_device), "offload_device": str(m.offload_device),
-                        "rank_device": str(wrapper.rank_device), "devices": [str(d) for d in wrapper.devices],
+                        "rank_device": str(wrapper.rank_device), "devices": [str(wrapper.device)],
                         "server_patches": len(m.patches), "sent_patches": len(wrapper.config.payload["patches"]),
                         "shard_device": str(shards.device) if shards is not None else None,
                         "on_load": len(m.get_all_callbacks(comfy.patcher_extension.CallbacksMP.ON_LOAD))}
@@ -200,6 +201,13 @@ def device_check():
             "one_passes_through": out_one[0] is patcher and out_one[1:] == (None, None, None)}
 
 
+def _rank_models(w):
+    """Each rank's own copy of the DiT (BaseModel) in a thread runtime, its configuration installed first by a real
+    command."""
+    w.runtime.run("dit_empty_cache", None, configs=[w.config])
+    return [c.configs[w.config.id].patcher.model for c in w.runtime.contexts]
+
+
 @check
 def wrapper_paths():
     """3 ranks (8 heads: auto picks the K/V gather) equal one device; replacements without the wrapper change nothing."""
@@ -210,27 +218,29 @@ def wrapper_paths():
     ref = _forward(patcher)
     m = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu"] * 3)
     w = comfy.multinpu_dit.get_wrapper(m)
+    w.count_bytes = True  # every rank's counts to rank 0, as h3kit parity asks
     # the final layer must run once, on rank 0: the others stop after the last block
     final_calls = [0, 0, 0]
-    models = [patcher.model] + w.replicas[1:]
+    models = _rank_models(w)
     hooks = [mdl.diffusion_model.final_layer.register_forward_hook(
         lambda mod, a, o, r=r: final_calls.__setitem__(r, final_calls[r] + 1)) for r, mdl in enumerate(models)]
     par = _forward(m)
     for h in hooks:
         h.remove()
-    replicas_share = all(r.diffusion_model is not patcher.model.diffusion_model and
-                         r.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr()
-                         == patcher.model.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr()
-                         for r in w.replicas[1:])
+    # every rank its own modules over the one host copy of the weights (the server's copy included)
+    own = {id(mdl.diffusion_model) for mdl in models} | {id(m.model.diffusion_model)}
+    replicas_share = len(own) == 4 and all(
+        mdl.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr()
+        == patcher.model.diffusion_model.blocks[0].attn.qkv_proj.weight.data_ptr() for mdl in models)
     bare = m.clone()
     bare.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, comfy.multinpu_dit.KEY)
     no_wrapper = _forward(bare)
-    again = comfy.multinpu_dit.apply_sequence_parallel(m, w.devices)
+    again = comfy.multinpu_dit.apply_sequence_parallel(m, ["cpu"] * 3)
     return {"equal": checks_runner.all_equal(ref, par), "forwards": w.forwards,
             "rank_forwards": w.rank_forwards, "final_layer_calls": final_calls,
             "bytes": w.bytes_moved, "bytes_received": w.bytes_received, "attention_heads": 8,
-            "replicas_share_weights": replicas_share,
-            "replicas": len(w.replicas), "extra_models": len(m.get_additional_models_with_key(comfy.multinpu_dit.KEY)),
+            "replicas_share_weights": replicas_share, "server_device": str(m.load_device),
+            "replicas": len(models), "extra_models": len(m.get_additional_models_with_key(comfy.multinpu_dit.KEY)),
             "blocks_without_wrapper_equal": checks_runner.all_equal(ref, no_wrapper),
             "reapplied_wrappers": len(again.get_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, comfy.multinpu_dit.KEY)),
             "reapplied_extra_models": len(again.get_additional_models_with_key(comfy.multinpu_dit.KEY))}
@@ -258,6 +268,21 @@ def refusals():
         out["overridden_later"] = None
     except RuntimeError as e:
         out["overridden_later"] = str(e)
+    # what only the thread path once ran: a diffusion-model wrapper added after the node, another node's attention
+    # override; the ranks cannot run either (they exist only in the server), on either transport
+    import comfy.patcher_extension
+    wrapped = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu", "cpu"])
+    wrapped.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "later",
+                                 lambda executor, *a, **k: executor(*a, **k))
+    overridden = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu", "cpu"])
+    overridden.model_options["transformer_options"]["optimized_attention_override"] = (
+        lambda func, *a, **k: func(*a, **k))
+    for name, p in (("wrapper_after", wrapped), ("attention_override", overridden)):
+        try:
+            _forward(p)
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = str(e)
     return out
 
 
@@ -271,29 +296,129 @@ def _sp_model(timeout):
 @check
 def inputs_copied_before_rank0_works():
     """The workers copy their inputs off rank 0's device before rank 0 queues its own work there (where their
-    copies would wait behind it): each worker's copy is slowed down, and rank 0's first op must come after."""
-    import comfy.multinpu_dit
+    copies would wait behind it): the command's buffer reaches them in worker rank 0's broadcast, which returns on
+    rank 0 once every rank copied it. Each worker's copy is slowed down, and rank 0's first op must come after."""
+    import threading
+    import torch
+    import comfy.multinpu
     m, w = _sp_model(timeout=300.0)
+    models = _rank_models(w)
     copied, started = [], []
-    real = comfy.multinpu_dit.take_inputs
+    real = comfy.multinpu.ThreadComm._copy_in
 
-    def slow_copy(inputs, comm):
-        if comm.rank == 0:  # rank 0 copies nothing
-            return real(inputs, comm)
-        time.sleep(0.3)
-        out = real(inputs, comm)
-        copied.append(time.monotonic())
-        return out
+    def slow_copy(comm, t):
+        if threading.current_thread() is not threading.main_thread() and t.dtype == torch.uint8:
+            time.sleep(0.3)  # a worker receiving the command's buffer
+            out = real(comm, t)
+            copied.append(time.monotonic())
+            return out
+        return real(comm, t)
 
-    hook = m.model.diffusion_model.video_patch_proj.register_forward_pre_hook(
+    hook = models[0].diffusion_model.video_patch_proj.register_forward_pre_hook(
         lambda mod, args: started.append(time.monotonic()))
-    comfy.multinpu_dit.take_inputs = slow_copy
+    comfy.multinpu.ThreadComm._copy_in = slow_copy
     try:
         _forward(m)
     finally:
-        comfy.multinpu_dit.take_inputs = real
+        comfy.multinpu.ThreadComm._copy_in = real
         hook.remove()
     return {"copies": len(copied), "rank0_started_after": bool(started) and min(started) >= max(copied)}
+
+
+@check
+def thread_runtime():
+    """comfy.multinpu_threads.ThreadRuntime on its own: the command path (the payload through the wire code, one copy
+    per rank), the caller's modes on every rank, After after the closing barrier, a rank's exception with its type and
+    rank, and a configuration whose digest differs refused as the process driver refuses it."""
+    import torch
+    import comfy.multinpu_dit
+    import comfy.multinpu_group as group
+    import comfy.multinpu_process
+    import comfy.multinpu_threads
+    rt = comfy.multinpu_threads.ThreadRuntime(["cpu"] * 3, timeout=60.0)
+    seen, after = {}, []
+
+    def probe(context, comm, payload):
+        t = payload["t"]
+        seen[comm.rank] = {"device": str(context.device), "same_context": context is rt.contexts[comm.rank],
+                           "inference": torch.is_inference_mode_enabled(), "grad": torch.is_grad_enabled(),
+                           "own_copy": t.data_ptr(), "value": t.tolist(), "text": payload["text"]}
+        total = comfy.multinpu.all_reduce(t, comm)
+        if comm.rank == 1:
+            return group.After(lambda: after.append(len(seen)))
+        return {"sum": total} if comm.rank == 0 else None
+
+    def failing(context, comm, payload):
+        if comm.rank == 2:
+            raise ValueError("injected on rank 2")
+        comm.barrier()
+
+    group.PROGRAMS["h3kit_test_probe"], group.PROGRAMS["h3kit_test_fail"] = probe, failing
+    try:
+        x = torch.arange(4.0)
+        with torch.inference_mode():
+            out = rt.run("h3kit_test_probe", {"t": x, "text": "hello"})
+        try:
+            rt.run("h3kit_test_fail", None)
+            failed = None
+        except ValueError as e:
+            failed = {"message": str(e), "notes": getattr(e, "__notes__", [])}
+        try:
+            rt.run("h3kit_no_such_program", None)
+            unknown = None
+        except group.GroupError as e:
+            unknown = str(e)
+        patcher, _ = _tiny_patcher()
+        m = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu"] * 3)
+        good = comfy.multinpu_dit.get_wrapper(m).config
+        bad = comfy.multinpu_process.RemoteConfig(good.program, good.payload, dict(good.digest, files="other"), good.what)
+        try:
+            rt.run("dit_empty_cache", None, configs=[bad])
+            mismatch = None
+        except group.ConfigMismatch as e:
+            mismatch = str(e)
+        rt.run("dit_empty_cache", None, configs=[good])
+        installed = dict(good.installed)
+    finally:
+        del group.PROGRAMS["h3kit_test_probe"], group.PROGRAMS["h3kit_test_fail"]
+        rt.shutdown()
+    return {"result": {"sum": out["sum"].tolist()}, "seen": {str(k): v for k, v in seen.items()},
+            "copies": len({v["own_copy"] for v in seen.values()} | {x.data_ptr()}), "after": after,
+            "failed": failed, "unknown": unknown, "mismatch": mismatch, "installed": sorted(installed),
+            "spec": {"backend": rt.spec.backend, "world_size": rt.world_size, "rank1": rt.spec.describe_rank(1)}}
+
+
+@check
+def same_programs():
+    """The thread transport runs the worker programs the process workers run (comfy.multinpu_group.PROGRAMS, by
+    name), each rank with its own context: every registered DiT program is counted per rank over a setup, a forward
+    and the cache emptying after sampling. And multinpu_dit.py has one code path (no thread-only branch left)."""
+    import inspect
+    import comfy.multinpu_dit
+    import comfy.multinpu_group
+    import comfy.multinpu_threads
+    programs = comfy.multinpu_group.PROGRAMS
+    names = ("dit_config", "dit_forward", "dit_empty_cache")
+    registered = {n: programs[n].__module__ + "." + programs[n].__name__ for n in names}
+    calls = {n: [] for n in names}
+    real = {n: programs[n] for n in names}
+    for n in names:
+        programs[n] = lambda context, comm, payload, n=n: calls[n].append((comm.rank, id(context))) or real[n](
+            context, comm, payload)
+    try:
+        m, w = _sp_model(timeout=300.0)
+        patcher, _ = _tiny_patcher()
+        equal = checks_runner.all_equal(_forward(m), _forward(patcher))
+        w.empty_caches()
+    finally:
+        programs.update(real)
+    source = inspect.getsource(comfy.multinpu_dit)
+    return {"registered": registered, "runtime": type(w.runtime).__module__ + "." + type(w.runtime).__name__,
+            "calls": {n: sorted(r for r, _ in c) for n, c in calls.items()},
+            "contexts": {n: len({i for _, i in c}) for n, c in calls.items()}, "equal": equal,
+            "runtime_is_none": source.count("runtime is None"),
+            "thread_only": [s for s in ("ThreadGroup", "RankThreads", "replicas", "get_additional_models")
+                            if s in source]}
 
 
 @check
@@ -347,13 +472,13 @@ def stall():
     finally:
         comfy.multinpu.all_gather_v = real
     elapsed = time.monotonic() - t0
-    old = w._threads
+    old = w.runtime._threads
     patcher, _ = _tiny_patcher()
     recovered = checks_runner.all_equal(_forward(m), _forward(patcher))
     # the abandoned worker wakes up, hits the broken group and exits: it must not outlive the process
     old_exited = old.join(15.0)
     return {"error": err, "seconds": elapsed, "timeout": timeout, "pool_broken": old.broken, "recovered": recovered,
-            "new_pool": w._threads is not old and not w._threads.broken, "old_workers_exited": old_exited}
+            "new_pool": w.runtime._threads is not old and not w.runtime._threads.broken, "old_workers_exited": old_exited}
 
 
 def main(argv=None):

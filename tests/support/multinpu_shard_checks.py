@@ -41,11 +41,15 @@ def _sample(patcher, weights=None, npu_count=2):
     m, capture, inputs = pw._prepare(patcher, "t2va", 0)
     if weights is not None:
         m = NODE.execute(model=m, npu_count=npu_count, weights=weights).args[0]
-    out = pw._run(m, capture, inputs, 1, 0)
-    wrapper = comfy.multinpu_dit.get_wrapper(m)
-    if wrapper is not None and wrapper._threads is not None:
-        wrapper._threads.shutdown()
-    return m, out
+    # the ranks keep their copies until `m` goes away (its thread runtime then lets go of them at the next command)
+    return m, pw._run(m, capture, inputs, 1, 0)
+
+
+def _ranks(m):
+    """Every rank's own copy of the DiT (its ModelPatcher), as the rank threads hold them after a forward; the
+    server's copy `m` stays on the host and computes nothing."""
+    w = comfy.multinpu_dit.get_wrapper(m)
+    return [c.configs[w.config.id].patcher for c in w.runtime.contexts]
 
 
 @contextlib.contextmanager
@@ -74,13 +78,14 @@ def check_partial_load():
         try:
             with _short_of_memory():
                 m, sharded = _sample(LORA, "sharded")
-            shards = comfy.multinpu_shard.of(m.model.diffusion_model)
-            lowvram = sum(1 for mod in m.model.diffusion_model.blocks.modules()
+            rank0 = _ranks(m)[0]
+            shards = comfy.multinpu_shard.of(rank0.model.diffusion_model)
+            lowvram = sum(1 for mod in rank0.model.diffusion_model.blocks.modules()
                           if any(getattr(f, "is_lowvram_patch", False) for f in getattr(mod, "weight_function", [])))
             out["guard" if guard else "no_guard"] = {
                 "max_abs": pw._dit_metrics(single, sharded)[1]["max_abs"], "built": shards.built,
                 "rebuilt": shards.rebuilt, "lowvram_patches_left": lowvram,
-                "model_lowvram": bool(m.model.model_lowvram)}
+                "model_lowvram": bool(rank0.model.model_lowvram)}
         finally:
             comfy.multinpu_shard._drop_lowvram_patch = real
             comfy.model_management.unload_all_models()
@@ -90,10 +95,12 @@ def check_partial_load():
 @contextlib.contextmanager
 def _card_budget(nbytes: int):
     """ComfyUI's loader given `nbytes` for a model's weights (the lowvram budget load_models_gpu computes from a
-    card's free memory; the cpu, which always loads fully, passes for a short device)."""
+    card's free memory, less what the model already holds there, as it does; the cpu, which always loads fully,
+    passes for a short device). Every rank loads its model before each forward."""
     lm = comfy.model_management.LoadedModel
     real = lm.model_load
-    lm.model_load = lambda self, lowvram_model_memory=0, force_patch_weights=False: real(self, nbytes, force_patch_weights)
+    lm.model_load = lambda self, lowvram_model_memory=0, force_patch_weights=False: real(
+        self, max(0.1, nbytes - self.model_loaded_memory()), force_patch_weights)
     try:
         yield
     finally:
@@ -113,7 +120,7 @@ def check_per_block_slope():
     budget = probe.model_size() - slice_bytes[0] * 3 // 2
     with _card_budget(budget):
         m, sharded = _sample(BASE, "sharded")
-    ranks = [m] + m.get_additional_models_with_key(comfy.multinpu_dit.KEY)
+    ranks = _ranks(m)
     per_rank = []
     for p in ranks:
         sh = comfy.multinpu_shard.of(p.model.diffusion_model)
@@ -167,7 +174,7 @@ def check_unload_and_host_copies():
     """An unload frees every rank's slices (they come back on the next load); the sharded ranks read from the one
     host copy: no weight of theirs lives outside the loaded model's storage."""
     m, _ = _sample(BASE, "sharded")
-    ranks = [m] + m.get_additional_models_with_key(comfy.multinpu_dit.KEY)
+    ranks = _ranks(m)
     shards = [comfy.multinpu_shard.of(p.model.diffusion_model) for p in ranks]
     loaded = [s.built for s in shards]
     resident = [comfy.multinpu_shard.resident_bytes(p.model.diffusion_model) for p in ranks]

@@ -382,12 +382,15 @@ def vae_weights_shared():
 
 @check
 def dit_weights_shared():
-    """The DiT replicas share the loaded host copy and return to it after a load/unload cycle (issue 5's gap)."""
+    """The DiT copies of ranks 1-3 (replicas) share the loaded host copy and return to it after a load/unload cycle
+    (issue 5's gap)."""
     import torch
     import comfy.multinpu_dit as sp
     patcher = _dit()
     m = sp.apply_sequence_parallel(patcher, [torch.device("cpu")] * 4)
-    replicas = m.get_additional_models_with_key(sp.KEY)
+    w = sp.get_wrapper(m)
+    w.runtime.run("dit_empty_cache", None, configs=[w.config])  # every rank sets up its own copy (a real command)
+    replicas = [c.configs[w.config.id].patcher for c in w.runtime.contexts[1:]]
     source = _storages(patcher.model)
     out = {"replicas": len(replicas), "all_in_source": all(_storages(r.model) <= source for r in replicas)}
     for r in replicas:

@@ -1,9 +1,8 @@
 """Sequence parallelism for the MiniMax H3 DiT across devices, through upstream's extension points only.
 
 A forward on P devices (MiniMaxH3Model is not edited; comfy/ldm/minimax/model.py stays upstream's):
-1. The DIFFUSION_MODEL wrapper (SequenceParallelDiT) runs MiniMaxH3Model._forward on every rank:
-   rank 0 in the calling thread on the model's device, ranks 1..P-1 in worker threads on replicas of
-   the DiT (one per extra device, built in memory from the loaded model, never from the file).
+1. The DIFFUSION_MODEL wrapper (SequenceParallelDiT) hands the forward's inputs to the ranks' runtime, whose
+   every rank runs MiniMaxH3Model._forward on its own copy of the DiT (the dit_forward program).
 2. Every rank embeds the whole packed sequence [text | cond or refs | audio | video] and builds the
    same RoPE table and adaLN rows; this is per-token work, cheap next to the blocks.
 3. The block replacement for block 0 keeps the rank's contiguous shard of rows (shard_sizes: lengths
@@ -22,12 +21,14 @@ Weights: replicated (every rank holds the whole DiT, about 66 GB at BF16 for H3)
 gathered just before it runs and dropped after it). Sequence parallelism splits the activations and the
 attention work; sharding splits the weights too, at the cost of one all-gather of each block per forward.
 
-Two transports run the same forward. Threads (above): the ranks are threads of this process. Processes
-(comfy.multinpu_process): the ranks are the processes of a torch.distributed group; rank 0 broadcasts
-each forward's inputs (latents, timestep, context, the payload with its packed layout), every rank runs
-_forward on its own copy of the DiT (loaded by the worker from the same file, with the same weight
-patches, checked by digest: comfy.multinpu_models) and the same block replacements and attention
-override run the collectives over the group.
+One code path for both transports: the ranks are the worker processes of a torch.distributed group
+(comfy.multinpu_process) or threads of this process (comfy.multinpu_threads), and either way they run the
+programs below (dit_config, dit_forward, dit_empty_cache) through the same command path: worker rank 0
+broadcasts each forward's inputs (latents, timestep, context, the payload with its packed layout), every rank
+runs _forward on its own copy of the DiT (a structural copy over the weights the worker loaded from the same
+file, with the server's weight patches, checked by digest: comfy.multinpu_models) and the same block
+replacements and attention override run the collectives over the group. The server's copy stays on the host,
+unpatched: it computes no DiT forward.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ import torch
 
 import comfy.ldm.minimax.model
 import comfy.model_management
+import comfy.model_patcher
 import comfy.multidevice
 import comfy.multinpu
 import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
 import comfy.multinpu_shard
+import comfy.multinpu_threads
 import comfy.multinpu_weights
 import comfy.patcher_extension
 import comfy.sampler_helpers
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
     from comfy.model_patcher import ModelPatcher
 
 RANK_KEY = "multinpu_rank"           # transformer_options: this rank's _RankState during a forward
-KEY = "multinpu_sequence_parallel"   # wrapper key and additional-models key on the ModelPatcher
+KEY = "multinpu_sequence_parallel"   # the wrappers' and callbacks' key on the ModelPatcher
 ATTENTION_MODES = ("auto", "ulysses", "kv_gather")
 WEIGHTS_MODES = ("auto", "replicated", "sharded")
 
@@ -70,12 +73,23 @@ WEIGHTS_MODES = ("auto", "replicated", "sharded")
 # diffusion model as its forward starts, the return value ignored: the hook may register module hooks there and
 # hand their removal to state.cleanup, which runs when the rank's forward ends). A hook with a report(rank) method
 # has it called on each rank after each forward: the integers come back in SequenceParallelDiT.rank_reports (what
-# each rank measured on itself, gathered over the group with processes).
+# each rank measured on itself, gathered over the group). The server's value travels to the ranks with every
+# forward; a rank's program holds its copy in _rank_hook (per thread: rank threads share this module), so one rank
+# ending its forward never takes the hook from another rank, nor from the server.
 fault_hook = None
+_rank_hook = threading.local()
+_UNSET = object()
+
+
+def current_fault_hook():
+    """The fault hook of this rank's forward (its program's copy), else the module's."""
+    hook = getattr(_rank_hook, "hook", _UNSET)
+    return fault_hook if hook is _UNSET else hook
 
 
 def _fault(stage: str, state, t: torch.Tensor) -> torch.Tensor:
-    return t if fault_hook is None else fault_hook(stage, state, t)
+    hook = current_fault_hook()
+    return t if hook is None else hook(stage, state, t)
 
 
 class _RankDone(BaseException):
@@ -170,7 +184,7 @@ class SequenceParallelAttention:
             hp = h // comm.world_size
             # q, k, v in one all-to-all, packed straight into its send buffer: 3 x [B, H, s_r, D] -> 3 x [B, H/P, S, D]
             q, k, v = comfy.multinpu.all_to_all_scatter_heads((q, k, v), comm, st.sizes)
-            if fault_hook is not None:
+            if current_fault_hook() is not None:
                 q, k, v = _fault("ulysses", st, torch.cat([q, k, v])).chunk(3)     # [3B, H/P, S, D]
             out = self._local(func, q, k, v, hp, *args, **kwargs)                  # [B, S, H/P*D]
             out = out.reshape(b, -1, hp, d)                                        # [B, S, H/P, D]
@@ -227,39 +241,34 @@ def _to(obj, device):
     return obj
 
 
-def take_inputs(inputs: tuple, comm) -> tuple:
-    """Rank comm.rank's own copy of the forward's inputs on its device (rank 0 runs on them as they are)."""
-    return inputs if comm.rank == 0 else _to(inputs, comm.device)
-
-
 class SequenceParallelDiT:
-    """DIFFUSION_MODEL wrapper running MiniMaxH3Model._forward sequence-parallel on `devices`.
+    """DIFFUSION_MODEL wrapper running MiniMaxH3Model._forward sequence-parallel on the ranks of `runtime`.
 
-    Threads: replicas[r] (r >= 1) is the BaseModel whose diffusion_model rank r runs; replicas[0] is None
-    (rank 0 is the wrapped model itself). Processes: `runtime` is rank 0's comfy.multinpu_process
-    runtime, devices is [rank 0's device] and `config` what every worker loads. `weights` is "replicated"
-    or "sharded" (every rank's DiT is then sharded: comfy.multinpu_shard). One forward at a time per
-    wrapper. forwards, rank_forwards (per rank), bytes_moved and bytes_received (per rank, everything the
-    transport moved), weight_bytes_received (per rank, the sharded weights' gathers: part of the former)
-    and resident_bytes (per rank, the weights it held during the last forward) count what ran, for logs
-    and `h3kit parity` (with processes the other ranks' figures reach rank 0 when count_bytes is set).
+    runtime: the server's comfy.multinpu_process.GroupRuntime (worker processes) or a
+    comfy.multinpu_threads.ThreadRuntime (threads of this process); either runs the dit_forward program on every
+    rank, each on its own copy of the DiT described by `config` (what every rank loads, checked by digest).
+    device: where the server's copy and the sampler's latents live (the host); rank_device: worker rank 0's
+    device. `weights` is "replicated" or "sharded" (every rank's DiT is then sharded: comfy.multinpu_shard). One
+    forward at a time per wrapper. forwards, rank_forwards (per rank), bytes_moved and bytes_received (per rank,
+    everything the transport moved), weight_bytes_received (per rank, the sharded weights' gathers: part of the
+    former) and resident_bytes (per rank, the weights it held during the last forward) count what ran, for logs
+    and `h3kit parity` (the other ranks' figures reach rank 0 when count_bytes is set).
     memory_estimates holds ComfyUI's activation estimate per rank for the current sampling (RankMemory).
     """
 
-    def __init__(self, devices, replicas, attention: str = "auto", timeout: float = comfy.multinpu.DEFAULT_TIMEOUT,
-                 runtime=None, config=None, weights: str = "replicated"):
+    def __init__(self, runtime, config, attention: str = "auto", weights: str = "replicated", device=None,
+                 rank_device=None):
         if attention not in ATTENTION_MODES:
             raise ValueError(f"MultiNPU: attention must be one of {ATTENTION_MODES}, got {attention!r}")
-        self.devices = list(devices)
-        self.replicas = list(replicas)
-        self.attention = attention
-        self.timeout = timeout
         self.runtime = runtime
         self.config = config
+        self.attention = attention
         self.weights = weights
-        self.count_bytes = False   # processes: every forward also gathers the bytes each rank received
+        self.device = torch.device(device if device is not None else "cpu")
+        self.rank_device = torch.device(rank_device) if rank_device is not None else self.device
+        self.count_bytes = False   # every forward also gathers the bytes each rank received
         self.rank_bytes = None     # ... into this list, for the last forward
-        self.world = runtime.world_size if runtime is not None else len(self.devices)
+        self.world = runtime.world_size
         self.forwards = 0
         self.rank_forwards = [0] * self.world
         self.bytes_moved = 0
@@ -268,19 +277,20 @@ class SequenceParallelDiT:
         self.resident_bytes = [0] * self.world
         self.memory_estimates = None      # [(memory_required, minimum_memory_required)] per rank
         self.memory_estimate_one = None   # ComfyUI's own estimate for the whole latent on one device
-        self.rank_device = self.devices[0]  # processes: worker rank 0's device (the server's copy stays on the host)
         self.memory_used = [0] * self.world  # the memory_required each rank's last load was sized with
         self.caches_emptied = [0] * self.world
         self.rank_reports = []  # per forward, while fault_hook has a report(): what it reported on every rank
-        self._threads = None
         self._lock = threading.Lock()
 
-    def _pool(self):
-        if self._threads is None or self._threads.broken:
-            self._threads = comfy.multinpu.RankThreads(self.devices, set_device=comfy.multidevice.set_device)
-            # the workers outlive a forward, not the model: stop them when this wrapper goes away
-            weakref.finalize(self, self._threads.shutdown)
-        return self._threads
+    @property
+    def timeout(self) -> float:
+        """The bound of a collective (the thread runtime's; a process group's is fixed when it starts)."""
+        return getattr(self.runtime, "timeout", self.runtime.spec.timeout)
+
+    @timeout.setter
+    def timeout(self, seconds: float):
+        if hasattr(self.runtime, "timeout"):
+            self.runtime.timeout = float(seconds)
 
     def _check_blocks(self, dm, transformer_options):
         blocks = transformer_options.get("patches_replace", {}).get("dit", {})
@@ -293,61 +303,17 @@ class SequenceParallelDiT:
     def __call__(self, executor, x, timestep, context, transformer_options, *args, **kwargs):
         dm = executor.class_obj
         self._check_blocks(dm, transformer_options)
-        if x[0].device != self.devices[0]:
-            raise RuntimeError(f"MultiNPU: the model runs on {x[0].device} but rank 0 was set up for {self.devices[0]}")
-        if self.runtime is not None:
-            return self._call_processes(executor, x, timestep, context, transformer_options, args, kwargs)
-        group = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout)
-
-        def rank_forward(comm):
-            run, rank_dm = executor, dm
-            if comm.rank > 0:
-                # the rest of the wrapper chain, ending in the replica's own _forward
-                rank_dm = self.replicas[comm.rank].diffusion_model
-                run = comfy.patcher_extension.WrapperExecutor.new_class_executor(
-                    rank_dm._forward, rank_dm, executor.wrappers, idx=executor.idx + 1).execute
-            options = transformer_options.copy()
-            state = options[RANK_KEY] = rank_state(comm, self.attention, rank_dm)
-            inputs = take_inputs((x, timestep, context, args, kwargs), comm)
-            # the workers copy their inputs from rank 0's device before rank 0 queues its own work there,
-            # where their copies would otherwise wait behind it
-            comfy.multinpu.barrier(comm)
-            x_r, timestep_r, context_r, args_r, kwargs_r = inputs
-            try:
-                return run(x_r, timestep_r, context_r, options, *args_r, **kwargs_r)
-            except _RankDone:
-                return None
-            finally:
-                self.weight_bytes_received[comm.rank] += finish_rank(state)
-                self.resident_bytes[comm.rank] = comfy.multinpu_shard.resident_bytes(rank_dm)
-                # counted on the rank, from what it ran: a rank that skipped a block did not run the forward
-                self.rank_forwards[comm.rank] += state.ran_every_block()
-                reports[comm.rank] = _hook_report(comm.rank)
-
-        reports = [0] * self.world
-        t0 = time.perf_counter()
-        with self._lock:
-            out = group.run(rank_forward, self._pool())[0]
-        if hasattr(fault_hook, "report"):
-            self.rank_reports.append(reports)
-        self.forwards += 1
-        self.bytes_moved += group.bytes_moved
-        self.bytes_received = [a + b for a, b in zip(self.bytes_received, group.bytes_received)]
-        logging.debug(f"MultiNPU: DiT forward on {len(self.devices)} devices in {time.perf_counter() - t0:.3f} s, "
-                      f"{group.bytes_moved / 2**20:.1f} MiB exchanged")
-        return out
-
-
-    def _call_processes(self, executor, x, timestep, context, transformer_options, args, kwargs):
+        if x[0].device != self.device:
+            raise RuntimeError(f"MultiNPU: the model runs on {x[0].device} but its copy was set up on {self.device}")
         inner = executor.wrappers[executor.idx + 1:]
         if inner:
-            # they would run on rank 0 only: the other ranks' forwards would differ from rank 0's
+            # they would run in the server only, where no forward runs: the ranks' forwards would not have them
             raise RuntimeError(f"MultiNPU: {len(inner)} diffusion-model wrapper(s) were added after "
-                               "MultiNPUParallelConfig; with the process transport the node must come last")
+                               "MultiNPUParallelConfig; the node must come last in the model chain")
         if transformer_options.get("optimized_attention_override") is not None:
-            raise RuntimeError("MultiNPU: another node set an attention override, which cannot run in the worker "
-                               "processes; remove it or start the server with --transport threads")
-        # the fault hook (`h3kit parity --inject-fault`, None otherwise) runs on every rank, as with threads
+            raise RuntimeError("MultiNPU: another node set an attention override, which the ranks cannot run (it "
+                               "exists only as a Python object in the server); remove it")
+        # the fault hook (`h3kit parity --inject-fault`, None otherwise) runs on every rank
         payload = {"config": self.config.id, "attention": self.attention, "count_bytes": self.count_bytes,
                    "fault_hook": fault_hook, "memory": self.memory_estimates, "x": x, "timestep": timestep,
                    "context": context, "options": plain_options(transformer_options), "args": args, "kwargs": kwargs}
@@ -356,7 +322,7 @@ class SequenceParallelDiT:
         with self._lock:
             # every rank is a worker; rank 0's returns the forward's output after the final gather
             out, counts = self.runtime.run("dit_forward", payload, configs=[self.config])
-        out = _to(out, x[0].device)  # from shared memory (the host) to where the sampler runs
+        out = _to(out, x[0].device)  # from the host buffer to where the sampler runs
         self.forwards += 1
         # what each rank counted itself (every rank's with count_bytes, else rank 0's alone)
         for r, c in enumerate(counts):
@@ -371,28 +337,21 @@ class SequenceParallelDiT:
             self.resident_bytes[r] = c[3]
             self.memory_used[r] = c[4]
         if fault_hook is not None and hasattr(fault_hook, "fired"):
-            fault_hook.fired += sum(c[1] for c in counts)  # the strikes on the ranks (all workers)
-        logging.debug(f"MultiNPU: DiT forward on {self.runtime.world_size} processes in {time.perf_counter() - t0:.3f} s, "
-                      f"{sum(self.rank_bytes) / 2**20:.1f} MiB exchanged")
+            fault_hook.fired += sum(c[1] for c in counts)  # the strikes on the ranks (each rank holds a copy)
+        logging.debug(f"MultiNPU: DiT forward on {self.world} ranks ({self.runtime.spec.backend}) in "
+                      f"{time.perf_counter() - t0:.3f} s, {sum(self.rank_bytes) / 2**20:.1f} MiB exchanged")
         return out
 
     def empty_caches(self):
         """Return every rank's reserved but unused device memory to the device (after sampling: the next stage,
         the VAE decode, would otherwise find it taken). Counts the calls per rank in caches_emptied."""
-        if self.runtime is not None:
-            try:
-                counts = self.runtime.run("dit_empty_cache", None)
-            except (comfy.multinpu_group.GroupError, comfy.multinpu.CollectiveError) as e:
-                # the sampling itself succeeded; a rank that died since is named again by the next command
-                logging.warning(f"MultiNPU: the workers' caches were not emptied after sampling: {e}")
-                return
-            self.caches_emptied = [a + c[0] for a, c in zip(self.caches_emptied, counts)]
+        try:
+            counts = self.runtime.run("dit_empty_cache", None)
+        except (comfy.multinpu_group.GroupError, comfy.multinpu.CollectiveError) as e:
+            # the sampling itself succeeded; a rank that failed since is named again by the next command
+            logging.warning(f"MultiNPU: the ranks' caches were not emptied after sampling: {e}")
             return
-        for r, device in enumerate(self.devices):
-            # empty_cache acts on the current device: make each rank's device current in turn
-            with comfy.multidevice.device_context(device):
-                comfy.model_management.soft_empty_cache()
-            self.caches_emptied[r] += 1
+        self.caches_emptied = [a + c[0] for a, c in zip(self.caches_emptied, counts)]
 
 
 def rank_state(comm, attention: str, dm) -> _RankState:
@@ -404,11 +363,6 @@ def rank_state(comm, attention: str, dm) -> _RankState:
         state.weights = comfy.multinpu_shard.WeightGather(shards, comm, fault=_fault)
     _fault("rank", state, dm)
     return state
-
-
-def _hook_report(rank: int) -> int:
-    report = getattr(fault_hook, "report", None)
-    return int(report(rank)) if report is not None else 0
 
 
 def finish_rank(state: _RankState) -> int:
@@ -443,7 +397,8 @@ def plain_options(options: dict) -> dict:
 
 
 class _WorkerDiT:
-    """A worker's copy of the DiT for one configuration: its loaded model with rank 0's weight patches."""
+    """A rank's copy of the DiT for one configuration: a structural copy of its loaded model with the server's
+    weight patches."""
 
     def __init__(self, patcher, digest: dict):
         self.patcher = patcher
@@ -456,43 +411,67 @@ class _WorkerDiT:
 def _load_on_worker(context, comm, payload):
     src, patches, weights = payload["source"], payload["patches"], payload["weights"]
     base = comfy.multinpu_models.load(src)
-    # another configuration of the same file may be loaded with its patches applied to the shared host weights:
-    # unloaded, they are the file's again (what rank 0 does before it sets a configuration up)
-    comfy.model_management.unload_model_and_clones(base)
+    # another configuration of the same file may be loaded with its patches applied to the shared host weights, or
+    # moved to a device: unloaded, they are the file's on the host again (what the server does before it sets a
+    # configuration up). Only those: the server's own copy (unpatched, on the host; in this process when the ranks
+    # are threads) stays loaded
+    _restore_host_weights(base)
     comfy.multinpu_models.map_file_weights(base.model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(base.model)
     patcher = comfy.multinpu_models.patched_clone(base, patches)
+    # the rank's own modules over the shared host weights: ranks that are threads of one process get the same base
+    # from the model cache, and loading rank r's copy onto device r must not move rank q's
     if weights == "sharded":
         patcher = sharded_patcher(patcher, context.device, comm.rank, comm.world_size)
+    else:
+        patcher = _replica_patcher(patcher, context.device)
     return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches, weights=weights))
+
+
+def _restore_host_weights(patcher):
+    """Unload the loaded clones of `patcher` (ModelPatchers over the same model) that patched its weights or hold
+    them off the host."""
+    mm = comfy.model_management
+    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+        clone = mm.current_loaded_models[i].model
+        if clone is not None and clone.is_clone(patcher) and (
+                clone.patches or clone.current_loaded_device() != clone.offload_device):
+            mm.current_loaded_models.pop(i).model_unload()
 
 
 @comfy.multinpu_group.program("dit_forward")
 def _forward_on_worker(context, comm, payload):
     held = context.configs[payload["config"]]
-    global fault_hook
-    hook = fault_hook = payload["fault_hook"]  # before the load: a sharded DiT builds its slices there
+    # this rank's copy of the hook, before the load (a sharded DiT builds its slices there)
+    hook = _rank_hook.hook = payload["fault_hook"]
+    try:
+        return _forward_rank(comm, payload, held, hook)
+    finally:
+        del _rank_hook.hook
+
+
+def _forward_rank(comm, payload, held, hook):
     fired = getattr(hook, "fired", 0)
-    start = comm.bytes_moved
+    start = comm.bytes_received
     dm = held.patcher.model.diffusion_model
     dev = held.patcher.load_device
     options = dict(payload["options"], patches_replace={"dit": held.blocks})
     state = options[RANK_KEY] = rank_state(comm, payload["attention"], dm)
-    # sized by this rank's activation estimate (its shard of the tokens), as rank 0 sized its own
+    # sized by this rank's activation estimate (its shard of the tokens)
     memory = payload["memory"][comm.rank] if payload["memory"] else (0, None)
     out = None
     try:
-        comfy.model_management.load_models_gpu([held.patcher], memory_required=memory[0],
-                                               minimum_memory_required=memory[1])
+        with comfy.multinpu_threads.MODEL_LOCK:  # model management is one per process, not thread-safe
+            comfy.model_management.load_models_gpu([held.patcher], memory_required=memory[0],
+                                                   minimum_memory_required=memory[1])
         out = dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev),
                           options, *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
     except _RankDone:
         pass  # the final gather took this rank's shard to rank 0: nothing left to compute here
     finally:
-        fault_hook = None
         weight_bytes = finish_rank(state)
     report = int(hook.report(comm.rank)) if hasattr(hook, "report") else 0
-    counts = [comm.bytes_moved - start, getattr(hook, "fired", 0) - fired, weight_bytes,
+    counts = [comm.bytes_received - start, getattr(hook, "fired", 0) - fired, weight_bytes,
               comfy.multinpu_shard.resident_bytes(dm), int(memory[0]), state.ran_every_block(), report]
     counts = _rank_counts(comm, counts) if payload["count_bytes"] else [counts]
     # rank 0 holds the whole output after the final gather: the command's result
@@ -501,7 +480,9 @@ def _forward_on_worker(context, comm, payload):
 
 @comfy.multinpu_group.program("dit_empty_cache")
 def _empty_cache_on_worker(context, comm, payload):
-    comfy.model_management.soft_empty_cache()
+    # empty_cache acts on the current device: the rank's own (each rank thread has set its device)
+    with comfy.multinpu_threads.MODEL_LOCK, comfy.multidevice.device_context(context.device):
+        comfy.model_management.soft_empty_cache()
     return _rank_counts(comm, [1])
 
 
@@ -517,8 +498,13 @@ def _replica_model(model):
     # shared, not copied: the config answers every unknown attribute (deepcopy's probes included) with None
     replica = comfy.multinpu_weights.share_module(model, shared=[model.model_config],
                                                   dropped=[patcher] if patcher is not None else [])
-    # the source's load bookkeeping (ModelPatcher keeps it on the model) does not describe the replica
+    # the source's load bookkeeping (ModelPatcher keeps it on the model and its modules: a loaded source, such as the
+    # server's unpatched host copy, marks every module's weights as patched) does not describe the replica
     comfy.multinpu_weights.reset_load_state(replica)
+    for m in replica.modules():
+        if hasattr(m, "comfy_patched_weights"):
+            del m.comfy_patched_weights
+        comfy.model_patcher.wipe_lowvram_weight(m)
     return replica
 
 
@@ -528,7 +514,6 @@ def _replica_patcher(patcher: ModelPatcher, device: torch.device) -> ModelPatche
     n.load_device = device
     if hasattr(n, "register_load_device"):
         n.register_load_device(device)
-    n.remove_additional_models(KEY)
     n.is_multigpu_base_clone = False
     return n
 
@@ -578,21 +563,22 @@ def choose_weights(weights: str, patcher: ModelPatcher, devices) -> str:
     return chosen
 
 
-def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "auto",
+def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str = "auto",
                             timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None,
                             weights: str = "replicated") -> ModelPatcher:
-    """A clone of `patcher` whose MiniMax H3 DiT runs sequence-parallel on `devices` (rank 0 = devices[0]).
+    """A clone of `patcher` whose MiniMax H3 DiT runs sequence-parallel on the ranks of `runtime`.
 
-    weights "replicated": every rank holds the whole DiT; "sharded": every rank holds 1/P of each block's
-    weights (comfy.multinpu_shard), and rank 0 too runs a structural copy (the loaded model stays whole for
-    anything else that uses it); "auto": choose_weights. Threads: adds one ModelPatcher per extra device as
-    additional models (so sampling loads each onto its device, with upstream's memory management).
-    Processes (`runtime`, devices ignored): every worker of the group loads the same file with rank 0's
-    weight patches (and shards it the same way), checked before the first forward. Either way: the
-    DIFFUSION_MODEL wrapper, one block replacement per DiT block, and the sampling wrappers that size each
-    rank's load by its own activations and empty every rank's cache after sampling. Applying it again
-    replaces the previous setup. Raises ValueError for a model that is not MiniMax H3, whose blocks another
-    node already replaces, or (processes) that a worker cannot load the same way.
+    runtime: the server's process group (comfy.multinpu_process.get_runtime()); None: the ranks are threads of
+    this process on `devices` (rank 0 = devices[0], the model's load device; a comfy.multinpu_threads.ThreadRuntime
+    with `timeout`). Either way every rank loads the same file with the server's weight patches (its own structural
+    copy over the host weights; sharded the same way), checked before the first forward, and the server's copy
+    stays on the host, unpatched (it computes no DiT forward).
+    weights "replicated": every rank holds the whole DiT; "sharded": every rank holds 1/P of each block's weights
+    (comfy.multinpu_shard); "auto": choose_weights. Installs the DIFFUSION_MODEL wrapper, one block replacement
+    per DiT block, and the sampling wrappers that size each rank's load by its own activations and empty every
+    rank's cache after sampling. Applying it again replaces the previous setup. Raises ValueError for a model
+    that is not MiniMax H3, whose blocks another node already replaces, that no cached loader loaded, or whose
+    patches a rank cannot apply the same way.
     """
     dm = patcher.model.diffusion_model
     if not isinstance(dm, comfy.ldm.minimax.model.MiniMaxH3Model):
@@ -606,30 +592,61 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices, attention: str = "au
     if foreign:
         raise ValueError(f"MultiNPU: DiT blocks {sorted(k[1] for k in foreign)} are already replaced by another node; "
                          "sequence parallelism needs every block")
-    if runtime is not None:
-        return _apply_processes(patcher, attention, timeout, runtime, weights)
+    runtime = runtime or thread_runtime(patcher, devices, timeout)
+    src = comfy.multinpu_models.source(patcher.model, "diffusion model")
+    patches = comfy.multinpu_models.weight_patches(patcher, "diffusion model")
+    # ranks that are threads of this process load nothing: they take this model (their patches are the config's)
+    comfy.multinpu_models.offer(src, patcher)
+    # a loaded model's modules carry per-load state (cast flags, lowvram hooks) and, with weight patches, patched
+    # weights: unloaded, they are the file's again
+    comfy.model_management.unload_model_and_clones(patcher)
+    # every rank runs a device like rank 0's
+    weights = choose_weights(weights, patcher, [patcher.load_device])
+    # the host weights become the file's page-cache copy, the one every rank of this host maps
+    comfy.multinpu_models.map_file_weights(patcher.model, src.paths)
+    comfy.multinpu_weights.anchor_host_copy(patcher.model)
+    config = comfy.multinpu_process.RemoteConfig(
+        "dit_config", {"source": src, "patches": patches, "weights": weights},
+        comfy.multinpu_models.digest(src, patcher.model, patches, weights=weights), f"DiT {src.paths[0]}")
+    # The server computes no DiT forward (worker rank 0 does, on device 0): its copy stays on the host, mapped from
+    # the file, and the sampler's latents with it, so device 0 holds one DiT, worker rank 0's, not two. The copy
+    # keeps rank 0's structure (its slices when sharded), which ComfyUI sizes rank 0's load and estimate by.
+    device, host = patcher.load_device, patcher.offload_device
+    if weights == "sharded":
+        m = sharded_patcher(patcher, host, 0, runtime.world_size)
+        # its slices would only be built to sit on the host unused: the ranks build their own
+        m.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY)
+    else:
+        m = patcher.clone()
+    m.load_device = host
+    if hasattr(m, "register_load_device"):
+        m.register_load_device(host)
+    # the weight patches travel to the ranks in the configuration; applied to the host copy they would compute
+    # every LoRA'd weight on the CPU into a private copy no forward reads
+    m.patches = {}
+    m.patches_uuid = uuid.uuid4()
+    _install_wrappers(m, SequenceParallelDiT(runtime, config, attention, weights=weights, device=host,
+                                             rank_device=device))
+    _replace_blocks(m, len(dm.blocks))
+    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {describe_ranks(runtime)}, attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
+                 f"{len(patches)} weight patch(es) sent to the ranks")
+    return m
+
+
+def thread_runtime(patcher: ModelPatcher, devices, timeout: float):
+    """The ranks as threads of this process on `devices`, rank 0 on the model's load device."""
     devices = [torch.device(d) for d in devices]
     if devices[0] != patcher.load_device:
         raise ValueError(f"MultiNPU: rank 0 must be the model's load device {patcher.load_device}, got {devices[0]}")
-    # a loaded model's modules carry per-load state (cast flags, lowvram hooks) a replica must not copy
-    comfy.model_management.unload_model_and_clones(patcher)
-    weights = choose_weights(weights, patcher, devices)
-    # the loaded weights, now on the host, are the one host copy every device loads from and returns to
-    comfy.multinpu_weights.anchor_host_copy(patcher.model)
-    if weights == "sharded":
-        ranks = [sharded_patcher(patcher, d, r, len(devices)) for r, d in enumerate(devices)]
-        m, replicas = ranks[0], ranks[1:]
-    else:
-        m = patcher.clone()
-        replicas = [_replica_patcher(patcher, d) for d in devices[1:]]
-    m.remove_additional_models(KEY)
-    m.set_additional_models(KEY, replicas)
-    _install_wrappers(m, SequenceParallelDiT(devices, [None] + [r.model for r in replicas], attention, timeout,
-                                             weights=weights))
-    _replace_blocks(m, len(dm.blocks))
-    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {comfy.multidevice.describe_devices(devices)}, "
-                 f"attention {attention}; {_weights_line(weights, patcher, len(devices))}")
-    return m
+    return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
+
+
+def describe_ranks(runtime) -> str:
+    """For logs: "2 simulated cpu devices" (threads of this process), "4 processes (gloo)" (a process group)."""
+    devices = getattr(runtime, "devices", None)
+    if devices is not None:
+        return comfy.multidevice.describe_devices(devices)
+    return f"{runtime.world_size} processes ({runtime.spec.backend})"
 
 
 def _weights_line(weights: str, patcher: ModelPatcher, world: int) -> str:
@@ -652,46 +669,6 @@ def _replace_blocks(m, count: int):
         m.set_model_patch_replace(SequenceParallelBlock(i, i == count - 1), "dit", "double_block", i)
 
 
-def _apply_processes(patcher: ModelPatcher, attention: str, timeout: float, runtime, weights: str) -> ModelPatcher:
-    src = comfy.multinpu_models.source(patcher.model, "diffusion model")
-    patches = comfy.multinpu_models.weight_patches(patcher, "diffusion model")
-    comfy.model_management.unload_model_and_clones(patcher)
-    # every rank of the group runs a device like rank 0's
-    weights = choose_weights(weights, patcher, [patcher.load_device])
-    # the host weights become the file's page-cache copy, the one every process of this host maps
-    comfy.multinpu_models.map_file_weights(patcher.model, src.paths)
-    comfy.multinpu_weights.anchor_host_copy(patcher.model)
-    config = comfy.multinpu_process.RemoteConfig(
-        "dit_config", {"source": src, "patches": patches, "weights": weights},
-        comfy.multinpu_models.digest(src, patcher.model, patches, weights=weights), f"DiT {src.paths[0]}")
-    # The server computes no DiT forward (worker rank 0 does, on device 0): its copy stays on the host, mapped from
-    # the file, and the sampler's latents with it, so device 0 holds one DiT, worker rank 0's, not two. The copy
-    # keeps rank 0's structure (its slices when sharded), which ComfyUI sizes rank 0's load and estimate by.
-    device, host = patcher.load_device, patcher.offload_device
-    if weights == "sharded":
-        m = sharded_patcher(patcher, host, 0, runtime.world_size)
-        # its slices would only be built to sit on the host unused: the workers build their own
-        m.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY)
-    else:
-        m = patcher.clone()
-    m.load_device = host
-    if hasattr(m, "register_load_device"):
-        m.register_load_device(host)
-    # the weight patches travel to the workers in the configuration; applied to the host copy they would compute
-    # every LoRA'd weight on the CPU into a private copy no forward reads
-    m.patches = {}
-    m.patches_uuid = uuid.uuid4()
-    m.remove_additional_models(KEY)
-    wrapper = SequenceParallelDiT([host], [None], attention, timeout, runtime, config, weights=weights)
-    wrapper.rank_device = device
-    _install_wrappers(m, wrapper)
-    _replace_blocks(m, len(patcher.model.diffusion_model.blocks))
-    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {runtime.world_size} processes "
-                 f"({runtime.spec.backend}), attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
-                 f"{len(patches)} weight patch(es) sent to the workers")
-    return m
-
-
 def rank_shapes(noise_shape, world: int) -> list:
     """Each rank's share of a latent's shape for ComfyUI's memory estimate: the last dimension (the packed
     latent's elements: [B, 1, N] for H3's video and audio) cut as the tokens are, the first ranks one longer.
@@ -704,9 +681,8 @@ class RankMemory:
     """WrappersMP.PREPARE_SAMPLING: ComfyUI sizes the model loads by each rank's own activations.
 
     Upstream's estimate (model_base.memory_required, through sampler_helpers.estimate_memory) is for the whole
-    latent on one device; a rank computes its shard of the tokens. Rank 0's load (and, with threads, the other
-    ranks' copies that load with it) is decided with rank 0's estimate (the longest shard); each worker process
-    loads with its own (memory_estimates, sent with every forward). Logs a warning with the fix when a rank's
+    latent on one device; a rank computes its shard of the tokens: each rank loads with its own estimate
+    (memory_estimates, sent with every forward), and the sampler's step with rank 0's (the longest shard). Logs a warning with the fix when a rank's
     weights and activations exceed its device's free memory (ComfyUI then streams part of the weights).
     """
 
@@ -717,23 +693,21 @@ class RankMemory:
         shapes = rank_shapes(noise_shape, self.dit.world)
         self.dit.memory_estimates = [comfy.sampler_helpers.estimate_memory(model, s, conds) for s in shapes]
         self.dit.memory_estimate_one = comfy.sampler_helpers.estimate_memory(model, list(noise_shape), conds)
-        # threads: the other ranks' copies load with rank 0's model, sized by rank 0's (the longest) shard
-        self.dit.memory_used = [self.dit.memory_estimates[0 if self.dit.runtime is None else r][0]
-                                for r in range(self.dit.world)]
+        self.dit.memory_used = [e[0] for e in self.dit.memory_estimates]
         self._check_fit(model)
         return executor(model, shapes[0], conds, *args, **kwargs)
 
     def _check_fit(self, model):
-        patchers = [model] + model.get_additional_models_with_key(KEY)
-        for r, p in enumerate(patchers):
+        # the server's copy has rank 0's structure (its slices when sharded) and stands for every rank's; each rank of
+        # this host is asked about its own device, whose weights it holds from the last forward count as free
+        spec = self.dit.runtime.spec
+        for r in range(self.dit.world):
+            if spec.node_of(r) != 0:
+                continue
+            p = model
             need = p.model_size() + self.dit.memory_estimates[r][0]
-            device = p.load_device
-            if self.dit.runtime is None:
-                free = comfy.multidevice.free_memory(device) + p.loaded_size()
-            else:
-                # processes: the server's copy stands for worker rank 0's, whose device and resident weights count
-                device = self.dit.rank_device
-                free = comfy.multidevice.free_memory(device) + self.dit.resident_bytes[0]
+            device = self.dit.rank_device if r == 0 else torch.device(spec.device_name(r))
+            free = comfy.multidevice.free_memory(device) + self.dit.resident_bytes[r]
             if need <= free:
                 continue
             fix = ("weights sharded on MultiNPUParallelConfig, INT8 weights" if self.dit.weights == "replicated"

@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import uuid
+import weakref
 
 import safetensors
 import torch
@@ -52,8 +53,27 @@ def source(module, what: str):
     return src
 
 
+# source key -> the loaded object a server set up for its ranks (offered): ranks that are threads of that process
+# (comfy.multinpu_threads) take it instead of loading, even when ComfyUI emptied the model cache meanwhile (POST
+# /free), so they never read a second host copy of what the server holds. Empty in a worker process.
+_offered = weakref.WeakValueDictionary()
+
+
+def _key(src):
+    return comfy.model_cache.make_key(src.kind, src.paths, src.args, src.kwargs)
+
+
+def offer(src, loaded):
+    """Let this process's ranks take `loaded` (an object a cached loader returned for `src`, or a clone of it)."""
+    _offered[_key(src)] = loaded
+
+
 def load(src):
-    """Load what `src` records through the same loader as rank 0 did (this process's model cache first)."""
+    """Load what `src` records through the same loader as rank 0 did: what the server offered in this process, else
+    this process's model cache first."""
+    found = _offered.get(_key(src))
+    if found is not None:
+        return found
     import comfy.sd
     if src.kind == "diffusion_model":
         return comfy.sd.load_diffusion_model(src.paths[0], **src.kwargs)

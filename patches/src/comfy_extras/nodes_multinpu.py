@@ -137,12 +137,10 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
         if problem is not None:
             raise ValueError(problem)
         if npu_count > 1:
-            runtime = comfy.multinpu_process.get_runtime()
-            if runtime is not None:
-                model = comfy.multinpu_dit.apply_sequence_parallel(model, None, runtime=runtime, weights=weights)
-            else:
-                devices = comfy.multidevice.devices_for(model.load_device, npu_count)
-                model = comfy.multinpu_dit.apply_sequence_parallel(model, devices, weights=weights)
+            # the server's process group when it runs one, else threads of this process on npu_count devices
+            model = comfy.multinpu_dit.apply_sequence_parallel(
+                model, comfy.multidevice.devices_for(model.load_device, npu_count),
+                runtime=comfy.multinpu_process.get_runtime(), weights=weights)
             if clip is not None:
                 clip = _spread("text encoder", comfy.multinpu_te.apply_tensor_parallel, clip, clip.patcher.load_device, npu_count)
             if vae is not None:

@@ -40,7 +40,7 @@ FAULTS = {"dit": ("shard", "rope", "heads", "noise", "noise-attention", "noise-m
                  "shard-offset", "shard-order"),
           "te": ("reduce",), "vae": ("chunks",)}
 DEFAULT_TIMEOUT = 900.0
-PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_dit.py", "comfy/multinpu_shard.py", "comfy/multinpu_te.py",
+PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_threads.py", "comfy/multinpu_dit.py", "comfy/multinpu_shard.py", "comfy/multinpu_te.py",
                  "comfy/multinpu_vae.py", "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py",
                  "comfy/npu_quant.py")
 WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block linears in INT8 (ConvRot)

@@ -246,10 +246,11 @@ class _WeightProbe:
         self.handles = []
 
 
-def _break_lora(m, fault, lora_patches):
-    """--inject-fault lora-twice / lora-missing: the last rank's DiT copy gets the LoRA twice, or not at all."""
-    import comfy.multinpu_dit
-    last = m.get_additional_models_with_key(comfy.multinpu_dit.KEY)[-1]
+def _break_lora(w, fault, lora_patches):
+    """--inject-fault lora-twice / lora-missing: the last rank's DiT copy gets the LoRA twice, or not at all (threads:
+    the ranks' copies live in this process; the configuration is installed and checked first, by a real command)."""
+    w.runtime.run("dit_empty_cache", None, configs=[w.config])
+    last = w.runtime.contexts[-1].configs[w.config.id].patcher
     if fault == "lora-missing":
         last.patches.clear()
     else:
@@ -589,10 +590,10 @@ def run_dit(args):
         # bf16 on a CPU needs _load_dit's loader patch, which the worker processes do not share
         args.dtypes = [d for d in args.dtypes if d != "bfloat16"]
         notes.append("bf16 rows: thread transport only on cpu (they patch this process's loader)")
-    if runtime is not None and args.override:
+    if args.override:
         args.override = False
-        notes.append("attention override rows: thread transport only (a worker process cannot run another node's "
-                     "override; the node refuses it there)")
+        notes.append("attention override rows: none (the ranks cannot run another node's override, a Python object "
+                     "in the server: the node refuses it on both transports, tests/test_multinpu_node.py)")
     ctx = _Context()
     ctx.args, ctx.node = args, node
     variants, ctx.lora_patches, lora_keys, probe_lora, params = _variants(args)
@@ -679,7 +680,7 @@ def _parallel_run(node, variant, layout, attention, sharding, args, hook=None, f
     # the node exactly as a workflow runs it; only the attention mode is forced per row
     m = node.execute(model=m, npu_count=args.npu_count, weights=sharding).args[0]
     w = comfy.multinpu_dit.get_wrapper(m)
-    lora_fired = (_break_lora(m, fault, lora_patches)
+    lora_fired = (_break_lora(w, fault, lora_patches)
                   if variant.lora and fault in ("lora-twice", "lora-missing") and w else 0)
     if w is not None:
         w.attention = attention
@@ -689,8 +690,8 @@ def _parallel_run(node, variant, layout, attention, sharding, args, hook=None, f
     t0 = time.perf_counter()
     outputs = _run(m, capture, inputs, args.steps, args.seed)
     seconds = time.perf_counter() - t0
-    if w is not None and w._threads is not None:
-        w._threads.shutdown()
+    if w is not None and hasattr(w.runtime, "contexts"):
+        w.runtime.shutdown()  # a thread runtime is the row's own (the process group serves every row)
     heads = TINY["num_attention_heads"]
     row = {"attention": "ulysses" if attention == "auto" and heads % args.npu_count == 0 else "kv_gather",
            "sharding": w.weights if w else None,
