@@ -41,6 +41,19 @@ def _env(**extra):
     return env
 
 
+def _two_ports() -> int:
+    """A free port whose next port is free too (torchrun's rendezvous listens on the store's port + 1)."""
+    from tests.support.service_helpers import free_port
+    for p in range(29700, 29790, 2):
+        try:
+            first, second = free_port(p, p), free_port(p + 1, p + 1)
+        except RuntimeError:
+            continue
+        if second == first + 1:
+            return first
+    raise RuntimeError("no two free ports in a row")
+
+
 def drive(tmp_path, scenario, *args, env=None, timeout=180):
     out = tmp_path / f"{scenario}.json"
     proc = subprocess.run([sys.executable, str(DRIVER), scenario, "--out", str(out), *map(str, args)],
@@ -168,16 +181,21 @@ def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
     assert "dropped store key 'res/1/3'" in log and "dropped store key 'err/1/3/1'" in log  # the driver's side
 
 
-def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
-    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics:
-    the command fails naming a rank of node 1, the next fails at once naming the lost node instead of holding
-    the queue for the join timeout, and once the agent is started again the group forms by itself."""
+@pytest.mark.parametrize("launcher", ["h3kit", "torchrun"])
+def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path, launcher):
+    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it; with torchrun, torchrun and
+    then its workers), with HCCL/NCCL's semantics and the default heartbeat (15 s): the command fails naming a
+    rank of node 1 within 15 s of the kill, before the command would have ended by itself (rank 0 holds it 20 s);
+    the next fails naming the lost node instead of holding the queue for the join timeout, and once the agent is
+    started again the group forms by itself."""
     result = drive(tmp_path, "agent_lost", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
-                   "--join-timeout", 120, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+                   "--join-timeout", 120, "--launcher", launcher, "--sleep", 20,
+                   "--port", _two_ports() if launcher == "torchrun" else 0,
+                   env=_env(H3KIT_EMULATE_NO_RELEASE="1", **{group.HEARTBEAT_ENV: "15"}), timeout=400)
     assert result["first"]["ok"]
     kind, message, seconds = error_of(result["lost"])
     assert kind == "RankDied" and ("rank 2 (cpu, node 1)" in message or "rank 3 (cpu, node 1)" in message), message
-    assert seconds < 30
+    assert "host " in message and result["kill_to_error"] < 15, (message, result["kill_to_error"])
     kind, message, seconds = error_of(result["while_lost"])
     assert "node 1 (ranks 2, 3) is lost" in message and "--node-rank 1" in message and seconds < 30, message
     assert result["state_while_lost"] == "failed"

@@ -217,6 +217,35 @@ def scenario_remote_kill(rt, args):
     return out
 
 
+def scenario_kill_while_loading(rt, args):
+    """Two nodes: a worker of node 1 is SIGKILLed while every rank loads a model (the text encoder's load in the
+    real server: the install command has ended, the driver waits for the ranks' ready reports), --repeat times
+    at delays spread over the load; each time the load fails naming the victim and the next command succeeds."""
+    import random
+    rounds = []
+    out = {"first": _attempt(lambda: _sum(rt)), "rounds": rounds}
+    digest = {"files": "te", "options": "x"}
+    for i in range(args.repeat):
+        victim_rank = rt.world_size - 1
+        victim = rt.members[victim_rank]
+        cfg = mp.RemoteConfig("config", {"digest": digest, "name": "te.safetensors", "load_seconds": 4.0}, digest,
+                              f"text encoder {i}")
+        delay = 0.3 + 3.5 * random.random()
+        _later(delay, lambda: os.kill(victim, signal.SIGKILL))
+        t_kill = time.monotonic() + delay
+        r = {"delay": delay, "victim_pid": victim, "pids": dict(rt.members)}
+        r["killed"] = _attempt(lambda: rt.run("uses_config", {"id": cfg.id}, configs=[cfg]))
+        r["to_error"] = time.monotonic() - t_kill
+        r["next"] = _attempt(lambda: _sum(rt))
+        r["to_next"] = time.monotonic() - t_kill
+        r["state"] = rt.state
+        rounds.append(r)
+        logging.info(f"kill_while_loading round {i}: {json.dumps(r, default=str)}")
+        if not r["next"]["ok"]:
+            break
+    return out
+
+
 def scenario_hostile(rt, args):
     """A local user without the key writes into the control store: garbage into the next command's slot, into
     `gen` and into a result slot; a signed command copied into another slot; a bumped failure counter; then a
@@ -270,8 +299,10 @@ def scenario_agent_lost(rt, args):
     again and the group must come back by itself."""
     out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
     agent = AGENT[0]
-    _later(1.0, lambda: os.kill(agent.pid, signal.SIGKILL))
-    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    killed = []
+    _later(1.0, lambda: (os.kill(agent.pid, signal.SIGKILL), killed.append(time.monotonic())))
+    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=args.sleep, steps=2, at=0))
+    out["kill_to_error"] = time.monotonic() - killed[0] if killed else None
     agent.wait(10)
     out["while_lost"] = _attempt(lambda: _sum(rt))  # fails fast: the host is known lost
     out["state_while_lost"] = rt.state
@@ -281,6 +312,7 @@ def scenario_agent_lost(rt, args):
         time.sleep(0.2)
     out["back_after"] = time.monotonic() - t0
     out["after"] = _attempt(lambda: _sum(rt))
+    out["kill_to_next_success"] = time.monotonic() - killed[0] if killed and out["after"]["ok"] else None
     out["pids_after"] = dict(rt.members)
     out["driver_pid_after"] = os.getpid()
     return out
@@ -340,6 +372,8 @@ def main(argv=None):
     ap.add_argument("--launcher", default="h3kit", choices=group.LAUNCHERS)
     ap.add_argument("--agent", action="store_true", help="start node 1's agent (two nodes)")
     ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
+    ap.add_argument("--sleep", type=float, default=3.0, help="agent_lost: how long rank 0 holds the command")
+    ap.add_argument("--repeat", type=int, default=1, help="kill_while_loading: how many rounds")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[driver] %(asctime)s %(message)s', stream=sys.stdout)

@@ -49,6 +49,7 @@ import comfy.multinpu_group as group
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
+WAITING_LOG = 10.0                   # while the group forms or loads, what it waits for is logged this often
 REFUSED_ARGS = ("--cuda-device", "--default-device")  # in the server's arguments, with the process transport
 
 
@@ -119,6 +120,7 @@ class GroupRuntime:
 
     def start(self):
         spec = self.spec
+        group.check_timeouts(spec)
         if spec.device_type == "cpu" and group.is_loopback(spec.master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", group.loopback_interface())
         group.set_hccl_timeout(spec)
@@ -204,6 +206,7 @@ class GroupRuntime:
                     if isinstance(report, dict) and report != self._remote_exits.get(rank):
                         self._remote_exits[rank] = report
                         self._note_death(rank, report.get("pid"), str(report.get("reason")))
+            self._check_hosts()
 
     def _check_heartbeat(self, rank: int, now: float):
         pid = self.members.get(rank)
@@ -224,6 +227,22 @@ class GroupRuntime:
         else:
             self._mon.put(f"kill/{rank}", {"pid": pid, "why": why})
         self._note_death(rank, pid, why)
+
+    def _check_hosts(self):
+        """Another host's members that are gone although no exit report came (its agent or torchrun was killed):
+        a worker its launcher's end took down noted its SIGTERM itself (group.watch_termination); a host whose
+        agent has been silent for HOST_STALE is lost (powered off, cut off), its members dead."""
+        for rank, pid in list(self.members.items()):
+            if self.spec.node_of(rank) != 0:
+                why = group.termination_note(self._mon, rank, pid)
+                if why:
+                    self._note_death(rank, pid, why)
+        for node in range(1, self.spec.nnodes):
+            ranks = {r: pid for r, pid in self.members.items() if self.spec.node_of(r) == node}
+            silent = self._agent_gone(node) if ranks else None
+            if silent is not None:
+                for r, pid in ranks.items():
+                    self._note_death(r, pid, f"host lost: its agent has not been heard from for {silent:.0f} s")
 
     def _note_death(self, rank: int, pid, reason: str):
         self._ranks_changed = True
@@ -365,8 +384,19 @@ class GroupRuntime:
         logging.info(f"MultiNPU: process group generation {g} ready: {self.world_size} ranks "
                      f"(pids {', '.join(str(members[r]) for r in sorted(members))})")
 
+    def _launcher_state(self) -> str:
+        """Who runs on each host now, for the waiting log: the ranks announced, and torchrun's pid where it runs."""
+        try:
+            announced = self._announced()
+            proc = getattr(self._local, "proc", None)
+            return (f"announced {announced}" + (f", node 0's torchrun pid {proc.pid} "
+                                               f"{'running' if proc.poll() is None else f'ended {proc.returncode}'}"
+                                               if proc is not None else ""))
+        except Exception as e:
+            return f"announced: unreadable ({e})"
+
     def _agent_gone(self, node: int):
-        """Seconds since node's agent last beat, when it beat once and has been silent for HEARTBEAT_STALE
+        """Seconds since node's agent last beat, when it beat once and has been silent for HOST_STALE
         (the host or its agent is lost); else None."""
         count = self._mon.counter(f"agent_hb/{node}")
         now = time.monotonic()
@@ -375,7 +405,7 @@ class GroupRuntime:
             self._agent_hb[node] = (count, now)
             return None
         silent = now - last[1]
-        return silent if count > 0 and silent > group.HEARTBEAT_STALE else None
+        return silent if count > 0 and silent > group.HOST_STALE else None
 
     def _wait_members(self, deadline: float) -> dict:
         def attempt():
@@ -385,6 +415,12 @@ class GroupRuntime:
             if all(pid is not None for pid in announced.values()):
                 return announced
             for node in sorted({self.spec.node_of(r) for r, pid in announced.items() if pid is None} - {0}):
+                failed = self._mon.peek(f"nodefail/{node}")
+                if isinstance(failed, dict) and failed.get("message"):
+                    message = (f"MultiNPU: node {node} cannot run its ranks: {failed['message']} (its agent, pid "
+                               f"{failed.get('pid')}, keeps trying; the group re-forms by itself)")
+                    self._fail(message)
+                    raise group.GroupError(message)
                 silent = self._agent_gone(node)
                 if silent is not None:
                     # fail now rather than hold the queue for the join timeout; the monitor forms the group by
@@ -421,11 +457,16 @@ class GroupRuntime:
     def _poll(self, deadline: float, attempt, late):
         """attempt() after each look at the ranks until it returns something other than None; past the deadline
         the group fails with late()'s words."""
+        said = time.monotonic()
         while True:
             self._watch()
             result = attempt()
             if result is not None:
                 return result
+            if time.monotonic() - said >= WAITING_LOG:
+                said = time.monotonic()
+                logging.warning(f"MultiNPU: forming generation {self.generation + 1} (state {self.state}), "
+                                f"{deadline - said:.0f} s left: {late()}; {self._launcher_state()}")
             if time.monotonic() >= deadline:
                 message = f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: {late()}"
                 self._fail(message)
@@ -550,14 +591,16 @@ class GroupRuntime:
             self._watch()
             if any(not rep.get("collective") for rep in reports.values()):
                 break
-            if any(r not in reports for r in self.dead):
-                # a death is a root cause by itself; a report explaining it is written before its exit
+            if any(r not in reports and not group.secondary(self.dead[r]) for r in self.dead):
+                # a death is a root cause by itself (unless its launcher caused it: then the death that made the
+                # launcher act is awaited); a report explaining it is written before its exit
                 deadline = min(deadline, first_seen + DEATH_WAIT)
             if time.monotonic() >= deadline:
                 break
             time.sleep(group.POLL)
         primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
-        dead = [r for r in self.dead if r not in reports]  # in the order they were seen: the first death first
+        # in the order they were seen, the first death first; deaths a launcher caused after another rank's last
+        dead = sorted((r for r in self.dead if r not in reports), key=lambda r: group.secondary(self.dead[r]))
         if primary:
             r = min(primary, key=lambda r: (primary[r].get("time") or 0, r))
             exc = _rank_exception(self.spec, r, primary[r], name)
@@ -622,7 +665,13 @@ class GroupRuntime:
         deadline = time.monotonic() + timeout
         members = dict(self.members)
         reports = {}
+        said = time.monotonic()
         while True:
+            if time.monotonic() - said >= WAITING_LOG:
+                said = time.monotonic()
+                logging.warning(f"MultiNPU: {what}: waiting for {prefix} of "
+                                f"{', '.join(str(r) for r in ranks if r not in reports)} (members {members}, "
+                                f"dead {self.dead}); {self._launcher_state()}")
             for r in ranks:
                 if r not in reports:
                     rep = self.ctl.peek(f"{prefix}/{r}")
@@ -631,7 +680,8 @@ class GroupRuntime:
             if len(reports) == len(ranks) or any("error" in rep for rep in reports.values()):
                 return reports
             self._watch()
-            gone = [r for r in ranks if r not in reports and r in self.dead]
+            gone = sorted((r for r in ranks if r not in reports and r in self.dead),
+                          key=lambda r: group.secondary(self.dead[r]))
             if gone:
                 r = gone[0]
                 exc = group.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
@@ -686,7 +736,7 @@ class GroupRuntime:
             "role": "driver", "pid": os.getpid(), "updated": group.now(), "state": self.state, "error": self.error,
             "generation": self.generation, "world_size": self.world_size, "backend": self.spec.backend,
             "master": f"{self.spec.master_addr}:{self.port}", "nnodes": self.spec.nnodes,
-            "commands": self.commands, "last_failure": self.last_failure, "ranks": ranks})
+            "launcher": self.spec.launcher, "commands": self.commands, "last_failure": self.last_failure, "ranks": ranks})
 
 
 def _rank_exception(spec: group.GroupSpec, rank: int, report: dict, what: str) -> BaseException:
