@@ -36,7 +36,7 @@ HEARTBEAT = 3.0
 
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "patches" / "src"), str(SUPPORT)]),
-               H3KIT_TEST_DEBUG="1", **{group.HEARTBEAT_ENV: str(HEARTBEAT)}, **extra)
+               H3KIT_TEST_DEBUG="1", **{group.HEARTBEAT_ENV: str(HEARTBEAT), **extra})
     env.setdefault(group.KEY_ENV, group.new_key())
     return env
 
@@ -213,3 +213,24 @@ def test_device_choosing_arguments_are_refused_with_the_process_transport(monkey
     with pytest.raises(group.GroupError, match="cannot be used with the process transport"):
         mp.start_from_environment()
     assert mp.get_runtime() is None
+
+
+def test_every_failure_detector_fires_before_the_collective_timeout():
+    """Timeouts in order: torchrun's keep-alive < a silent agent < a rank's heartbeat = torchrun's store reads <
+    the collective timeout; a group whose collective timeout would fire first is refused, naming the detector."""
+    spec = group.GroupSpec(local_size=2, launcher="torchrun", timeout=300)
+    detectors = group.failure_detectors(spec)
+    assert max(detectors.values()) < spec.timeout
+    assert (detectors["torchrun's rendezvous keep-alive"] < detectors["a host's agent heartbeat"]
+            <= detectors["a rank's heartbeat"])
+    group.check_timeouts(spec)
+    with pytest.raises(group.GroupError, match="collective timeout .10 s. must be longer than"):
+        group.check_timeouts(group.GroupSpec(local_size=2, launcher="torchrun", timeout=10))
+    group.check_timeouts(group.GroupSpec(local_size=2, launcher="h3kit", timeout=max(detectors.values()) + 1))
+
+
+def test_a_death_its_launcher_caused_is_not_named_first():
+    assert group.secondary(group._exit_reason(group.TERM_EXIT))
+    assert group.secondary(f"{group.SECONDARY} (SIGTERM from pid 12)")
+    assert not group.secondary("died (not stopped by torchrun: killed or crashed); torchrun restarts the group")
+    assert not group.secondary(group._exit_reason(-9))
