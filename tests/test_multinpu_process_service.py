@@ -311,8 +311,13 @@ def test_a_worker_killed_while_the_text_encoder_loads_costs_one_prompt(group):
     driver waits for the ranks' ready reports; node 1's loads are held by the te_config fault while the trigger
     exists): the prompt fails naming rank 3 within the issue's 30 s, the next runs with nobody acting. Under
     torchrun this once left the prompt waiting for the 300 s bound (issue 19)."""
-    wait_for(lambda: all(r["alive"] and r["joined"] for r in group.status(0)["group"]["ranks"]), BOOT,
-             "the group replaced by the last test to form")
+    def formed(without=()):
+        ranks = group.status(0)["group"]["ranks"]
+        return all(r["alive"] and r["joined"] and r["pid"] not in without for r in ranks)
+    # fresh workers hold no model: rank 2 killed while the group is idle makes the driver replace the whole group
+    idle_victim = group.ranks()[2]["pid"]
+    os.kill(idle_victim, signal.SIGKILL)
+    wait_for(lambda: formed(without=(idle_victim,)), BOOT, "the group to be replaced")
     log = Path(group.status(1)["log"])
     offset = log.stat().st_size
     victim = group.ranks()[3]["pid"]
@@ -328,7 +333,7 @@ def test_a_worker_killed_while_the_text_encoder_loads_costs_one_prompt(group):
             with open(log, "rb") as f:
                 f.seek(offset)
                 return f"[rank 3] WARNING MultiNPU: rank 3: H3KIT_MULTINPU_FAULT=te_config:hold:".encode() in f.read()
-        wait_for(holding, PROMPT, "rank 3 to load the text encoder", step=0.05)
+        wait_for(holding, 120, "rank 3 to load the text encoder", step=0.05)
         os.kill(victim, signal.SIGKILL)
         t_kill = time.monotonic()
         err = error_of(finished(group, pid))
