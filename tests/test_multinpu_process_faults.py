@@ -156,3 +156,21 @@ def test_torchrun_and_its_workers_end_with_a_killed_driver(tmp_path):
         driver.wait(10)
     gone, alive = psutil.wait_procs(procs, timeout=30)
     assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+@pytest.mark.parametrize("launcher", ["h3kit", "torchrun"])
+def test_a_death_after_its_load_was_reported_fails_the_load_at_once(tmp_path, launcher):
+    """Issue 19's 300 s wait: while a model loads (no command in flight), rank 2 reports its load done and dies
+    while rank 3 still loads (with torchrun: the sibling torchrun stops after a worker's death, seen first). The
+    death aborted the group as if idle, and the driver went on waiting for rank 3's report (or, rank 3 dying too,
+    for nobody) until the load timeout. Now the load fails at once naming rank 2; the next command runs."""
+    result = drive(tmp_path, "death_after_load_report", "--agent", "--nnodes", 2, "--world", 4, "--timeout",
+                   GROUP_TIMEOUT, "--join-timeout", 120, "--launcher", launcher, "--port", _two_ports(),
+                   "--load-timeout", 60, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+    assert result["victim_reported"], "rank 2 had reported its load before it was killed"
+    killed = result["killed"]
+    assert not killed["ok"] and killed["error"]["type"] == "RankDied", killed
+    assert "rank 2 (cpu, node 1), host " in killed["error"]["message"], killed
+    assert f"pid {result['victim_pid']}" in killed["error"]["message"] and "while loading" in killed["error"]["message"]
+    assert result["kill_to_error"] < BOUND, result["kill_to_error"]
+    assert result["after"]["ok"] and result["after"]["value"] == [6.0] * 4, result["after"]

@@ -83,7 +83,8 @@ def _config(context, comm, payload):
         digest["files"] = "another-file"
     if context.rank == payload.get("fail_on"):
         raise FileNotFoundError(f"/models/{payload['name']} is missing on this host")
-    time.sleep(payload.get("load_seconds", 0))  # a model read from disk (after the command's closing barrier)
+    seconds = payload.get("load_seconds", 0)  # a model read from disk (after the command's closing barrier)
+    time.sleep(seconds.get(context.rank, seconds.get("others", 0)) if isinstance(seconds, dict) else seconds)
     return _Held(digest)
 
 

@@ -475,6 +475,12 @@ def secondary(reason) -> bool:
     return SECONDARY in str(reason)
 
 
+def recycled(reason) -> bool:
+    """Is a death with this reason one h3kit caused itself, replacing the group after a failure?"""
+    reason = str(reason)
+    return "killed by h3kit" in reason or "aborted" in reason
+
+
 def watch_termination(spec: GroupSpec, rank: int):
     """In a worker: one thread takes SIGTERM, notes who ended this process in the store (signed "term/{rank}",
     written before it exits) and exits with TERM_EXIT, even while the main thread is blocked inside a collective.

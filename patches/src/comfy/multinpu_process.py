@@ -109,6 +109,7 @@ class GroupRuntime:
         self._remote_exits = {}        # rank -> last exit report read
         self._retired = set()          # (pid, start time) of aborted generations' workers: never members again
         self._aborted = set()
+        self._aborted_members = {}     # rank -> pid of the generation aborted last, until the next one is ready
         self._failed_at = 0.0
         self._token = uuid.uuid4().hex[:12]
         self._local = None
@@ -246,6 +247,13 @@ class GroupRuntime:
 
     def _note_death(self, rank: int, pid, reason: str):
         self._ranks_changed = True
+        if pid is not None and self.members.get(rank) != pid and self._aborted_members.get(rank) == pid:
+            # a member of the generation just aborted (an idle abort, or one a load or command waits out), not one
+            # h3kit killed to replace it: its death may be the root cause the abort's first death was an effect of
+            # (torchrun stops a dead worker's siblings at once), so it is kept for naming the failure
+            if not group.recycled(reason):
+                self.dead.setdefault(rank, f"pid {pid}: {reason}")
+            return
         if pid is None or self.members.get(rank) != pid:
             return  # not a member of the current generation (a replacement, or one already given up on)
         self.dead.setdefault(rank, f"pid {pid}: {reason}")
@@ -335,6 +343,7 @@ class GroupRuntime:
             return
         self._aborted.add(g)
         members, self.members = dict(self.members), {}
+        self._aborted_members = dict(members)
         self._retired.update(self._identity(r, pid) for r, pid in members.items() if pid is not None)
         try:
             self.ctl.put(f"abort/{g}", {"why": why})
@@ -375,6 +384,7 @@ class GroupRuntime:
         self.members = members
         self.next_cmd = 1
         self.dead = {}
+        self._aborted_members = {}
         self.state = "ready"
         self.error = None
         self._ranks_changed = True
@@ -680,13 +690,10 @@ class GroupRuntime:
             if len(reports) == len(ranks) or any("error" in rep for rep in reports.values()):
                 return reports
             self._watch()
-            gone = sorted((r for r in ranks if r not in reports and r in self.dead),
-                          key=lambda r: group.secondary(self.dead[r]))
-            if gone:
-                r = gone[0]
-                exc = group.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
-                self._abort_generation(str(exc)[:300])
-                raise exc
+            if self.dead or self.state != "ready" or self.members != members:
+                # any member's death ends the load (the whole group is replaced: what the others loaded goes with
+                # it), also one that reported its load before it died, or one the monitor's idle abort saw first
+                raise self._load_failure(what, reports)
             if time.monotonic() >= deadline:
                 late = [r for r in ranks if r not in reports]
                 exc = group.GroupError(f"MultiNPU: {', '.join(self.spec.describe_rank(r) for r in late)} did not "
@@ -694,6 +701,22 @@ class GroupRuntime:
                 self._abort_generation(str(exc)[:300])
                 raise exc
             time.sleep(group.POLL)
+
+    def _load_failure(self, what: str, reports: dict) -> BaseException:
+        """The first death of a failed load (the root cause before deaths a launcher caused after it, awaited up to
+        ERROR_WAIT when only those are known yet), after which the whole generation is replaced."""
+        deadline = time.monotonic() + ERROR_WAIT
+        while (not self.dead or all(group.secondary(why) for why in self.dead.values())) and \
+                time.monotonic() < deadline:
+            time.sleep(group.POLL)
+            self._watch()
+        if self.dead:
+            r = sorted(self.dead, key=lambda r: group.secondary(self.dead[r]))[0]
+            exc = group.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
+        else:
+            exc = group.GroupError(f"MultiNPU: the process group broke while {what} ({self.error or 'aborted'})")
+        self._abort_generation(str(exc)[:300])
+        return exc
 
     # -- frees and drops --
 
