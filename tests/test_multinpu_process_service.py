@@ -38,9 +38,9 @@ from tests.support.service_helpers import free_port, http_json, pid_running, wai
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 BOOT = 300
 PROMPT = 300
-# torchrun launches and restarts the workers here (h3kit's own launcher, the default, is exercised with bare
-# workers in test_multinpu_process*.py): the launcher issue 19 asks for, under which a kill during the text
-# encoder's load once held a prompt for this file's 300 s bound
+# torchrun launches and restarts the workers here (the default, named; h3kit's own launcher is exercised with
+# bare workers in test_multinpu_process*.py): under it a kill during the text encoder's load once held a prompt
+# for this file's 300 s bound (issue 19; test_a_worker_killed_while_the_text_encoder_loads_costs_one_prompt)
 LAUNCHER = "torchrun"
 
 

@@ -36,7 +36,7 @@ AGENT_MODULE = "comfy.multinpu_group"
 # environment is the default of that option (every host alike)
 LAUNCHER_ENV = "H3KIT_LAUNCHER"
 LAUNCHERS = ("torchrun", "h3kit")
-DEFAULT_LAUNCHER = "h3kit"
+DEFAULT_LAUNCHER = "torchrun"
 RANKS_FILE = "ranks.json"            # written by the runtime: the driver (node 0) or the agent (other nodes)
 KEY_FILE = "group.key"
 
