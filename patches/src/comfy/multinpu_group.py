@@ -700,7 +700,7 @@ class TorchrunWorkers:
     --max-restarts, --monitor-interval 0.5. On any worker's failure torchrun restarts every worker of the group,
     on every host; h3kit kills workers (SIGKILL, a stopped one too) to make it do so. The same interface as
     LocalWorkers; the workers' pids come from their signed announcements in the store. The driver runs one for
-    node 0, each other host's agent one for its node (not wired into `h3kit start` yet: GroupSpec.launcher)."""
+    node 0, each other host's agent one for its node (`h3kit start --launcher torchrun`, the default: GroupSpec.launcher)."""
 
     def __init__(self, spec: GroupSpec, key: str, local_ranks, ctl, cwd=None, python=None):
         self.spec = spec
