@@ -37,9 +37,22 @@ HEARTBEAT = 3.0
 
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "patches" / "src"), str(SUPPORT)]),
-               H3KIT_TEST_DEBUG="1", **{group.HEARTBEAT_ENV: str(HEARTBEAT)}, **extra)
+               H3KIT_TEST_DEBUG="1", **{group.HEARTBEAT_ENV: str(HEARTBEAT), **extra})
     env.setdefault(group.KEY_ENV, group.new_key())
     return env
+
+
+def _two_ports() -> int:
+    """A free port whose next port is free too (torchrun's rendezvous listens on the store's port + 1)."""
+    from tests.support.service_helpers import free_port
+    for p in range(29700, 29790, 2):
+        try:
+            first, second = free_port(p, p), free_port(p + 1, p + 1)
+        except RuntimeError:
+            continue
+        if second == first + 1:
+            return first
+    raise RuntimeError("no two free ports in a row")
 
 
 def drive(tmp_path, scenario, *args, env=None, timeout=180):
@@ -324,16 +337,21 @@ def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(tmp_path):
     assert "past its limit (H3KIT_STORE_GROWTH_LIMIT=64)" in log and "past its memory limit: a flood of keys" in log
 
 
-def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
-    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics:
-    the command fails naming a rank of node 1, the next fails at once naming the lost node instead of holding
-    the queue for the join timeout, and once the agent is started again the group forms by itself."""
+@pytest.mark.parametrize("launcher", ["h3kit", "torchrun"])
+def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path, launcher):
+    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it; with torchrun, torchrun and
+    then its workers), with HCCL/NCCL's semantics and the default heartbeat (15 s): the command fails naming a
+    rank of node 1 within 15 s of the kill, before the command would have ended by itself (rank 0 holds it 20 s);
+    the next fails naming the lost node instead of holding the queue for the join timeout, and once the agent is
+    started again the group forms by itself."""
     result = drive(tmp_path, "agent_lost", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
-                   "--join-timeout", 120, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+                   "--join-timeout", 120, "--launcher", launcher, "--sleep", 20,
+                   "--port", _two_ports() if launcher == "torchrun" else 0,
+                   env=_env(H3KIT_EMULATE_NO_RELEASE="1", **{group.HEARTBEAT_ENV: "15"}), timeout=400)
     assert result["first"]["ok"]
     kind, message, seconds = error_of(result["lost"])
     assert kind == "RankDied" and ("rank 2 (cpu, node 1)" in message or "rank 3 (cpu, node 1)" in message), message
-    assert seconds < 30
+    assert "host " in message and result["kill_to_error"] < 15, (message, result["kill_to_error"])
     kind, message, seconds = error_of(result["while_lost"])
     assert "node 1 (ranks 2, 3) is lost" in message and "--node-rank 1" in message and seconds < 30, message
     assert result["state_while_lost"] == "failed"
@@ -351,3 +369,24 @@ def test_device_choosing_arguments_are_refused_with_the_process_transport(monkey
     with pytest.raises(group.GroupError, match="cannot be used with the process transport"):
         mp.start_from_environment()
     assert mp.get_runtime() is None
+
+
+def test_every_failure_detector_fires_before_the_collective_timeout():
+    """Timeouts in order: torchrun's keep-alive < a silent agent < a rank's heartbeat = torchrun's store reads <
+    the collective timeout; a group whose collective timeout would fire first is refused, naming the detector."""
+    spec = group.GroupSpec(local_size=2, launcher="torchrun", timeout=300)
+    detectors = group.failure_detectors(spec)
+    assert max(detectors.values()) < spec.timeout
+    assert (detectors["torchrun's rendezvous keep-alive"] < detectors["a host's agent heartbeat"]
+            <= detectors["a rank's heartbeat"])
+    group.check_timeouts(spec)
+    with pytest.raises(group.GroupError, match="collective timeout .10 s. must be longer than"):
+        group.check_timeouts(group.GroupSpec(local_size=2, launcher="torchrun", timeout=10))
+    group.check_timeouts(group.GroupSpec(local_size=2, launcher="h3kit", timeout=max(detectors.values()) + 1))
+
+
+def test_a_death_its_launcher_caused_is_not_named_first():
+    assert group.secondary(group._exit_reason(group.TERM_EXIT))
+    assert group.secondary(f"{group.SECONDARY} (SIGTERM from pid 12)")
+    assert not group.secondary("died (not stopped by torchrun: killed or crashed); torchrun restarts the group")
+    assert not group.secondary(group._exit_reason(-9))

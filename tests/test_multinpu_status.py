@@ -39,3 +39,71 @@ def test_doctor_checks_dev_shm_for_the_process_transport():
     assert doctor.shm_verdict(3 * GB, True)[0] == "warning"
     assert doctor.shm_verdict(64 << 20, False)[0] == "info"  # one device: nothing goes through it
     assert doctor.shm_verdict(None, True)[0] == "warning"
+
+
+# ---- the launcher and the rendezvous port, as h3kit start records them (no torch) ----------------------------
+
+import json  # noqa: E402
+import socket  # noqa: E402
+
+from h3kit import group  # noqa: E402
+from h3kit.errors import UsageError  # noqa: E402
+from tests.support.service_helpers import StandinHome, free_port, kill_started_under  # noqa: E402
+
+
+@pytest.fixture
+def home(tmp_path):
+    h = StandinHome(tmp_path / "comfy", free_port(8470, 8499))
+    yield h
+    kill_started_under(h.path)
+
+
+def test_the_launcher_is_a_start_setting(monkeypatch):
+    monkeypatch.delenv(group.LAUNCHER_ENV, raising=False)
+    assert group.resolve("cpu", "process").launcher == group.DEFAULT_LAUNCHER
+    assert group.resolve("cpu", "process", launcher="h3kit").launcher == "h3kit"
+    assert group.resolve("npu", "auto", launcher="torchrun").launcher == "torchrun"
+    assert group.resolve("cpu", "threads").launcher is None  # threads run in the server: nothing is launched
+    monkeypatch.setenv(group.LAUNCHER_ENV, "torchrun")  # the option's default, every host alike
+    assert group.resolve("cpu", "process").launcher == "torchrun"
+    assert group.resolve("cpu", "process", launcher="h3kit").launcher == "h3kit"  # the option wins
+    with pytest.raises(UsageError) as e:
+        group.resolve("cpu", "threads", launcher="torchrun")
+    assert e.value.code == "bad_launcher" and "--transport process" in e.value.hint
+    monkeypatch.setenv(group.LAUNCHER_ENV, "mpirun")
+    with pytest.raises(UsageError) as e:
+        group.resolve("cpu", "process")
+    assert e.value.code == "bad_launcher" and "mpirun" in e.value.message
+
+
+def test_the_runtime_gets_the_launcher_and_torchrun_a_free_port_pair(tmp_path):
+    settings = group.resolve("cpu", "process", launcher="torchrun")
+    spec = json.loads(group.environment(settings, "cpu", [0, 1], tmp_path, "k" * 64, [])[group.GROUP_ENV])
+    assert spec["launcher"] == "torchrun"
+    port = group.choose_port("127.0.0.1", pair=True)
+    for p in (port, port + 1):  # the control store's port, and torchrun's rendezvous on the next
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_start_honours_master_port_on_one_host_and_records_the_launcher(home):
+    port = free_port(29800, 29899)
+    # a stand-in writes no ranks.json: start times out waiting for the group, after the server was started
+    r = home.start("--master-port", port, "--launcher", "torchrun", "--json", devices="0,1", device_type="npu",
+                   timeout=3)
+    assert r.returncode == 1 and "start_timeout" in r.stdout, r.stdout + r.stderr
+    spec = json.loads(home.boots()[0]["env"]["H3KIT_GROUP"])
+    assert spec["master_port"] == port and spec["launcher"] == "torchrun"
+    rec = home.record()
+    assert rec["master_port"] == port and rec["launcher"] == "torchrun"
+
+
+def test_a_taken_rendezvous_port_is_named_before_anything_starts(home):
+    port = free_port(29800, 29899)
+    with socket.socket() as s:  # torchrun's rendezvous port (the next one) is taken
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port + 1))
+        s.listen(1)
+        r = home.start("--master-port", port, "--launcher", "torchrun", devices="0,1", device_type="npu", timeout=3)
+    assert r.returncode == 1 and f"port {port + 1} is in use" in r.stderr, r.stderr
+    assert home.boots() == []

@@ -217,6 +217,66 @@ def scenario_remote_kill(rt, args):
     return out
 
 
+def scenario_kill_while_loading(rt, args):
+    """Two nodes: a worker of node 1 is SIGKILLed while every rank loads a model (the text encoder's load in the
+    real server: the install command has ended, the driver waits for the ranks' ready reports), --repeat times
+    at delays spread over the load; each time the load fails naming the victim and the next command succeeds.
+    The victim (rank 3) loads for 4 s, the others for 0.5 s: most kills land after its sibling reported its
+    load, so torchrun's stopping of that sibling is often seen first (issue 19's 300 s wait: the sibling's death
+    aborted the idle-looking generation and the victim's, seen next, was dropped)."""
+    import random
+    mp.LOAD_TIMEOUT = min(mp.LOAD_TIMEOUT, args.load_timeout)  # a hang shows as a load past this bound
+    rounds = []
+    out = {"first": _attempt(lambda: _sum(rt)), "rounds": rounds}
+    digest = {"files": "te", "options": "x"}
+    for i in range(args.repeat):
+        victim_rank = rt.world_size - 1
+        victim = rt.members[victim_rank]
+        cfg = mp.RemoteConfig("config", {"digest": digest, "name": "te.safetensors",
+                                         "load_seconds": {victim_rank: 4.0, "others": 0.5}}, digest, f"text encoder {i}")
+        delay = 1.0 + 2.5 * random.random()
+        _later(delay, lambda: os.kill(victim, signal.SIGKILL))
+        t_kill = time.monotonic() + delay
+        r = {"delay": delay, "victim_pid": victim, "pids": dict(rt.members)}
+        r["killed"] = _attempt(lambda: rt.run("uses_config", {"id": cfg.id}, configs=[cfg]))
+        r["to_error"] = time.monotonic() - t_kill
+        r["next"] = _attempt(lambda: _sum(rt))
+        r["to_next"] = time.monotonic() - t_kill
+        r["state"] = rt.state
+        rounds.append(r)
+        logging.info(f"kill_while_loading round {i}: {json.dumps(r, default=str)}")
+        if not r["next"]["ok"]:
+            break
+    return out
+
+
+def scenario_death_after_load_report(rt, args):
+    """Two nodes: while a model loads, rank 2 reports its load done and is then SIGKILLed while rank 3 still loads
+    (torchrun stopping a dead worker's sibling that had finished its load, in either order): the driver, which
+    waits for the ranks' load reports with no command in flight, must fail the load naming rank 2, not wait for
+    rank 3's report until the load timeout (issue 19's 300 s wait)."""
+    mp.LOAD_TIMEOUT = min(mp.LOAD_TIMEOUT, args.load_timeout)
+    out = {"first": _attempt(lambda: _sum(rt)), "pids": dict(rt.members)}
+    digest = {"files": "te", "options": "x"}
+    cfg = mp.RemoteConfig("config", {"digest": digest, "name": "te.safetensors",
+                                     "load_seconds": {3: 8.0, "others": 0.2}}, digest, "text encoder")
+    victim = rt.members[2]
+    out["victim_pid"] = victim
+
+    def kill_once_reported():
+        deadline = time.monotonic() + 10
+        while rt.ctl.peek(f"ready/{cfg.id}/2") is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out["victim_reported"] = rt.ctl.peek(f"ready/{cfg.id}/2") is not None
+        os.kill(victim, signal.SIGKILL)
+        out["killed_at"] = time.monotonic()
+    threading.Thread(target=kill_once_reported, daemon=True).start()
+    out["killed"] = _attempt(lambda: rt.run("uses_config", {"id": cfg.id}, configs=[cfg]))
+    out["kill_to_error"] = time.monotonic() - out.pop("killed_at", time.monotonic())
+    out["after"] = _attempt(lambda: _sum(rt))
+    return out
+
+
 def scenario_hostile(rt, args):
     """A local user without the key writes into the control store: garbage into the next command's slot, into
     `gen` and into a result slot; a signed command copied into another slot; a bumped failure counter; then a
@@ -439,8 +499,10 @@ def scenario_agent_lost(rt, args):
     again and the group must come back by itself."""
     out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
     agent = AGENT[0]
-    _later(1.0, lambda: os.kill(agent.pid, signal.SIGKILL))
-    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    killed = []
+    _later(1.0, lambda: (os.kill(agent.pid, signal.SIGKILL), killed.append(time.monotonic())))
+    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=args.sleep, steps=2, at=0))
+    out["kill_to_error"] = time.monotonic() - killed[0] if killed else None
     agent.wait(10)
     out["while_lost"] = _attempt(lambda: _sum(rt))  # fails fast: the host is known lost
     out["state_while_lost"] = rt.state
@@ -450,6 +512,7 @@ def scenario_agent_lost(rt, args):
         time.sleep(0.2)
     out["back_after"] = time.monotonic() - t0
     out["after"] = _attempt(lambda: _sum(rt))
+    out["kill_to_next_success"] = time.monotonic() - killed[0] if killed and out["after"]["ok"] else None
     out["pids_after"] = dict(rt.members)
     out["driver_pid_after"] = os.getpid()
     return out
@@ -509,6 +572,9 @@ def main(argv=None):
     ap.add_argument("--launcher", default="h3kit", choices=group.LAUNCHERS)
     ap.add_argument("--agent", action="store_true", help="start node 1's agent (two nodes)")
     ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
+    ap.add_argument("--sleep", type=float, default=3.0, help="agent_lost: how long rank 0 holds the command")
+    ap.add_argument("--load-timeout", type=float, default=60.0, help="kill_while_loading: the driver's load bound")
+    ap.add_argument("--repeat", type=int, default=1, help="kill_while_loading: how many rounds")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[driver] %(asctime)s %(message)s', stream=sys.stdout)

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 
-import torch
+# SIGTERM is taken by one thread of the worker (comfy.multinpu_group.watch_termination), which notes who ended the
+# process before it exits, even while the main thread is inside a collective; blocked here, before torch starts
+# threads of its own, so that no other thread takes it
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
-import comfy.multinpu
-import comfy.multinpu_group as mp
+import torch  # noqa: E402
+
+import comfy.multinpu  # noqa: E402
+import comfy.multinpu_group as mp  # noqa: E402
 
 
 @mp.program("sum")
@@ -77,6 +83,8 @@ def _config(context, comm, payload):
         digest["files"] = "another-file"
     if context.rank == payload.get("fail_on"):
         raise FileNotFoundError(f"/models/{payload['name']} is missing on this host")
+    seconds = payload.get("load_seconds", 0)  # a model read from disk (after the command's closing barrier)
+    time.sleep(seconds.get(context.rank, seconds.get("others", 0)) if isinstance(seconds, dict) else seconds)
     return _Held(digest)
 
 

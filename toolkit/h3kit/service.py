@@ -150,6 +150,7 @@ class Record:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     join_timeout: float = group.DEFAULT_JOIN_TIMEOUT
+    launcher: str | None = None        # absent in a record written before the choice: h3kit's launcher ran
 
     @property
     def url(self) -> str:
@@ -157,8 +158,9 @@ class Record:
 
     @property
     def group(self) -> group.GroupSettings:
+        launcher = self.launcher or ("h3kit" if self.transport == "process" else None)
         return group.GroupSettings(self.transport, self.nnodes, self.node_rank, self.master_addr,
-                                   self.master_port, self.join_timeout)
+                                   self.master_port, self.join_timeout, launcher)
 
     def verify(self) -> proc.Verdict:
         return proc.verify(self.pid, self.create_time, self.cmdline,
@@ -263,6 +265,12 @@ def _transport(v, ctx):
     return v
 
 
+def _launcher(v, ctx):
+    if v is not None and v not in group.LAUNCHERS:
+        raise ValueError(f"must be one of {', '.join(group.LAUNCHERS)} or null")
+    return v
+
+
 def _listen(v, ctx):
     try:
         return str(ipaddress.ip_address(_text(v, ctx)))
@@ -314,6 +322,7 @@ RECORD_FIELDS = {
     "master_addr": (_listen, False),
     "master_port": (_int_range(0, 65535), False),
     "join_timeout": (_time, False),
+    "launcher": (_launcher, False),
 }
 
 
@@ -644,8 +653,8 @@ def validated(spec: StartSpec) -> StartSpec:
 
 def _settings(spec_or_record) -> dict:
     settings = spec_or_record.group.as_dict()
-    if settings["nnodes"] == 1:
-        settings.pop("master_port")  # one host: h3kit picks a free one at every start
+    if settings["nnodes"] == 1 and not settings["master_port"]:
+        settings.pop("master_port")  # one host: h3kit picks a free one at every start unless one is asked for
     return {"comfy_home": str(Path(spec_or_record.comfy_home).resolve()), "python": spec_or_record.python,
             "devices": list(spec_or_record.devices), "device_type": spec_or_record.device_type,
             "listen": spec_or_record.listen, "extra_args": list(spec_or_record.extra_args), **settings}
@@ -688,10 +697,12 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
     if not settings.is_agent:
         _check_port(listen, spec.port)
     if settings.is_process and settings.node_rank == 0:
-        if settings.nnodes == 1:
-            settings = dataclasses.replace(settings, master_port=group.choose_port(settings.master_addr))
-        else:
-            _check_port(settings.master_addr, settings.master_port)
+        if settings.master_port == 0:  # one host (several need --master-port): a free one, at every start
+            settings = dataclasses.replace(settings, master_port=group.choose_port(
+                settings.master_addr, pair=settings.launcher == "torchrun"))
+        else:  # honoured on one host too
+            for port in group.rendezvous_ports(settings):
+                _check_port(settings.master_addr, port)
 
     if announce:
         progress(announce)
@@ -703,7 +714,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         env.update(group.environment(settings, spec.device_type, spec.devices, root, group.group_key(root, settings),
                                      worker_args))
         shown["transport"] = (f"process, node {settings.node_rank} of {settings.nnodes}, "
-                              f"master {settings.master_addr}:{settings.master_port}")
+                              f"master {settings.master_addr}:{settings.master_port}, launcher {settings.launcher}")
     log = _new_log(root, f"h3kit: {datetime.datetime.now().isoformat(timespec='seconds')} starting in {home}: "
                          f"{' '.join(argv)} with {' '.join(f'{k}={v}' for k, v in shown.items())}")
     t0 = time.monotonic()
@@ -724,7 +735,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
                  device_type=spec.device_type, devices=list(spec.devices), python=python,
                  comfy_home=str(home), log=str(log), extra_args=list(spec.extra_args),
                  started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 **settings.as_dict())
+                 **spec.group.as_dict())  # the port asked for: 0 on one host picks a free one at every start
     write_record(root, rec)
     progress(f"started pid {child.pid}: {' '.join(argv)}")
     progress(f"log: {log}")

@@ -62,13 +62,15 @@ PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
 # Fault injection, for tests and acceptance runs, a comma-separated list: "PROGRAM:oom:PATH" makes a worker's run
 # of PROGRAM ask for an impossible allocation (the CPU or device allocator's own out-of-memory error) while the
-# file PATH exists; "PROGRAM:raise:PATH" makes it raise a RuntimeError.
+# file PATH exists; "PROGRAM:raise:PATH" makes it raise a RuntimeError; "PROGRAM:hold:PATH" holds it while PATH
+# exists (at most 120 s). PROGRAM may be a model's loader ("te_config", "dit_config", "vae_config").
 FAULT_ENV = "H3KIT_MULTINPU_FAULT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 LAUNCHERS = ("h3kit", "torchrun")    # who starts and restarts a host's workers: LocalWorkers or TorchrunWorkers
 RDZV_READ_TIMEOUT = 15              # seconds: torchrun's c10d rendezvous store reads (its default is 60)
 TORCHRUN_MAX_RESTARTS = 1000         # torchrun's restart limit; the driver restarts torchrun itself past it
+TORCHRUN_RETRY = 30.0                # after torchrun ended more than CRASH_LIMIT times in CRASH_WINDOW, the pause
 WORKER_MODULE = "comfy.multinpu_worker"
 RANKS_FILE = "ranks.json"
 STORE_PREFIX = "h3kit"
@@ -78,11 +80,20 @@ HEARTBEAT_INTERVAL = 1.0
 # A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
 # replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
 HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
+# A host whose agent (which beats every second) has been silent this long is lost: its ranks are dead. A killed
+# agent or torchrun is seen sooner, by its workers' notes of their SIGTERM (watch_termination)
+HOST_STALE = min(10.0, HEARTBEAT_STALE)
+# torchrun's c10d rendezvous drops a node whose keep-alives stop for KEEP_ALIVE x KEEP_ALIVE_ATTEMPTS seconds
+KEEP_ALIVE, KEEP_ALIVE_ATTEMPTS = 2, 3
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
 REPORTED_EXIT = 70                   # a worker that posted its error exits with this code: not a crash
 RECYCLED_EXIT = 75                   # a worker told to leave (its generation was aborted): not a crash
+TERM_EXIT = 143                      # a worker that ended on SIGTERM (watch_termination): its launcher stopped it
+# In a death's reason: this rank was ended by its launcher (torchrun stops every worker of its host when one
+# fails; a launcher that dies takes its workers with it), so it is not the root cause when another rank died
+SECONDARY = "stopped by its launcher"
 CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
 CRASH_WINDOW = 120.0
 POLL = 0.05
@@ -775,6 +786,51 @@ def rank_from_environment(spec: GroupSpec) -> int:
     return spec.rank_of(spec.node_rank, int(os.environ["LOCAL_RANK"]))
 
 
+def secondary(reason) -> bool:
+    """Is a death with this reason one its launcher caused after another rank's (not a root cause)?"""
+    return SECONDARY in str(reason)
+
+
+def recycled(reason) -> bool:
+    """Is a death with this reason one h3kit caused itself, replacing the group after a failure?"""
+    reason = str(reason)
+    return "killed by h3kit" in reason or "aborted" in reason
+
+
+def watch_termination(spec: GroupSpec, rank: int):
+    """In a worker: one thread takes SIGTERM, notes who ended this process in the store (signed "term/{rank}",
+    written before it exits) and exits with TERM_EXIT, even while the main thread is blocked inside a collective.
+    torchrun ends every worker of its host with SIGTERM as soon as one fails, and reaps them itself: the note is
+    how the driver tells the rank that failed first from the siblings torchrun stopped after it. Needs SIGTERM
+    blocked in every thread, from the worker's first line (comfy.multinpu_worker does it before importing torch);
+    otherwise SIGTERM keeps its default action and nothing is noted."""
+    if signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return
+    parent = os.getppid()
+
+    def run():
+        signal.sigwait({signal.SIGTERM})
+        gone = os.getppid() != parent
+        why = (f"{SECONDARY}: its launcher (pid {parent}) ended" if gone else
+               f"{SECONDARY} (SIGTERM from pid {parent})")
+        try:
+            store = connect_store(spec.master_addr, spec.master_port, 2.0, time.monotonic() + 2.0)
+            Control(store, Signer(key_from_environment())).put(f"term/{rank}", {"pid": os.getpid(), "why": why,
+                                                                               "time": time.time()})
+        except Exception:
+            pass  # the store is gone too: nobody is left to tell
+        logging.warning(f"MultiNPU: rank {rank}: {why}; exiting")
+        sys.stdout.flush()
+        os._exit(TERM_EXIT)
+    threading.Thread(target=run, name="multinpu-sigterm", daemon=True).start()
+
+
+def termination_note(ctl, rank: int, pid) -> str | None:
+    """What a worker noted of its SIGTERM before it exited (watch_termination), when it was process `pid`."""
+    note = ctl.peek(f"term/{rank}")
+    return note.get("why") if isinstance(note, dict) and note.get("pid") == pid else None
+
+
 def die_with_parent():
     """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
     parent = int(os.environ.get(PARENT_ENV, "0") or 0)
@@ -796,6 +852,8 @@ def process_identity(pid: int) -> dict:
 
 
 def _exit_reason(code: int) -> str:
+    if code == TERM_EXIT:
+        return f"{SECONDARY} (SIGTERM, code {code})"
     if code == REPORTED_EXIT:
         return f"exited after reporting its error (code {code})"
     if code == RECYCLED_EXIT:
@@ -958,7 +1016,7 @@ class TorchrunWorkers:
     --max-restarts, --monitor-interval 0.5. On any worker's failure torchrun restarts every worker of the group,
     on every host; h3kit kills workers (SIGKILL, a stopped one too) to make it do so. The same interface as
     LocalWorkers; the workers' pids come from their signed announcements in the store. The driver runs one for
-    node 0, each other host's agent one for its node (not wired into `h3kit start` yet: GroupSpec.launcher)."""
+    node 0, each other host's agent one for its node (`h3kit start --launcher torchrun`, the default: GroupSpec.launcher)."""
 
     def __init__(self, spec: GroupSpec, key: str, local_ranks, ctl, cwd=None, python=None):
         self.spec = spec
@@ -977,6 +1035,7 @@ class TorchrunWorkers:
                          "incarnation": 0} for r in self.ranks}
         self.starts = 0
         self.exits = collections.deque()
+        self.retry_at = None  # monotonic time torchrun is tried again after it kept ending
         self.stopping = False
 
     def argv(self) -> list:
@@ -988,7 +1047,9 @@ class TorchrunWorkers:
                 # read_timeout bounds a rendezvous that a lost and restarted host's new torchrun cannot complete
                 # (it starts at round 0 while the others wait in their restart round): torchrun then exits and is
                 # started again here, on every host
-                "--rdzv-conf", f"is_host={'true' if s.node_rank == 0 else 'false'},read_timeout={RDZV_READ_TIMEOUT}",
+                "--rdzv-conf", f"is_host={'true' if s.node_rank == 0 else 'false'},read_timeout={RDZV_READ_TIMEOUT},"
+                f"keep_alive_interval={KEEP_ALIVE},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS},"
+                f"join_timeout={max(1, int(s.join_timeout))}",
                 "--max-restarts", str(TORCHRUN_MAX_RESTARTS), "--monitor-interval", "0.5",
                 "-m", s.worker_module, *s.worker_args]
 
@@ -1026,7 +1087,9 @@ class TorchrunWorkers:
             info = self._announced(rank)
             old = self.seen.get(rank)
             if old is not None and (info is None or (info["pid"], info.get("create_time")) != old):
-                why = "killed by h3kit (the group is replaced)" if rank in self.recycled else "exited"
+                # torchrun reaps its workers: h3kit sees no exit code, but a worker torchrun stopped noted it
+                why = ("killed by h3kit (the group is replaced)" if rank in self.recycled else
+                       termination_note(self.ctl, rank, old[0]) or "died (not stopped by torchrun: killed or crashed)")
                 self.recycled.discard(rank)
                 reason = f"{why}; torchrun restarts the group"
                 self.info[rank].update(alive=False, last_exit=reason)
@@ -1047,12 +1110,21 @@ class TorchrunWorkers:
             while self.exits and now - self.exits[0] > CRASH_WINDOW:
                 self.exits.popleft()
             if len(self.exits) > CRASH_LIMIT:
+                # the group fails now (named, instead of waiting out the join timeout) and comes back by itself:
+                # torchrun is tried again after a pause (its rendezvous port was taken, its peer host was away)
+                self.retry_at = now + TORCHRUN_RETRY
                 self.failed[self.ranks[0]] = (f"torchrun ended {len(self.exits)} times within {CRASH_WINDOW:g} s "
-                                              f"(last: pid {self.proc.pid} {reason}); not started again")
+                                              f"(last: pid {self.proc.pid} {reason}); trying again in "
+                                              f"{TORCHRUN_RETRY:g} s")
                 logging.error(f"MultiNPU: {self.failed[self.ranks[0]]}")
             else:
                 logging.warning(f"MultiNPU: torchrun (pid {self.proc.pid}) {reason}; starting it again")
                 self.start()
+        if self.failed and self.retry_at is not None and time.monotonic() >= self.retry_at and not self.stopping:
+            self.failed, self.retry_at = {}, None
+            self.exits.clear()
+            logging.warning("MultiNPU: starting torchrun again after its pause")
+            self.start()
         return ended
 
     def pid(self, rank: int):
@@ -1137,6 +1209,26 @@ def cpu_threads(spec: GroupSpec):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // spec.local_size)
+
+
+def failure_detectors(spec: GroupSpec) -> dict:
+    """{what: seconds} after which each of h3kit's (and torchrun's) detectors notices a failed rank or host. Every
+    one must fire before a collective gives up (spec.timeout; HCCL_EXEC_TIMEOUT is at least that), so a failure
+    is named by what saw it, never by a peer's collective timing out."""
+    out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE}
+    if spec.launcher == "torchrun":
+        out["torchrun's rendezvous keep-alive"] = float(KEEP_ALIVE * KEEP_ALIVE_ATTEMPTS)
+        out["torchrun's rendezvous store reads"] = float(RDZV_READ_TIMEOUT)
+    return out
+
+
+def check_timeouts(spec: GroupSpec):
+    """GroupError unless every failure detector fires before the collective timeout."""
+    what, seconds = max(failure_detectors(spec).items(), key=lambda kv: kv[1])
+    if spec.timeout <= seconds:
+        raise GroupError(f"MultiNPU: the collective timeout ({spec.timeout:g} s) must be longer than {what} "
+                         f"({seconds:g} s): a failed rank would be reported as a peer's collective timing out. "
+                         f"Fix: a longer group timeout, or a shorter {HEARTBEAT_ENV}")
 
 
 def set_hccl_timeout(spec: GroupSpec):
@@ -1261,6 +1353,7 @@ def serve(context: WorkerContext):
     """A worker's life: join the next generation that lists it and run its commands, until the driver ends
     the generation (END) or is gone. A worker whose command or join fails reports it and exits."""
     spec, rank = context.spec, context.rank
+    watch_termination(spec, rank)
     signer = Signer(key_from_environment())
     deadline = time.monotonic() + spec.join_timeout
     base = connect_store(spec.master_addr, spec.master_port, spec.timeout, deadline)
@@ -1429,6 +1522,11 @@ def _inject_fault(context: WorkerContext, name: str):
             torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
         if kind == "raise":
             raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
+        if kind == "hold":  # a slow step (a model read from a slow disk): it lasts while the file exists
+            logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: holding {name}")
+            deadline = time.monotonic() + 120.0
+            while os.path.exists(trigger) and time.monotonic() < deadline:
+                time.sleep(POLL)
 
 
 def _free_memory(context: WorkerContext):
@@ -1448,6 +1546,7 @@ def _install(context: WorkerContext, comm, payload):
     def load():
         key = f"ready/{payload['id']}/{context.rank}"
         try:
+            _inject_fault(context, payload["program"])
             held = PROGRAMS[payload["program"]](context, comm, payload["payload"])
             context.configs[payload["id"]] = held
             ctl.put(key, {"pid": os.getpid(), "digest": held.digest})
@@ -1522,6 +1621,8 @@ class Agent:
         local.start()
         logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
         last_write, beat = 0.0, 0
+        reported = None
+        ctl.put(f"nodefail/{spec.node_rank}", {"pid": os.getpid(), "message": None})
         try:
             while not self.stop.wait(0.1):
                 for rank, pid, reason in local.poll():
@@ -1530,6 +1631,10 @@ class Agent:
                     req = ctl.peek(f"kill/{rank}")
                     if isinstance(req, dict) and req.get("pid") == local.pid(rank):
                         local.kill(rank, req.get("why", "the driver asked"), recycle=bool(req.get("abort")))
+                failed = "; ".join(local.failed.values()) or None
+                if failed != reported:  # a host that cannot run its ranks says so: the driver fails at once
+                    ctl.put(f"nodefail/{spec.node_rank}", {"pid": os.getpid(), "message": failed})
+                    reported = failed
                 if time.monotonic() - last_write > 1.0:
                     # the driver tells a lost host by its silence, which nobody without the key can fill (_heartbeat)
                     beat += 1
@@ -1562,7 +1667,8 @@ class Agent:
             "role": "agent", "pid": os.getpid(), "updated": now(), "node_rank": self.spec.node_rank,
             "state": state, "error": error, "generation": (group or {}).get("generation"),
             "world_size": self.spec.world_size, "backend": self.spec.backend,
-            "master": f"{self.spec.master_addr}:{self.spec.master_port}", "nnodes": self.spec.nnodes, "ranks": ranks})
+            "master": f"{self.spec.master_addr}:{self.spec.master_port}", "nnodes": self.spec.nnodes,
+            "launcher": self.spec.launcher, "ranks": ranks})
 
 
 def agent_main():

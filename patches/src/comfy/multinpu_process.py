@@ -53,6 +53,7 @@ import comfy.multinpu_group as group
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
+WAITING_LOG = 10.0                   # while the group forms or loads, what it waits for is logged this often
 REFUSED_ARGS = ("--cuda-device", "--default-device")  # in the server's arguments, with the process transport
 
 
@@ -113,6 +114,7 @@ class GroupRuntime:
         self._remote_exits = {}        # rank -> last exit report read
         self._retired = set()          # (pid, start time) of aborted generations' workers: never members again
         self._aborted = set()
+        self._aborted_members = {}     # rank -> pid of the generation aborted last, until the next one is ready
         self._failed_at = 0.0
         self._token = uuid.uuid4().hex[:12]
         self._local = None
@@ -129,6 +131,7 @@ class GroupRuntime:
 
     def start(self):
         spec = self.spec
+        group.check_timeouts(spec)
         if spec.device_type == "cpu" and group.is_loopback(spec.master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", group.loopback_interface())
         group.set_hccl_timeout(spec)
@@ -274,6 +277,7 @@ class GroupRuntime:
                     if isinstance(report, dict) and report != self._remote_exits.get(rank):
                         self._remote_exits[rank] = report
                         self._note_death(rank, report.get("pid"), str(report.get("reason")))
+            self._check_hosts()
 
     def _check_heartbeat(self, rank: int, now: float):
         pid = self.members.get(rank)
@@ -316,8 +320,31 @@ class GroupRuntime:
                 return seq
         return known
 
+    def _check_hosts(self):
+        """Another host's members that are gone although no exit report came (its agent or torchrun was killed):
+        a worker its launcher's end took down noted its SIGTERM itself (group.watch_termination); a host whose
+        agent has been silent for HOST_STALE is lost (powered off, cut off), its members dead."""
+        for rank, pid in list(self.members.items()):
+            if self.spec.node_of(rank) != 0:
+                why = group.termination_note(self._mon, rank, pid)
+                if why:
+                    self._note_death(rank, pid, why)
+        for node in range(1, self.spec.nnodes):
+            ranks = {r: pid for r, pid in self.members.items() if self.spec.node_of(r) == node}
+            silent = self._agent_gone(node) if ranks else None
+            if silent is not None:
+                for r, pid in ranks.items():
+                    self._note_death(r, pid, f"host lost: its agent has not been heard from for {silent:.0f} s")
+
     def _note_death(self, rank: int, pid, reason: str):
         self._ranks_changed = True
+        if pid is not None and self.members.get(rank) != pid and self._aborted_members.get(rank) == pid:
+            # a member of the generation just aborted (an idle abort, or one a load or command waits out), not one
+            # h3kit killed to replace it: its death may be the root cause the abort's first death was an effect of
+            # (torchrun stops a dead worker's siblings at once), so it is kept for naming the failure
+            if not group.recycled(reason):
+                self.dead.setdefault(rank, f"pid {pid}: {reason}")
+            return
         if pid is None or self.members.get(rank) != pid:
             return  # not a member of the current generation (a replacement, or one already given up on)
         self.dead.setdefault(rank, f"pid {pid}: {reason}")
@@ -407,6 +434,7 @@ class GroupRuntime:
             return
         self._aborted.add(g)
         members, self.members = dict(self.members), {}
+        self._aborted_members = dict(members)
         if self._link is not None:
             self._link[0].close()
             self._link = None
@@ -451,6 +479,7 @@ class GroupRuntime:
         self.members = members
         self.next_cmd = 1
         self.dead = {}
+        self._aborted_members = {}
         self.state = "ready"
         self.error = None
         self._ranks_changed = True
@@ -460,8 +489,19 @@ class GroupRuntime:
         logging.info(f"MultiNPU: process group generation {g} ready: {self.world_size} ranks "
                      f"(pids {', '.join(str(members[r]) for r in sorted(members))})")
 
+    def _launcher_state(self) -> str:
+        """Who runs on each host now, for the waiting log: the ranks announced, and torchrun's pid where it runs."""
+        try:
+            announced = self._announced()
+            proc = getattr(self._local, "proc", None)
+            return (f"announced {announced}" + (f", node 0's torchrun pid {proc.pid} "
+                                               f"{'running' if proc.poll() is None else f'ended {proc.returncode}'}"
+                                               if proc is not None else ""))
+        except Exception as e:
+            return f"announced: unreadable ({e})"
+
     def _agent_gone(self, node: int):
-        """Seconds since node's agent last beat, when it beat once and has been silent for HEARTBEAT_STALE
+        """Seconds since node's agent last beat, when it beat once and has been silent for HOST_STALE
         (the host or its agent is lost); else None."""
         beat = self._mon.peek(f"agent_hb/{node}")  # signed {"pid", "seq"}: a hint; the beat is its key (_beat)
         beat = beat if isinstance(beat, dict) else {}
@@ -478,7 +518,7 @@ class GroupRuntime:
             self._agent_hb[node] = (seen, now)
             return None
         silent = now - since
-        return silent if any(seen.values()) and silent > group.HEARTBEAT_STALE else None
+        return silent if any(seen.values()) and silent > group.HOST_STALE else None
 
     def _wait_members(self, deadline: float) -> dict:
         def attempt():
@@ -488,6 +528,12 @@ class GroupRuntime:
             if all(pid is not None for pid in announced.values()):
                 return announced
             for node in sorted({self.spec.node_of(r) for r, pid in announced.items() if pid is None} - {0}):
+                failed = self._mon.peek(f"nodefail/{node}")
+                if isinstance(failed, dict) and failed.get("message"):
+                    message = (f"MultiNPU: node {node} cannot run its ranks: {failed['message']} (its agent, pid "
+                               f"{failed.get('pid')}, keeps trying; the group re-forms by itself)")
+                    self._fail(message)
+                    raise group.GroupError(message)
                 silent = self._agent_gone(node)
                 if silent is not None:
                     # fail now rather than hold the queue for the join timeout; the monitor forms the group by
@@ -537,11 +583,16 @@ class GroupRuntime:
     def _poll(self, deadline: float, attempt, late):
         """attempt() after each look at the ranks until it returns something other than None; past the deadline
         the group fails with late()'s words."""
+        said = time.monotonic()
         while True:
             self._watch()
             result = attempt()
             if result is not None:
                 return result
+            if time.monotonic() - said >= WAITING_LOG:
+                said = time.monotonic()
+                logging.warning(f"MultiNPU: forming generation {self.generation + 1} (state {self.state}), "
+                                f"{deadline - said:.0f} s left: {late()}; {self._launcher_state()}")
             if time.monotonic() >= deadline:
                 message = f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: {late()}"
                 self._fail(message)
@@ -659,14 +710,16 @@ class GroupRuntime:
             self._watch()
             if any(not rep.get("collective") for rep in reports.values()):
                 break
-            if any(r not in reports for r in self.dead):
-                # a death is a root cause by itself; a report explaining it is written before its exit
+            if any(r not in reports and not group.secondary(self.dead[r]) for r in self.dead):
+                # a death is a root cause by itself (unless its launcher caused it: then the death that made the
+                # launcher act is awaited); a report explaining it is written before its exit
                 deadline = min(deadline, first_seen + DEATH_WAIT)
             if time.monotonic() >= deadline:
                 break
             time.sleep(group.POLL)
         primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
-        dead = [r for r in self.dead if r not in reports]  # in the order they were seen: the first death first
+        # in the order they were seen, the first death first; deaths a launcher caused after another rank's last
+        dead = sorted((r for r in self.dead if r not in reports), key=lambda r: group.secondary(self.dead[r]))
         if primary:
             r = min(primary, key=lambda r: (primary[r].get("time") or 0, r))
             exc = _rank_exception(self.spec, r, primary[r], name)
@@ -731,7 +784,13 @@ class GroupRuntime:
         deadline = time.monotonic() + timeout
         members = dict(self.members)
         reports = {}
+        said = time.monotonic()
         while True:
+            if time.monotonic() - said >= WAITING_LOG:
+                said = time.monotonic()
+                logging.warning(f"MultiNPU: {what}: waiting for {prefix} of "
+                                f"{', '.join(str(r) for r in ranks if r not in reports)} (members {members}, "
+                                f"dead {self.dead}); {self._launcher_state()}")
             for r in ranks:
                 if r not in reports:
                     rep = self.ctl.peek(f"{prefix}/{r}")
@@ -740,12 +799,10 @@ class GroupRuntime:
             if len(reports) == len(ranks) or any("error" in rep for rep in reports.values()):
                 return reports
             self._watch()
-            gone = [r for r in ranks if r not in reports and r in self.dead]
-            if gone:
-                r = gone[0]
-                exc = group.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
-                self._abort_generation(str(exc)[:300])
-                raise exc
+            if self.dead or self.state != "ready" or self.members != members:
+                # any member's death ends the load (the whole group is replaced: what the others loaded goes with
+                # it), also one that reported its load before it died, or one the monitor's idle abort saw first
+                raise self._load_failure(what, reports)
             if time.monotonic() >= deadline:
                 late = [r for r in ranks if r not in reports]
                 exc = group.GroupError(f"MultiNPU: {', '.join(self.spec.describe_rank(r) for r in late)} did not "
@@ -753,6 +810,22 @@ class GroupRuntime:
                 self._abort_generation(str(exc)[:300])
                 raise exc
             time.sleep(group.POLL)
+
+    def _load_failure(self, what: str, reports: dict) -> BaseException:
+        """The first death of a failed load (the root cause before deaths a launcher caused after it, awaited up to
+        ERROR_WAIT when only those are known yet), after which the whole generation is replaced."""
+        deadline = time.monotonic() + ERROR_WAIT
+        while (not self.dead or all(group.secondary(why) for why in self.dead.values())) and \
+                time.monotonic() < deadline:
+            time.sleep(group.POLL)
+            self._watch()
+        if self.dead:
+            r = sorted(self.dead, key=lambda r: group.secondary(self.dead[r]))[0]
+            exc = group.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
+        else:
+            exc = group.GroupError(f"MultiNPU: the process group broke while {what} ({self.error or 'aborted'})")
+        self._abort_generation(str(exc)[:300])
+        return exc
 
     # -- frees and drops --
 
@@ -795,7 +868,7 @@ class GroupRuntime:
             "role": "driver", "pid": os.getpid(), "updated": group.now(), "state": self.state, "error": self.error,
             "generation": self.generation, "world_size": self.world_size, "backend": self.spec.backend,
             "master": f"{self.spec.master_addr}:{self.port}", "nnodes": self.spec.nnodes,
-            "commands": self.commands, "last_failure": self.last_failure, "ranks": ranks})
+            "launcher": self.spec.launcher, "commands": self.commands, "last_failure": self.last_failure, "ranks": ranks})
 
 
 def _rank_exception(spec: group.GroupSpec, rank: int, report: dict, what: str) -> BaseException:

@@ -15,12 +15,18 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
 
-import torch
+# SIGTERM is taken by one thread of the worker (comfy.multinpu_group.watch_termination), which notes who ended the
+# process before it exits, even while the main thread is inside a collective; blocked here, before torch starts
+# threads of its own, so that no other thread takes it
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
-import comfy.multinpu_group
-import comfy.options
+import torch  # noqa: E402
+
+import comfy.multinpu_group  # noqa: E402
+import comfy.options  # noqa: E402
 
 # the runners whose worker sides (their @comfy.multinpu_group.program functions) this process serves
 RUNNERS = ("comfy.multinpu_models", "comfy.multinpu_dit", "comfy.multinpu_te", "comfy.multinpu_vae")
