@@ -47,6 +47,7 @@ import weakref
 import torch
 import torch.distributed
 
+import comfy.model_cache
 import comfy.multinpu
 import comfy.multinpu_group as group
 
@@ -741,6 +742,7 @@ class GroupRuntime:
         if self._free_pending:
             self._free_pending = False
             self._execute("free", None)
+            logging.info("MultiNPU: the workers let go of their models (POST /free or ComfyUI's OOM handler)")
             for cfg in self.configs:
                 cfg.installed = {}
         if self._drops:
@@ -892,6 +894,16 @@ _RUNTIME = None
 def get_runtime():
     """The GroupRuntime of this process when it drives a process group, else None (threads, one device)."""
     return _RUNTIME
+
+
+def _free_workers():
+    # comfy.model_management.unload_all_models (POST /free, the OOM handler, --disable-smart-memory) empties the
+    # model cache: the workers let go of theirs too, before the next command
+    if _RUNTIME is not None:
+        _RUNTIME.request_free()
+
+
+comfy.model_cache.add_clear_listener(_free_workers)
 
 
 def start_runtime(spec: group.GroupSpec, key: str, device=None) -> GroupRuntime:
