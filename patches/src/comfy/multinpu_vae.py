@@ -162,8 +162,8 @@ def _recv_chunk(comm, src: int) -> torch.Tensor:
 
 
 class _InWorkers(torch.nn.Module):
-    """Where a copy of the VAE leaves out a part run elsewhere (the server or the ranks): no weights, the attributes upstream reads
-    (the decoder's out_channels), and a forward that refuses."""
+    """Where a copy of the VAE leaves out a part run elsewhere (the server or the ranks): no weights, the
+    attributes upstream reads (the decoder's out_channels), and a forward that refuses."""
 
     def __init__(self, what: str, where: str, **attributes):
         super().__init__()
