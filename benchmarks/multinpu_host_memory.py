@@ -84,6 +84,7 @@ def child(args):
     import torch
     import comfy.model_management
     import comfy.multinpu_weights
+    import comfy.multinpu_vae
     import comfy.sample
     import comfy.utils
     import folder_paths
@@ -138,8 +139,13 @@ def child(args):
         # the devices and a count of host tensors would miss them (on the CPU simulation this changes nothing)
         comfy.model_management.free_memory(1e30, None)
         copies = [model.model] + [p.model for p in model.get_additional_models()]
-        for patcher, key in ((clip.patcher, "multinpu_text_encoder"), (vae.patcher, "multinpu_video_vae")):
-            copies += [patcher.model] + [p.model for p in comfy.multinpu_weights.device_models(patcher, key)]
+        copies += [clip.patcher.model] + [p.model for p in comfy.multinpu_weights.device_models(clip.patcher,
+                                                                                                "multinpu_text_encoder")]
+        copies.append(vae.patcher.model)
+        runner = comfy.multinpu_vae.get_runner(vae)  # the VAE's rank copies: each rank's own decoder
+        if runner is not None:
+            copies += [c.configs[runner.config.id].model for c in getattr(runner.runtime, "contexts", ())
+                       if runner.config.id in c.configs]
         copies.append(audio_vae.patcher.model)
         out["host_weight_bytes"] = _distinct_storage_bytes(copies)
     out["reads"] = {os.path.basename(path): n for path, n in reads.items()}

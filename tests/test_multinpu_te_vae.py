@@ -135,6 +135,23 @@ def test_vae_replicas_share_and_return_to_the_host_copy(checks):
     assert v["decode_max_abs"] == 0
 
 
+def test_threads_run_the_vae_programs_of_the_process_transport(checks):
+    v = value(checks, "vae_same_programs")
+    # the functions the process workers run, found by name in the one registry
+    assert v["registered"] == {"vae_config": "comfy.multinpu_vae._load_on_worker",
+                               "vae_decode": "comfy.multinpu_vae._decode_on_worker"}
+    assert v["runtime"] == "comfy.multinpu_threads.ThreadRuntime"
+    assert v["max_abs"] == [0, 0], "the 2-chunk and the single-frame decode equal one device's"
+    # the configuration once per rank; one command per decode on every rank (the single frame on worker rank 0)
+    assert v["calls"] == {"vae_config": [0, 1, 2], "vae_decode": [0, 0, 1, 1, 2, 2]}
+    assert v["contexts"] == {"vae_config": 3, "vae_decode": 3}
+    assert v["counts"] == {"chunks": 2, "single_frames": 1, "chunk_ranks": [0, 1]}
+    # each rank its own decoder copy and patcher (besides the loaded VAE and the server's copy), on its device
+    assert v["own_copies"] == 5 and v["own_patchers"] == 3 and v["load_devices"] == ["cpu"] * 3
+    # one code path: no branch on the transport, nothing of the thread-only path left
+    assert v["runtime_is_none"] == 0 and v["thread_only"] == []
+
+
 def test_dit_replicas_return_to_the_host_copy(checks):
     v = value(checks, "dit_weights_shared")
     assert v["replicas"] == 3 and v["all_in_source"] and v["loaded_away"] and v["back_in_source"]

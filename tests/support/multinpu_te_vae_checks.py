@@ -309,12 +309,16 @@ def te_inputs_copied_before_rank0_works():
 @check
 def vae_inputs_copied_before_rank0_works():
     import torch
+    import comfy.multinpu
     import comfy.multinpu_vae as mv
-    par = mv.apply_decode_parallel(_vae(), ["cpu"] * 4, timeout=30)
-    z = torch.randn(1, 24, 22, 2, 2, generator=torch.Generator().manual_seed(2))  # 4 chunks: one wave on 4 ranks
-    # rank 0 decodes its own slice (no copy); its first op is its own VAE's post_quant_conv (the replicas have theirs)
-    return _rank0_starts_after_copies(mv, "take_latents", lambda: par.decode(z), par.first_stage_model.post_quant_conv,
-                                      is_copy=lambda chunk, comm: comm.rank > 0)
+    par = mv.apply_decode_parallel(_vae_through_loader("video_vae_copies.safetensors"), ["cpu"] * 4, timeout=30)
+    runner = mv.get_runner(par)
+    runner.runtime.run("vae_decode", {"config": runner.config.id, "chunks": []}, configs=[runner.config])  # set up
+    start = runner.runtime.contexts[0].configs[runner.config.id].model.post_quant_conv  # worker rank 0's own copy
+    z = torch.randn(1, 24, 22, 2, 2, generator=torch.Generator().manual_seed(2))  # 4 chunks: one per rank
+    # ranks 1-3 copy the command's latents (the broadcast host buffer) before worker rank 0 starts decoding
+    return _rank0_starts_after_copies(comfy.multinpu.ThreadComm, "_copy_in", lambda: par.decode(z), start,
+                                      is_copy=lambda comm, t: comm.rank > 0)
 
 
 @check
@@ -349,23 +353,26 @@ def loads_with_rank0():
     _encode(par, image=False)
     loaded = [lm.model for lm in mm.current_loaded_models]
     shards = weights.device_models(par.patcher, te.KEY)
-    vae = mv.apply_decode_parallel(_vae(), ["cpu"] * 4)
+    vae = mv.apply_decode_parallel(_vae_through_loader("video_vae_loads.safetensors"), ["cpu"] * 4)
     vae.decode(torch.randn(1, 24, 12, 2, 2))
     loaded_after = [lm.model for lm in mm.current_loaded_models]
-    replicas = weights.device_models(vae.patcher, mv.KEY)
+    runner = mv.get_runner(vae)
+    ranks = [c.configs[runner.config.id].patcher for c in runner.runtime.contexts]  # each rank's own decoder
     return {"te": [any(p is m for m in loaded) for p in [par.patcher] + shards],
-            "vae": [any(p is m for m in loaded_after) for p in [vae.patcher] + replicas]}
+            "vae": [any(p is m for m in loaded_after) for p in ranks]}
 
 
 @check
 def vae_weights_shared():
-    """The VAE replicas share the loaded host copy and return to it after a load/unload cycle."""
+    """The VAE copies of ranks 1-3 (replicas) share the loaded host copy and return to it after a load/unload
+    cycle."""
     import torch
     import comfy.multinpu_vae as mv
-    import comfy.multinpu_weights as weights
-    vae = _vae()
+    vae = _vae_through_loader("video_vae_shared.safetensors")
     par = mv.apply_decode_parallel(vae, ["cpu"] * 4)
-    replicas = weights.device_models(par.patcher, mv.KEY)
+    runner = mv.get_runner(par)
+    runner.runtime.run("vae_decode", {"config": runner.config.id, "chunks": []}, configs=[runner.config])  # set up
+    replicas = [c.configs[runner.config.id].patcher for c in runner.runtime.contexts[1:]]
     source = _storages(vae.first_stage_model)
     out = {"replicas": len(replicas), "load_devices": [str(p.load_device) for p in replicas],
            "all_in_source": all(_storages(m) <= source for m in [par.first_stage_model] + [p.model for p in replicas])}
@@ -378,6 +385,47 @@ def vae_weights_shared():
     z = torch.randn(1, 24, 12, 2, 3, generator=torch.Generator().manual_seed(1))
     out["decode_max_abs"] = _max_abs(par.decode(z), vae.decode(z))
     return out
+
+
+@check
+def vae_same_programs():
+    """The thread transport runs the VAE's worker programs of the process transport (comfy.multinpu_group.PROGRAMS,
+    by name), each rank with its own context and its own copy of the decoder: counted per rank over a setup, a
+    decode of 2 chunks and a single-frame decode, both equal to one device's. And multinpu_vae.py has one code path
+    (no thread-only branch left)."""
+    import inspect
+    import torch
+    import comfy.multinpu_group
+    import comfy.multinpu_vae as mv
+    programs = comfy.multinpu_group.PROGRAMS
+    names = ("vae_config", "vae_decode")
+    registered = {n: programs[n].__module__ + "." + programs[n].__name__ for n in names}
+    calls = {n: [] for n in names}
+    real = {n: programs[n] for n in names}
+    for n in names:
+        programs[n] = lambda context, comm, payload, n=n: calls[n].append((comm.rank, id(context))) or real[n](
+            context, comm, payload)
+    vae = _vae_through_loader("video_vae_programs.safetensors")
+    z = torch.randn(1, 24, 12, 2, 3, generator=torch.Generator().manual_seed(7))  # 2 chunks
+    try:
+        par = mv.apply_decode_parallel(vae, ["cpu"] * 3, timeout=60)
+        runner = mv.get_runner(par)
+        max_abs = [_max_abs(par.decode(z), vae.decode(z)), _max_abs(par.decode(z[:, :, :1]), vae.decode(z[:, :, :1]))]
+    finally:
+        programs.update(real)
+    held = [c.configs[runner.config.id] for c in runner.runtime.contexts]
+    source = inspect.getsource(mv)
+    return {"registered": registered, "runtime": type(runner.runtime).__module__ + "." + type(runner.runtime).__name__,
+            "calls": {n: sorted(r for r, _ in c) for n, c in calls.items()},
+            "contexts": {n: len({i for _, i in c}) for n, c in calls.items()}, "max_abs": max_abs,
+            "counts": {"chunks": runner.chunks, "single_frames": runner.single_frames,
+                       "chunk_ranks": runner.chunk_ranks},
+            "own_copies": len({id(h.model) for h in held} | {id(vae.first_stage_model), id(par.first_stage_model)}),
+            "own_patchers": len({id(h.patcher) for h in held}),
+            "load_devices": [str(h.patcher.load_device) for h in held],
+            "runtime_is_none": source.count("runtime is None"),
+            "thread_only": [s for s in ("ThreadGroup", "RankThreads", "replicas", "decode_wave", "_pool")
+                            if s in source]}
 
 
 @check
@@ -538,7 +586,7 @@ def process_transport_server_copies():
     out["vae_calls"] = list(runtime.calls)
     runner = mv.get_runner(pv)
     out["vae_counts"] = {"chunks": runner.chunks, "single_frames": getattr(runner, "single_frames", None)}
-    held = mv._load_on_worker(context, None, runner.config.payload)
+    held = mv._load_on_worker(types.SimpleNamespace(rank=0, device=torch.device("cpu")), None, runner.config.payload)
     patcher = held.patcher if hasattr(held, "patcher") else held.vae.patcher  # before: the whole VAE's
     out["vae_worker0_parts"] = _parts(_on_device(patcher.model, torch.device("cpu")), 1)
     mm.unload_all_models()
@@ -552,7 +600,8 @@ def node_wiring():
     import comfy.multinpu_vae as mv
     import comfy_extras.nodes_multinpu as nodes_multinpu
     node = nodes_multinpu.MultiNPUParallelConfigNode
-    clip, vae, audio = _clip(), _vae(), _vae("audio_vae.safetensors", "audio_vae")
+    clip, audio = _clip(), _vae("audio_vae.safetensors", "audio_vae")
+    vae = _vae_through_loader("video_vae_node.safetensors")  # the ranks load what a cached loader loaded
     one = node.execute(model=_dit(), npu_count=1, clip=clip, vae=vae, audio_vae=audio).args
     four = node.execute(model=_dit(), npu_count=4, clip=clip, vae=vae, audio_vae=audio).args
     lora = clip.clone()
@@ -562,7 +611,7 @@ def node_wiring():
     again = node.execute(model=_dit(), npu_count=4, clip=four[1], vae=four[2]).args
     return {"one_passes_through": one[1] is clip and one[2] is vae and one[3] is audio,
             "four": {"te": te.get_runner(four[1]).mode if te.get_runner(four[1]) else None,
-                     "vae_devices": len(mv.get_runner(four[2]).devices) if mv.get_runner(four[2]) else None,
+                     "vae_devices": mv.get_runner(four[2]).world_size if mv.get_runner(four[2]) else None,
                      "audio_same": four[3] is audio, "audio_dtype": str(four[3].vae_dtype)},
             "lora_clip_passes_through": swapped[1] is lora,
             "audio_in_vae_slot_passes_through": swapped[2] is audio and swapped[3] is vae,
