@@ -138,14 +138,23 @@ def child(args):
         # the devices and a count of host tensors would miss them (on the CPU simulation this changes nothing)
         comfy.model_management.free_memory(1e30, None)
         copies = [model.model] + [p.model for p in model.get_additional_models()]
-        for patcher, key in ((clip.patcher, "multinpu_text_encoder"), (vae.patcher, "multinpu_video_vae")):
-            copies += [patcher.model] + [p.model for p in comfy.multinpu_weights.device_models(patcher, key)]
+        copies += [clip.patcher.model] + _te_rank_models(clip)
+        copies += [vae.patcher.model] + [p.model for p in comfy.multinpu_weights.device_models(vae.patcher,
+                                                                                                "multinpu_video_vae")]
         copies.append(audio_vae.patcher.model)
         out["host_weight_bytes"] = _distinct_storage_bytes(copies)
     out["reads"] = {os.path.basename(path): n for path, n in reads.items()}
     out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     with open(args.out, "w") as f:
         json.dump(out, f)
+
+
+def _te_rank_models(clip):
+    """The text encoder's rank shards a thread runtime holds (none with one device)."""
+    import comfy.multinpu_te
+    runner = comfy.multinpu_te.get_runner(clip)
+    contexts = getattr(runner.runtime, "contexts", []) if runner is not None else []
+    return [c.configs[runner.config.id].decoder for c in contexts if runner.config.id in c.configs]
 
 
 def _gb(x):

@@ -54,16 +54,14 @@ def check_npu_count(npu_count) -> str | None:
 
 
 def _spread(what, apply, obj, primary, npu_count):
-    """apply(obj, devices) with rank 0 on obj's own device (or apply(obj, runtime=...) over the server's
-    process group); obj unchanged (logged) where it cannot be split."""
+    """apply(obj, devices, runtime=...) over the server's process group, or with none over threads of this process
+    on npu_count devices, rank 0 on obj's own device; obj unchanged (logged) where it cannot be split."""
     if primary.type == "cpu" and comfy.multidevice.device_kind() != "cpu":
         logging.warning(f"MultiNPU Parallel Config: the {what} is set to run on the CPU; it stays there.")
         return obj
     try:
-        runtime = comfy.multinpu_process.get_runtime()
-        if runtime is not None:
-            return apply(obj, None, runtime=runtime)
-        return apply(obj, comfy.multidevice.devices_for(primary, npu_count))
+        return apply(obj, comfy.multidevice.devices_for(primary, npu_count),
+                     runtime=comfy.multinpu_process.get_runtime())
     except ValueError as e:
         logging.warning(f"MultiNPU Parallel Config: {str(e).removeprefix('MultiNPU: ')}; the {what} runs on one device.")
         return obj
