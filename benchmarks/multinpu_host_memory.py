@@ -138,9 +138,8 @@ def child(args):
         # measured with every model back on the host: after a pipeline on a real device the weights sit on
         # the devices and a count of host tensors would miss them (on the CPU simulation this changes nothing)
         comfy.model_management.free_memory(1e30, None)
-        copies = [model.model] + [p.model for p in model.get_additional_models()]
-        copies += [clip.patcher.model] + [p.model for p in comfy.multinpu_weights.device_models(clip.patcher,
-                                                                                                "multinpu_text_encoder")]
+        copies = [model.model] + _dit_rank_models(model)
+        copies += [clip.patcher.model] + _te_rank_models(clip)
         copies.append(vae.patcher.model)
         runner = comfy.multinpu_vae.get_runner(vae)  # the VAE's rank copies: each rank's own decoder
         if runner is not None:
@@ -152,6 +151,22 @@ def child(args):
     out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     with open(args.out, "w") as f:
         json.dump(out, f)
+
+
+def _dit_rank_models(model):
+    """The DiT's rank copies a thread runtime holds, each rank's own (none with one device)."""
+    w = comfy.multinpu_dit.get_wrapper(model)
+    if w is None:
+        return []
+    return [c.configs[w.config.id].patcher.model for c in getattr(w.runtime, "contexts", ()) if w.config.id in c.configs]
+
+
+def _te_rank_models(clip):
+    """The text encoder's rank shards a thread runtime holds (none with one device)."""
+    import comfy.multinpu_te
+    runner = comfy.multinpu_te.get_runner(clip)
+    contexts = getattr(runner.runtime, "contexts", []) if runner is not None else []
+    return [c.configs[runner.config.id].decoder for c in contexts if runner.config.id in c.configs]
 
 
 def _gb(x):

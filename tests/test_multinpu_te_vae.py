@@ -73,17 +73,34 @@ def test_head_split_keeps_key_value_heads_with_their_queries(checks):
 
 def test_te_shards_view_the_one_host_copy(checks):
     v = value(checks, "te_weights_shared")
-    assert v["mode"] == "tensor" and v["shards"] == 3 and v["load_devices"] == ["cpu"] * 4
-    assert v["all_in_source"] and v["anchored"]
+    assert v["mode"] == "tensor" and v["ranks"] == 4 and v["runtime"] == "ThreadRuntime"
+    assert v["load_devices"] == ["cpu"] * 4
+    # every rank its own modules (not the one object the loader shares), over the one host copy of the weights
+    assert v["all_in_source"] and v["own_modules"] and v["anchored"]
     assert v["heads"] == [[1, 1, 128, 128, 128]] * 4
-    assert v["embeddings"] == [True, False, False, False] and v["vision_on_rank0"]
+    # the server embeds and runs the vision tower; the ranks hold the layers only
+    assert v["embeddings"] == [False] * 4 and v["server_embeddings"] and v["vision_on_server"]
+    assert v["server_layers"] == 0
     ranks = v["rank_bytes"]
-    assert ranks[1] == ranks[2] == ranks[3] and ranks[0] > ranks[1], "rank 0 also holds embeddings and vision"
-    assert v["patcher_sizes"][1:] == ranks[1:]
+    assert len(set(ranks)) == 1 and v["patcher_sizes"] == ranks
     # summed over the 4 ranks: q, o and the MLP exactly once; the 2 key/value heads twice (4 query heads read
     # them in pairs); the norms on every rank
     source, total = zip(*(v["layer_bytes"][k] for k in ("split", "kv", "norm")))
     assert total == (source[0], 2 * source[1], 4 * source[2])
+
+
+def test_threads_run_the_te_programs_of_the_process_transport(checks):
+    v = value(checks, "te_same_programs")
+    # the functions the process workers run, found by name in the one registry
+    assert v["registered"] == {"te_config": "comfy.multinpu_te._load_on_worker",
+                               "te_forward": "comfy.multinpu_te._forward_on_worker"}
+    assert v["runtime"] == "comfy.multinpu_threads.ThreadRuntime" and v["mode"] == "tensor"
+    assert v["max_rel"] <= parity_worker.TE_GATE_MAX_REL and len(v["second_shape"]) == 3
+    # the configuration once per rank, then one forward per rank and encode, each rank its own context
+    assert v["calls"] == {"te_config": [0, 1, 2], "te_forward": [0, 0, 1, 1, 2, 2]}
+    assert v["contexts"] == {"te_config": 3, "te_forward": 3} and v["rank_contexts"]
+    # one code path: no branch on the transport, nothing of the thread-only path left
+    assert v["runtime_is_none"] == 0 and v["thread_only"] == []
 
 
 def test_te_fallback_layer_split_is_exact(checks):
@@ -125,7 +142,8 @@ def test_a_lora_after_the_node_is_refused(checks):
 
 def test_every_rank_copy_loads_with_rank0(checks):
     v = value(checks, "loads_with_rank0")
-    assert v["te"] == [True] * 4 and v["vae"] == [True] * 4
+    # the text encoder: the server's copy (embeddings, vision) and every rank's shard, each in its own forward
+    assert v["te"] == [True] * 5 and v["vae"] == [True] * 4
 
 
 def test_vae_replicas_share_and_return_to_the_host_copy(checks):

@@ -152,18 +152,27 @@ def head_split():
     return out
 
 
+def _te_ranks(par):
+    """Every rank's shard (te_config's _WorkerTE) of a parallel CLIP, set up by a real command."""
+    import comfy.multinpu_te as te
+    runner = te.get_runner(par)
+    _encode(par, image=False)  # every rank sets its shard up (the configuration) and runs one forward
+    return [c.configs[runner.config.id] for c in runner.runtime.contexts]
+
+
 @check
 def te_weights_shared():
-    """Every shard's tensors are views into the loaded TE's host storage: one host copy for 4 ranks."""
+    """Every rank's shard is a view into the loaded TE's host storage: one host copy for 4 ranks; the server's copy
+    holds the embeddings and the vision tower, no layer."""
     import comfy.multinpu_te as te
     import comfy.multinpu_weights as weights
     clip = _clip()
     par = te.apply_tensor_parallel(clip, ["cpu"] * 4)
-    shards = weights.device_models(par.patcher, te.KEY)
+    held = _te_ranks(par)
     source = _storages(clip.cond_stage_model)
-    ranks = [par.cond_stage_model] + [p.model for p in shards]
-    dec0 = te.find_decoder(par.cond_stage_model)
-    attn = [dec0.layers[0].self_attn] + [p.model.layers[0].self_attn for p in shards]
+    decoders = [h.decoder for h in held]
+    attn = [d.layers[0].self_attn for d in decoders]
+
     def kinds(decoder):
         out = collections.Counter()
         for name, t in decoder.layers.named_parameters():
@@ -171,22 +180,62 @@ def te_weights_shared():
             out[kind] += t.numel() * t.element_size()
         return out
 
-    split = {k: [kinds(te.find_decoder(clip.cond_stage_model))[k], sum(kinds(d)[k] for d in [dec0] + [p.model for p in shards])]
+    split = {k: [kinds(te.find_decoder(clip.cond_stage_model))[k], sum(kinds(d)[k] for d in decoders)]
              for k in ("split", "kv", "norm")}
-    return {"mode": te.get_runner(par).mode, "shards": len(shards), "layer_bytes": split,
-            "load_devices": [str(par.patcher.load_device)] + [str(p.load_device) for p in shards],
-            "all_in_source": all(_storages(m) <= source for m in ranks),
-            "anchored": all(weights.is_anchored(m.layers[0].mlp.down_proj) for m in [dec0] + [p.model for p in shards]),
-            "source_bytes": _bytes(clip.cond_stage_model), "rank_bytes": [_bytes(m) for m in ranks],
-            "patcher_sizes": [par.patcher.model_size()] + [p.model_size() for p in shards],
+    server = te.find_decoder(par.cond_stage_model)
+    return {"mode": te.get_runner(par).mode, "ranks": len(held), "runtime": type(te.get_runner(par).runtime).__name__,
+            "load_devices": [str(h.patcher.load_device) for h in held], "layer_bytes": split,
+            "all_in_source": all(_storages(m) <= source for m in [par.cond_stage_model] + decoders),
+            "own_modules": len({id(d) for d in decoders} | {id(server)}) == 5,
+            "anchored": all(weights.is_anchored(d.layers[0].mlp.down_proj) for d in decoders),
+            "source_bytes": _bytes(clip.cond_stage_model), "rank_bytes": [_bytes(d) for d in decoders],
+            "patcher_sizes": [h.patcher.model_size() for h in held],
             "heads": [[a.num_heads, a.num_kv_heads, a.q_proj.weight.shape[0], a.k_proj.weight.shape[0],
                        a.o_proj.weight.shape[1]] for a in attn],
-            "embeddings": [hasattr(m, "embed_tokens") for m in [dec0] + [p.model for p in shards]],
-            "vision_on_rank0": hasattr(par.cond_stage_model.qwen3vl_32b.transformer, "visual")}
+            "embeddings": [hasattr(d, "embed_tokens") for d in decoders],
+            "server_layers": len(server.layers), "server_embeddings": hasattr(server, "embed_tokens"),
+            "vision_on_server": hasattr(par.cond_stage_model.qwen3vl_32b.transformer, "visual")}
 
 
 def _max_abs(a, b):
     return (a.float() - b.float()).abs().max().item()
+
+
+@check
+def te_same_programs():
+    """The thread transport runs the text encoder's worker programs of the process transport (comfy.multinpu_group.
+    PROGRAMS, by name), each rank with its own context: every te program is counted per rank over a setup and two
+    encodes, whose result is compared with one device's. And multinpu_te.py has one code path."""
+    import inspect
+    import torch
+    import comfy.multinpu_group
+    import comfy.multinpu_te as te
+    programs = comfy.multinpu_group.PROGRAMS
+    names = ("te_config", "te_forward")
+    registered = {n: programs[n].__module__ + "." + programs[n].__name__ for n in names}
+    calls = {n: [] for n in names}
+    real = {n: programs[n] for n in names}
+    for n in names:
+        programs[n] = lambda context, comm, payload, n=n: calls[n].append((comm.rank, id(context))) or real[n](
+            context, comm, payload)
+    clip = _clip({"num_attention_heads": 6, "num_key_value_heads": 2}, name="te6.safetensors")
+    try:
+        ref = _encode(clip)
+        par = te.apply_tensor_parallel(clip, ["cpu"] * 3)  # 6 heads over 3 ranks: tensor parallel
+        first, second = _encode(par), _encode(par, image=False)
+    finally:
+        programs.update(real)
+    runner = te.get_runner(par)
+    source = inspect.getsource(te)
+    return {"registered": registered, "runtime": type(runner.runtime).__module__ + "." + type(runner.runtime).__name__,
+            "mode": runner.mode, "max_rel": _max_abs(first, ref) / ref.abs().max().item(),
+            "second_shape": list(second.shape),
+            "calls": {n: sorted(r for r, _ in c) for n, c in calls.items()},
+            "contexts": {n: len({i for _, i in c}) for n, c in calls.items()},
+            "rank_contexts": [id(c) for c in runner.runtime.contexts] == [i for _, i in sorted(calls["te_config"])],
+            "runtime_is_none": source.count("runtime is None"),
+            "thread_only": [s for s in ("ThreadGroup", "RankThreads", "attach_device_models", "device_models(",
+                                        "take_inputs", "_call_processes") if s in source]}
 
 
 @check
@@ -236,7 +285,8 @@ def te_gqa_uneven_groups():
     ref = _encode(clip)
     par = te.apply_tensor_parallel(clip, ["cpu"] * 2)
     out = _encode(par)
-    a = te.find_decoder(par.cond_stage_model).layers[0].self_attn
+    runner = te.get_runner(par)
+    a = runner.runtime.contexts[0].configs[runner.config.id].decoder.layers[0].self_attn  # rank 0's shard
     cos = torch.nn.functional.cosine_similarity(out.flatten().double(), ref.flatten().double(), dim=0).item()
     return {"mode": te.get_runner(par).mode, "rank0": [a.num_heads, a.num_kv_heads], "cos": cos,
             "max_rel": _max_abs(out, ref) / ref.abs().max().item(), "tokens": int(ref.shape[1]),
@@ -299,11 +349,17 @@ def _rank0_starts_after_copies(slow_module, name, run, start_module, is_copy=lam
 
 @check
 def te_inputs_copied_before_rank0_works():
+    """The command's buffer reaches the other ranks in rank 0's broadcast, which returns on rank 0 once every rank
+    copied it: rank 0's first op (on its own shard) comes after every slowed-down copy."""
+    import threading
+    import torch
+    import comfy.multinpu
     import comfy.multinpu_te as te
     par = te.apply_tensor_parallel(_clip(), ["cpu"] * 4, timeout=30)
-    return _rank0_starts_after_copies(te, "take_inputs", lambda: _encode(par, image=False),
-                                      te.find_decoder(par.cond_stage_model).layers[0],
-                                      is_copy=lambda inputs, comm, moved: comm.rank > 0)
+    rank0 = _te_ranks(par)[0].decoder
+    return _rank0_starts_after_copies(
+        comfy.multinpu.ThreadComm, "_copy_in", lambda: _encode(par, image=False), rank0.layers[0],
+        is_copy=lambda comm, t: threading.current_thread() is not threading.main_thread() and t.dtype == torch.uint8)
 
 
 @check
@@ -328,7 +384,7 @@ def te_patch_after_node_refused():
     import comfy.multinpu_te as te
     par = te.apply_tensor_parallel(_clip(), ["cpu"] * 2, timeout=5)
     lora = par.clone()
-    key = next(k for k in lora.patcher.model.state_dict() if k.endswith("self_attn.q_proj.weight"))
+    key = next(k for k in lora.patcher.model.state_dict() if k.endswith("embed_tokens.weight"))
     w = lora.patcher.model.state_dict()[key]
     lora.patcher.add_patches({key: ("diff", (torch.zeros_like(w),))}, 1.0)
     out = {"patched": len(lora.patcher.patches)}
@@ -350,9 +406,8 @@ def loads_with_rank0():
     import comfy.multinpu_vae as mv
     import comfy.multinpu_weights as weights
     par = te.apply_tensor_parallel(_clip(), ["cpu"] * 4)
-    _encode(par, image=False)
+    shards = [h.patcher for h in _te_ranks(par)]  # each rank loads its own shard in its forward
     loaded = [lm.model for lm in mm.current_loaded_models]
-    shards = weights.device_models(par.patcher, te.KEY)
     vae = mv.apply_decode_parallel(_vae_through_loader("video_vae_loads.safetensors"), ["cpu"] * 4)
     vae.decode(torch.randn(1, 24, 12, 2, 2))
     loaded_after = [lm.model for lm in mm.current_loaded_models]
@@ -563,7 +618,7 @@ def process_transport_server_copies():
                                     "max_abs": _max_abs(cond, one_image if image else one_no_image)}
     out["te_calls"] = list(runtime.calls)
     out["te_server_parts"] = _parts([n for n, _ in par.cond_stage_model.named_parameters()], 4)
-    context = types.SimpleNamespace(rank=0, spec=types.SimpleNamespace(world_size=2))
+    context = types.SimpleNamespace(rank=0, spec=types.SimpleNamespace(world_size=2), device=torch.device("cpu"))
     held = te._load_on_worker(context, None, te.get_runner(par).config.payload)
     out["te_worker0_parts"] = _parts([n for n, _ in held.patcher.model.named_parameters()], 2)
     mm.unload_all_models()

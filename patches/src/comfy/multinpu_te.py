@@ -5,8 +5,16 @@ MiniMaxQwen3VL (comfy/text_encoders/minimax.py): 50 layers of attention (64 quer
 heads of 128) and a SwiGLU MLP (25600), no final norm. CLIP.encode_from_tokens runs the tokenizer output
 through the embeddings and the vision tower (images and video blocks become embeddings plus DeepStack
 features), then Llama2_.forward. No upstream file is edited: apply_tensor_parallel(clip, devices) returns
-a CLIP whose Llama2_ runs on every device, one rank per device (threads of this process, SPMD, the
-collectives of comfy.multinpu), and every rank runs upstream's Llama2_.forward on its own shard.
+a CLIP whose Llama2_ runs on P ranks, and every rank runs upstream's Llama2_.forward on its own shard.
+
+The ranks run the worker programs te_config (a rank sets up its shard) and te_forward (one forward) through a
+runtime: the server's process group (comfy.multinpu_process, one process per device) or, with the thread
+transport, a comfy.multinpu_threads.ThreadRuntime (threads of this process, one per device, the same programs
+through the same command path). Either way the server computes only what is not parallel, the token embeddings
+and the vision tower (images and video blocks of the prompt), so its copy holds only those: the decoder's layers
+are left out of it (server_decoder) and of what it loads onto device 0; every rank holds its shard of the layers
+and no embeddings (rank 0 receives the server's inputs, the others the same without the vision inputs), so device
+0 holds each weight once.
 
 Tensor parallel (the device count P divides the query heads; H3's 64: P = 2, 4, 8):
 - q, k and v projections are column-parallel by heads: rank r holds query heads r*H/P .. (r+1)*H/P - 1
@@ -19,7 +27,7 @@ Tensor parallel (the device count P divides the query heads; H3's 64: P = 2, 4, 
   MLP sub-layer.
 - norms, residuals, RoPE, the causal mask and the DeepStack injection run on the full hidden states on
   every rank; the all-reduce sums in rank order, so the hidden states stay bit-identical on every rank.
-  Embeddings and the vision tower run once, on rank 0 (which alone holds them), and every rank starts
+  Embeddings and the vision tower run once, on the server (which alone holds them), and every rank starts
   from the same embeddings.
 Layer split (any other P): rank r holds a contiguous range of layers, the hidden states go from each rank
 to the next and the last rank broadcasts the final ones. Every layer runs unchanged on one device, so the
@@ -28,12 +36,9 @@ result is exactly the one-device result; it splits the weights, not the time.
 Weights: each rank's modules are structural copies of the loaded ones whose weights are views (slices)
 of the one host copy (comfy.multinpu_weights), anchored so that unloading returns them to it.
 
-With the process transport (comfy.multinpu_process) the ranks are processes: every worker loads the same
-text encoder file, keeps its own shard of the decoder's layers, and rank 0 broadcasts the embeddings and the
-forward's arguments; the all-reduces run over the process group. The server computes only what is not
-parallel, the token embeddings and the vision tower (images and video blocks of the prompt), so its copy
-holds only those: the decoder's layers are left out of it (server_decoder) and of what it loads onto device 0,
-and the workers hold no embeddings (they receive them), so device 0 holds each weight once.
+With the process transport every worker loads the same text encoder file; with threads every rank takes the
+server's loaded text encoder (comfy.multinpu_models.offer/load: one object for all) and builds its own shard
+modules over its host weights, so nothing is read twice and no rank moves another's weights.
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ import inspect
 import logging
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +57,7 @@ import comfy.multinpu
 import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
+import comfy.multinpu_threads
 import comfy.patcher_extension
 import comfy.multinpu_weights
 import comfy.text_encoders.llama
@@ -60,18 +65,20 @@ import comfy.text_encoders.llama
 if TYPE_CHECKING:
     from comfy.sd import CLIP
 
-KEY = "multinpu_text_encoder"  # the CLIP patcher's transformer_options["patches"] entry that brings the shards
 MODES = ("auto", "tensor", "layers")
 
 # A test hook (h3kit parity --inject-fault): fault_hook(stage, x, comm) -> x at each exchange of the split, "reduce"
 # (a row-parallel partial sum before its all-reduce), "broadcast" (the final hidden states a layer split's last
-# rank broadcast, as received) and "copy" (the hidden states handed to the next rank, as received). With the process
-# transport it travels with every forward to the workers (so it must pickle: a module-level class or function).
+# rank broadcast, as received) and "copy" (the hidden states handed to the next rank, as received). It travels with
+# every forward to the ranks (so it must pickle: a module-level class or function); a rank's program holds its copy
+# in _rank_hook (per thread: rank threads share this module), never in fault_hook, which stays the server's.
 fault_hook = None
+_rank_hook = threading.local()
 
 
 def _fault(stage: str, x, comm):
-    return x if fault_hook is None else fault_hook(stage, x, comm)
+    hook = getattr(_rank_hook, "hook", None)
+    return x if hook is None else hook(stage, x, comm)
 
 
 class _RankContext:
@@ -259,44 +266,26 @@ def _copy_to(obj, device, moved: list):
     return obj
 
 
-def take_inputs(inputs: dict, comm, moved: list) -> dict:
-    """Rank comm.rank's own copy of the forward's keyword inputs (rank 0 runs on them as they are)."""
-    return inputs if comm.rank == 0 else _copy_to(inputs, comm.device, moved)
-
-
 class TextEncoderParallel:
-    """Runs a Llama2_ forward on every rank: rank 0 in the caller's thread on ParallelLlama (the CLIP's
-    own decoder), ranks 1..P-1 in worker threads on their shards.
+    """Runs a Llama2_ forward on every rank of `runtime` (program te_forward): the server's decoder (ParallelLlama)
+    embeds the tokens, the ranks run the layers on their shards, and rank 0's output is the forward's.
 
     forwards, bytes_moved count what ran (logs, h3kit parity); with keep_rank_outputs set, rank_outputs
     holds every rank's final hidden states of the last forward (the parity check compares them).
     """
 
-    def __init__(self, devices, mode: str, contexts, decoders, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT,
-                 layers: int = 0, runtime=None, config=None):
-        self.devices = list(devices)
+    def __init__(self, runtime, config, mode: str, layers: int = 0):
+        self.runtime = runtime    # the server's process group or a comfy.multinpu_threads.ThreadRuntime
+        self.config = config      # the RemoteConfig every rank sets its shard up from (te_config)
         self.mode = mode
-        self.contexts = contexts
-        self.decoders = decoders  # [None, rank 1's Llama2_, ...]: rank 0's is the caller (processes: [None])
-        self.timeout = timeout
-        self.runtime = runtime    # processes: rank 0's comfy.multinpu_process runtime; config: what workers load
-        self.config = config
-        self.world_size = runtime.world_size if runtime is not None else len(self.devices)
+        self.world_size = runtime.world_size
         self.layers = layers
         self.layer_ranges = layer_ranges(layers, self.world_size) if mode == "layers" else None
         self.forwards = 0
         self.bytes_moved = 0
         self.keep_rank_outputs = False
         self.rank_outputs = None
-        self._threads = None
         self._lock = threading.Lock()
-
-    def _pool(self):
-        if self._threads is None or self._threads.broken:
-            self._threads = comfy.multinpu.RankThreads(self.devices, set_device=comfy.multidevice.set_device,
-                                                       name="multinpu-te")
-            weakref.finalize(self, self._threads.shutdown)
-        return self._threads
 
     def __call__(self, decoder0, x, **kwargs):
         if kwargs.get("past_key_values") is not None:
@@ -307,57 +296,11 @@ class TextEncoderParallel:
             raise RuntimeError("MultiNPU: the layer-split text encoder returns one hidden layer, not a list")
         if kwargs.get("embeds") is None:
             kwargs["embeds"] = decoder0.embed_tokens(x, out_dtype=kwargs.get("dtype"))
-        x = None
         others = dict(kwargs, embeds_info=[])  # the other ranks need no vision inputs: the embeddings carry them
-        if self.runtime is not None:
-            return self._call_processes(decoder0, kwargs, others, intermediate)
-        group = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout)
-
-        moved = []
-
-        def rank_forward(comm):
-            ctx = self.contexts[comm.rank]
-            ctx.comm = comm
-            try:
-                inputs = take_inputs(kwargs if comm.rank == 0 else others, comm, moved)
-                # the workers copy their inputs from rank 0's device before rank 0 queues its own work there,
-                # where their copies would otherwise wait behind it
-                comfy.multinpu.barrier(comm)
-                if comm.rank == 0:
-                    return comfy.text_encoders.llama.Llama2_.forward(decoder0, x, **inputs)
-                return self.decoders[comm.rank](None, **inputs)
-            finally:
-                ctx.comm = None
-
-        t0 = time.perf_counter()
-        # the other ranks copy rank 0's inputs from their own threads: rank 0's kernels must have written them
-        comfy.multidevice.synchronize(self.devices[0])
-        with self._lock:
-            outs = group.run(rank_forward, self._pool())
-        self.forwards += 1
-        self.bytes_moved += group.bytes_moved + sum(moved)
-        if self.keep_rank_outputs:
-            self.rank_outputs = [o[0].detach().cpu() for o in outs]
-        out = outs[0]
-        if self.mode == "layers" and isinstance(intermediate, int):
-            # only the rank holding that layer saw it
-            index = intermediate % self.layers
-            owner = next(r for r, (a, b) in enumerate(self.layer_ranges) if a <= index < b)
-            out = (out[0], outs[owner][1].to(self.devices[0])) + tuple(out[2:])
-        logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {len(self.devices)} devices in "
-                      f"{time.perf_counter() - t0:.3f} s, {group.bytes_moved / 2**20:.1f} MiB exchanged")
-        return out
-
-
-    def _call_processes(self, decoder0, kwargs, others, intermediate):
-        if self.mode == "layers" and isinstance(intermediate, int):
-            raise RuntimeError("MultiNPU: the layer-split text encoder returns an intermediate layer with the thread "
-                               "transport only")
-        # every rank is a worker: rank 0 runs on the server's inputs (vision embeddings included), the others
-        # on theirs, and rank 0's output is the command's result
+        # rank 0 runs on the server's inputs (vision embeddings included), the others on theirs; rank 0's output is
+        # the command's result
         payload = {"config": self.config.id, "kwargs0": kwargs, "kwargs": others,
                    "return_output": self.keep_rank_outputs, "fault_hook": fault_hook}
-
         t0 = time.perf_counter()
         with self._lock:
             out, outs, moved = self.runtime.run("te_forward", payload, configs=[self.config])
@@ -367,47 +310,85 @@ class TextEncoderParallel:
         self.bytes_moved += moved
         if outs is not None:
             self.rank_outputs = [o.detach().cpu() for o in outs]
-        logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {self.world_size} processes in "
+        logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {self.world_size} {_ranks(self.runtime)} in "
                       f"{time.perf_counter() - t0:.3f} s")
         return out
 
 
-class _WorkerTE:
-    """A worker's shard of the text encoder for one configuration."""
+def _ranks(runtime) -> str:
+    return "devices" if runtime.spec.backend == "threads" else "processes"
 
-    def __init__(self, ctx, decoder, patcher, digest):
+
+class _WorkerTE:
+    """A rank's shard of the text encoder for one configuration."""
+
+    def __init__(self, ctx, decoder, patcher, digest, mode: str):
         self.ctx = ctx
         self.decoder = decoder
         self.patcher = patcher
         self.digest = digest
+        self.mode = mode
+
+
+def _restore_host_weights(patcher):
+    """Unload the loaded clones of `patcher` that hold its weights off the host or patched them: the rank's shard
+    views the host weights (with threads, another clone of the same text encoder may be loaded meanwhile)."""
+    mm = comfy.model_management
+    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+        clone = mm.current_loaded_models[i].model
+        if clone is not None and clone.is_clone(patcher) and (
+                clone.patches or clone.current_loaded_device() != clone.offload_device):
+            mm.current_loaded_models.pop(i).model_unload()
 
 
 @comfy.multinpu_group.program("te_config")
 def _load_on_worker(context, comm, payload):
     src, mode = payload["source"], payload["mode"]
+    # a worker process loads the file; a rank thread takes the server's loaded text encoder (one object for every
+    # rank), so it builds its own shard modules over the host weights and never moves the shared ones
     clip = comfy.multinpu_models.load(src)
+    _restore_host_weights(clip.patcher)
     comfy.multinpu_models.map_file_weights(clip.cond_stage_model, src.paths)
     ctx = _RankContext(context.rank, context.spec.world_size)
     decoder = _shard_decoder(find_decoder(clip.cond_stage_model), ctx, mode)
     if hasattr(decoder, "embed_tokens"):
         del decoder.embed_tokens  # the server embeds (its copy holds the embeddings): rank 0 receives them too
-    patcher = comfy.multinpu_weights.device_patcher(clip.patcher, decoder, clip.patcher.load_device)
-    return _WorkerTE(ctx, decoder, patcher, comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode))
+    comfy.multinpu_weights.reset_load_state(decoder)
+    patcher = comfy.multinpu_weights.device_patcher(clip.patcher, decoder, context.device)
+    return _WorkerTE(ctx, decoder, patcher, comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode), mode)
 
 
 @comfy.multinpu_group.program("te_forward")
 def _forward_on_worker(context, comm, payload):
-    global fault_hook
-    fault_hook = payload.get("fault_hook")  # the server's, for this forward (None but in h3kit parity's fault runs)
-    held = context.configs[payload["config"]]
-    comfy.model_management.load_models_gpu([held.patcher])
-    start = comm.bytes_moved
-    held.ctx.comm = comm
+    # this rank's copy of the server's hook, for this forward (None but in h3kit parity's fault runs)
+    _rank_hook.hook = payload.get("fault_hook")
     try:
-        inputs = payload["kwargs0"] if comm.rank == 0 else payload["kwargs"]
+        return _forward_rank(context, comm, payload)
+    finally:
+        del _rank_hook.hook
+
+
+def _forward_rank(context, comm, payload):
+    held = context.configs[payload["config"]]
+    with comfy.multinpu_threads.MODEL_LOCK:  # model management is one per process, not thread-safe
+        comfy.model_management.load_models_gpu([held.patcher])
+    start = comm.bytes_received
+    held.ctx.comm = comm
+    inputs = payload["kwargs0"] if comm.rank == 0 else payload["kwargs"]
+    try:
         out = held.decoder(None, **_copy_to(inputs, held.patcher.load_device, []))
     finally:
         held.ctx.comm = None
+    intermediate = inputs.get("intermediate_output")
+    if held.mode == "layers" and isinstance(intermediate, int) and out[1] is not None:
+        # only the rank holding that layer saw it: it hands its copy to rank 0
+        index = intermediate % len(held.decoder.layers)
+        owner = next(r for r, (a, b) in enumerate(layer_ranges(len(held.decoder.layers), comm.world_size))
+                     if a <= index < b)
+        if owner != 0 and comm.rank == owner:
+            comm.send(out[1].contiguous(), 0)
+        elif owner != 0 and comm.rank == 0:
+            out = (out[0], comm.recv(torch.empty_like(out[1]), owner)) + tuple(out[2:])
     if comm.rank != 0:
         if payload["return_output"]:
             comm.send(out[0].contiguous(), 0)
@@ -415,7 +396,7 @@ def _forward_on_worker(context, comm, payload):
     outs = None
     if payload["return_output"]:
         outs = [out[0]] + [comm.recv(torch.empty_like(out[0]), r) for r in range(1, comm.world_size)]
-    return tuple(out), outs, comm.bytes_moved - start
+    return tuple(out), outs, comm.bytes_received - start
 
 
 # Llama2_.forward's arguments after x, for callers that pass some positionally
@@ -474,18 +455,19 @@ def _refuse_weight_patches(patcher, *args):
 
 def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
                           timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> CLIP:
-    """A clone of `clip` whose text encoder runs on `devices` (rank 0 = devices[0], where the CLIP loads),
-    or on the processes of `runtime` (devices ignored: every worker loads the same file and keeps its shard of
-    the layers; the clone, which loads onto the CLIP's device, holds only the embeddings and the vision tower).
+    """A clone of `clip` whose text encoder's layers run on the ranks of `runtime`.
 
-    mode "auto" picks tensor parallelism when the device count divides the query heads, else the exact
-    layer split; "tensor" and "layers" force one. Rank 1..P-1 shards load onto their devices with the
-    CLIP (load_models_gpu), from views of the loaded host weights. Raises ValueError for a text encoder
-    that is not a Llama2_ decoder (or already parallel), or one with weight patches (a text-encoder LoRA:
-    its keys name the unsplit weights).
+    runtime: the server's process group (comfy.multinpu_process.get_runtime()); None: the ranks are threads of
+    this process on `devices` (rank 0 = devices[0], the CLIP's load device; a comfy.multinpu_threads.ThreadRuntime
+    with `timeout`). Either way every rank sets up its shard of the layers (program te_config, checked against the
+    server's digest before the first forward) and the clone, which loads onto the CLIP's device, holds only the
+    embeddings and the vision tower.
+
+    mode "auto" picks tensor parallelism when the rank count divides the query heads, else the exact layer split;
+    "tensor" and "layers" force one. Raises ValueError for a text encoder that is not a Llama2_ decoder (or already
+    parallel), that no cached loader loaded, or one with weight patches (a text-encoder LoRA: its keys name the
+    unsplit weights).
     """
-    devices = [torch.device(d) for d in devices] if runtime is None else [clip.patcher.load_device]
-    world = len(devices) if runtime is None else runtime.world_size
     decoder = find_decoder(clip.cond_stage_model)
     if decoder is None:
         raise ValueError(f"MultiNPU: {type(clip.cond_stage_model).__name__} has no single Llama2_ decoder to split")
@@ -494,49 +476,52 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     if clip.patcher.patches:
         raise ValueError(f"MultiNPU: the text encoder carries {len(clip.patcher.patches)} weight patches (a LoRA); "
                          "tensor parallelism splits the weights they name")
-    mode = choose_mode(decoder, world, mode)
-    src = comfy.multinpu_models.source(clip.cond_stage_model, "text encoder") if runtime is not None else None
+    src = comfy.multinpu_models.source(clip.cond_stage_model, "text encoder")
+    mode = choose_mode(decoder, runtime.world_size if runtime is not None else len(devices), mode)
+    runtime = runtime or thread_runtime(clip, devices, timeout)
+    # ranks that are threads of this process load nothing: they take this text encoder
+    comfy.multinpu_models.offer(src, clip)
     # the loaded weights, back on the host, are the one host copy every rank's shard views
     comfy.model_management.unload_model_and_clones(clip.patcher, all_devices=True)
-    if src is not None:
-        comfy.multinpu_models.map_file_weights(clip.cond_stage_model, src.paths)
+    comfy.multinpu_models.map_file_weights(clip.cond_stage_model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(clip.cond_stage_model)
 
-    contexts = [_RankContext(r, world) for r in range(len(devices))]
-    if runtime is None:
-        decoders = [_shard_decoder(decoder, ctx, mode) for ctx in contexts]
-    else:
-        # every rank is a worker: the server's copy leaves the layers to them (device 0 holds worker rank 0's shard)
-        decoders = [server_decoder(decoder)]
-    config = None
-    if runtime is not None:
-        config = comfy.multinpu_process.RemoteConfig(
-            "te_config", {"source": src, "mode": mode},
-            comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode), f"text encoder {src.paths[0]}")
-    runner = TextEncoderParallel(devices, mode, contexts, [None] + decoders[1:], timeout, len(decoder.layers),
-                                 runtime, config)
-    decoders[0].__class__ = ParallelLlama
-    decoders[0].multinpu = runner
+    config = comfy.multinpu_process.RemoteConfig(
+        "te_config", {"source": src, "mode": mode},
+        comfy.multinpu_models.digest(src, clip.cond_stage_model, mode=mode), f"text encoder {src.paths[0]}")
+    runner = TextEncoderParallel(runtime, config, mode, len(decoder.layers))
+    # the server's copy leaves the layers to the ranks (device 0 holds rank 0's shard)
+    decoder0 = server_decoder(decoder)
+    decoder0.__class__ = ParallelLlama
+    decoder0.multinpu = runner
 
-    model0 = comfy.multinpu_weights.share_module(clip.cond_stage_model, replace=[(decoder, decoders[0])])
+    model0 = comfy.multinpu_weights.share_module(clip.cond_stage_model, replace=[(decoder, decoder0)])
     comfy.multinpu_weights.reset_load_state(model0)
     n = clip.clone()
     n.cond_stage_model = model0
-    n.patcher = comfy.multinpu_weights.device_patcher(clip.patcher, model0, devices[0])
-    others = [comfy.multinpu_weights.device_patcher(clip.patcher, dec, d) for dec, d in zip(decoders[1:], devices[1:])]
-    comfy.multinpu_weights.attach_device_models(n.patcher, KEY, others)
-
+    n.patcher = comfy.multinpu_weights.device_patcher(clip.patcher, model0, clip.patcher.load_device)
     n.patcher.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, _refuse_weight_patches)
-    size = [p.model_size() / 2**30 for p in [n.patcher] + others]
-    where = (f"{world} processes ({runtime.spec.backend})" if runtime is not None
-             else comfy.multidevice.describe_devices(devices))
-    held = ("the server holds the embeddings and vision tower, "
-            f"{size[0]:.2f} GiB, the workers the layers" if runtime is not None else
-            f"weights per device {', '.join(f'{s:.2f}' for s in size)} GiB (rank 0 also holds the embeddings and "
-            "vision tower)")
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
-                 f"{where}; {held}")
+                 f"{describe_ranks(runtime)}; the server holds the embeddings and vision tower, "
+                 f"{n.patcher.model_size() / 2**30:.2f} GiB, the ranks the layers")
     return n
+
+
+def thread_runtime(clip: CLIP, devices, timeout: float):
+    """The ranks as threads of this process on `devices`, rank 0 on the CLIP's load device."""
+    devices = [torch.device(d) for d in devices]
+    if devices[0] != clip.patcher.load_device:
+        raise ValueError(f"MultiNPU: rank 0 must be the text encoder's load device {clip.patcher.load_device}, "
+                         f"got {devices[0]}")
+    return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
+
+
+def describe_ranks(runtime) -> str:
+    """For logs: "2 simulated cpu devices" (threads of this process), "4 processes (hccl)" (a process group)."""
+    devices = getattr(runtime, "devices", None)
+    if devices is not None:
+        return comfy.multidevice.describe_devices(devices)
+    return f"{runtime.world_size} processes ({runtime.spec.backend})"
 
 
 def get_runner(clip: CLIP):

@@ -54,9 +54,8 @@ def check_npu_count(npu_count) -> str | None:
 
 
 def _spread(what, apply, obj, primary, npu_count):
-    """apply(obj, devices, runtime=...) with rank 0 on obj's own device: the server's process group when it runs
-    one (devices ignored), else threads of this process on the devices; obj unchanged (logged) where it cannot be
-    split."""
+    """apply(obj, devices, runtime=...) over the server's process group, or with none over threads of this process
+    on npu_count devices, rank 0 on obj's own device; obj unchanged (logged) where it cannot be split."""
     if primary.type == "cpu" and comfy.multidevice.device_kind() != "cpu":
         logging.warning(f"MultiNPU Parallel Config: the {what} is set to run on the CPU; it stays there.")
         return obj
