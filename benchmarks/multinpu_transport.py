@@ -21,7 +21,7 @@ npu_count N (every worker loading the same files, comfy.multinpu_models mapping 
 PSS of an idle worker before it loads anything (the interpreter, torch and ComfyUI modules).
 
 On the CPU simulation all ranks share the host's cores: the timings show the transport's overhead, not a
-speed-up. Each process rank gets cores / N intra-op threads (comfy.multinpu_group.cpu_threads, unless
+speed-up. Each process rank gets cores / N intra-op threads (comfy.multinpu_wire.cpu_threads, unless
 OMP_NUM_THREADS is set), as the N threads of the thread transport share one process's pool. Numbers vary with the machine's load; run it on an idle host.
 """
 
@@ -58,11 +58,11 @@ def _setup(comfy_home, device_type):
 
 def _start_group(n, device_type, timeout=600.0):
     import comfy.model_management
-    import comfy.multinpu_group as group
+    import comfy.multinpu_wire as wire
     import comfy.multinpu_process as mp
-    key = os.environ.setdefault(group.KEY_ENV, group.new_key())
-    spec = group.GroupSpec(local_size=n, device_type=device_type, join_timeout=timeout,
-                        worker_args=["--cpu"] if device_type == "cpu" else [])
+    key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
+    spec = wire.GroupSpec(local_size=n, device_type=device_type, join_timeout=timeout,
+                          worker_args=["--cpu"] if device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
     mp.wait_ready(runtime, timeout)
     return runtime

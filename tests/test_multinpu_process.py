@@ -1,4 +1,4 @@
-"""comfy/multinpu_process.py and multinpu_group.py, the process group runtime, with real processes on cpu/gloo.
+"""comfy/multinpu_process.py, multinpu_group.py, multinpu_wire.py, multinpu_channel.py and multinpu_launch.py, the process group runtime, with real processes on cpu/gloo.
 
 The driver (the server's side, never a rank) is tests/support/process_group_driver.py, every rank 0..N-1 a
 worker, tests/support/process_group_worker.py: the real runtime and worker loop with test programs, so a
@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"
 DRIVER = SUPPORT / "process_group_driver.py"
 sys.path.insert(0, str(ROOT / "patches" / "src"))
-import comfy.multinpu_group as group  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_channel as channel  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_launch as launch  # noqa: E402
+import comfy.multinpu_wire as wire  # noqa: E402
 import comfy.multinpu_process as mp  # noqa: E402
 
 HEARTBEAT = 3.0
@@ -37,8 +39,8 @@ HEARTBEAT = 3.0
 
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "patches" / "src"), str(SUPPORT)]),
-               H3KIT_TEST_DEBUG="1", **{group.HEARTBEAT_ENV: str(HEARTBEAT), **extra})
-    env.setdefault(group.KEY_ENV, group.new_key())
+               H3KIT_TEST_DEBUG="1", **{wire.HEARTBEAT_ENV: str(HEARTBEAT), **extra})
+    env.setdefault(wire.KEY_ENV, wire.new_key())
     return env
 
 
@@ -156,11 +158,11 @@ def test_a_node_that_never_arrives_fails_within_the_bound(tmp_path):
 
 def test_messages_signed_with_another_key_are_refused():
     obj = {"name": "install", "payload": [1, 2]}
-    mine, theirs = group.Signer(b"k" * 64), group.Signer(b"x" * 64)
+    mine, theirs = wire.Signer(b"k" * 64), wire.Signer(b"x" * 64)
     assert mine.loads(mine.dumps(obj), "test") == obj
-    with pytest.raises(group.GroupError, match="not signed with this service's key"):
+    with pytest.raises(wire.GroupError, match="not signed with this service's key"):
         mine.loads(theirs.dumps(obj), "store key 'cmd/1/1'")
-    with pytest.raises(group.GroupError):
+    with pytest.raises(wire.GroupError):
         mine.loads(b"\0" * 32 + mine.dumps(obj)[32:], "tampered")
 
 
@@ -209,22 +211,22 @@ def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
 def test_the_channel_folder_must_be_private(tmp_path):
     """The command channel's folder is made 0700; one open to the group or others, a link or another user's is
     refused with the fix, before the driver starts anything."""
-    made = group.private_dir(str(tmp_path / "channel"))
+    made = channel.private_dir(str(tmp_path / "channel"))
     assert (os.stat(made).st_mode & 0o777) == 0o700
     open_one = tmp_path / "open"
     open_one.mkdir(mode=0o755)
     open_one.chmod(0o755)
-    with pytest.raises(group.GroupError, match=f"open to other users \\(mode 755\\).*chmod 700 {open_one}"):
-        group.private_dir(str(open_one))
+    with pytest.raises(wire.GroupError, match=f"open to other users \\(mode 755\\).*chmod 700 {open_one}"):
+        channel.private_dir(str(open_one))
     (tmp_path / "link").symlink_to(made)
-    with pytest.raises(group.GroupError, match="is not a folder"):
-        group.private_dir(str(tmp_path / "link"))
+    with pytest.raises(wire.GroupError, match="is not a folder"):
+        channel.private_dir(str(tmp_path / "link"))
     root = tmp_path / "root"
-    (root / group.CHANNEL_DIR).mkdir(parents=True, mode=0o777)
-    (root / group.CHANNEL_DIR).chmod(0o777)
-    spec = group.GroupSpec(local_size=1, runtime_root=str(root))
-    with pytest.raises(group.GroupError, match="open to other users"):
-        mp.GroupRuntime(spec, group.new_key()).start()
+    (root / channel.CHANNEL_DIR).mkdir(parents=True, mode=0o777)
+    (root / channel.CHANNEL_DIR).chmod(0o777)
+    spec = wire.GroupSpec(local_size=1, runtime_root=str(root))
+    with pytest.raises(wire.GroupError, match="open to other users"):
+        mp.GroupRuntime(spec, wire.new_key()).start()
 
 
 def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path):
@@ -257,9 +259,9 @@ def test_channel_frames_replayed_reordered_or_reflected_are_dropped(caplog):
     with another key are dropped with a log line; the next real frame still arrives."""
     import socket
     a, b = socket.socketpair()
-    signer = group.Signer(group.new_key().encode())
+    signer = wire.Signer(wire.new_key().encode())
     nonce = os.urandom(32)
-    worker, driver = group.Link(a, signer, nonce, "w", "d"), group.Link(b, signer, nonce, "d", "w")
+    worker, driver = channel.Link(a, signer, nonce, "w", "d"), channel.Link(b, signer, nonce, "d", "w")
     worker.send({"seq": 1})
     assert driver.recv() == {"seq": 1}
     again = signer.dumps((nonce, "w", 1, {"seq": 1}))  # the same frame again
@@ -267,7 +269,7 @@ def test_channel_frames_replayed_reordered_or_reflected_are_dropped(caplog):
     body = signer.dumps((nonce, "d", 1, {"name": "end"}))  # as if the driver had sent it: reflected
     a.sendall(len(body).to_bytes(4, "big") + body)
     a.sendall(b"\x00\x00\x00\x05junk!")
-    foreign = group.Signer(group.new_key().encode()).dumps((nonce, "w", 2, {"seq": 9}))
+    foreign = wire.Signer(wire.new_key().encode()).dumps((nonce, "w", 2, {"seq": 9}))
     a.sendall(len(foreign).to_bytes(4, "big") + foreign)
     worker.send({"seq": 2})
     with caplog.at_level("WARNING"):
@@ -276,7 +278,7 @@ def test_channel_frames_replayed_reordered_or_reflected_are_dropped(caplog):
     assert len(dropped) == 4 and "a replay" in dropped[0] and "from the driver" in dropped[1], dropped
     assert "is not signed with this service's key" in dropped[2] and "is not signed with this service's key" in dropped[3]
     b.sendall((10 << 20).to_bytes(4, "big"))
-    with pytest.raises(group.GroupError, match="a frame of 10485760 bytes"):
+    with pytest.raises(wire.GroupError, match="a frame of 10485760 bytes"):
         worker.recv(limit=4096)
     a.close()
     b.close()
@@ -288,29 +290,29 @@ def test_the_channel_reaches_a_socket_past_the_unix_path_limit(tmp_path):
     deep = tmp_path / ("d" * 120)
     deep.mkdir()
     got = []
-    server = group.ChannelServer(str(deep / group.CHANNEL_DIR), group.Signer(b"k" * 64),
-                                 lambda link, hello: got.append((hello, link.recv())))
+    server = channel.ChannelServer(str(deep / channel.CHANNEL_DIR), wire.Signer(b"k" * 64),
+                                   lambda link, hello: got.append((hello, link.recv())))
     try:
         assert len(server.path) > 107
-        link = group.connect_channel(server.path, group.Signer(b"k" * 64), {"role": "beat", "rank": 0,
-                                                                          "pid": os.getpid()})
+        link = channel.connect_channel(server.path, wire.Signer(b"k" * 64), {"role": "beat", "rank": 0,
+                                                                           "pid": os.getpid()})
         link.send({"seq": 1})
         deadline = time.monotonic() + 10
         while not got and time.monotonic() < deadline:
             time.sleep(0.05)
         assert got == [({"role": "beat", "rank": 0, "pid": os.getpid()}, {"seq": 1})]
         link.close()
-        with pytest.raises(group.GroupError, match="another server's command channel answers"):
-            group.ChannelServer(str(deep / group.CHANNEL_DIR), group.Signer(b"k" * 64), lambda link, hello: None)
+        with pytest.raises(wire.GroupError, match="another server's command channel answers"):
+            channel.ChannelServer(str(deep / channel.CHANNEL_DIR), wire.Signer(b"k" * 64), lambda link, hello: None)
     finally:
         server.close()
     # a socket left by a server that was killed (nobody listens on it) is replaced
     import socket
-    folder = group.private_dir(str(tmp_path / "left"))
+    folder = channel.private_dir(str(tmp_path / "left"))
     left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    left.bind(os.path.join(folder, group.CHANNEL_SOCKET))
+    left.bind(os.path.join(folder, channel.CHANNEL_SOCKET))
     left.close()
-    group.ChannelServer(folder, group.Signer(b"k" * 64), lambda link, hello: None).close()
+    channel.ChannelServer(folder, wire.Signer(b"k" * 64), lambda link, hello: None).close()
 
 
 def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
@@ -330,7 +332,7 @@ def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(tmp_path):
     grow until the host's OOM killer picks a process; the driver starts a fresh one, the group is replaced, the
     next command runs, and the server did not grow."""
     result = drive(tmp_path, "store_lost", "--world", 2, "--timeout", 20, "--flood", 40,
-                   env=_env(**{group.STORE_GROWTH_ENV: "64"}))
+                   env=_env(**{channel.STORE_GROWTH_ENV: "64"}))
     assert result["store_starts"] == 2 and result["next"]["ok"], result
     assert result["flood_rss_growth"] < FLOOD_BOUND and result["driver_pid_after"] == result["driver_pid"]
     log = (tmp_path / "store_lost.log").read_text()
@@ -347,7 +349,7 @@ def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path, lau
     result = drive(tmp_path, "agent_lost", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
                    "--join-timeout", 120, "--launcher", launcher, "--sleep", 20,
                    "--port", _two_ports() if launcher == "torchrun" else 0,
-                   env=_env(H3KIT_EMULATE_NO_RELEASE="1", **{group.HEARTBEAT_ENV: "15"}), timeout=400)
+                   env=_env(H3KIT_EMULATE_NO_RELEASE="1", **{wire.HEARTBEAT_ENV: "15"}), timeout=400)
     assert result["first"]["ok"]
     kind, message, seconds = error_of(result["lost"])
     assert kind == "RankDied" and ("rank 2 (cpu, node 1)" in message or "rank 3 (cpu, node 1)" in message), message
@@ -363,10 +365,10 @@ def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path, lau
 @pytest.mark.parametrize("arg", [["--cuda-device", "1"], ["--default-device=1"]])
 def test_device_choosing_arguments_are_refused_with_the_process_transport(monkeypatch, arg):
     # upstream would move the visible devices under the workers: rank r would not be on device r
-    monkeypatch.setenv(group.GROUP_ENV, group.GroupSpec(local_size=2).to_json())
-    monkeypatch.setenv(group.KEY_ENV, group.new_key())
+    monkeypatch.setenv(wire.GROUP_ENV, wire.GroupSpec(local_size=2).to_json())
+    monkeypatch.setenv(wire.KEY_ENV, wire.new_key())
     monkeypatch.setattr(sys, "argv", ["main.py", "--listen", "127.0.0.1", *arg])
-    with pytest.raises(group.GroupError, match="cannot be used with the process transport"):
+    with pytest.raises(wire.GroupError, match="cannot be used with the process transport"):
         mp.start_from_environment()
     assert mp.get_runtime() is None
 
@@ -374,19 +376,19 @@ def test_device_choosing_arguments_are_refused_with_the_process_transport(monkey
 def test_every_failure_detector_fires_before_the_collective_timeout():
     """Timeouts in order: torchrun's keep-alive < a silent agent < a rank's heartbeat = torchrun's store reads <
     the collective timeout; a group whose collective timeout would fire first is refused, naming the detector."""
-    spec = group.GroupSpec(local_size=2, launcher="torchrun", timeout=300)
-    detectors = group.failure_detectors(spec)
+    spec = wire.GroupSpec(local_size=2, launcher="torchrun", timeout=300)
+    detectors = wire.failure_detectors(spec)
     assert max(detectors.values()) < spec.timeout
     assert (detectors["torchrun's rendezvous keep-alive"] < detectors["a host's agent heartbeat"]
             <= detectors["a rank's heartbeat"])
-    group.check_timeouts(spec)
-    with pytest.raises(group.GroupError, match="collective timeout .10 s. must be longer than"):
-        group.check_timeouts(group.GroupSpec(local_size=2, launcher="torchrun", timeout=10))
-    group.check_timeouts(group.GroupSpec(local_size=2, launcher="h3kit", timeout=max(detectors.values()) + 1))
+    wire.check_timeouts(spec)
+    with pytest.raises(wire.GroupError, match="collective timeout .10 s. must be longer than"):
+        wire.check_timeouts(wire.GroupSpec(local_size=2, launcher="torchrun", timeout=10))
+    wire.check_timeouts(wire.GroupSpec(local_size=2, launcher="h3kit", timeout=max(detectors.values()) + 1))
 
 
 def test_a_death_its_launcher_caused_is_not_named_first():
-    assert group.secondary(group._exit_reason(group.TERM_EXIT))
-    assert group.secondary(f"{group.SECONDARY} (SIGTERM from pid 12)")
-    assert not group.secondary("died (not stopped by torchrun: killed or crashed); torchrun restarts the group")
-    assert not group.secondary(group._exit_reason(-9))
+    assert launch.secondary(launch._exit_reason(wire.TERM_EXIT))
+    assert launch.secondary(f"{wire.SECONDARY} (SIGTERM from pid 12)")
+    assert not launch.secondary("died (not stopped by torchrun: killed or crashed); torchrun restarts the group")
+    assert not launch.secondary(launch._exit_reason(-9))

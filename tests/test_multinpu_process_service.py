@@ -197,7 +197,7 @@ def test_status_lists_every_rank_alive_and_joined(group):
     assert workers_under(agent["pid"]) == {r["pid"] for r in ranks[2:]}
     assert workers_under(st["pid"]) == {ranks[0]["pid"], ranks[1]["pid"]}
     store = [p for p in psutil.Process(st["pid"]).children() if "--store" in p.cmdline()]
-    assert len(store) == 1 and "comfy.multinpu_group" in store[0].cmdline()
+    assert len(store) == 1 and "comfy.multinpu_channel" in store[0].cmdline()
 
 
 def test_npu_count_must_equal_the_ranks_of_the_group(group):

@@ -56,14 +56,14 @@ def process_transport_server_copy():
     loaded model's device, and a stand-in runtime (apply_sequence_parallel only reads its size and settings)."""
     import torch
     import comfy.multinpu_dit
-    import comfy.multinpu_group
     import comfy.multinpu_shard
+    import comfy.multinpu_wire
     import comfy.patcher_extension
     from h3kit.runtime import parity_common, parity_dit
     base, _ = _tiny_patcher()
     lora = parity_common.lora_state_dict(base.model.diffusion_model.state_dict(), "blocks.", "diffusion_model.", 0)
     patched = parity_dit._apply_lora(base, lora)[0]
-    runtime = types.SimpleNamespace(world_size=2, spec=comfy.multinpu_group.GroupSpec(local_size=2, device_type="npu"))
+    runtime = types.SimpleNamespace(world_size=2, spec=comfy.multinpu_wire.GroupSpec(local_size=2, device_type="npu"))
     out = {}
     for weights in ("replicated", "sharded"):
         p = patched.clone()
@@ -335,6 +335,7 @@ def thread_runtime():
     import comfy.multinpu_group as group
     import comfy.multinpu_process
     import comfy.multinpu_threads
+    import comfy.multinpu_wire as wire
     rt = comfy.multinpu_threads.ThreadRuntime(["cpu"] * 3, timeout=60.0)
     seen, after = {}, []
 
@@ -366,7 +367,7 @@ def thread_runtime():
         try:
             rt.run("h3kit_no_such_program", None)
             unknown = None
-        except group.GroupError as e:
+        except wire.GroupError as e:
             unknown = str(e)
         patcher, _ = _tiny_patcher()
         m = comfy.multinpu_dit.apply_sequence_parallel(patcher, ["cpu"] * 3)
@@ -375,7 +376,7 @@ def thread_runtime():
         try:
             rt.run("dit_empty_cache", None, configs=[bad])
             mismatch = None
-        except group.ConfigMismatch as e:
+        except wire.ConfigMismatch as e:
             mismatch = str(e)
         rt.run("dit_empty_cache", None, configs=[good])
         installed = dict(good.installed)

@@ -29,7 +29,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "patches" / "src"), str(S
 import torch  # noqa: E402
 
 import comfy.multinpu  # noqa: E402
-import comfy.multinpu_group as group  # noqa: E402
+import comfy.multinpu_channel as channel  # noqa: E402
+import comfy.multinpu_wire as wire  # noqa: E402
 import comfy.multinpu_process as mp  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def scenario_basics(rt, args):
     out["big"] = {"seconds": time.perf_counter() - t0, "bytes": big.numel() * big.element_size(),
                   "ok": bool((big == 1.5).all())}
     del big
-    out["shm_left"] = sorted(n for n in os.listdir(group.shm_dir()) if n.startswith(f"h3kit-{os.getpid()}-"))
+    out["shm_left"] = sorted(n for n in os.listdir(wire.shm_dir()) if n.startswith(f"h3kit-{os.getpid()}-"))
     out["generation"] = rt.generation
     out["pids"] = dict(rt.members)
     return out
@@ -287,7 +288,7 @@ def scenario_hostile(rt, args):
     import psutil
     out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
            "restarts_before": {r["rank"]: r["restarts"] for r in rt.ranks()}}
-    evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+    evil = torch.distributed.PrefixStore(channel.STORE_PREFIX, channel.connect_store("127.0.0.1", rt.port, 10.0))
     g, n = rt.generation, rt.next_cmd
     evil.set(f"cmd/{g}/{n}", b"\x80\x05garbage that is no pickle")
     evil.set("gen", b"not-a-number")
@@ -326,12 +327,12 @@ def _probe(path, send, nonce_to=None):
     """Connect to the command channel as this user, send what send(nonce) gives; True when the driver closed the
     connection without a word."""
     import socket as so
-    address, fd = group._address(path)
+    address, fd = channel._address(path)
     s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
     try:
         s.settimeout(15)
         s.connect(address)
-        nonce = group._recv_exact(s, 32)
+        nonce = channel._recv_exact(s, 32)
         try:
             s.sendall(send(nonce))
             return s.recv(1) == b""
@@ -353,8 +354,8 @@ def _channel_probes(rt, args):
     import stat
     import subprocess
     path = rt._channel.path
-    signer = group.Signer(os.environ[group.KEY_ENV].encode())
-    foreign = group.Signer(group.new_key().encode())
+    signer = wire.Signer(os.environ[wire.KEY_ENV].encode())
+    foreign = wire.Signer(wire.new_key().encode())
     rank0 = rt.members[0]
     out = {"path": path, "folder_mode": stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode),
            "socket_mode": stat.S_IMODE(os.stat(path).st_mode)}
@@ -392,8 +393,8 @@ def scenario_forged_heartbeats(rt, args):
     import pickle
     import socket as so
     out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
-    evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
-    foreign = group.Signer(group.new_key().encode())
+    evil = torch.distributed.PrefixStore(channel.STORE_PREFIX, channel.connect_store("127.0.0.1", rt.port, 10.0))
+    foreign = wire.Signer(wire.new_key().encode())
     stop = threading.Event()
     captured = {}
     rounds = [0]
@@ -420,11 +421,11 @@ def scenario_forged_heartbeats(rt, args):
                         evil.set(pointer, b"\x80\x05forged beat")
                 elif rounds[0] % 5 == 0:
                     try:  # a beat on the channel naming this worker, signed with another key
-                        address, fd = group._address(rt._channel.path)
+                        address, fd = channel._address(rt._channel.path)
                         with so.socket(so.AF_UNIX, so.SOCK_STREAM) as c:
                             c.settimeout(5)
                             c.connect(address)
-                            nonce = group._recv_exact(c, 32)
+                            nonce = channel._recv_exact(c, 32)
                             c.sendall(_frame(foreign, nonce, {"hello": {"role": "beat", "rank": r, "pid": pid}}))
                             c.recv(1)
                         if fd is not None:
@@ -434,7 +435,7 @@ def scenario_forged_heartbeats(rt, args):
             evil.set("agent_hb/1", b"\x80\x05forged agent beat")
     forger = threading.Thread(target=forge, daemon=True)
     forger.start()
-    time.sleep(3 * group.HEARTBEAT_STALE)  # idle: the monitor checks every rank's heartbeat all along
+    time.sleep(3 * wire.HEARTBEAT_STALE)  # idle: the monitor checks every rank's heartbeat all along
     out["healthy"] = _attempt(lambda: _sum(rt))
     out["pids_healthy"] = dict(rt.members)
     for name, rank in (("remote_stopped", rt.world_size - 1), ("local_stopped", 1)):
@@ -462,7 +463,7 @@ def scenario_store_lost(rt, args):
            "store_pid": rt._store.proc.pid}
     if args.flood:
         rss0 = psutil.Process().memory_info().rss
-        evil = torch.distributed.PrefixStore(group.STORE_PREFIX, group.connect_store("127.0.0.1", rt.port, 10.0))
+        evil = torch.distributed.PrefixStore(channel.STORE_PREFIX, channel.connect_store("127.0.0.1", rt.port, 10.0))
         try:
             for i in range(int(args.flood)):
                 evil.set(f"flood/{i}", b"x" * (4 << 20))
@@ -490,7 +491,7 @@ def start_agent(rt, node=1):
     import subprocess
     spec = _json.loads(rt.spec.to_json())
     spec.update(node_rank=node, master_port=rt.port, runtime_root=None)
-    env = dict(os.environ, **{group.GROUP_ENV: _json.dumps(spec)})
+    env = dict(os.environ, **{wire.GROUP_ENV: _json.dumps(spec)})
     return subprocess.Popen([sys.executable, "-B", "-m", "comfy.multinpu_group"], env=env, stdin=subprocess.DEVNULL)
 
 
@@ -569,7 +570,7 @@ def main(argv=None):
     ap.add_argument("--victim", type=int, default=2)
     ap.add_argument("--idle", type=float, default=3.0)
     ap.add_argument("--flood", type=int, default=0, help="hostile: how many 4 MiB keys to write")
-    ap.add_argument("--launcher", default="h3kit", choices=group.LAUNCHERS)
+    ap.add_argument("--launcher", default="h3kit", choices=wire.LAUNCHERS)
     ap.add_argument("--agent", action="store_true", help="start node 1's agent (two nodes)")
     ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
     ap.add_argument("--sleep", type=float, default=3.0, help="agent_lost: how long rank 0 holds the command")
@@ -578,14 +579,14 @@ def main(argv=None):
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[driver] %(asctime)s %(message)s', stream=sys.stdout)
-    os.environ.setdefault(group.KEY_ENV, group.new_key())
-    spec = group.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
-                        master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,
-                        runtime_root=args.root, worker_module="process_group_worker", launcher=args.launcher)
+    os.environ.setdefault(wire.KEY_ENV, wire.new_key())
+    spec = wire.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
+                          master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,
+                          runtime_root=args.root, worker_module="process_group_worker", launcher=args.launcher)
     result = {"scenario": args.scenario}
     t0 = time.monotonic()
     try:
-        rt = mp.start_runtime(spec, os.environ[group.KEY_ENV])
+        rt = mp.start_runtime(spec, os.environ[wire.KEY_ENV])
         result["port"] = rt.port
         if args.agent:
             AGENT[0] = start_agent(rt)

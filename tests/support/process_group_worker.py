@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-# SIGTERM is taken by one thread of the worker (comfy.multinpu_group.watch_termination), which notes who ended the
+# SIGTERM is taken by one thread of the worker (comfy.multinpu_launch.watch_termination), which notes who ended the
 # process before it exits, even while the main thread is inside a collective; blocked here, before torch starts
 # threads of its own, so that no other thread takes it
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 import comfy.multinpu  # noqa: E402
 import comfy.multinpu_group as mp  # noqa: E402
+import comfy.multinpu_wire as wire  # noqa: E402
 
 
 @mp.program("sum")
@@ -95,8 +96,8 @@ def _uses_config(context, comm, payload):
 
 
 def main():
-    mp.die_with_parent()
-    spec = mp.GroupSpec.from_json(os.environ[mp.GROUP_ENV])
+    wire.die_with_parent()
+    spec = wire.GroupSpec.from_json(os.environ[wire.GROUP_ENV])
     rank = mp.rank_from_environment(spec)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stdout)
     freed = []

@@ -28,11 +28,11 @@ from h3kit.errors import UsageError
 
 TRANSPORTS = ("process", "threads")
 DEFAULT_JOIN_TIMEOUT = 300.0
-GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_group.py
+GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_wire.py
 KEY_ENV = "H3KIT_GROUP_KEY"
 AGENT_MODULE = "comfy.multinpu_group"
 # Who launches and restarts a host's workers: torchrun's elastic agent (`python -m torch.distributed.run`) or
-# h3kit's own launcher (comfy.multinpu_group.LocalWorkers). `h3kit start --launcher`; H3KIT_LAUNCHER in the
+# h3kit's own launcher (comfy.multinpu_launch.LocalWorkers). `h3kit start --launcher`; H3KIT_LAUNCHER in the
 # environment is the default of that option (every host alike)
 LAUNCHER_ENV = "H3KIT_LAUNCHER"
 LAUNCHERS = ("torchrun", "h3kit")

@@ -53,6 +53,7 @@ import comfy.multinpu_process
 import comfy.multinpu_shard
 import comfy.multinpu_threads
 import comfy.multinpu_weights
+import comfy.multinpu_wire
 import comfy.patcher_extension
 import comfy.sampler_helpers
 
@@ -347,7 +348,7 @@ class SequenceParallelDiT:
         the VAE decode, would otherwise find it taken). Counts the calls per rank in caches_emptied."""
         try:
             counts = self.runtime.run("dit_empty_cache", None)
-        except (comfy.multinpu_group.GroupError, comfy.multinpu.CollectiveError) as e:
+        except (comfy.multinpu_wire.GroupError, comfy.multinpu.CollectiveError) as e:
             # the sampling itself succeeded; a rank that failed since is named again by the next command
             logging.warning(f"MultiNPU: the ranks' caches were not emptied after sampling: {e}")
             return

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-# SIGTERM is taken by one thread of the worker (comfy.multinpu_group.watch_termination), which notes who ended the
+# SIGTERM is taken by one thread of the worker (comfy.multinpu_launch.watch_termination), which notes who ended the
 # process before it exits, even while the main thread is inside a collective; blocked here, before torch starts
 # threads of its own, so that no other thread takes it
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -26,6 +26,7 @@ signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 import torch  # noqa: E402
 
 import comfy.multinpu_group  # noqa: E402
+import comfy.multinpu_wire  # noqa: E402
 import comfy.options  # noqa: E402
 
 # the runners whose worker sides (their @comfy.multinpu_group.program functions) this process serves
@@ -41,8 +42,8 @@ def bind_device(device_type: str, local_rank: int) -> torch.device:
 
 
 def main():
-    comfy.multinpu_group.die_with_parent()
-    spec = comfy.multinpu_group.GroupSpec.from_json(os.environ[comfy.multinpu_group.GROUP_ENV])
+    comfy.multinpu_wire.die_with_parent()
+    spec = comfy.multinpu_wire.GroupSpec.from_json(os.environ[comfy.multinpu_wire.GROUP_ENV])
     rank = comfy.multinpu_group.rank_from_environment(spec)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s", stream=sys.stdout)
     device = bind_device(spec.device_type, rank % spec.local_size)

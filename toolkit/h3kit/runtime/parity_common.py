@@ -25,12 +25,12 @@ def start_group(args):
     if args.transport != "process":
         return None
     import comfy.model_management
-    import comfy.multinpu_group as group
+    import comfy.multinpu_wire as wire
     import comfy.multinpu_process as mp
-    key = os.environ.setdefault(group.KEY_ENV, group.new_key())
+    key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     # the workers unpickle the DiT fault hook: h3kit reaches them through PYTHONPATH (worker.run)
-    spec = group.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
-                           join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
+    spec = wire.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
+                          join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
     mp.wait_ready(runtime, args.timeout)
     return runtime

@@ -1,0 +1,474 @@
+"""The process group's control plane: its store and its command channel.
+
+- The store: one TCPStore for the life of the service, in a small process of its own (StoreHost;
+  `python -B -m comfy.multinpu_channel --store ...`), listening on the master address only, read and written
+  through Control (every value signed for its key). Generation g of the group has its members in "gen/{g}"
+  and its commands, relayed by worker rank 0, in "cmd/{g}/{n}", numbered from 1; its process group uses
+  PrefixStore(f"pg{g}"), so re-forming needs no new port.
+- The command channel (ChannelServer, Link): a Unix socket in a 0700 folder of the runtime root, from the
+  driver to this host's workers: worker rank 0 takes each command there and returns its result there, every
+  local worker beats there. Frames are length-prefixed, capped and signed per connection (nonce, direction,
+  sequence), so garbage, replays and foreign frames are dropped with a log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed
+
+from comfy.multinpu_wire import (GroupError, PARENT_ENV, POLL, Signer, _die_with_parent_signal, die_with_parent,
+                                 td)
+
+
+# ---- the store -----------------------------------------------------------------------------------
+
+STORE_PREFIX = "h3kit"               # the control keys' prefix in the store
+STORE_START_TIMEOUT = 120.0         # seconds for the store's process to answer (it imports torch)
+
+
+class StoreHost:
+    """The group's TCPStore, in a small process of its own (`python -B -m comfy.multinpu_channel --store ...`),
+    not in the ComfyUI server: a client that reaches the port can write keys of any size into a TCPStore, and
+    that memory is the store's process's, never the server's. The driver binds the listening socket on
+    addr:port only (torch's own server would listen on every interface) and keeps it for the life of the
+    service: the store's process gets it as a descriptor, and a store that dies is started again on the same
+    socket (start()). The process ends with the driver (parent-death signal, and the end of its stdin)."""
+
+    def __init__(self, addr: str, port: int, timeout: float):
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((addr, port))
+        self.sock.listen(128)
+        self.addr = addr
+        self.port = self.sock.getsockname()[1]
+        self.timeout = timeout
+        self.proc = None
+        self.starts = 0
+
+    def start(self):
+        fd = self.sock.fileno()
+        argv = [sys.executable, "-B", "-m", "comfy.multinpu_channel", "--store", self.addr, str(self.port), str(fd),
+                str(self.timeout)]
+        env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=(fd,), close_fds=True,
+                                     preexec_fn=_die_with_parent_signal)
+        self.starts += 1
+        logging.info(f"MultiNPU: the group's store runs in pid {self.proc.pid} on {self.addr}:{self.port}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5.0)
+        self.sock.close()
+
+
+STORE_GROWTH_ENV = "H3KIT_STORE_GROWTH_LIMIT"  # MiB the store's process may grow by before it ends itself
+STORE_EXIT = 76                      # the store's process ended itself: it grew past its limit
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def store_main(argv) -> int:
+    """The store's process: host the TCPStore on the listening socket the driver handed over, until the
+    driver is gone (its stdin ends). A store that grows by more than H3KIT_STORE_GROWTH_LIMIT MiB (1024; a
+    flood of keys: the group's own keys are small) ends itself: the driver starts a fresh one and replaces the
+    group, rather than the host's OOM killer choosing a process (a worker holding a model is the biggest)."""
+    import select
+    addr, port, fd, timeout = argv
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="[store] %(asctime)s %(message)s", stream=sys.stdout)
+    store = torch.distributed.TCPStore(addr, int(port), None, is_master=True, wait_for_workers=False,  # noqa: F841
+                                       timeout=td(float(timeout)), master_listen_fd=int(fd), use_libuv=True)
+    limit = float(os.environ.get(STORE_GROWTH_ENV, "1024")) * 2**20
+    base = _rss()
+    while True:
+        if select.select([sys.stdin], [], [], 1.0)[0] and not os.read(sys.stdin.fileno(), 4096):
+            return 0  # the driver is gone
+        if _rss() - base > limit:
+            logging.error(f"MultiNPU: the group's store grew by {(_rss() - base) / 2**20:.0f} MiB, past its limit "
+                          f"({STORE_GROWTH_ENV}={limit / 2**20:g}): a flood of keys; it ends, the driver starts a "
+                          "fresh one")
+            sys.stdout.flush()
+            os._exit(STORE_EXIT)
+
+
+def connect_store(addr: str, port: int, timeout: float, deadline: float = None, stop: threading.Event = None):
+    """A client of the group's store, retrying until `deadline` (monotonic) while the master is not up;
+    None once `stop` is set."""
+    deadline = time.monotonic() + timeout if deadline is None else deadline
+    while True:
+        try:
+            # short attempts: TCPStore retries inside for its whole timeout, deaf to a stop request
+            store = torch.distributed.TCPStore(addr, port, None, is_master=False,
+                                               timeout=td(min(2.0, max(0.5, deadline - time.monotonic()))))
+            store.set_timeout(td(timeout))
+            return store
+        except (RuntimeError, torch.distributed.DistError) as e:
+            if time.monotonic() >= deadline:
+                raise GroupError(f"MultiNPU: cannot reach the group's store at {addr}:{port}: {e}") from None
+            if stop is not None and stop.wait(0.5):
+                return None
+            if stop is None:
+                time.sleep(0.5)
+
+
+def _store_gone(e: BaseException) -> bool:
+    return isinstance(e, (torch.distributed.DistNetworkError, ConnectionError))
+
+
+class Control:
+    """Signed reads and writes of the control keys, under the service's prefix; one call at a time per
+    connection (the driver's threads share them).
+
+    Every value is signed together with its key's name (which holds the generation and the command's
+    number), so a signed value copied into another slot is refused like garbage. A value that does not
+    verify is never unpickled: it is dropped with a log line and reads as absent (peek, wait), so a local
+    user who can reach the store cannot make a rank act on, or die of, what they wrote.
+    """
+
+    def __init__(self, store, signer: Signer):
+        self.raw = store
+        self.store = torch.distributed.PrefixStore(STORE_PREFIX, store)
+        self.signer = signer
+        self._lock = threading.RLock()
+        self._dropped = {}  # key -> the bytes last refused there (logged once)
+
+    def put(self, key: str, obj):
+        data = self.signer.dumps((key, obj))
+        with self._lock:
+            self.store.set(key, data)
+
+    def _load(self, key: str, data: bytes):
+        """The value of `key`, or _BAD when its bytes are not a value this service signed for that key."""
+        try:
+            slot, obj = self.signer.loads(data, f"store key {key!r}")
+            if slot != key:
+                raise GroupError(f"MultiNPU: store key {key!r} holds a value signed for {slot!r}; refusing it")
+            return obj
+        except Exception as e:
+            digest = hashlib.sha256(data).digest()  # not the bytes: a flood of big values must not stay here
+            if self._dropped.get(key) != digest:
+                self._dropped[key] = digest
+                logging.warning(f"MultiNPU: dropped store key {key!r} ({len(data)} bytes): "
+                                f"{e if isinstance(e, GroupError) else 'not a signed value'}")
+            return _BAD
+
+    def get(self, key: str):
+        with self._lock:
+            data = self.store.get(key)
+        obj = self._load(key, data)
+        if obj is _BAD:
+            raise GroupError(f"MultiNPU: store key {key!r} does not hold a value signed by this service")
+        return obj
+
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return self.store.check([key])
+
+    def peek(self, key: str, default=None):
+        """The signed value of key, else `default` (absent, or dropped as unsigned)."""
+        with self._lock:
+            if not self.store.check([key]):
+                return default
+            data = self.store.get(key)
+        obj = self._load(key, data)
+        return default if obj is _BAD else obj
+
+    def counter(self, key: str, add: int = 0) -> int:
+        with self._lock:
+            return self.store.add(key, add)
+
+    def delete(self, key: str):
+        with self._lock:
+            self.store.delete_key(key)
+
+    def wait(self, key: str, timeout: float):
+        """The signed value of key once one is there; values that do not verify are dropped and waited past."""
+        deadline = time.monotonic() + timeout
+        while True:
+            # no lock: a worker's main thread is the only user of its connection, and waits here for hours
+            self.store.wait([key], td(max(0.001, deadline - time.monotonic())))
+            obj = self._load(key, self.store.get(key))
+            if obj is not _BAD:
+                return obj
+            if time.monotonic() >= deadline:
+                raise GroupError(f"MultiNPU: no signed value at store key {key!r} within {timeout:g} s")
+            time.sleep(POLL)
+
+
+_BAD = object()
+
+
+# ---- the command channel: the driver and this host's workers, over a Unix socket --------------------
+
+CHANNEL_DIR = "channel"              # under the runtime root: 0700, the socket in it
+CHANNEL_SOCKET = "driver.sock"
+HELLO_LIMIT = 4096                   # bytes of a connection's first frame (who it is)
+FRAME_LIMIT = 256 << 20              # bytes of any frame (a command's header: its tensors go through /dev/shm)
+HANDSHAKE_TIMEOUT = 5.0
+MAX_PENDING = 16                     # connections not yet authenticated; more are closed at once
+
+
+class ChannelClosed(GroupError):
+    """The other end of a channel connection went away."""
+
+
+def private_dir(path: str) -> str:
+    """`path` as a folder only this user can enter: made 0700 when absent; GroupError when it is a link, another
+    user's or open to the group or others (the command channel's socket lives there)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise GroupError(f"MultiNPU: {path} is not a folder (the command channel's socket lives there). "
+                         f"Fix: remove it; the server makes the folder, mode 0700")
+    if st.st_uid != os.getuid():
+        raise GroupError(f"MultiNPU: {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): the command "
+                         "channel's folder must be this user's alone. Fix: remove it; the server makes it, mode 0700")
+    if st.st_mode & 0o077:
+        raise GroupError(f"MultiNPU: {path} is open to other users (mode {st.st_mode & 0o777:o}): the command "
+                         f"channel's folder must be this user's alone. Fix: chmod 700 {path}")
+    return path
+
+
+def _address(path: str):
+    """A path bind/connect take: a Unix socket's path is limited to 107 bytes, a longer one is reached through
+    an open descriptor of its folder (/proc/self/fd/N/name). Returns (address, fd to close or None)."""
+    if len(path.encode()) < 100:
+        return path, None
+    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
+
+
+def _recv_exact(sock, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            raise ChannelClosed("MultiNPU: the channel's other end closed it")
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def recv_frame(sock, limit: int) -> bytes:
+    """One length-prefixed frame's bytes; GroupError for one longer than `limit` (nothing of it is read)."""
+    size = int.from_bytes(_recv_exact(sock, 4), "big")
+    if size > limit:
+        raise GroupError(f"MultiNPU: a frame of {size} bytes (the limit is {limit})")
+    return _recv_exact(sock, size)
+
+
+class Link:
+    """One authenticated connection of the command channel. Every frame is length-prefixed and carries an
+    HMAC over the connection's nonce (the driver's random challenge), its direction and its sequence number
+    with the message: a frame copied from another connection, replayed, reordered or reflected back does not
+    verify, and is dropped like garbage (never unpickled)."""
+
+    def __init__(self, sock, signer: Signer, nonce: bytes, mine: str, theirs: str):
+        self.sock = sock
+        self.signer = signer
+        self.nonce = nonce
+        self.mine, self.theirs = mine, theirs
+        self.sent = self.received = 0
+        self._send_lock = threading.Lock()
+
+    def send(self, obj):
+        with self._send_lock:
+            self.sent += 1
+            body = self.signer.dumps((self.nonce, self.mine, self.sent, obj))
+            self.sock.sendall(len(body).to_bytes(4, "big") + body)
+
+    def open(self, data: bytes):
+        """The message of a frame this connection's peer sent next; GroupError for anything else."""
+        nonce, direction, seq, obj = self.signer.loads(data, "channel frame")
+        if nonce != self.nonce:
+            raise GroupError("MultiNPU: a channel frame signed for another connection: a replay")
+        if direction != self.theirs or seq != self.received + 1:
+            raise GroupError(f"MultiNPU: a channel frame out of order (sequence {seq} from the "
+                             f"{'worker' if direction == 'w' else 'driver'}, expected {self.received + 1}): a replay")
+        self.received = seq
+        return obj
+
+    def recv(self, limit: int = FRAME_LIMIT):
+        """The next verified message (blocking); a frame that does not verify is dropped with a log line."""
+        while True:
+            data = recv_frame(self.sock, limit)
+            try:
+                return self.open(data)
+            except Exception as e:
+                logging.warning(f"MultiNPU: dropped a channel frame ({len(data)} bytes): "
+                                f"{e if isinstance(e, GroupError) else 'not signed by this service'}")
+
+    def close(self):
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def connect_channel(path: str, signer: Signer, hello: dict, timeout: float = 30.0) -> Link:
+    """A worker's connection to the driver's channel: the driver sends a nonce, the worker answers with a
+    signed hello naming itself ({"role", "rank", "pid", ...}); the driver checks it against the socket's peer."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address, fd = _address(path)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        nonce = _recv_exact(sock, 32)
+        sock.settimeout(None)
+    except OSError as e:
+        sock.close()
+        raise GroupError(f"MultiNPU: cannot reach the driver's command channel {path}: {e}") from None
+    finally:
+        if fd is not None:
+            os.close(fd)
+    link = Link(sock, signer, nonce, "w", "d")
+    link.send({"hello": hello})
+    return link
+
+
+class ChannelServer:
+    """The driver's end of the command channel: a Unix socket in a folder only this user can enter
+    (private_dir), so no other local user can connect. A connection is accepted only when its signed hello
+    answers this connection's nonce and names the process at the other end (SO_PEERCRED: same pid, same
+    uid); anything else is closed with a log line, its bytes never unpickled, a frame past the size limit
+    never read. on_link(link, hello) takes each accepted connection (it runs on the connection's thread)."""
+
+    def __init__(self, folder: str, signer: Signer, on_link):
+        self.folder = private_dir(folder)
+        self.path = os.path.join(folder, CHANNEL_SOCKET)
+        self.signer = signer
+        self.on_link = on_link
+        self.dropped = 0
+        self._pending = threading.Semaphore(MAX_PENDING)
+        self._stop = threading.Event()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address, fd = _address(self.path)
+        try:
+            if os.path.lexists(self.path):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                    try:
+                        probe.connect(address)
+                    except OSError:
+                        os.unlink(self.path)  # a socket left by a server that was killed
+                    else:
+                        raise GroupError(f"MultiNPU: another server's command channel answers at {self.path}. Fix: "
+                                         "stop that server, or give this one its own runtime root")
+            self.sock.bind(address)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        os.chmod(self.path, 0o600)
+        self.sock.listen(64)
+        self._thread = threading.Thread(target=self._accept, name="multinpu-channel", daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                self._drop(conn, f"{MAX_PENDING} connections are already being checked")
+                continue
+            threading.Thread(target=self._handshake, args=(conn,), name="multinpu-channel-link", daemon=True).start()
+
+    def _drop(self, conn, why: str, peer=None):
+        self.dropped += 1
+        logging.warning(f"MultiNPU: command channel: dropped a connection{f' from pid {peer}' if peer else ''}: {why}")
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def _handshake(self, conn):
+        peer = None
+        try:
+            try:
+                peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))
+                if uid != os.getuid():
+                    return self._drop(conn, f"uid {uid} is not this service's user", peer)
+                conn.settimeout(HANDSHAKE_TIMEOUT)
+                nonce = os.urandom(32)
+                conn.sendall(nonce)
+                link = Link(conn, self.signer, nonce, "d", "w")
+                data = recv_frame(conn, HELLO_LIMIT)
+                try:
+                    hello = link.open(data)["hello"]
+                except Exception as e:
+                    return self._drop(conn, f"its first frame ({len(data)} bytes) is "
+                                      f"{e if isinstance(e, GroupError) else 'not signed by this service'}", peer)
+                if not isinstance(hello, dict) or hello.get("pid") != peer:
+                    return self._drop(conn, f"its hello names pid {hello.get('pid') if isinstance(hello, dict) else '?'}", peer)
+                conn.settimeout(None)
+            except (OSError, GroupError) as e:
+                return self._drop(conn, str(e) or type(e).__name__, peer)
+        finally:
+            self._pending.release()
+        try:
+            self.on_link(link, hello)
+        except (ChannelClosed, OSError):  # the worker left, or the driver closed the connection
+            pass
+        except Exception as e:
+            logging.warning(f"MultiNPU: command channel: the connection of pid {peer} ended: {e}")
+        finally:
+            link.close()
+
+    def close(self):
+        self._stop.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+# ---- remote ranks' beats in the store ---------------------------------------------------------------
+
+HEARTBEAT_KEEP = 8                   # a remote rank's last beats kept in the store (the driver may read late)
+
+
+def beat_key(signer: Signer, rank, pid: int, seq: int) -> str:
+    """The store key of a remote rank's beat `seq`: named by an HMAC, so nobody without the key can create the
+    key of a beat to come (the value does not matter: the beat is that the key exists)."""
+    tag = hmac.new(signer.key, f"beat/{rank}/{pid}/{seq}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"hb/{rank}/{pid}/{tag}"
+
+
+if __name__ == "__main__":
+    sys.exit(store_main(sys.argv[2:]) if sys.argv[1:2] == ["--store"] else 2)

@@ -1,0 +1,552 @@
+"""Who starts, watches and replaces the process group's workers, and how a worker's end is told.
+
+- LocalWorkers: a host's worker processes (`python -B -m comfy.multinpu_worker`), started, watched and
+  replaced by the driver's monitor or by an agent; they die with the process that started them.
+- TorchrunWorkers: the same, with torch's elastic agent (torchrun) starting and restarting them.
+- watch_termination / termination_note: a worker notes who ended it, so the rank that failed first is told
+  from the siblings its launcher stopped after it.
+- Agent: a host other than node 0 (`python -B -m comfy.multinpu_group`, no ComfyUI) starts and replaces
+  its workers, reports their deaths, and follows the driver through restarts of the master.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed
+
+from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupError, GroupSpec, KEEP_ALIVE,
+                                 KEEP_ALIVE_ATTEMPTS, KEY_ENV, LOCAL_RANK_ENV, PARENT_ENV, RANKS_FILE, RANK_ENV,
+                                 RDZV_READ_TIMEOUT, RECYCLED_EXIT, REPORTED_EXIT, SECONDARY, Signer, TERM_EXIT,
+                                 TORCHRUN_MAX_RESTARTS, TORCHRUN_RETRY, _die_with_parent_signal, cpu_threads,
+                                 key_from_environment, set_hccl_timeout)
+from comfy.multinpu_channel import (Control, HEARTBEAT_KEEP, _store_gone, beat_key, connect_store)
+
+
+# ---- why a worker ended ---------------------------------------------------------------------------
+
+def secondary(reason) -> bool:
+    """Is a death with this reason one its launcher caused after another rank's (not a root cause)?"""
+    return SECONDARY in str(reason)
+
+
+def recycled(reason) -> bool:
+    """Is a death with this reason one h3kit caused itself, replacing the group after a failure?"""
+    reason = str(reason)
+    return "killed by h3kit" in reason or "aborted" in reason
+
+
+def watch_termination(spec: GroupSpec, rank: int):
+    """In a worker: one thread takes SIGTERM, notes who ended this process in the store (signed "term/{rank}",
+    written before it exits) and exits with TERM_EXIT, even while the main thread is blocked inside a collective.
+    torchrun ends every worker of its host with SIGTERM as soon as one fails, and reaps them itself: the note is
+    how the driver tells the rank that failed first from the siblings torchrun stopped after it. Needs SIGTERM
+    blocked in every thread, from the worker's first line (comfy.multinpu_worker does it before importing torch);
+    otherwise SIGTERM keeps its default action and nothing is noted."""
+    if signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return
+    parent = os.getppid()
+
+    def run():
+        signal.sigwait({signal.SIGTERM})
+        gone = os.getppid() != parent
+        why = (f"{SECONDARY}: its launcher (pid {parent}) ended" if gone else
+               f"{SECONDARY} (SIGTERM from pid {parent})")
+        try:
+            store = connect_store(spec.master_addr, spec.master_port, 2.0, time.monotonic() + 2.0)
+            Control(store, Signer(key_from_environment())).put(f"term/{rank}", {"pid": os.getpid(), "why": why,
+                                                                               "time": time.time()})
+        except Exception:
+            pass  # the store is gone too: nobody is left to tell
+        logging.warning(f"MultiNPU: rank {rank}: {why}; exiting")
+        sys.stdout.flush()
+        os._exit(TERM_EXIT)
+    threading.Thread(target=run, name="multinpu-sigterm", daemon=True).start()
+
+
+def termination_note(ctl, rank: int, pid) -> str | None:
+    """What a worker noted of its SIGTERM before it exited (watch_termination), when it was process `pid`."""
+    note = ctl.peek(f"term/{rank}")
+    return note.get("why") if isinstance(note, dict) and note.get("pid") == pid else None
+
+
+def process_identity(pid: int) -> dict:
+    try:
+        import psutil
+        p = psutil.Process(pid)
+        with p.oneshot():
+            return {"pid": pid, "create_time": p.create_time(), "cmdline": p.cmdline()}
+    except Exception:  # psutil missing or the process already gone: the pid alone is still worth showing
+        return {"pid": pid, "create_time": None, "cmdline": []}
+
+
+def _exit_reason(code: int) -> str:
+    if code == TERM_EXIT:
+        return f"{SECONDARY} (SIGTERM, code {code})"
+    if code == REPORTED_EXIT:
+        return f"exited after reporting its error (code {code})"
+    if code == RECYCLED_EXIT:
+        return f"left its aborted generation (code {code})"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+# ---- local worker processes ------------------------------------------------------------------------
+
+class LocalWorkers:
+    """This host's worker processes: started, watched and replaced (by rank 0's monitor or an agent).
+
+    Workers are children of the process that owns this object and die with it (PR_SET_PDEATHSIG, and
+    their store connection); they stay in its process group, so `h3kit stop` reaches them with the
+    server. A rank that dies more than CRASH_LIMIT times within CRASH_WINDOW is not replaced again.
+    """
+
+    def __init__(self, spec: GroupSpec, key: str, local_ranks, cwd=None, python=None):
+        self.spec = spec
+        self.key = key
+        self.cwd = cwd or os.getcwd()
+        self.python = python or sys.executable
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
+        self.procs = {}
+        self.info = {}
+        self.deaths = collections.defaultdict(collections.deque)
+        self.failed = {}
+        self.killed = {}               # rank -> why this object killed it
+        self.recycled = set()          # ranks killed to replace the whole group: not crashes
+        self.respawn_at = {}           # rank -> monotonic time its replacement starts
+        self.stopping = False
+        for rank in self.ranks:
+            self.info[rank] = {"rank": rank, "node": spec.node_rank, "local_rank": rank % spec.local_size,
+                               "host": socket.gethostname(), "device": spec.device_name(rank), "pid": None,
+                               "create_time": None, "cmdline": [], "alive": False, "restarts": 0,
+                               "last_exit": None, "incarnation": 0}
+
+    def _env(self, rank: int) -> dict:
+        env = dict(os.environ)
+        env[GROUP_ENV] = self.spec.to_json()
+        env[KEY_ENV] = self.key
+        env[RANK_ENV] = str(rank)
+        env[LOCAL_RANK_ENV] = str(rank % self.spec.local_size)
+        env[PARENT_ENV] = str(os.getpid())
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever the server simulates
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # see TorchrunWorkers.start
+        threads = cpu_threads(self.spec)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        return env
+
+    def spawn(self, rank: int):
+        argv = [self.python, "-B", "-m", self.spec.worker_module, *self.spec.worker_args]
+        proc = subprocess.Popen(argv, cwd=self.cwd, env=self._env(rank), stdin=subprocess.DEVNULL, close_fds=True)
+        self.procs[rank] = proc
+        info = self.info[rank]
+        info.update(process_identity(proc.pid), alive=True)
+        # read at once, /proc can show an empty command line while the new image starts; it is argv
+        info["cmdline"] = info["cmdline"] or list(argv)
+        info["incarnation"] += 1
+        logging.info(f"MultiNPU: started {self.spec.describe_rank(rank)} as pid {proc.pid}")
+        return proc
+
+    def start(self):
+        for rank in self.ranks:
+            self.spawn(rank)
+
+    def poll(self) -> list:
+        """[(rank, pid, reason)] of the workers that ended since the last poll; each is replaced unless
+        it is in a crash loop or the workers are stopping."""
+        ended = []
+        now = time.monotonic()
+        for rank, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            reason = _exit_reason(code)
+            if rank in self.killed:
+                reason = f"{self.killed.pop(rank)}: {reason}"
+            info = self.info[rank]
+            info.update(alive=False, last_exit=reason)
+            del self.procs[rank]
+            ended.append((rank, proc.pid, reason))
+            if self.stopping:
+                continue
+            if rank in self.recycled or code in (REPORTED_EXIT, RECYCLED_EXIT):
+                # replaced with the group (h3kit's decision, or the worker's own error report): at once,
+                # and not counted as a crash
+                self.recycled.discard(rank)
+                self.respawn_at[rank] = now
+                continue
+            deaths = self.deaths[rank]
+            deaths.append(now)
+            while deaths and now - deaths[0] > CRASH_WINDOW:
+                deaths.popleft()
+            if len(deaths) > CRASH_LIMIT:
+                self.failed[rank] = (f"{self.spec.describe_rank(rank)} died {len(deaths)} times within "
+                                     f"{CRASH_WINDOW:g} s (last: {reason}); not replaced again")
+                logging.error(f"MultiNPU: {self.failed[rank]}")
+                continue
+            # the first replacement starts at once, repeated deaths wait longer (0.5 s, 1 s, ... up to 8 s)
+            delay = 0.0 if len(deaths) == 1 else min(8.0, 0.25 * 2 ** (len(deaths) - 1))
+            logging.warning(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {proc.pid}) {reason}; replacing it"
+                            + (f" in {delay:g} s" if delay else ""))
+            self.respawn_at[rank] = now + delay
+        for rank, when in list(self.respawn_at.items()):
+            if now >= when and not self.stopping:
+                del self.respawn_at[rank]
+                self.info[rank]["restarts"] += 1
+                self.spawn(rank)
+        return ended
+
+    def kill(self, rank: int, why: str, recycle: bool = False):
+        """SIGKILL one worker; recycle: as part of replacing the whole group (not counted as a crash)."""
+        proc = self.procs.get(rank)
+        if proc is not None and proc.poll() is None:
+            logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {proc.pid}): {why}")
+            self.killed[rank] = why
+            if recycle:
+                self.recycled.add(rank)
+            proc.kill()
+
+    def recycle(self, why: str):
+        """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too);
+        poll() replaces each at once. The reliable reset of a rank that saw an error is a fresh process."""
+        for rank, proc in self.procs.items():
+            if proc.poll() is None:
+                self.killed[rank] = why
+                self.recycled.add(rank)
+                proc.kill()
+
+    def pid(self, rank: int):
+        proc = self.procs.get(rank)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def stop(self, grace: float = 5.0):
+        self.stopping = True
+        procs = [p for p in self.procs.values() if p.poll() is None]
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+        for rank, p in self.procs.items():
+            if p.poll() is not None:
+                self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
+
+
+class TorchrunWorkers:
+    """This host's workers, launched and restarted by torchrun (`python -m torch.distributed.run`, the elastic
+    agent): c10d rendezvous at the master address on master_port + 1 (the control store holds master_port),
+    --max-restarts, --monitor-interval 0.5. On any worker's failure torchrun restarts every worker of the group,
+    on every host; h3kit kills workers (SIGKILL, a stopped one too) to make it do so. The same interface as
+    LocalWorkers; the workers' pids come from their signed announcements in the store. The driver runs one for
+    node 0, each other host's agent one for its node (`h3kit start --launcher torchrun`, the default: GroupSpec.launcher)."""
+
+    def __init__(self, spec: GroupSpec, key: str, local_ranks, ctl, cwd=None, python=None):
+        self.spec = spec
+        self.key = key
+        self.ctl = ctl
+        self.cwd = cwd or os.getcwd()
+        self.python = python or sys.executable
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
+        self.proc = None
+        self.failed = {}
+        self.recycled = set()
+        self.seen = {}       # rank -> (pid, create_time) of the announced worker last looked at
+        self.info = {r: {"rank": r, "node": spec.node_rank, "local_rank": r % spec.local_size,
+                         "host": socket.gethostname(), "device": spec.device_name(r), "pid": None,
+                         "create_time": None, "cmdline": [], "alive": False, "restarts": 0, "last_exit": None,
+                         "incarnation": 0} for r in self.ranks}
+        self.starts = 0
+        self.exits = collections.deque()
+        self.retry_at = None  # monotonic time torchrun is tried again after it kept ending
+        self.stopping = False
+
+    def argv(self) -> list:
+        s = self.spec
+        return [self.python, "-B", "-m", "torch.distributed.run", "--nnodes", str(s.nnodes), "--node-rank",
+                str(s.node_rank), "--nproc-per-node", str(s.local_size), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{s.master_addr}:{s.master_port + 1}", "--rdzv-id", "h3kit",
+                # node 0 hosts the rendezvous store (on one machine every node's address would match)
+                # read_timeout bounds a rendezvous that a lost and restarted host's new torchrun cannot complete
+                # (it starts at round 0 while the others wait in their restart round): torchrun then exits and is
+                # started again here, on every host
+                "--rdzv-conf", f"is_host={'true' if s.node_rank == 0 else 'false'},read_timeout={RDZV_READ_TIMEOUT},"
+                f"keep_alive_interval={KEEP_ALIVE},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS},"
+                f"join_timeout={max(1, int(s.join_timeout))}",
+                "--max-restarts", str(TORCHRUN_MAX_RESTARTS), "--monitor-interval", "0.5",
+                "-m", s.worker_module, *s.worker_args]
+
+    def start(self):
+        env = dict(os.environ)
+        env[GROUP_ENV] = self.spec.to_json()
+        env[KEY_ENV] = self.key
+        for k in (RANK_ENV, LOCAL_RANK_ENV, PARENT_ENV, "H3KIT_SIM_DEVICES"):
+            env.pop(k, None)
+        env["PYTHONUNBUFFERED"] = "1"
+        threads = cpu_threads(self.spec)
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        # NCCL's watchdog tears a worker down when a collective passes the group timeout (3, torch's default,
+        # chosen explicitly): its death is a failure the driver handles like any other, replacing the group. The
+        # server is never in a collective, so the watchdog can never take the server and its queue down; with 0
+        # a collective stuck on every rank would hang while each rank's heartbeat still beats
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # torchrun ends with the process that started it (its SIGTERM handler stops the workers): an orphaned
+        # elastic agent would restart workers that can never reach the driver again
+        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True,
+                                     preexec_fn=_die_with_parent_signal)
+        self.starts += 1
+        logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
+
+    def _announced(self, rank: int):
+        info = self.ctl.peek(f"worker/{rank}")
+        if not isinstance(info, dict) or not _alive(info.get("pid"), info.get("create_time")):
+            return None
+        return info
+
+    def poll(self) -> list:
+        ended = []
+        for rank in self.ranks:
+            info = self._announced(rank)
+            old = self.seen.get(rank)
+            if old is not None and (info is None or (info["pid"], info.get("create_time")) != old):
+                # torchrun reaps its workers: h3kit sees no exit code, but a worker torchrun stopped noted it
+                why = ("killed by h3kit (the group is replaced)" if rank in self.recycled else
+                       termination_note(self.ctl, rank, old[0]) or "died (not stopped by torchrun: killed or crashed)")
+                self.recycled.discard(rank)
+                reason = f"{why}; torchrun restarts the group"
+                self.info[rank].update(alive=False, last_exit=reason)
+                ended.append((rank, old[0], reason))
+                self.seen.pop(rank)
+            if info is not None and self.seen.get(rank) != (info["pid"], info.get("create_time")):
+                self.seen[rank] = (info["pid"], info.get("create_time"))
+                self.info[rank].update({k: info.get(k) for k in ("pid", "create_time", "cmdline", "host")},
+                                       alive=True)
+                self.info[rank]["restarts"] = self.info[rank]["incarnation"]
+                self.info[rank]["incarnation"] += 1
+        if self.proc is not None and self.proc.poll() is not None and not self.failed and not self.stopping:
+            # torchrun itself ended (killed, past --max-restarts, its rendezvous failed): start it again, unless
+            # it keeps ending
+            reason = _exit_reason(self.proc.returncode)
+            now = time.monotonic()
+            self.exits.append(now)
+            while self.exits and now - self.exits[0] > CRASH_WINDOW:
+                self.exits.popleft()
+            if len(self.exits) > CRASH_LIMIT:
+                # the group fails now (named, instead of waiting out the join timeout) and comes back by itself:
+                # torchrun is tried again after a pause (its rendezvous port was taken, its peer host was away)
+                self.retry_at = now + TORCHRUN_RETRY
+                self.failed[self.ranks[0]] = (f"torchrun ended {len(self.exits)} times within {CRASH_WINDOW:g} s "
+                                              f"(last: pid {self.proc.pid} {reason}); trying again in "
+                                              f"{TORCHRUN_RETRY:g} s")
+                logging.error(f"MultiNPU: {self.failed[self.ranks[0]]}")
+            else:
+                logging.warning(f"MultiNPU: torchrun (pid {self.proc.pid}) {reason}; starting it again")
+                self.start()
+        if self.failed and self.retry_at is not None and time.monotonic() >= self.retry_at and not self.stopping:
+            self.failed, self.retry_at = {}, None
+            self.exits.clear()
+            logging.warning("MultiNPU: starting torchrun again after its pause")
+            self.start()
+        return ended
+
+    def pid(self, rank: int):
+        info = self._announced(rank)
+        return info["pid"] if info else None
+
+    def kill(self, rank: int, why: str, recycle: bool = False):
+        info = self._announced(rank)
+        if info is None:
+            return
+        logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {info['pid']}): {why}")
+        if recycle:
+            self.recycled.add(rank)
+        try:
+            os.kill(info["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def recycle(self, why: str):
+        for rank in self.ranks:
+            self.kill(rank, why, recycle=True)
+
+    def stop(self, grace: float = 5.0):
+        self.stopping = True
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # torchrun stops its workers
+        try:
+            self.proc.wait(grace + 10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5.0)
+
+
+def _alive(pid, create_time) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        import psutil
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and (create_time is None or abs(p.create_time() - create_time) < 0.01)
+    except Exception:
+        return False
+
+
+def write_ranks_file(root, data: dict):
+    if not root:
+        return
+    path = os.path.join(root, RANKS_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except OSError as e:
+        logging.warning(f"MultiNPU: cannot write {path}: {e}")
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def is_loopback(addr: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def loopback_interface() -> str:
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"
+
+
+# ---- the agent of another node -------------------------------------------------------------------
+
+class Agent:
+    """Node R > 0: starts its workers once the master's store answers, replaces the ones that die, reports
+    their deaths and heartbeats, and follows rank 0 through restarts of the master."""
+
+    def __init__(self, spec: GroupSpec, key: str):
+        self.spec = spec
+        self.key = key
+        self.signer = Signer(key.encode())
+        self.stop = threading.Event()
+
+    def run(self):
+        if self.spec.device_type == "cpu" and is_loopback(self.spec.master_addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        set_hccl_timeout(self.spec)
+        while not self.stop.is_set():
+            try:
+                store = connect_store(self.spec.master_addr, self.spec.master_port, self.spec.timeout,
+                                      time.monotonic() + self.spec.join_timeout, self.stop)
+                if store is None:
+                    break
+                ctl = Control(store, self.signer)
+                layout = ctl.wait("layout", self.spec.join_timeout)
+            except (GroupError, RuntimeError, torch.distributed.DistError) as e:
+                logging.error(f"MultiNPU: node {self.spec.node_rank}: rank 0 did not come back within "
+                              f"{self.spec.join_timeout:g} s ({e}); the agent gives up")
+                self._write(None, "failed", str(e))
+                return 1
+            if layout != self.spec.layout():
+                message = (f"MultiNPU: node {self.spec.node_rank} was started with {self.spec.layout()}, rank 0 "
+                           f"runs {layout}: start every node with the same --nnodes, device count and master")
+                logging.error(message)
+                self._write(None, "failed", message)
+                return 2
+            self._serve(ctl)
+        return 0
+
+    def _serve(self, ctl: Control):
+        spec = self.spec
+        ctl.put(f"node/{spec.node_rank}", {"pid": os.getpid(), "host": socket.gethostname(),
+                                           "local_size": spec.local_size})
+        if spec.launcher == "torchrun":
+            local = TorchrunWorkers(spec, self.key, range(spec.local_size), ctl)
+        else:
+            local = LocalWorkers(spec, self.key, range(spec.local_size))
+        local.start()
+        logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
+        last_write, beat = 0.0, 0
+        reported = None
+        ctl.put(f"nodefail/{spec.node_rank}", {"pid": os.getpid(), "message": None})
+        try:
+            while not self.stop.wait(0.1):
+                for rank, pid, reason in local.poll():
+                    ctl.put(f"exit/{rank}", {"pid": pid, "reason": reason})
+                for rank in local.ranks:
+                    req = ctl.peek(f"kill/{rank}")
+                    if isinstance(req, dict) and req.get("pid") == local.pid(rank):
+                        local.kill(rank, req.get("why", "the driver asked"), recycle=bool(req.get("abort")))
+                failed = "; ".join(local.failed.values()) or None
+                if failed != reported:  # a host that cannot run its ranks says so: the driver fails at once
+                    ctl.put(f"nodefail/{spec.node_rank}", {"pid": os.getpid(), "message": failed})
+                    reported = failed
+                if time.monotonic() - last_write > 1.0:
+                    # the driver tells a lost host by its silence, which nobody without the key can fill (_heartbeat)
+                    beat += 1
+                    who = f"agent{spec.node_rank}"
+                    ctl.put(beat_key(self.signer, who, os.getpid(), beat), beat)
+                    ctl.put(f"agent_hb/{spec.node_rank}", {"pid": os.getpid(), "seq": beat})
+                    if beat > HEARTBEAT_KEEP:
+                        ctl.delete(beat_key(self.signer, who, os.getpid(), beat - HEARTBEAT_KEEP))
+                    state = ctl.peek("state") or {"state": "starting"}
+                    self._write(local, state.get("state"), state.get("error"), state)
+                    last_write = time.monotonic()
+        except BaseException as e:
+            if not (_store_gone(e) or isinstance(e, (RuntimeError, torch.distributed.DistError))):
+                raise
+            logging.warning(f"MultiNPU: node {spec.node_rank} agent: rank 0's store went away ({e}); stopping "
+                            "the workers and waiting for it to come back")
+        finally:
+            local.stop()
+            self._write(local, "waiting", "rank 0 is gone")
+
+    def _write(self, local, state, error, group=None):
+        ranks = []
+        if local is not None:
+            members = (group or {}).get("members") or {}
+            for rank in local.ranks:
+                info = dict(local.info[rank])
+                info["joined"] = state == "ready" and members.get(rank) == info.get("pid") is not None
+                ranks.append(info)
+        write_ranks_file(self.spec.runtime_root, {
+            "role": "agent", "pid": os.getpid(), "updated": now(), "node_rank": self.spec.node_rank,
+            "state": state, "error": error, "generation": (group or {}).get("generation"),
+            "world_size": self.spec.world_size, "backend": self.spec.backend,
+            "master": f"{self.spec.master_addr}:{self.spec.master_port}", "nnodes": self.spec.nnodes,
+            "launcher": self.spec.launcher, "ranks": ranks})
+
+
+def agent_main():
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    spec = GroupSpec.from_json(os.environ[GROUP_ENV])
+    agent = Agent(spec, key_from_environment().decode())
+    signal.signal(signal.SIGTERM, lambda *a: agent.stop.set())
+    return agent.run()

@@ -1,0 +1,356 @@
+"""The process group's settings and wire format: what every process of the group shares.
+
+- GroupSpec: where and how big the group is (h3kit start writes it into H3KIT_GROUP), with the environment
+  names, timings and exit codes every rank reads the same way.
+- The wire: a command is a small header, pickled. Pickle runs code when it loads, so every value written to
+  the store or sent on the command channel carries an HMAC-SHA256 under a key only the ranks of this service
+  hold (H3KIT_GROUP_KEY; Signer), and nothing unauthenticated is unpickled: pickle is the trusted transport
+  between the ranks of one service, nothing more. Tensors never travel through the store or the channel
+  (pack/unpack take them out of the pickle): the driver writes a command's tensors into /dev/shm (shm_write),
+  worker rank 0 broadcasts them over the group (flatten/unflatten: one buffer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import hashlib
+import hmac
+import io
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+
+import torch
+
+import comfy.multinpu
+
+GROUP_ENV = "H3KIT_GROUP"            # the JSON GroupSpec of this service (set by h3kit start)
+KEY_ENV = "H3KIT_GROUP_KEY"          # hex key authenticating every control message
+RANK_ENV = "H3KIT_RANK"
+LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
+PARENT_ENV = "H3KIT_PARENT_PID"
+HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
+
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+LAUNCHERS = ("h3kit", "torchrun")    # who starts and restarts a host's workers: LocalWorkers or TorchrunWorkers
+RDZV_READ_TIMEOUT = 15              # seconds: torchrun's c10d rendezvous store reads (its default is 60)
+TORCHRUN_MAX_RESTARTS = 1000         # torchrun's restart limit; the driver restarts torchrun itself past it
+TORCHRUN_RETRY = 30.0                # after torchrun ended more than CRASH_LIMIT times in CRASH_WINDOW, the pause
+WORKER_MODULE = "comfy.multinpu_worker"
+RANKS_FILE = "ranks.json"
+END = "end"                          # the command that closes a generation
+
+HEARTBEAT_INTERVAL = 1.0
+# A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
+# replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
+HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
+# A host whose agent (which beats every second) has been silent this long is lost: its ranks are dead. A killed
+# agent or torchrun is seen sooner, by its workers' notes of their SIGTERM (watch_termination)
+HOST_STALE = min(10.0, HEARTBEAT_STALE)
+# torchrun's c10d rendezvous drops a node whose keep-alives stop for KEEP_ALIVE x KEEP_ALIVE_ATTEMPTS seconds
+KEEP_ALIVE, KEEP_ALIVE_ATTEMPTS = 2, 3
+LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
+REPORTED_EXIT = 70                   # a worker that posted its error exits with this code: not a crash
+RECYCLED_EXIT = 75                   # a worker told to leave (its generation was aborted): not a crash
+TERM_EXIT = 143                      # a worker that ended on SIGTERM (watch_termination): its launcher stopped it
+# In a death's reason: this rank was ended by its launcher (torchrun stops every worker of its host when one
+# fails; a launcher that dies takes its workers with it), so it is not the root cause when another rank died
+SECONDARY = "stopped by its launcher"
+CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
+CRASH_WINDOW = 120.0
+POLL = 0.05
+
+
+class GroupError(RuntimeError):
+    """The process group could not run a command (a rank missing, dead or failed)."""
+
+
+class RankDied(GroupError):
+    """A rank's process died (or stopped answering) while the group needed it."""
+
+
+class RankFailed(GroupError):
+    """A rank raised; the message names the rank and carries its exception type and message."""
+
+
+class ConfigMismatch(GroupError):
+    """A worker loaded something other than what rank 0 holds (another file, options or weight patches)."""
+
+
+# ---- the group's settings -----------------------------------------------------------------------
+
+class GroupSpec:
+    """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP.
+
+    Ranks are numbered node by node: rank = node_rank * local_size + local_rank; rank 0 is local rank 0
+    of node 0 (the ComfyUI server). Every node runs local_size ranks, one per device in `devices`.
+    """
+
+    FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
+              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher", "channel")
+
+    def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
+                 master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
+                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE, launcher="h3kit",
+                 channel=None):
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"MultiNPU: launcher {launcher!r} is not one of {LAUNCHERS}")
+        if device_type not in BACKENDS:
+            raise ValueError(f"MultiNPU: device type {device_type!r} is not one of {sorted(BACKENDS)}")
+        if not (nnodes >= 1 and 0 <= node_rank < nnodes and local_size >= 1):
+            raise ValueError(f"MultiNPU: node {node_rank} of {nnodes} with {local_size} devices is not a group")
+        self.nnodes = int(nnodes)
+        self.node_rank = int(node_rank)
+        self.local_size = int(local_size)
+        self.device_type = device_type
+        self.devices = list(devices) if devices is not None else list(range(local_size))
+        self.master_addr = master_addr
+        self.master_port = int(master_port)
+        self.timeout = float(timeout)
+        self.join_timeout = float(join_timeout)
+        self.runtime_root = runtime_root
+        self.worker_args = list(worker_args)
+        self.worker_module = worker_module
+        self.launcher = launcher
+        self.channel = channel  # the driver's command channel (a Unix socket path; set by the driver)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.local_size
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.device_type]
+
+    def rank_of(self, node: int, local_rank: int) -> int:
+        return node * self.local_size + local_rank
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_size
+
+    def device_name(self, rank: int) -> str:
+        """Rank `rank`'s device as its process names it ("npu:1": the logical index of its local rank)."""
+        return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{rank % self.local_size}"
+
+    def describe_rank(self, rank: int) -> str:
+        where = f", node {self.node_of(rank)}" if self.nnodes > 1 else ""
+        return f"rank {rank} ({self.device_name(rank)}{where})"
+
+    def to_json(self) -> str:
+        return json.dumps({f: getattr(self, f) for f in self.FIELDS})
+
+    @classmethod
+    def from_json(cls, text: str) -> GroupSpec:
+        data = json.loads(text)
+        return cls(**{f: data[f] for f in cls.FIELDS if f in data})
+
+    def layout(self) -> dict:
+        """What every node must agree on (an agent started with other settings is refused, named)."""
+        return {"nnodes": self.nnodes, "local_size": self.local_size, "device_type": self.device_type,
+                "master": f"{self.master_addr}:{self.master_port}"}
+
+
+def key_from_environment() -> bytes:
+    value = os.environ.get(KEY_ENV, "")
+    if not value:
+        raise GroupError(f"MultiNPU: {KEY_ENV} is not set: the ranks of a service share a key that "
+                         "authenticates their messages (h3kit start sets it)")
+    return value.encode()
+
+
+def new_key() -> str:
+    return os.urandom(32).hex()
+
+
+# ---- wire format ---------------------------------------------------------------------------------
+
+class Signer:
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def sign(self, body: bytes) -> bytes:
+        return hmac.new(self.key, body, hashlib.sha256).digest() + body
+
+    def verify(self, data: bytes, what: str) -> bytes:
+        mac, body = data[:32], data[32:]
+        if not hmac.compare_digest(mac, hmac.new(self.key, body, hashlib.sha256).digest()):
+            # never unpickle what another key (or no key) wrote: pickle would run it
+            raise GroupError(f"MultiNPU: {what} is not signed with this service's key; refusing it")
+        return body
+
+    def dumps(self, obj) -> bytes:
+        return self.sign(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def loads(self, data: bytes, what: str):
+        return pickle.loads(self.verify(data, what))
+
+
+class _TensorPickler(pickle.Pickler):
+    # tensors are replaced by their index in `tensors`; they travel over the group, not in the pickle
+    def __init__(self, file, tensors):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self.seen = {}
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            index = self.seen.get(id(obj))
+            if index is None:  # a tensor named twice (rank 0's and the others' arguments) travels once
+                index = self.seen[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return index
+        return None
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file, tensors):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid):
+        return self.tensors[pid]
+
+
+def pack(obj):
+    """(pickle bytes, tensors): obj with every tensor taken out, for a header plus one broadcast."""
+    tensors = []
+    buf = io.BytesIO()
+    _TensorPickler(buf, tensors).dump(obj)
+    return buf.getvalue(), tensors
+
+
+def unpack(data: bytes, tensors):
+    return _TensorUnpickler(io.BytesIO(data), tensors).load()
+
+
+_ALIGN = 64
+
+
+def flatten(tensors, device) -> tuple:
+    """One uint8 buffer on `device` holding every tensor, and the layout [(offset, nbytes, shape, dtype, on_cpu)]."""
+    metas, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
+        offset += -(-nbytes // _ALIGN) * _ALIGN  # aligned, so every slice can be viewed as its dtype
+    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    for t, (start, nbytes, _, _, _) in zip(tensors, metas):
+        if nbytes:
+            buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buf, metas
+
+
+def unflatten(buf: torch.Tensor, metas) -> list:
+    """The tensors of a buffer made by flatten: views of it, on its device (copied to the host where the
+    sender's tensor lived on the host)."""
+    out = []
+    for start, nbytes, shape, dtype, on_cpu in metas:
+        t = buf[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+        out.append(t.cpu() if on_cpu and t.device.type != "cpu" else t)
+    return out
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+# ---- shared memory between the driver and worker rank 0 ------------------------------------------
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+
+
+def shm_write(path: str, tensors) -> tuple:
+    """Write tensors into a new file `path` (0600; /dev/shm is memory) laid out as flatten() does:
+    (metas, nbytes). Nothing is written for no bytes."""
+    metas, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    if offset == 0:
+        return metas, 0
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, offset)
+    finally:
+        os.close(fd)
+    buf = torch.from_file(path, shared=True, size=offset, dtype=torch.uint8)
+    for t, (start, nbytes, _, _, _) in zip(tensors, metas):
+        if nbytes:
+            buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return metas, offset
+
+
+def shm_read(path: str, nbytes: int) -> torch.Tensor:
+    """The bytes of a file shm_write made, mapped (no copy); the file can be removed at once."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def shm_remove(path):
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logging.warning(f"MultiNPU: cannot remove {path}: {e}")
+
+
+# ---- what every process of the group does -------------------------------------------------------
+
+def die_with_parent():
+    """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:
+        os._exit(0)
+
+
+def _die_with_parent_signal():
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def cpu_threads(spec: GroupSpec):
+    """The intra-op threads of one rank on the CPU simulation: the host's cores divided among its local
+    ranks (torchrun's rule), so P processes do not each spin a full OpenMP team on the same cores. None
+    elsewhere (an accelerator's ranks compute on their device) or when OMP_NUM_THREADS is set."""
+    if spec.device_type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // spec.local_size)
+
+
+def failure_detectors(spec: GroupSpec) -> dict:
+    """{what: seconds} after which each of h3kit's (and torchrun's) detectors notices a failed rank or host. Every
+    one must fire before a collective gives up (spec.timeout; HCCL_EXEC_TIMEOUT is at least that), so a failure
+    is named by what saw it, never by a peer's collective timing out."""
+    out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE}
+    if spec.launcher == "torchrun":
+        out["torchrun's rendezvous keep-alive"] = float(KEEP_ALIVE * KEEP_ALIVE_ATTEMPTS)
+        out["torchrun's rendezvous store reads"] = float(RDZV_READ_TIMEOUT)
+    return out
+
+
+def check_timeouts(spec: GroupSpec):
+    """GroupError unless every failure detector fires before the collective timeout."""
+    what, seconds = max(failure_detectors(spec).items(), key=lambda kv: kv[1])
+    if spec.timeout <= seconds:
+        raise GroupError(f"MultiNPU: the collective timeout ({spec.timeout:g} s) must be longer than {what} "
+                         f"({seconds:g} s): a failed rank would be reported as a peer's collective timing out. "
+                         f"Fix: a longer group timeout, or a shorter {HEARTBEAT_ENV}")
+
+
+def set_hccl_timeout(spec: GroupSpec):
+    if spec.device_type == "npu" and "HCCL_EXEC_TIMEOUT" not in os.environ:
+        # CANN takes [68, 17340] s, rounded down to a multiple of 68: at least the group's own timeout
+        os.environ["HCCL_EXEC_TIMEOUT"] = str(max(68, -(-int(spec.timeout) // 68) * 68))
