@@ -34,15 +34,6 @@ from comfy.multinpu_channel import (ChannelClosed, Control, HEARTBEAT_KEEP, _sto
                                     connect_channel, connect_store)
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
 
-# comfy.multinpu_process and comfy.multinpu_threads still name these through this module (group.X); they live in
-# the modules of their concern now. Drop this block once those callers import them from there.
-from comfy.multinpu_wire import (BACKENDS, ConfigMismatch, GROUP_ENV, HEARTBEAT_STALE, HOST_STALE,  # noqa: F401
-                                 LOAD_TIMEOUT, RankDied, RankFailed, check_timeouts, flatten, set_hccl_timeout,
-                                 shm_dir, shm_remove)
-from comfy.multinpu_channel import (CHANNEL_DIR, ChannelServer, HELLO_LIMIT, STORE_EXIT,  # noqa: F401
-                                    STORE_START_TIMEOUT, StoreHost)
-from comfy.multinpu_launch import (LocalWorkers, TorchrunWorkers, _exit_reason, is_loopback,  # noqa: F401
-                                   loopback_interface, now, recycled, secondary, termination_note, write_ranks_file)
 
 
 # Fault injection, for tests and acceptance runs, a comma-separated list: "PROGRAM:oom:PATH" makes a worker's run

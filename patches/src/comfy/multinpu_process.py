@@ -8,8 +8,9 @@ h3kit recorded (a flood of keys grows that process, never the server), opens the
 socket in the runtime root's 0700 channel folder), starts one worker per device of its host, forms numbered
 generations of the group and hands each command to worker rank 0 (run()). It never enters a collective: on
 HCCL and NCCL a collective whose peer failed, was destroyed or died releases nobody before the group timeout
-(H3_FACTS 9), and the server's queue must not wait inside one. The members' side (settings, wire format, the
-channel, the worker loop, the agents of other hosts) is comfy.multinpu_group.
+(H3_FACTS 9), and the server's queue must not wait inside one. The members' side is comfy.multinpu_wire (settings,
+wire format), comfy.multinpu_channel (the store's process, the channel), comfy.multinpu_launch (launchers,
+agents) and comfy.multinpu_group (the worker loop).
 
 A command: the driver writes its inputs' tensors into one file in /dev/shm (memory; only this host's worker
 rank 0 reads it) and sends a signed header on the channel; worker rank 0 relays the header to the other ranks
@@ -49,7 +50,9 @@ import torch.distributed
 
 import comfy.model_cache
 import comfy.multinpu
-import comfy.multinpu_group as group
+import comfy.multinpu_channel as channel
+import comfy.multinpu_launch as launch
+import comfy.multinpu_wire as wire
 
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
@@ -84,12 +87,12 @@ class GroupRuntime:
     rank joined without waiting for the next prompt.
     """
 
-    def __init__(self, spec: group.GroupSpec, key: str, device=None):
+    def __init__(self, spec: wire.GroupSpec, key: str, device=None):
         if spec.node_rank != 0:
             raise ValueError("MultiNPU: the driver runs on node 0; other nodes run an agent")
         self.spec = spec
         self.key = key
-        self.signer = group.Signer(key.encode())
+        self.signer = wire.Signer(key.encode())
         self.world_size = spec.world_size
         self.device = torch.device(device if device is not None else spec.device_name(0))
         self.state = "starting"
@@ -120,8 +123,8 @@ class GroupRuntime:
         self._token = uuid.uuid4().hex[:12]
         self._local = None
         self._thread = None
-        self._store = None             # group.StoreHost: the store's own process
-        self._channel = None           # group.ChannelServer: the command channel to this host's workers
+        self._store = None             # channel.StoreHost: the store's own process
+        self._channel = None           # channel.ChannelServer: the command channel to this host's workers
         self._own_channel_dir = None   # a temporary folder for it when there is no runtime root
         self._links = {}               # (generation, pid) -> (Link, queue of its messages): rank 0's connections
         self._link = None              # the current generation's: (Link, queue)
@@ -132,21 +135,21 @@ class GroupRuntime:
 
     def start(self):
         spec = self.spec
-        group.check_timeouts(spec)
-        if spec.device_type == "cpu" and group.is_loopback(spec.master_addr):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", group.loopback_interface())
-        group.set_hccl_timeout(spec)
+        wire.check_timeouts(spec)
+        if spec.device_type == "cpu" and launch.is_loopback(spec.master_addr):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", launch.loopback_interface())
+        wire.set_hccl_timeout(spec)
         # the command channel first: a folder other users could enter is refused before anything starts
-        self._channel = group.ChannelServer(self._channel_folder(), self.signer, self._on_link)
+        self._channel = channel.ChannelServer(self._channel_folder(), self.signer, self._on_link)
         spec.channel = self._channel.path
-        self._store = group.StoreHost(spec.master_addr, spec.master_port, spec.timeout)
+        self._store = channel.StoreHost(spec.master_addr, spec.master_port, spec.timeout)
         self.port = spec.master_port = self._store.port  # the workers connect to the port the store got (0: any)
         self._store.start()
         self._connect_store()
         if spec.launcher == "torchrun":
-            self._local = group.TorchrunWorkers(spec, self.key, range(spec.local_size), self._mon)
+            self._local = launch.TorchrunWorkers(spec, self.key, range(spec.local_size), self._mon)
         else:
-            self._local = group.LocalWorkers(spec, self.key, range(spec.local_size))
+            self._local = launch.LocalWorkers(spec, self.key, range(spec.local_size))
         self._thread = threading.Thread(target=self._monitor, name="multinpu-monitor", daemon=True)
         self._thread.start()
         logging.info(f"MultiNPU: process group of {self.world_size} worker ranks ({spec.backend}) driven from "
@@ -157,17 +160,17 @@ class GroupRuntime:
         """<runtime root>/channel (0700), or a temporary private folder when the driver has no runtime root."""
         if self.spec.runtime_root:
             os.makedirs(self.spec.runtime_root, exist_ok=True)
-            return os.path.join(self.spec.runtime_root, group.CHANNEL_DIR)
+            return os.path.join(self.spec.runtime_root, channel.CHANNEL_DIR)
         self._own_channel_dir = tempfile.mkdtemp(prefix="h3kit-channel-")  # mode 0700
-        return os.path.join(self._own_channel_dir, group.CHANNEL_DIR)
+        return os.path.join(self._own_channel_dir, channel.CHANNEL_DIR)
 
     def _connect_store(self):
         """The driver's connections to the group's store (it is only a client of it), once its process answers."""
         spec = self.spec
-        deadline = time.monotonic() + group.STORE_START_TIMEOUT
-        self.ctl = group.Control(group.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
+        deadline = time.monotonic() + channel.STORE_START_TIMEOUT
+        self.ctl = channel.Control(channel.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
         self.ctl.put("layout", spec.layout())
-        self._mon = group.Control(group.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
+        self._mon = channel.Control(channel.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
         if self._local is not None and hasattr(self._local, "ctl"):
             self._local.ctl = self._mon  # TorchrunWorkers reads the workers' announcements through it
 
@@ -175,7 +178,7 @@ class GroupRuntime:
         """The store's process died (killed, out of memory after a flood of keys): start it again on the same
         socket and replace the whole group (every worker lost its connection to the store)."""
         code = self._store.proc.returncode
-        why = "past its memory limit: a flood of keys" if code == group.STORE_EXIT else group._exit_reason(code)
+        why = "past its memory limit: a flood of keys" if code == channel.STORE_EXIT else launch._exit_reason(code)
         logging.error(f"MultiNPU: the group's store (pid {self._store.proc.pid}) ended ({why}); starting it again "
                       "and replacing the group")
         self._store.start()
@@ -207,7 +210,7 @@ class GroupRuntime:
             rank = hello["rank"]
             try:
                 while True:
-                    beat = link.recv(group.HELLO_LIMIT)
+                    beat = link.recv(channel.HELLO_LIMIT)
                     if isinstance(beat, dict) and isinstance(beat.get("seq"), int):
                         self._beats[(rank, pid)] = beat["seq"]
             finally:
@@ -236,7 +239,7 @@ class GroupRuntime:
                     try:
                         if self._should_form():
                             self._form()
-                    except group.GroupError as e:
+                    except wire.GroupError as e:
                         logging.error(str(e))
                     finally:
                         self._lock.release()
@@ -292,7 +295,7 @@ class GroupRuntime:
         if count > last[1]:  # only a newer beat counts: an old signed one copied back is no sign of life
             self._hb[rank] = (pid, count, now)
             return
-        if now - last[2] <= group.HEARTBEAT_STALE:
+        if now - last[2] <= wire.HEARTBEAT_STALE:
             return
         why = f"no heartbeat for {now - last[2]:.0f} s (hung)"
         self._hb[rank] = (pid, count, now)
@@ -306,7 +309,7 @@ class GroupRuntime:
     def _beat(self, rank: int, pid: int, known: int) -> int:
         """The newest heartbeat seq of rank's worker `pid` (known: the newest seen before). This host's workers
         beat on their own channel connections; another host's create a key per beat whose name only the key can
-        make (group.beat_key), and point at the newest with a signed hb/{rank}/{pid}; the pointer is only a
+        make (channel.beat_key), and point at the newest with a signed hb/{rank}/{pid}; the pointer is only a
         hint (someone may have copied an old value over it): a beat counts when its key exists."""
         if self.spec.node_of(rank) == 0:
             return self._beats.get((rank, pid), known)
@@ -314,20 +317,20 @@ class GroupRuntime:
 
     def _store_beat(self, who, pid: int, known: int, hint) -> int:
         """The newest beat of `who` (a rank, or "agentN") of process pid in the store, newer than `known`."""
-        if isinstance(hint, int) and hint > known and self._mon.has(group.beat_key(self.signer, who, pid, hint)):
+        if isinstance(hint, int) and hint > known and self._mon.has(channel.beat_key(self.signer, who, pid, hint)):
             return hint
-        for seq in range(known + group.HEARTBEAT_KEEP, known, -1):
-            if self._mon.has(group.beat_key(self.signer, who, pid, seq)):
+        for seq in range(known + channel.HEARTBEAT_KEEP, known, -1):
+            if self._mon.has(channel.beat_key(self.signer, who, pid, seq)):
                 return seq
         return known
 
     def _check_hosts(self):
         """Another host's members that are gone although no exit report came (its agent or torchrun was killed):
-        a worker its launcher's end took down noted its SIGTERM itself (group.watch_termination); a host whose
+        a worker its launcher's end took down noted its SIGTERM itself (launch.watch_termination); a host whose
         agent has been silent for HOST_STALE is lost (powered off, cut off), its members dead."""
         for rank, pid in list(self.members.items()):
             if self.spec.node_of(rank) != 0:
-                why = group.termination_note(self._mon, rank, pid)
+                why = launch.termination_note(self._mon, rank, pid)
                 if why:
                     self._note_death(rank, pid, why)
         for node in range(1, self.spec.nnodes):
@@ -343,7 +346,7 @@ class GroupRuntime:
             # a member of the generation just aborted (an idle abort, or one a load or command waits out), not one
             # h3kit killed to replace it: its death may be the root cause the abort's first death was an effect of
             # (torchrun stops a dead worker's siblings at once), so it is kept for naming the failure
-            if not group.recycled(reason):
+            if not launch.recycled(reason):
                 self.dead.setdefault(rank, f"pid {pid}: {reason}")
             return
         if pid is None or self.members.get(rank) != pid:
@@ -420,7 +423,7 @@ class GroupRuntime:
         """Shutdown: tell the workers of the current generation it is over (they leave)."""
         if self.members and self._link is not None:
             try:
-                self._link[0].send({"name": group.END, "g": self.generation, "n": self.next_cmd})
+                self._link[0].send({"name": wire.END, "g": self.generation, "n": self.next_cmd})
             except Exception:
                 pass
 
@@ -455,7 +458,7 @@ class GroupRuntime:
         logging.warning(f"MultiNPU: generation {g} aborted ({why}); every rank is replaced by a fresh process")
 
     def _form(self):
-        """Form generation g+1 with every rank; bounded by join_timeout (group.GroupError naming who is missing)."""
+        """Form generation g+1 with every rank; bounded by join_timeout (wire.GroupError naming who is missing)."""
         self.state = "forming"
         self._ranks_changed = True
         self._put_state()
@@ -519,12 +522,12 @@ class GroupRuntime:
             self._agent_hb[node] = (seen, now)
             return None
         silent = now - since
-        return silent if any(seen.values()) and silent > group.HOST_STALE else None
+        return silent if any(seen.values()) and silent > wire.HOST_STALE else None
 
     def _wait_members(self, deadline: float) -> dict:
         def attempt():
             if self._local.failed:
-                raise group.GroupError(f"MultiNPU: the process group failed: {self.error}")
+                raise wire.GroupError(f"MultiNPU: the process group failed: {self.error}")
             announced = self._announced()
             if all(pid is not None for pid in announced.values()):
                 return announced
@@ -534,7 +537,7 @@ class GroupRuntime:
                     message = (f"MultiNPU: node {node} cannot run its ranks: {failed['message']} (its agent, pid "
                                f"{failed.get('pid')}, keeps trying; the group re-forms by itself)")
                     self._fail(message)
-                    raise group.GroupError(message)
+                    raise wire.GroupError(message)
                 silent = self._agent_gone(node)
                 if silent is not None:
                     # fail now rather than hold the queue for the join timeout; the monitor forms the group by
@@ -544,7 +547,7 @@ class GroupRuntime:
                                f"not been heard from for {silent:.0f} s. Fix: start it there again (h3kit start "
                                f"--nnodes {self.spec.nnodes} --node-rank {node} ...); the group re-forms by itself")
                     self._fail(message)
-                    raise group.GroupError(message)
+                    raise wire.GroupError(message)
             return None
         return self._poll(deadline, attempt,
                           lambda: self._missing([r for r, pid in self._announced().items() if pid is None]))
@@ -597,15 +600,15 @@ class GroupRuntime:
             if time.monotonic() >= deadline:
                 message = f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: {late()}"
                 self._fail(message)
-                raise group.GroupError(message)
-            time.sleep(group.POLL)
+                raise wire.GroupError(message)
+            time.sleep(wire.POLL)
 
     # -- commands --
 
     def _ensure_ready(self, what: str):
         self._watch()
         if self.state == "failed":
-            raise group.GroupError(f"MultiNPU: the process group failed: {self.error}")
+            raise wire.GroupError(f"MultiNPU: the process group failed: {self.error}")
         if self.state != "ready":
             logging.info(f"MultiNPU: forming the process group before {what}")
             self._form()
@@ -615,8 +618,8 @@ class GroupRuntime:
         what worker rank 0's program returned.
 
         configs: RemoteConfigs the workers must hold first (installed and checked where missing). Raises
-        group.GroupError subclasses naming the rank that failed or died (group.RankFailed, group.RankDied,
-        group.ConfigMismatch) or torch.OutOfMemoryError for a rank that ran out of memory; the group is then
+        wire.GroupError subclasses naming the rank that failed or died (wire.RankFailed, wire.RankDied,
+        wire.ConfigMismatch) or torch.OutOfMemoryError for a rank that ran out of memory; the group is then
         replaced by fresh processes and the next call forms it again.
         """
         with self._lock:
@@ -630,12 +633,12 @@ class GroupRuntime:
         g, n = self.generation, self.next_cmd
         self.next_cmd += 1
         self.commands += 1
-        data, tensors = group.pack(payload)
-        base = os.path.join(group.shm_dir(), f"h3kit-{os.getpid()}-{self._token}-{g}-{n}")
+        data, tensors = wire.pack(payload)
+        base = os.path.join(wire.shm_dir(), f"h3kit-{os.getpid()}-{self._token}-{g}-{n}")
         inp, out = f"{base}-in", f"{base}-out"
         self.inflight = (name, n)
         try:
-            metas, nbytes = group.shm_write(inp, tensors)
+            metas, nbytes = wire.shm_write(inp, tensors)
             # the workers run in the server's grad and inference modes (ComfyUI executes prompts in inference mode)
             try:
                 self._link[0].send({"name": name, "g": g, "n": n, "data": data, "metas": metas, "nbytes": nbytes,
@@ -644,12 +647,12 @@ class GroupRuntime:
             except OSError as e:
                 logging.warning(f"MultiNPU: could not send {name} to worker rank 0: {e}")  # _await names why
             rep = self._await(name, g, n)
-            buf = group.shm_read(out, rep["nbytes"])
-            return group.unpack(rep["data"], group.unflatten(buf, rep["metas"]))
+            buf = wire.shm_read(out, rep["nbytes"])
+            return wire.unpack(rep["data"], wire.unflatten(buf, rep["metas"]))
         finally:
             self.inflight = None
-            group.shm_remove(inp)
-            group.shm_remove(out)
+            wire.shm_remove(inp)
+            wire.shm_remove(out)
 
     def _await(self, name: str, g: int, n: int) -> dict:
         """Worker rank 0's result header of command n, from its channel connection; the root cause of a failure,
@@ -711,27 +714,27 @@ class GroupRuntime:
             self._watch()
             if any(not rep.get("collective") for rep in reports.values()):
                 break
-            if any(r not in reports and not group.secondary(self.dead[r]) for r in self.dead):
+            if any(r not in reports and not launch.secondary(self.dead[r]) for r in self.dead):
                 # a death is a root cause by itself (unless its launcher caused it: then the death that made the
                 # launcher act is awaited); a report explaining it is written before its exit
                 deadline = min(deadline, first_seen + DEATH_WAIT)
             if time.monotonic() >= deadline:
                 break
-            time.sleep(group.POLL)
+            time.sleep(wire.POLL)
         primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
         # in the order they were seen, the first death first; deaths a launcher caused after another rank's last
-        dead = sorted((r for r in self.dead if r not in reports), key=lambda r: group.secondary(self.dead[r]))
+        dead = sorted((r for r in self.dead if r not in reports), key=lambda r: launch.secondary(self.dead[r]))
         if primary:
             r = min(primary, key=lambda r: (primary[r].get("time") or 0, r))
             exc = _rank_exception(self.spec, r, primary[r], name)
         elif dead:
             r = dead[0]
-            exc = group.RankDied(f"MultiNPU: {self._where(r)} died during {name} ({self.dead[r]})")
+            exc = wire.RankDied(f"MultiNPU: {self._where(r)} died during {name} ({self.dead[r]})")
         elif reports:
             r = min(reports)
             exc = _rank_exception(self.spec, r, reports[r], name)
         else:
-            exc = group.GroupError(f"MultiNPU: the process group broke during {name} ({self.error or 'no report'})")
+            exc = wire.GroupError(f"MultiNPU: the process group broke during {name} ({self.error or 'no report'})")
         self._abort_generation(str(exc).splitlines()[0][:300])
         self.last_failure = {"message": str(exc), "seconds_to_error": time.monotonic() - t0}
         logging.error(f"{exc}; the next command runs on a fresh group ({time.monotonic() - t0:.2f} s after the "
@@ -774,7 +777,7 @@ class GroupRuntime:
             lines = [f"{self.spec.describe_rank(r)} differs in {', '.join(d)} ("
                      + "; ".join(f"{k}: the server {cfg.digest.get(k)!s:.40}, rank {r} {reports[r]['digest'].get(k)!s:.40}"
                                  for k in d) + ")" for r, d in sorted(bad.items())]
-            raise group.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
+            raise wire.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
                                        + ". Fix: the same model files at the same paths on every host")
         for r in todo:
             cfg.installed[r] = self.members[r]
@@ -807,25 +810,25 @@ class GroupRuntime:
                 raise self._load_failure(what, reports)
             if time.monotonic() >= deadline:
                 late = [r for r in ranks if r not in reports]
-                exc = group.GroupError(f"MultiNPU: {', '.join(self.spec.describe_rank(r) for r in late)} did not "
+                exc = wire.GroupError(f"MultiNPU: {', '.join(self.spec.describe_rank(r) for r in late)} did not "
                                        f"finish {what} within {timeout:g} s")
                 self._abort_generation(str(exc)[:300])
                 raise exc
-            time.sleep(group.POLL)
+            time.sleep(wire.POLL)
 
     def _load_failure(self, what: str, reports: dict) -> BaseException:
         """The first death of a failed load (the root cause before deaths a launcher caused after it, awaited up to
         ERROR_WAIT when only those are known yet), after which the whole generation is replaced."""
         deadline = time.monotonic() + ERROR_WAIT
-        while (not self.dead or all(group.secondary(why) for why in self.dead.values())) and \
+        while (not self.dead or all(launch.secondary(why) for why in self.dead.values())) and \
                 time.monotonic() < deadline:
-            time.sleep(group.POLL)
+            time.sleep(wire.POLL)
             self._watch()
         if self.dead:
-            r = sorted(self.dead, key=lambda r: group.secondary(self.dead[r]))[0]
-            exc = group.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
+            r = sorted(self.dead, key=lambda r: launch.secondary(self.dead[r]))[0]
+            exc = wire.RankDied(f"MultiNPU: {self._where(r)} died while {what} ({self.dead[r]})")
         else:
-            exc = group.GroupError(f"MultiNPU: the process group broke while {what} ({self.error or 'aborted'})")
+            exc = wire.GroupError(f"MultiNPU: the process group broke while {what} ({self.error or 'aborted'})")
         self._abort_generation(str(exc)[:300])
         return exc
 
@@ -866,21 +869,21 @@ class GroupRuntime:
         except Exception as e:
             logging.debug(f"MultiNPU: ranks not readable now: {e}")
             return
-        group.write_ranks_file(self.spec.runtime_root, {
-            "role": "driver", "pid": os.getpid(), "updated": group.now(), "state": self.state, "error": self.error,
+        launch.write_ranks_file(self.spec.runtime_root, {
+            "role": "driver", "pid": os.getpid(), "updated": launch.now(), "state": self.state, "error": self.error,
             "generation": self.generation, "world_size": self.world_size, "backend": self.spec.backend,
             "master": f"{self.spec.master_addr}:{self.port}", "nnodes": self.spec.nnodes,
             "launcher": self.spec.launcher, "commands": self.commands, "last_failure": self.last_failure, "ranks": ranks})
 
 
-def _rank_exception(spec: group.GroupSpec, rank: int, report: dict, what: str) -> BaseException:
+def _rank_exception(spec: wire.GroupSpec, rank: int, report: dict, what: str) -> BaseException:
     host = f", host {report['host']}" if report.get("host") else ""
     where = f"{spec.describe_rank(rank)}{host}, pid {report.get('pid')}"
     message = f"MultiNPU: {where} failed in {what}: {report.get('type')}: {report.get('message')}"
     if report.get("oom"):
         # torch's own OOM type, so ComfyUI's handler unloads the models and the user can retry
         return torch.OutOfMemoryError(f"MultiNPU: {where} ran out of memory in {what}: {report.get('message')}")
-    exc = group.RankFailed(message)
+    exc = wire.RankFailed(message)
     exc.remote_traceback = report.get("traceback")
     return exc
 
@@ -906,10 +909,10 @@ def _free_workers():
 comfy.model_cache.add_clear_listener(_free_workers)
 
 
-def start_runtime(spec: group.GroupSpec, key: str, device=None) -> GroupRuntime:
+def start_runtime(spec: wire.GroupSpec, key: str, device=None) -> GroupRuntime:
     global _RUNTIME
     if _RUNTIME is not None:
-        raise group.GroupError("MultiNPU: this process already runs a process group")
+        raise wire.GroupError("MultiNPU: this process already runs a process group")
     _RUNTIME = GroupRuntime(spec, key, device).start()
     return _RUNTIME
 
@@ -923,30 +926,30 @@ def stop_runtime():
 
 def start_from_environment(device=None):
     """Start the driver when h3kit started this server with the process transport (H3KIT_GROUP set)."""
-    text = os.environ.get(group.GROUP_ENV)
+    text = os.environ.get(wire.GROUP_ENV)
     if not text:
         return None
-    spec = group.GroupSpec.from_json(text)
+    spec = wire.GroupSpec.from_json(text)
     if spec.node_rank != 0:
-        raise group.GroupError(f"MultiNPU: {group.GROUP_ENV} names node {spec.node_rank}; ComfyUI runs on node 0 only")
+        raise wire.GroupError(f"MultiNPU: {wire.GROUP_ENV} names node {spec.node_rank}; ComfyUI runs on node 0 only")
     refused = [a for a in sys.argv[1:] if a.split("=")[0] in REFUSED_ARGS]
     if refused:
         # upstream rewrites CUDA_VISIBLE_DEVICES / picks another device before the workers start: rank r would
         # not be on device r
-        raise group.GroupError(f"MultiNPU: {', '.join(refused)} cannot be used with the process transport (every "
+        raise wire.GroupError(f"MultiNPU: {', '.join(refused)} cannot be used with the process transport (every "
                                "rank binds its own device). Fix: remove it from the server's arguments, or start "
                                "with --transport threads")
     spec.worker_args = list(sys.argv[1:])  # the workers parse the server's ComfyUI arguments
-    return start_runtime(spec, group.key_from_environment().decode(), device)
+    return start_runtime(spec, wire.key_from_environment().decode(), device)
 
 
 def wait_ready(runtime: GroupRuntime, timeout: float):
-    """Block until the group has formed (scripts that drive it directly); group.GroupError when it cannot."""
+    """Block until the group has formed (scripts that drive it directly); wire.GroupError when it cannot."""
     deadline = time.monotonic() + timeout
     while runtime.state != "ready":
         if runtime.state == "failed":
-            raise group.GroupError(f"MultiNPU: the process group failed: {runtime.error}")
+            raise wire.GroupError(f"MultiNPU: the process group failed: {runtime.error}")
         if time.monotonic() > deadline:
-            raise group.GroupError(f"MultiNPU: the process group did not form within {timeout:g} s")
-        time.sleep(group.POLL)
+            raise wire.GroupError(f"MultiNPU: the process group did not form within {timeout:g} s")
+        time.sleep(wire.POLL)
 

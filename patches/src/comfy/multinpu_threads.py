@@ -3,7 +3,7 @@
 ThreadRuntime has the interface of comfy.multinpu_process.GroupRuntime that the runners use (run(name, payload,
 configs), world_size, spec.backend, request_free), and runs the same worker programs (the functions registered
 with @comfy.multinpu_group.program) through the same command path: the payload is packed with the wire code
-(comfy.multinpu_group.pack/flatten: tensors out of the pickle, into one host buffer, the twin of the /dev/shm
+(comfy.multinpu_wire.pack/flatten: tensors out of the pickle, into one host buffer, the twin of the /dev/shm
 file), worker rank 0 broadcasts the buffer to the other ranks and every rank unpacks it (unflatten/unpack), runs
 PROGRAMS[name](context, comm, payload) with its own WorkerContext and device, closes with a barrier, runs the
 program's After callable, and rank 0's result comes back packed the same way. Configurations (RemoteConfig) are
@@ -35,6 +35,7 @@ import torch
 import comfy.multidevice
 import comfy.multinpu
 import comfy.multinpu_group as group
+import comfy.multinpu_wire as wire
 
 # Serialises what the ranks' programs do with ComfyUI's model management (load_models_gpu, unloads, the model
 # cache, a configuration's load): it keeps module-level lists that two threads must not change at once.
@@ -42,14 +43,14 @@ MODEL_LOCK = threading.RLock()
 _retired = []  # configurations held by thread runtimes that went away, unloaded at the next command (release_retired)
 
 
-class ThreadSpec(group.GroupSpec):
+class ThreadSpec(wire.GroupSpec):
     """The group's settings as the runners read them, for P threads of one process (one node)."""
 
     backend = "threads"
 
     def __init__(self, devices, timeout: float):
         devices = [torch.device(d) for d in devices]
-        kind = devices[0].type if devices[0].type in group.BACKENDS else "cpu"
+        kind = devices[0].type if devices[0].type in wire.BACKENDS else "cpu"
         super().__init__(local_size=len(devices), device_type=kind, timeout=timeout)
         self.rank_devices = devices
 
@@ -102,7 +103,7 @@ class ThreadRuntime:
         """Run command `name` on every rank (PROGRAMS[name](context, comm, payload) in each rank's thread) and
         return what rank 0's program returned. configs: RemoteConfigs every rank must hold first (installed and
         checked where missing). A rank's exception is raised here (its type kept, a note naming the rank);
-        group.ConfigMismatch when a rank holds something else than the server."""
+        wire.ConfigMismatch when a rank holds something else than the server."""
         with self._lock:
             release_retired()
             self._housekeeping()
@@ -113,11 +114,11 @@ class ThreadRuntime:
     def _execute(self, name: str, payload, timeout: float = None):
         fn = _BUILTINS.get(name) or group.PROGRAMS.get(name)
         if fn is None:
-            raise group.GroupError(f"MultiNPU: no program {name!r}")
+            raise wire.GroupError(f"MultiNPU: no program {name!r}")
         self.commands += 1
         # the driver's side of the wire: a header and one host buffer (what the process driver writes into /dev/shm)
-        data, tensors = group.pack(payload)
-        host, metas = group.flatten(tensors, "cpu")
+        data, tensors = wire.pack(payload)
+        host, metas = wire.flatten(tensors, "cpu")
         nbytes = host.numel()
 
         def rank_main(comm):
@@ -126,7 +127,7 @@ class ThreadRuntime:
             buf = host.to(comm.device) if comm.rank == 0 else torch.empty(nbytes, dtype=torch.uint8, device=comm.device)
             if nbytes:
                 buf = comm.broadcast(buf, 0)
-            args = group.unpack(data, group.unflatten(buf, metas))
+            args = wire.unpack(data, wire.unflatten(buf, metas))
             group._inject_fault(context, name)
             result = fn(context, comm, args)
             after = None
@@ -135,15 +136,15 @@ class ThreadRuntime:
             comm.barrier()
             if comm.rank == 0:
                 # the result header and buffer, as worker rank 0 posts them
-                rdata, rtensors = group.pack(result)
-                result = (rdata,) + group.flatten(rtensors, "cpu")
+                rdata, rtensors = wire.pack(result)
+                result = (rdata,) + wire.flatten(rtensors, "cpu")
             if after is not None:
                 after()
             return result
 
         tg = comfy.multinpu.ThreadGroup(self.devices, timeout=self.timeout if timeout is None else timeout)
         rdata, rbuf, rmetas = tg.run(rank_main, self._pool())[0]
-        return group.unpack(rdata, group.unflatten(rbuf, rmetas))
+        return wire.unpack(rdata, wire.unflatten(rbuf, rmetas))
 
     # -- configurations --
 
@@ -156,7 +157,7 @@ class ThreadRuntime:
             weakref.finalize(cfg, self._drops.append, cfg.id)  # the ranks let go of it with the server
         # bounded as the process driver bounds a worker's load (the first read of the H3 weights takes minutes)
         self._execute("install", {"id": cfg.id, "program": cfg.program, "payload": cfg.payload, "ranks": todo},
-                      timeout=max(self.timeout, group.LOAD_TIMEOUT))
+                      timeout=max(self.timeout, wire.LOAD_TIMEOUT))
         reports = {r: self.contexts[r].ready.pop(cfg.id) for r in todo}
         failed = [r for r in todo if "error" in reports[r]]
         if failed:
@@ -165,7 +166,7 @@ class ThreadRuntime:
             if group.is_oom(exc):
                 comfy.multinpu._add_note(exc, f"raised on {self.spec.describe_rank(r)} loading {cfg.what}")
                 raise exc
-            raise group.RankFailed(f"MultiNPU: {self.spec.describe_rank(r)} failed in loading {cfg.what}: "
+            raise wire.RankFailed(f"MultiNPU: {self.spec.describe_rank(r)} failed in loading {cfg.what}: "
                                    f"{type(exc).__name__}: {exc}") from exc
         mismatch = config_mismatch(self.spec, cfg, {r: reports[r]["digest"] for r in todo})
         if mismatch is not None:
@@ -190,7 +191,7 @@ class ThreadRuntime:
 
 
 def config_mismatch(spec, cfg, digests: dict):
-    """group.ConfigMismatch naming every rank whose digest differs from the server's, or None."""
+    """wire.ConfigMismatch naming every rank whose digest differs from the server's, or None."""
     bad = {}
     for r, digest in digests.items():
         diff = [k for k in sorted(set(cfg.digest) | set(digest)) if cfg.digest.get(k) != digest.get(k)]
@@ -201,7 +202,7 @@ def config_mismatch(spec, cfg, digests: dict):
     lines = [f"{spec.describe_rank(r)} differs in {', '.join(d)} ("
              + "; ".join(f"{k}: the server {cfg.digest.get(k)!s:.40}, rank {r} {digests[r].get(k)!s:.40}" for k in d)
              + ")" for r, d in sorted(bad.items())]
-    return group.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
+    return wire.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
                                 + ". Fix: the same model files at the same paths on every host")
 
 
