@@ -291,9 +291,10 @@ def test_a_free_reaches_the_workers(group):
     # next command, or a freed server would leave the devices full of the workers' weights
     log = Path(group.record().log)
     assert finished(group, submit(group, prompt(4, "before_free")))["status_str"] == "success"
-    freed, dropped = log.read_text().count("let go of their models"), log.read_text().count("Model cache: dropping")
+    freed, asked = log.read_text().count("let go of their models"), log.read_text().count("ComfyUI freed its models")
     http_json(f"http://127.0.0.1:{group.port}/free", {"unload_models": True, "free_memory": True})
-    wait_for(lambda: log.read_text().count("Model cache: dropping") > dropped, 30, "the server's free")
+    # ComfyUI's prompt worker acts on the flag between prompts (the model cache may be empty by now: nothing to log)
+    wait_for(lambda: log.read_text().count("ComfyUI freed its models") > asked, 30, "the server's free")
     assert finished(group, submit(group, prompt(4, "after_free")))["status_str"] == "success"
     assert log.read_text().count("let go of their models") == freed + 1
     # a prompt with no free in between sends none

@@ -903,6 +903,7 @@ def _free_workers():
     # comfy.model_management.unload_all_models (POST /free, the OOM handler, --disable-smart-memory) empties the
     # model cache: the workers let go of theirs too, before the next command
     if _RUNTIME is not None:
+        logging.info("MultiNPU: ComfyUI freed its models; the workers free theirs before the next command")
         _RUNTIME.request_free()
 
 
