@@ -629,7 +629,7 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str 
     _install_wrappers(m, SequenceParallelDiT(runtime, config, attention, weights=weights, device=host,
                                              rank_device=device))
     _replace_blocks(m, len(dm.blocks))
-    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {describe_ranks(runtime)}, attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
+    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {comfy.multinpu_threads.describe_ranks(runtime)}, attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
                  f"{len(patches)} weight patch(es) sent to the ranks")
     return m
 
@@ -640,14 +640,6 @@ def thread_runtime(patcher: ModelPatcher, devices, timeout: float):
     if devices[0] != patcher.load_device:
         raise ValueError(f"MultiNPU: rank 0 must be the model's load device {patcher.load_device}, got {devices[0]}")
     return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
-
-
-def describe_ranks(runtime) -> str:
-    """For logs: "2 simulated cpu devices" (threads of this process), "4 processes (gloo)" (a process group)."""
-    devices = getattr(runtime, "devices", None)
-    if devices is not None:
-        return comfy.multidevice.describe_devices(devices)
-    return f"{runtime.world_size} processes ({runtime.spec.backend})"
 
 
 def _weights_line(weights: str, patcher: ModelPatcher, world: int) -> str:

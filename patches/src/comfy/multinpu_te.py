@@ -477,8 +477,8 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
         raise ValueError(f"MultiNPU: the text encoder carries {len(clip.patcher.patches)} weight patches (a LoRA); "
                          "tensor parallelism splits the weights they name")
     src = comfy.multinpu_models.source(clip.cond_stage_model, "text encoder")
-    mode = choose_mode(decoder, runtime.world_size if runtime is not None else len(devices), mode)
-    runtime = runtime or thread_runtime(clip, devices, timeout)
+    runtime = runtime or thread_runtime(clip, devices, timeout)  # its threads start with its first command
+    mode = choose_mode(decoder, runtime.world_size, mode)
     # ranks that are threads of this process load nothing: they take this text encoder
     comfy.multinpu_models.offer(src, clip)
     # the loaded weights, back on the host, are the one host copy every rank's shard views
@@ -502,7 +502,7 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     n.patcher = comfy.multinpu_weights.device_patcher(clip.patcher, model0, clip.patcher.load_device)
     n.patcher.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, _refuse_weight_patches)
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
-                 f"{describe_ranks(runtime)}; the server holds the embeddings and vision tower, "
+                 f"{comfy.multinpu_threads.describe_ranks(runtime)}; the server holds the embeddings and vision tower, "
                  f"{n.patcher.model_size() / 2**30:.2f} GiB, the ranks the layers")
     return n
 
@@ -514,14 +514,6 @@ def thread_runtime(clip: CLIP, devices, timeout: float):
         raise ValueError(f"MultiNPU: rank 0 must be the text encoder's load device {clip.patcher.load_device}, "
                          f"got {devices[0]}")
     return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
-
-
-def describe_ranks(runtime) -> str:
-    """For logs: "2 simulated cpu devices" (threads of this process), "4 processes (hccl)" (a process group)."""
-    devices = getattr(runtime, "devices", None)
-    if devices is not None:
-        return comfy.multidevice.describe_devices(devices)
-    return f"{runtime.world_size} processes ({runtime.spec.backend})"
 
 
 def get_runner(clip: CLIP):

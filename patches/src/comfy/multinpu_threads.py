@@ -264,3 +264,11 @@ def release_retired():
 
 
 _BUILTINS = {"install": _install, "drop": _drop, "free": _free}
+
+
+def describe_ranks(runtime) -> str:
+    """For logs: "2 simulated cpu devices" (threads of this process), "4 processes (hccl)" (a process group)."""
+    devices = getattr(runtime, "devices", None)
+    if devices is not None:
+        return comfy.multidevice.describe_devices(devices)
+    return f"{runtime.world_size} processes ({runtime.spec.backend})"
