@@ -323,15 +323,19 @@ def scenario_hostile(rt, args):
     return out
 
 
-def _probe(path, send, nonce_to=None):
-    """Connect to the command channel as this user, send what send(nonce) gives; True when the driver closed the
-    connection without a word."""
+def _probe(address, send, nonce_to=None):
+    """Connect to the command channel (a Unix socket's path, or a (host, port) of its TCP listener) as this user,
+    send what send(nonce) gives; True when the driver closed the connection without a word."""
     import socket as so
-    address, fd = channel._address(path)
-    s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    if isinstance(address, str):
+        target, fd = channel._address(address)
+        s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    else:
+        target, fd = tuple(address), None
+        s = so.socket(so.AF_INET, so.SOCK_STREAM)
     try:
         s.settimeout(15)
-        s.connect(address)
+        s.connect(target)
         nonce = channel._recv_exact(s, 32)
         try:
             s.sendall(send(nonce))
@@ -384,43 +388,64 @@ def _channel_probes(rt, args):
     return out
 
 
+# What the deleter leaves alone (docs/multinpu.md, "What a store client can still do"): deleting the command
+# worker rank 0 relays to the others (cmd/...) can cost the prompt in flight, and deleting `layout` holds every
+# worker started afterwards (the replacements after a failure) until the join timeout.
+SPARED = ("cmd/", "layout")
+
+
 def scenario_forged_heartbeats(rt, args):
-    """Two nodes (node 0's ranks beat on the command channel, node 1's in the store), a forger without the key
-    running all along: garbage into every rank's heartbeat keys, each remote rank's old signed beat copied back
-    over its pointer and into the slots its next beats would have if they were numbered, the old counters bumped,
-    the agent's beat overwritten, hellos on the channel naming a worker. Healthy ranks must not be killed; a SIGSTOPped one, on either node,
-    must still be found hung within the bound."""
-    import pickle
+    """Two nodes (every rank and node 1's agent beat on the command channel: node 0's on its Unix socket, node 1's
+    on its TCP listener), a store client and a channel client without the key running all along: garbage into
+    the heartbeat keys of old, every key the store lists deleted (all but SPARED while the group is idle; the
+    old beat keys after), the channel's TCP port flooded with garbage, oversized frames and hellos signed with
+    another key or replayed from another connection, naming node 1's workers and agent; hellos on the Unix
+    socket naming a worker. Healthy ranks must not be killed; a SIGSTOPped one, on either node, must still be
+    found hung within the bound."""
     import socket as so
     out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
-    evil = torch.distributed.PrefixStore(channel.STORE_PREFIX, channel.connect_store("127.0.0.1", rt.port, 10.0))
+    raw = channel.connect_store("127.0.0.1", rt.port, 10.0)
+    evil = torch.distributed.PrefixStore(channel.STORE_PREFIX, raw)
     foreign = wire.Signer(wire.new_key().encode())
-    stop = threading.Event()
-    captured = {}
-    rounds = [0]
+    signer = wire.Signer(os.environ[wire.KEY_ENV].encode())  # only to sign a hello for another connection
+    tcp = (rt.spec.master_addr, rt.port + wire.CHANNEL_PORT_OFFSET)
+    stop, idle = threading.Event(), threading.Event()
+    idle.set()
+    rounds, deleted, probes = [0], {}, {"closed": 0, "sent": 0}
+    prefix = channel.STORE_PREFIX + "/"
+
+    def delete_all():
+        for key in raw.list_keys():
+            name = key[len(prefix):] if key.startswith(prefix) else key
+            beat = name.startswith(("hb/", "agent_hb/"))
+            if (beat or idle.is_set()) and not name.startswith(SPARED) and raw.delete_key(key):
+                group = name.split("/")[0]
+                deleted[group] = deleted.get(group, 0) + 1
+
+    def flood(members):
+        for r, pid in members.items():
+            if rt.spec.node_of(r) == 0:
+                continue
+            hellos = [{"role": "beat", "rank": r, "pid": pid}, {"role": "agent", "node": 1, "pid": AGENT[0].pid}]
+            sends = [lambda nonce: b"\x00\x00\x00\x05junk!", lambda nonce: b"\xff\xff\xff\xff",
+                     *[lambda nonce, h=h: _frame(foreign, nonce, {"hello": h}) for h in hellos],
+                     *[lambda nonce, h=h: _frame(signer, os.urandom(32), {"hello": h}) for h in hellos]]
+            for send in sends:
+                try:
+                    probes["sent"] += 1
+                    probes["closed"] += _probe(tcp, send)
+                except OSError:
+                    pass
 
     def forge():
         while not stop.wait(0.2):
             rounds[0] += 1
-            for r, pid in dict(rt.members).items():
+            members = dict(rt.members)
+            for r, pid in members.items():
                 evil.add(f"hb/{r}", 1)
-                pointer = f"hb/{r}/{pid}"
-                if rt.spec.node_of(r) != 0:
-                    if (r, pid) not in captured and evil.check([pointer]):
-                        old = evil.get(pointer)
-                        try:  # the worker's signed value (not the garbage written here): readable, not signable
-                            captured[(r, pid)] = (old, pickle.loads(old[32:])[1])
-                        except Exception:
-                            pass
-                    if (r, pid) in captured:
-                        old, seq = captured[(r, pid)]
-                        evil.set(pointer, old)
-                        for k in range(seq + 1, seq + 4):
-                            evil.set(f"{pointer}/{k}", old)
-                    else:
-                        evil.set(pointer, b"\x80\x05forged beat")
-                elif rounds[0] % 5 == 0:
-                    try:  # a beat on the channel naming this worker, signed with another key
+                evil.set(f"hb/{r}/{pid}", b"\x80\x05forged beat")
+                if rt.spec.node_of(r) == 0 and rounds[0] % 5 == 0:
+                    try:  # a beat on the Unix socket naming this worker, signed with another key
                         address, fd = channel._address(rt._channel.path)
                         with so.socket(so.AF_UNIX, so.SOCK_STREAM) as c:
                             c.settimeout(5)
@@ -433,9 +458,13 @@ def scenario_forged_heartbeats(rt, args):
                     except OSError:
                         pass
             evil.set("agent_hb/1", b"\x80\x05forged agent beat")
+            delete_all()
+            flood(members)
     forger = threading.Thread(target=forge, daemon=True)
     forger.start()
     time.sleep(3 * wire.HEARTBEAT_STALE)  # idle: the monitor checks every rank's heartbeat all along
+    idle.clear()  # from here only the beat keys of old: the group must re-form after each hang (SPARED aside)
+    out["deleted_while_idle"] = dict(deleted)
     out["healthy"] = _attempt(lambda: _sum(rt))
     out["pids_healthy"] = dict(rt.members)
     for name, rank in (("remote_stopped", rt.world_size - 1), ("local_stopped", 1)):
@@ -448,9 +477,11 @@ def scenario_forged_heartbeats(rt, args):
         out[name]["victim_pid"] = victim
         out[f"after_{name}"] = _attempt(lambda: _sum(rt))
     stop.set()
-    forger.join(10)
+    forger.join(30)
     out["forged_rounds"] = rounds[0]
-    out["captured"] = len(captured)
+    out["deleted"] = deleted
+    out["tcp_probes"] = probes
+    out["channel_dropped"] = rt._channel.dropped
     return out
 
 
@@ -554,6 +585,25 @@ def scenario_all(rt, args):
     return out
 
 
+def _free_ports(n: int) -> int:
+    """A port on the loopback that the kernel gave, with the n - 1 ports after it free too."""
+    import socket as so
+    for _ in range(200):
+        with so.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port + n - 1 > 65535:
+                continue
+            try:
+                for k in range(1, n):
+                    with so.socket() as t:
+                        t.bind(("127.0.0.1", port + k))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
 SCENARIOS = {k.removeprefix("scenario_"): v for k, v in list(globals().items()) if k.startswith("scenario_")}
 
 
@@ -578,6 +628,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1, help="kill_while_loading: how many rounds")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
+    if args.nnodes > 1 and args.port == 0:
+        args.port = _free_ports(3)  # the store's, torchrun's rendezvous (+1) and the channel's for other hosts (+2)
     logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[driver] %(asctime)s %(message)s', stream=sys.stdout)
     os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     spec = wire.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",

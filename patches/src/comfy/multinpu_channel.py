@@ -7,14 +7,16 @@
   PrefixStore(f"pg{g}"), so re-forming needs no new port.
 - The command channel (ChannelServer, Link): a Unix socket in a 0700 folder of the runtime root, from the
   driver to this host's workers: worker rank 0 takes each command there and returns its result there, every
-  local worker beats there. Frames are length-prefixed, capped and signed per connection (nonce, direction,
-  sequence), so garbage, replays and foreign frames are dropped with a log line.
+  local worker beats there. With several hosts, the same channel also listens on TCP (master address, master
+  port + 2) for the other hosts' workers and agents, which beat there (beat()). Frames are length-prefixed,
+  capped and signed per connection (nonce, direction, sequence), so garbage, replays and foreign frames are
+  dropped with a log line. No beat is in the store: a store client (anyone reaching its port) can delete keys,
+  and a beat it deleted would be a worker taken for hung.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import os
 import socket
@@ -28,8 +30,8 @@ import time
 import torch
 import torch.distributed
 
-from comfy.multinpu_wire import (GroupError, PARENT_ENV, POLL, Signer, _die_with_parent_signal, die_with_parent,
-                                 td)
+from comfy.multinpu_wire import (GroupError, HEARTBEAT_INTERVAL, PARENT_ENV, POLL, Signer, _die_with_parent_signal,
+                                 die_with_parent, td)
 
 
 # ---- the store -----------------------------------------------------------------------------------
@@ -299,6 +301,7 @@ class Link:
         self.nonce = nonce
         self.mine, self.theirs = mine, theirs
         self.sent = self.received = 0
+        self.remote = None      # the TCP peer's "host:port" (ChannelServer); None on the Unix socket
         self._send_lock = threading.Lock()
 
     def send(self, obj):
@@ -336,19 +339,30 @@ class Link:
         self.sock.close()
 
 
-def connect_channel(path: str, signer: Signer, hello: dict, timeout: float = 30.0) -> Link:
-    """A worker's connection to the driver's channel: the driver sends a nonce, the worker answers with a
-    signed hello naming itself ({"role", "rank", "pid", ...}); the driver checks it against the socket's peer."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    address, fd = _address(path)
+def connect_channel(address, signer: Signer, hello: dict, timeout: float = 30.0) -> Link:
+    """A connection to the driver's channel at `address` (the Unix socket's path on the driver's host, a
+    (host, port) pair from another: GroupSpec.channel_address): the driver sends a nonce, the caller answers with
+    a signed hello naming itself ({"role", "rank" or "node", "pid", ...}); on the Unix socket the driver checks
+    the pid against the socket's peer."""
+    tcp = not isinstance(address, str)
+    if tcp:
+        where, fd = f"{address[0]}:{address[1]}", None
+        sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+        target = tuple(address)
+    else:
+        where = address
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target, fd = _address(address)
     try:
         sock.settimeout(timeout)
-        sock.connect(address)
+        sock.connect(target)
+        if tcp:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = _recv_exact(sock, 32)
         sock.settimeout(None)
-    except OSError as e:
+    except (OSError, ChannelClosed) as e:
         sock.close()
-        raise GroupError(f"MultiNPU: cannot reach the driver's command channel {path}: {e}") from None
+        raise GroupError(f"MultiNPU: cannot reach the driver's command channel {where}: {e}") from None
     finally:
         if fd is not None:
             os.close(fd)
@@ -357,12 +371,51 @@ def connect_channel(path: str, signer: Signer, hello: dict, timeout: float = 30.
     return link
 
 
+def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None):
+    """Beat every HEARTBEAT_INTERVAL on an authenticated connection to the driver's channel (connect_channel),
+    until `stop` is set: {"seq": n}, n counting up for the life of this process, so the driver counts only a
+    newer beat. A connection that fails is made again at the next beat (the driver takes silence past its bound
+    for a death, never a closed connection by itself). each(): called after every beat; what it raises ends
+    the beats."""
+    link, seq, down = None, 0, None
+    while not stop.wait(HEARTBEAT_INTERVAL):
+        seq += 1
+        try:
+            if link is None:
+                link = connect_channel(address, signer, hello, timeout=5.0)
+                if down is not None:
+                    logging.info(f"MultiNPU: {hello.get('role')} of pid {hello.get('pid')}: beating again")
+                    down = None
+            link.send({"seq": seq})
+        except (OSError, GroupError) as e:
+            if down is None:  # logged once per outage
+                down = e
+                logging.warning(f"MultiNPU: {hello.get('role')} of pid {hello.get('pid')}: a beat did not reach the "
+                                f"driver ({e}); trying again every {HEARTBEAT_INTERVAL:g} s")
+            if link is not None:
+                link.close()
+                link = None
+        if each is not None:
+            each()
+    if link is not None:
+        link.close()
+
+
 class ChannelServer:
-    """The driver's end of the command channel: a Unix socket in a folder only this user can enter
-    (private_dir), so no other local user can connect. A connection is accepted only when its signed hello
-    answers this connection's nonce and names the process at the other end (SO_PEERCRED: same pid, same
-    uid); anything else is closed with a log line, its bytes never unpickled, a frame past the size limit
-    never read. on_link(link, hello) takes each accepted connection (it runs on the connection's thread)."""
+    """The driver's end of the command channel.
+
+    - A Unix socket in a folder only this user can enter (private_dir), so no other local user can connect:
+      this host's workers (worker rank 0's commands, every local worker's beats). Its peer must be the process
+      the hello names (SO_PEERCRED: same pid, same uid).
+    - With listen_tcp(), a TCP listener on the master address for the other hosts' workers and agents (their
+      beats); any host that reaches the port can connect, and only a key holder can sign the hello (there is no
+      peer credential over TCP: the hello's pid is taken as signed).
+
+    Both share one handshake: a connection is accepted only when its signed hello answers this connection's
+    nonce; anything else is closed with a log line, its bytes never unpickled, a frame past the size limit
+    never read; each listener checks at most MAX_PENDING connections at a time (a flood on the TCP port cannot
+    keep this host's workers out). on_link(link, hello) takes each accepted connection (it runs on the
+    connection's thread; link.remote is the TCP peer's "host:port", None on the Unix socket)."""
 
     def __init__(self, folder: str, signer: Signer, on_link):
         self.folder = private_dir(folder)
@@ -370,7 +423,7 @@ class ChannelServer:
         self.signer = signer
         self.on_link = on_link
         self.dropped = 0
-        self._pending = threading.Semaphore(MAX_PENDING)
+        self.tcp = None                  # the TCP listener's socket (listen_tcp)
         self._stop = threading.Event()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         address, fd = _address(self.path)
@@ -390,84 +443,109 @@ class ChannelServer:
                 os.close(fd)
         os.chmod(self.path, 0o600)
         self.sock.listen(64)
-        self._thread = threading.Thread(target=self._accept, name="multinpu-channel", daemon=True)
-        self._thread.start()
+        self._listen(self.sock, tcp=False)
 
-    def _accept(self):
+    def listen_tcp(self, addr: str, port: int) -> int:
+        """Also take connections on addr:port over TCP (the other hosts'); the port it got. GroupError naming the
+        fix when the port is taken."""
+        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr, port))
+        except OSError as e:
+            sock.close()
+            raise GroupError(f"MultiNPU: the command channel cannot listen on {addr}:{port} for the other hosts: {e}. "
+                             "Fix: free that port (the master port + 2) on this host, or choose another "
+                             "--master-port") from None
+        sock.listen(64)
+        self.tcp = sock
+        self._listen(sock, tcp=True)
+        return sock.getsockname()[1]
+
+    def _listen(self, sock, tcp: bool):
+        pending = threading.Semaphore(MAX_PENDING)  # one per listener
+        threading.Thread(target=self._accept, args=(sock, pending, tcp), daemon=True,
+                         name=f"multinpu-channel-{'tcp' if tcp else 'unix'}").start()
+
+    def _accept(self, sock, pending, tcp: bool):
         while not self._stop.is_set():
             try:
-                conn, _ = self.sock.accept()
+                conn, addr = sock.accept()
             except OSError:
                 return
-            if not self._pending.acquire(blocking=False):
-                self._drop(conn, f"{MAX_PENDING} connections are already being checked")
+            remote = f"{addr[0]}:{addr[1]}" if tcp else None
+            if not pending.acquire(blocking=False):
+                self._drop(conn, f"{MAX_PENDING} connections are already being checked", remote)
                 continue
-            threading.Thread(target=self._handshake, args=(conn,), name="multinpu-channel-link", daemon=True).start()
+            threading.Thread(target=self._handshake, args=(conn, pending, remote), name="multinpu-channel-link",
+                             daemon=True).start()
 
     def _drop(self, conn, why: str, peer=None):
         self.dropped += 1
-        logging.warning(f"MultiNPU: command channel: dropped a connection{f' from pid {peer}' if peer else ''}: {why}")
+        source = f" from {peer}" if isinstance(peer, str) else f" from pid {peer}" if peer else ""
+        logging.warning(f"MultiNPU: command channel: dropped a connection{source}: {why}")
         try:
             conn.close()
         except OSError:
             pass
 
-    def _handshake(self, conn):
-        peer = None
+    def _handshake(self, conn, pending, remote):
+        """Check one connection's hello (remote: the TCP peer's address; None on the Unix socket, whose peer
+        process must be the one the hello names); on_link gets it when it passes."""
+        peer = remote
         try:
             try:
-                peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                   struct.calcsize("3i")))
-                if uid != os.getuid():
-                    return self._drop(conn, f"uid {uid} is not this service's user", peer)
+                if remote is None:
+                    peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                       struct.calcsize("3i")))
+                    if uid != os.getuid():
+                        return self._drop(conn, f"uid {uid} is not this service's user", peer)
+                else:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.settimeout(HANDSHAKE_TIMEOUT)
                 nonce = os.urandom(32)
                 conn.sendall(nonce)
                 link = Link(conn, self.signer, nonce, "d", "w")
+                link.remote = remote
                 data = recv_frame(conn, HELLO_LIMIT)
                 try:
                     hello = link.open(data)["hello"]
                 except Exception as e:
                     return self._drop(conn, f"its first frame ({len(data)} bytes) is "
                                       f"{e if isinstance(e, GroupError) else 'not signed by this service'}", peer)
-                if not isinstance(hello, dict) or hello.get("pid") != peer:
-                    return self._drop(conn, f"its hello names pid {hello.get('pid') if isinstance(hello, dict) else '?'}", peer)
+                if not isinstance(hello, dict) or not isinstance(hello.get("pid"), int):
+                    return self._drop(conn, f"its hello names no pid: {hello!r:.200}", peer)
+                if remote is None and hello["pid"] != peer:
+                    return self._drop(conn, f"its hello names pid {hello['pid']}", peer)
                 conn.settimeout(None)
             except (OSError, GroupError) as e:
                 return self._drop(conn, str(e) or type(e).__name__, peer)
         finally:
-            self._pending.release()
+            pending.release()
+        who = f"pid {hello['pid']}" + (f" at {remote}" if remote else "")
         try:
             self.on_link(link, hello)
         except (ChannelClosed, OSError):  # the worker left, or the driver closed the connection
             pass
         except Exception as e:
-            logging.warning(f"MultiNPU: command channel: the connection of pid {peer} ended: {e}")
+            logging.warning(f"MultiNPU: command channel: the connection of {who} ended: {e}")
         finally:
             link.close()
 
     def close(self):
         self._stop.set()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        for sock in (self.sock, self.tcp):
+            if sock is None:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept(): the port is free once close returns
+            except OSError:
+                pass
+            sock.close()
         try:
             os.unlink(self.path)
         except OSError:
             pass
-
-
-# ---- remote ranks' beats in the store ---------------------------------------------------------------
-
-HEARTBEAT_KEEP = 8                   # a remote rank's last beats kept in the store (the driver may read late)
-
-
-def beat_key(signer: Signer, rank, pid: int, seq: int) -> str:
-    """The store key of a remote rank's beat `seq`: named by an HMAC, so nobody without the key can create the
-    key of a beat to come (the value does not matter: the beat is that the key exists)."""
-    tag = hmac.new(signer.key, f"beat/{rank}/{pid}/{seq}".encode(), hashlib.sha256).hexdigest()[:32]
-    return f"hb/{rank}/{pid}/{tag}"
 
 
 if __name__ == "__main__":

@@ -27,11 +27,10 @@ import torch
 import torch.distributed
 
 import comfy.multinpu
-from comfy.multinpu_wire import (END, GroupError, GroupSpec, HEARTBEAT_INTERVAL, POLL, RANK_ENV, RECYCLED_EXIT,
+from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, RECYCLED_EXIT,
                                  REPORTED_EXIT, Signer, key_from_environment, pack, shm_read, shm_write, td,
                                  unflatten, unpack)
-from comfy.multinpu_channel import (ChannelClosed, Control, HEARTBEAT_KEEP, _store_gone, beat_key,
-                                    connect_channel, connect_store)
+from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
 
 
@@ -103,32 +102,21 @@ def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threadi
     """Beat once a second; leave at once when the driver aborted this process's generation (it replaces the
     whole group after a failure: this process may be blocked in a collective that will not return).
 
-    A beat is authenticated: on the driver's host it is a frame on this process's own connection to the
-    command channel (the driver knows the process at the other end); on another host a store key whose name
-    only the key can make (beat_key), and a signed pointer hb/{rank}/{pid} to the newest. Nobody without the
-    key can make a beat the driver counts, nor replay an old one as new (the driver counts only a higher seq)."""
+    A beat is a frame on this process's own authenticated connection to the driver's command channel (channel
+    beat(): the Unix socket on the driver's host, its TCP listener from another host). Nobody without the key
+    can make a beat the driver counts, replay an old one as new, or take one away (no beat is in the store)."""
     try:
         signer = Signer(key_from_environment())
         ctl = Control(connect_store(spec.master_addr, port, spec.timeout), signer)
-        pid = os.getpid()
-        link = None
-        if spec.channel and spec.node_rank == 0:
-            link = connect_channel(spec.channel, signer, {"role": "beat", "rank": context.rank, "pid": pid})
-        seq = 0
-        while not stop.wait(HEARTBEAT_INTERVAL):
-            seq += 1
-            if link is not None:
-                link.send({"seq": seq})
-            else:
-                ctl.put(beat_key(signer, context.rank, pid, seq), seq)
-                ctl.put(f"hb/{context.rank}/{pid}", seq)
-                if seq > HEARTBEAT_KEEP:
-                    ctl.delete(beat_key(signer, context.rank, pid, seq - HEARTBEAT_KEEP))
+
+        def aborted():
             g = context.generation
             if g is not None and ctl.has(f"abort/{g}") and ctl.peek(f"abort/{g}") is not None:
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
                 sys.stdout.flush()
                 os._exit(RECYCLED_EXIT)
+        beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
+             aborted)
     except Exception as e:
         # the store or the driver is gone: the main loop notices and exits
         logging.warning(f"MultiNPU: rank {context.rank}: the heartbeat stopped: {e}")

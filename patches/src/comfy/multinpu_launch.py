@@ -31,7 +31,7 @@ from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupErro
                                  RDZV_READ_TIMEOUT, RECYCLED_EXIT, REPORTED_EXIT, SECONDARY, Signer, TERM_EXIT,
                                  TORCHRUN_MAX_RESTARTS, TORCHRUN_RETRY, _die_with_parent_signal, cpu_threads,
                                  key_from_environment, set_hccl_timeout)
-from comfy.multinpu_channel import (Control, HEARTBEAT_KEEP, _store_gone, beat_key, connect_store)
+from comfy.multinpu_channel import Control, _store_gone, beat, connect_store
 
 
 # ---- why a worker ended ---------------------------------------------------------------------------
@@ -449,7 +449,8 @@ def loopback_interface() -> str:
 
 class Agent:
     """Node R > 0: starts its workers once the master's store answers, replaces the ones that die, reports
-    their deaths and heartbeats, and follows rank 0 through restarts of the master."""
+    their deaths, beats on the driver's command channel (its TCP listener), and follows rank 0 through restarts
+    of the master."""
 
     def __init__(self, spec: GroupSpec, key: str):
         self.spec = spec
@@ -461,6 +462,11 @@ class Agent:
         if self.spec.device_type == "cpu" and is_loopback(self.spec.master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         set_hccl_timeout(self.spec)
+        # the driver tells a lost host by its agent's silence, which nobody without the key can fill or make; one
+        # beat for the agent's life (its numbers only grow), also while it waits for the master to come back
+        threading.Thread(target=beat, args=(self.spec.channel_address(), self.signer,
+                                            {"role": "agent", "node": self.spec.node_rank, "pid": os.getpid()},
+                                            self.stop), name="multinpu-agent-beat", daemon=True).start()
         while not self.stop.is_set():
             try:
                 store = connect_store(self.spec.master_addr, self.spec.master_port, self.spec.timeout,
@@ -493,7 +499,7 @@ class Agent:
             local = LocalWorkers(spec, self.key, range(spec.local_size))
         local.start()
         logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
-        last_write, beat = 0.0, 0
+        last_write = 0.0
         reported = None
         ctl.put(f"nodefail/{spec.node_rank}", {"pid": os.getpid(), "message": None})
         try:
@@ -509,13 +515,6 @@ class Agent:
                     ctl.put(f"nodefail/{spec.node_rank}", {"pid": os.getpid(), "message": failed})
                     reported = failed
                 if time.monotonic() - last_write > 1.0:
-                    # the driver tells a lost host by its silence, which nobody without the key can fill (_heartbeat)
-                    beat += 1
-                    who = f"agent{spec.node_rank}"
-                    ctl.put(beat_key(self.signer, who, os.getpid(), beat), beat)
-                    ctl.put(f"agent_hb/{spec.node_rank}", {"pid": os.getpid(), "seq": beat})
-                    if beat > HEARTBEAT_KEEP:
-                        ctl.delete(beat_key(self.signer, who, os.getpid(), beat - HEARTBEAT_KEEP))
                     state = ctl.peek("state") or {"state": "starting"}
                     self._write(local, state.get("state"), state.get("error"), state)
                     last_write = time.monotonic()

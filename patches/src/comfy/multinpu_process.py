@@ -5,7 +5,8 @@ With `h3kit start --transport process` (the default on NPU and CUDA) every rank 
 the ranks of one service form one torch.distributed group: hccl on Ascend, nccl on CUDA, gloo on CPU. The
 server drives them (GroupRuntime): it starts the group's control store in a process of its own on the port
 h3kit recorded (a flood of keys grows that process, never the server), opens the command channel (a Unix
-socket in the runtime root's 0700 channel folder), starts one worker per device of its host, forms numbered
+socket in the runtime root's 0700 channel folder; with several hosts also a TCP listener on the master port + 2,
+where the other hosts' workers and agents beat), starts one worker per device of its host, forms numbered
 generations of the group and hands each command to worker rank 0 (run()). It never enters a collective: on
 HCCL and NCCL a collective whose peer failed, was destroyed or died releases nobody before the group timeout
 (H3_FACTS 9), and the server's queue must not wait inside one. The members' side is comfy.multinpu_wire (settings,
@@ -113,6 +114,7 @@ class GroupRuntime:
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
         self._agent_hb = {}            # node -> ({agent pid: newest beat}, monotonic time of the last new one)
+        self._agent_beats = {}         # (node, agent pid) -> the newest heartbeat seq on its channel connection
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
         self._remote_exits = {}        # rank -> last exit report read
@@ -124,11 +126,11 @@ class GroupRuntime:
         self._local = None
         self._thread = None
         self._store = None             # channel.StoreHost: the store's own process
-        self._channel = None           # channel.ChannelServer: the command channel to this host's workers
+        self._channel = None           # channel.ChannelServer: the command channel (this host's workers; beats of all)
         self._own_channel_dir = None   # a temporary folder for it when there is no runtime root
         self._links = {}               # (generation, pid) -> (Link, queue of its messages): rank 0's connections
         self._link = None              # the current generation's: (Link, queue)
-        self._beats = {}               # (rank, pid) -> the newest heartbeat seq on its channel connection
+        self._beats = {}               # (rank, pid) -> the newest heartbeat seq on its channel connection (every host)
         self.ctl = None
 
     # -- start and stop --
@@ -144,6 +146,15 @@ class GroupRuntime:
         spec.channel = self._channel.path
         self._store = channel.StoreHost(spec.master_addr, spec.master_port, spec.timeout)
         self.port = spec.master_port = self._store.port  # the workers connect to the port the store got (0: any)
+        if spec.nnodes > 1:
+            # the other hosts' workers and agents beat on the channel too, over TCP (an authenticated connection
+            # nobody without the key can make or take away; a store client can delete any key)
+            try:
+                self._channel.listen_tcp(spec.master_addr, self.port + wire.CHANNEL_PORT_OFFSET)
+            except wire.GroupError:
+                self._store.stop()
+                self._channel.close()
+                raise
         self._store.start()
         self._connect_store()
         if spec.launcher == "torchrun":
@@ -204,18 +215,21 @@ class GroupRuntime:
     # -- the command channel --
 
     def _on_link(self, link, hello: dict):
-        """A worker's authenticated connection (on its own thread): heartbeats, or worker rank 0's command link."""
+        """An authenticated connection (on its own thread): a worker's or an agent's heartbeats (from any host), or
+        worker rank 0's command link (on this host's Unix socket only). A beat connection that ends is no death
+        by itself: the silence that follows is (_check_heartbeat, _agent_gone)."""
         pid = hello["pid"]
-        if hello.get("role") == "beat" and isinstance(hello.get("rank"), int):
-            rank = hello["rank"]
+        role = hello.get("role")
+        if role in ("beat", "agent") and isinstance(hello.get("rank" if role == "beat" else "node"), int):
+            beats, who = (self._beats, (hello["rank"], pid)) if role == "beat" else (self._agent_beats, (hello["node"], pid))
             try:
                 while True:
                     beat = link.recv(channel.HELLO_LIMIT)
-                    if isinstance(beat, dict) and isinstance(beat.get("seq"), int):
-                        self._beats[(rank, pid)] = beat["seq"]
+                    if isinstance(beat, dict) and isinstance(beat.get("seq"), int) and beat["seq"] > beats.get(who, 0):
+                        beats[who] = beat["seq"]
             finally:
-                self._beats.pop((rank, pid), None)
-        elif hello.get("role") == "command" and hello.get("rank") == 0:
+                beats.pop(who, None)
+        elif role == "command" and hello.get("rank") == 0 and link.remote is None:
             messages = queue.Queue()
             self._links[(hello.get("generation"), pid)] = (link, messages)
             try:
@@ -307,22 +321,10 @@ class GroupRuntime:
         self._note_death(rank, pid, why)
 
     def _beat(self, rank: int, pid: int, known: int) -> int:
-        """The newest heartbeat seq of rank's worker `pid` (known: the newest seen before). This host's workers
-        beat on their own channel connections; another host's create a key per beat whose name only the key can
-        make (channel.beat_key), and point at the newest with a signed hb/{rank}/{pid}; the pointer is only a
-        hint (someone may have copied an old value over it): a beat counts when its key exists."""
-        if self.spec.node_of(rank) == 0:
-            return self._beats.get((rank, pid), known)
-        return self._store_beat(rank, pid, known, self._mon.peek(f"hb/{rank}/{pid}"))
-
-    def _store_beat(self, who, pid: int, known: int, hint) -> int:
-        """The newest beat of `who` (a rank, or "agentN") of process pid in the store, newer than `known`."""
-        if isinstance(hint, int) and hint > known and self._mon.has(channel.beat_key(self.signer, who, pid, hint)):
-            return hint
-        for seq in range(known + channel.HEARTBEAT_KEEP, known, -1):
-            if self._mon.has(channel.beat_key(self.signer, who, pid, seq)):
-                return seq
-        return known
+        """The newest heartbeat seq of rank's worker `pid` (known: the newest seen before): every worker beats on
+        its own authenticated connection to the command channel (this host's on the Unix socket, another host's
+        over TCP), so only the worker itself can make, or stop, its beats."""
+        return max(known, self._beats.get((rank, pid), known))
 
     def _check_hosts(self):
         """Another host's members that are gone although no exit report came (its agent or torchrun was killed):
@@ -507,17 +509,12 @@ class GroupRuntime:
     def _agent_gone(self, node: int):
         """Seconds since node's agent last beat, when it beat once and has been silent for HOST_STALE
         (the host or its agent is lost); else None."""
-        beat = self._mon.peek(f"agent_hb/{node}")  # signed {"pid", "seq"}: a hint; the beat is its key (_beat)
-        beat = beat if isinstance(beat, dict) else {}
         now = time.monotonic()
         seen, since = self._agent_hb.setdefault(node, ({}, now))  # (newest seq of each agent pid, last news)
-        if isinstance(beat.get("pid"), int):
-            seen.setdefault(beat["pid"], 0)
         news = False
-        for pid, known in list(seen.items()):
-            newest = self._store_beat(f"agent{node}", pid, known, beat.get("seq") if beat.get("pid") == pid else None)
-            if newest > known:
-                seen[pid], news = newest, True
+        for (n, pid), seq in list(self._agent_beats.items()):  # the agents' channel connections (_on_link)
+            if n == node and seq > seen.get(pid, 0):
+                seen[pid], news = seq, True
         if news:
             self._agent_hb[node] = (seen, now)
             return None

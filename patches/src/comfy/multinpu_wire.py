@@ -44,6 +44,8 @@ WORKER_MODULE = "comfy.multinpu_worker"
 RANKS_FILE = "ranks.json"
 END = "end"                          # the command that closes a generation
 
+CHANNEL_PORT_OFFSET = 2              # the command channel's TCP listener for other hosts: master port + 2 (+ 1 is
+                                     # torchrun's rendezvous)
 HEARTBEAT_INTERVAL = 1.0
 # A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
 # replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
@@ -117,6 +119,13 @@ class GroupSpec:
         self.worker_module = worker_module
         self.launcher = launcher
         self.channel = channel  # the driver's command channel (a Unix socket path; set by the driver)
+
+    def channel_address(self):
+        """Where this host's processes reach the driver's command channel: its Unix socket on the driver's host
+        (node 0), its TCP listener on the master address, master port + CHANNEL_PORT_OFFSET, on the others."""
+        if self.node_rank == 0:
+            return self.channel
+        return (self.master_addr, self.master_port + CHANNEL_PORT_OFFSET)
 
     @property
     def world_size(self) -> int:
