@@ -44,17 +44,16 @@ def _env(**extra):
     return env
 
 
-def _two_ports() -> int:
-    """A free port whose next port is free too (torchrun's rendezvous listens on the store's port + 1)."""
+def _three_ports() -> int:
+    """A free port whose next two ports are free too (torchrun's rendezvous listens on the store's port + 1, the
+    command channel for the other hosts on + 2)."""
     from tests.support.service_helpers import free_port
-    for p in range(29700, 29790, 2):
+    for p in range(29700, 29790, 3):
         try:
-            first, second = free_port(p, p), free_port(p + 1, p + 1)
+            return [free_port(p + k, p + k) for k in range(3)][0]  # each raises when its port is taken
         except RuntimeError:
             continue
-        if second == first + 1:
-            return first
-    raise RuntimeError("no two free ports in a row")
+    raise RuntimeError("no three free ports in a row")
 
 
 def drive(tmp_path, scenario, *args, env=None, timeout=180):
@@ -362,7 +361,7 @@ def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path, lau
     started again the group forms by itself."""
     result = drive(tmp_path, "agent_lost", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
                    "--join-timeout", 120, "--launcher", launcher, "--sleep", 20,
-                   "--port", _two_ports() if launcher == "torchrun" else 0,
+                   "--port", _three_ports() if launcher == "torchrun" else 0,
                    env=_env(H3KIT_EMULATE_NO_RELEASE="1", **{wire.HEARTBEAT_ENV: "15"}), timeout=400)
     assert result["first"]["ok"]
     kind, message, seconds = error_of(result["lost"])

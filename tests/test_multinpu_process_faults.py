@@ -18,7 +18,7 @@ import pytest
 from tests.support import requires
 
 torch = requires.torch_module()
-from tests.test_multinpu_process import HEARTBEAT, _env, _two_ports, drive  # noqa: E402
+from tests.test_multinpu_process import HEARTBEAT, _env, _three_ports, drive  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ BOUND = 30           # the issue's bound from a fault to the error
 def faults(request, tmp_path_factory):
     launcher, world = request.param
     env = _env(H3KIT_EMULATE_NO_RELEASE="1")
-    port = _two_ports()  # torchrun's rendezvous listens on the store's port + 1
+    port = _three_ports()  # torchrun's rendezvous listens on the store's port + 1 (the channel on + 2)
     return drive(tmp_path_factory.mktemp(f"faults-{launcher}-{world}"), "faults", "--world", world, "--timeout",
                  GROUP_TIMEOUT, "--launcher", launcher, "--port", port, env=env, timeout=900) | {
         "world": world, "launcher": launcher}
@@ -92,7 +92,7 @@ def _two_hosts(tmp_path, scenario):
     """2 + 2 ranks on two "hosts" (127.0.0.1), torchrun on each: node 0's under the driver, node 1's under its
     h3kit agent (`python -m comfy.multinpu_group`), with HCCL/NCCL's semantics."""
     return drive(tmp_path, scenario, "--agent", "--nnodes", 2, "--world", 4, "--timeout", GROUP_TIMEOUT,
-                 "--join-timeout", 120, "--launcher", "torchrun", "--port", _two_ports(),
+                 "--join-timeout", 120, "--launcher", "torchrun", "--port", _three_ports(),
                  env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=600)
 
 
@@ -139,7 +139,7 @@ def test_torchrun_and_its_workers_end_with_a_killed_driver(tmp_path):
     from tests.test_multinpu_process import DRIVER
     out = tmp_path / "held.json"
     driver = subprocess.Popen([sys.executable, str(DRIVER), "form_only", "--out", str(out), "--world", "2",
-                               "--launcher", "torchrun", "--port", str(_two_ports()), "--hold", "120"],
+                               "--launcher", "torchrun", "--port", str(_three_ports()), "--hold", "120"],
                               env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -165,7 +165,7 @@ def test_a_death_after_its_load_was_reported_fails_the_load_at_once(tmp_path, la
     death aborted the group as if idle, and the driver went on waiting for rank 3's report (or, rank 3 dying too,
     for nobody) until the load timeout. Now the load fails at once naming rank 2; the next command runs."""
     result = drive(tmp_path, "death_after_load_report", "--agent", "--nnodes", 2, "--world", 4, "--timeout",
-                   GROUP_TIMEOUT, "--join-timeout", 120, "--launcher", launcher, "--port", _two_ports(),
+                   GROUP_TIMEOUT, "--join-timeout", 120, "--launcher", launcher, "--port", _three_ports(),
                    "--load-timeout", 60, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
     assert result["victim_reported"], "rank 2 had reported its load before it was killed"
     killed = result["killed"]

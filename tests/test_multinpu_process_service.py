@@ -45,14 +45,14 @@ LAUNCHER = "torchrun"
 
 
 def master_port() -> int:
-    """A free port whose next one is free too (torchrun's rendezvous listens on --master-port + 1)."""
-    for p in range(29500, 29598, 2):
+    """A free port whose next two are free too (torchrun's rendezvous listens on --master-port + 1, the command
+    channel for the other hosts on + 2)."""
+    for p in range(29500, 29598, 3):
         try:
-            if free_port(p, p) + 1 == free_port(p + 1, p + 1):
-                return free_port(p, p)
+            return [free_port(p + k, p + k) for k in range(3)][0]  # each raises when its port is taken
         except RuntimeError:
             continue
-    raise RuntimeError("no two free ports in a row")
+    raise RuntimeError("no three free ports in a row")
 
 
 def h3kit(*args, env=None, timeout=BOOT + 60):

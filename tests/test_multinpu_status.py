@@ -107,3 +107,24 @@ def test_a_taken_rendezvous_port_is_named_before_anything_starts(home):
         r = home.start("--master-port", port, "--launcher", "torchrun", devices="0,1", device_type="npu", timeout=3)
     assert r.returncode == 1 and f"port {port + 1} is in use" in r.stderr, r.stderr
     assert home.boots() == []
+
+
+def test_a_taken_channel_port_of_several_hosts_is_named_before_anything_starts(home, monkeypatch):
+    """With several hosts node 0 also listens on the master port + 2 (the command channel, where the other hosts'
+    workers and agents beat): start checks it is free, and refuses a master port with no room for it."""
+    monkeypatch.setenv(group.KEY_ENV, "ab" * 32)
+    port = free_port(29800, 29899)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port + 2))
+        s.listen(1)
+        r = home.start("--nnodes", 2, "--node-rank", 0, "--master-addr", "127.0.0.1", "--master-port", port,
+                       "--launcher", "h3kit", devices="0,1", device_type="npu", timeout=3)
+    assert r.returncode == 1 and f"port {port + 2} is in use" in r.stderr, r.stderr
+    assert home.boots() == []
+    settings = group.resolve("npu", "process", nnodes=2, node_rank=0, master_port=port, launcher="torchrun")
+    assert group.rendezvous_ports(settings) == [port, port + 1, port + 2]
+    assert group.rendezvous_ports(group.resolve("npu", "process", master_port=port, launcher="h3kit")) == [port]
+    with pytest.raises(UsageError) as e:
+        group.resolve("npu", "process", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=65534)
+    assert e.value.code == "bad_group" and "master port + 2" in e.value.message

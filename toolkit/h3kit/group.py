@@ -114,6 +114,10 @@ def resolve(device_type: str, transport: str = "auto", nnodes: int = 1, node_ran
         if launcher == "torchrun" and master_port == 65535:
             raise UsageError("--master-port 65535: torchrun's rendezvous listens on the next port", code="bad_group",
                              hint="choose a port below 65535 whose next port is free too")
+        if nnodes > 1 and master_port > 65533:
+            raise UsageError(f"--master-port {master_port}: with several hosts the command channel listens on the "
+                             "port after the next (master port + 2)", code="bad_group",
+                             hint="choose a port below 65534 whose next two ports are free too")
     return GroupSettings(transport, nnodes, node_rank, str(addr), master_port, join_timeout, launcher)
 
 
@@ -150,9 +154,14 @@ def choose_port(addr: str, pair: bool = False) -> int:
                      hint="give --master-port P with P and P+1 free")
 
 
+CHANNEL_PORT_OFFSET = 2  # comfy.multinpu_wire's: the command channel's TCP listener for the other hosts
+
+
 def rendezvous_ports(settings: GroupSettings) -> list[int]:
-    """The ports node 0 listens on for the group: the control store's, and torchrun's rendezvous on the next."""
-    return [settings.master_port] + ([settings.master_port + 1] if settings.launcher == "torchrun" else [])
+    """The ports node 0 listens on for the group: the control store's, torchrun's rendezvous on the next, and
+    with several hosts the command channel's (where the other hosts' workers and agents beat) on the one after."""
+    return ([settings.master_port] + ([settings.master_port + 1] if settings.launcher == "torchrun" else [])
+            + ([settings.master_port + CHANNEL_PORT_OFFSET] if settings.nnodes > 1 else []))
 
 
 def group_key(root: Path, settings: GroupSettings) -> str:
