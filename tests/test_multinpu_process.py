@@ -228,7 +228,8 @@ def test_the_channel_folder_must_be_private(tmp_path):
         mp.GroupRuntime(spec, wire.new_key()).start()
 
 
-def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path):
+@pytest.mark.parametrize("launcher", ["h3kit", "torchrun"])
+def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path, launcher):
     """Two nodes: every rank and node 1's agent beat on the command channel (node 0's on its Unix socket, node
     1's on its TCP listener, the master port + 2). A store client without the key writes garbage into the
     heartbeat keys of old and deletes every key the store lists (all but the relayed command and `layout`, see
@@ -237,9 +238,11 @@ def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_o
     workers and agent, and sends hellos on the Unix socket naming a worker: for three heartbeat bounds nothing
     is killed, and a SIGSTOPped worker of node 1, then one of node 0, is still named hung within the bound. On
     the beats in the store of before (a key per beat, named by an HMAC), the deleter made the driver take node
-    1's healthy ranks for hung and replace the group."""
+    1's healthy ranks for hung and replace the group; and with torchrun, a worker's announcement deleted was
+    taken for its death."""
     result = drive(tmp_path, "forged_heartbeats", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
-                   "--join-timeout", 120, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+                   "--join-timeout", 120, "--launcher", launcher, "--port", _three_ports() if launcher == "torchrun" else 0,
+                   env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
     assert result["first"]["ok"] and result["forged_rounds"] > 20, result
     # the deleter did reach the store: the group's own keys, listed and deleted while it was idle
     assert {"gen", "worker", "up", "joined"} <= set(result["deleted_while_idle"]), result["deleted_while_idle"]

@@ -318,7 +318,12 @@ class TorchrunWorkers:
         logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
 
     def _announced(self, rank: int):
+        """The live worker announced for rank (its signed "worker/{rank}"), else None. An announcement that is gone
+        from the store is no death: a store client can delete any key, so the worker seen last, while that
+        process lives, is still the rank's."""
         info = self.ctl.peek(f"worker/{rank}")
+        if not isinstance(info, dict) and rank in self.seen:
+            info = dict(zip(("pid", "create_time"), self.seen[rank]))
         if not isinstance(info, dict) or not _alive(info.get("pid"), info.get("create_time")):
             return None
         return info
