@@ -485,6 +485,32 @@ def scenario_forged_heartbeats(rt, args):
     return out
 
 
+def scenario_deleted_command(rt, args):
+    """What a store client without the key does today by deleting the command worker rank 0 relays to the others
+    (cmd/{g}/{n}) as soon as it appears (not fixed: docs/multinpu.md, "What must be a trusted network"): five
+    commands under the deleter, then one without it."""
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    raw = channel.connect_store("127.0.0.1", rt.port, 10.0)
+    stop, hits = threading.Event(), []
+
+    def delete():
+        while not stop.is_set():
+            g, n = rt.generation, rt.next_cmd
+            for k in (n - 1, n):
+                key = f"{channel.STORE_PREFIX}/cmd/{g}/{k}"
+                if raw.check([key]) and raw.delete_key(key):
+                    hits.append([g, k])
+    deleter = threading.Thread(target=delete, daemon=True)
+    deleter.start()
+    out["attacked"] = [_attempt(lambda: _sum(rt)) for _ in range(5)]
+    stop.set()
+    deleter.join(5)
+    out["deleted"] = hits
+    out["after"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    return out
+
+
 def scenario_store_lost(rt, args):
     """The store's process is SIGKILLed while the group is idle (with --flood N: N values of 4 MiB written into
     it, past its growth limit, and it ends itself): the driver starts it again on the same port, the whole
