@@ -453,6 +453,21 @@ def _refuse_weight_patches(patcher, *args):
                            "the node (which then runs that text encoder on one device)")
 
 
+def _name_rank_weights(model0, full):
+    """The server's copy names the weights the ranks hold in its state_dict, as meta tensors (no memory): a
+    text-encoder LoRA applied after the node then maps onto them (comfy.lora.model_lora_keys_clip reads these
+    names, ModelPatcher.add_patches keeps a patch whose key is there) and its load is refused
+    (_refuse_weight_patches) instead of the LoRA being left out with a "lora key not loaded" per weight. The
+    patcher's size is measured before (model_size above), so the names cost nothing in memory planning."""
+    held = set(model0.state_dict())
+    absent = {k: (t.shape, t.dtype) for k, t in full.state_dict().items() if k not in held}
+
+    def names(module, state_dict, prefix, local_metadata):
+        for k, (shape, dtype) in absent.items():
+            state_dict[prefix + k] = torch.empty(shape, dtype=dtype, device="meta")
+    model0.register_state_dict_post_hook(names)
+
+
 def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
                           timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> CLIP:
     """A clone of `clip` whose text encoder's layers run on the ranks of `runtime`.
@@ -500,6 +515,8 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     n = clip.clone()
     n.cond_stage_model = model0
     n.patcher = comfy.multinpu_weights.device_patcher(clip.patcher, model0, clip.patcher.load_device)
+    n.patcher.model_size()  # what the copy holds, measured before it names the ranks' weights
+    _name_rank_weights(model0, clip.cond_stage_model)
     n.patcher.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, _refuse_weight_patches)
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
                  f"{comfy.multinpu_threads.describe_ranks(runtime)}; the server holds the embeddings and vision tower, "
