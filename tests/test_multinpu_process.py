@@ -122,6 +122,16 @@ def test_configs_are_checked_before_use(one_host):
     assert c["after"]["ok"]
 
 
+def test_comfyuis_free_reaches_the_workers_before_the_next_command(one_host):
+    # POST /free and ComfyUI's OOM handler empty the model cache (comfy.model_cache.clear): its listener asks the
+    # workers to free theirs, sent before the next command, which then installs its model again
+    c = one_host["configs"]
+    before = c["freed_before"]["value"]["freed"]
+    assert c["after_free"]["ok"] and c["after_free"]["value"] == 6.0, "the model was installed again after the free"
+    assert c["freed_after"]["value"]["freed"] == [n + 1 for n in before], "every rank freed once"
+    assert c["no_free"]["ok"] and c["freed_last"]["value"]["freed"] == [n + 1 for n in before], "no free, none sent"
+
+
 def test_a_killed_worker_fails_the_command_at_once_and_the_group_is_replaced(one_host):
     k = one_host["kill"]
     kind, message, seconds = error_of(k["killed"])
