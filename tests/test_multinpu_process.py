@@ -335,6 +335,11 @@ def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
     assert result["driver_pid_after"] == result["driver_pid"]
     assert not set(result["pids_before"].values()) & set(result["pids_after"].values())
     assert "the group's store (pid" in (tmp_path / "store_lost.log").read_text()
+    # killed while a command runs: the command fails naming the store (not a rank that left because it was gone)
+    kind, message, seconds = error_of(result["mid_command"])
+    assert f"the group's store (pid {result['mid_command_store_pid']}) ended (killed by SIGKILL)" in message, message
+    assert "during fail" in message and seconds < 4.0 + 10, "before the command would have ended by itself"
+    assert result["after_mid_command"]["ok"], result["after_mid_command"]
 
 
 def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(tmp_path):

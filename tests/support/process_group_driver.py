@@ -490,6 +490,12 @@ def scenario_store_lost(rt, args):
     out["store_pid_after"] = rt._store.proc.pid
     out["store_starts"] = rt._store.starts
     out["pids_after"] = dict(rt.members)
+    if not args.flood:  # then while a command runs: it fails naming the store, and the one after runs
+        store_pid = rt._store.proc.pid
+        _later(1.0, lambda: os.kill(store_pid, signal.SIGKILL))
+        out["mid_command"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=4.0))
+        out["mid_command_store_pid"] = store_pid
+        out["after_mid_command"] = _attempt(lambda: _sum(rt))
     out["driver_pid_after"] = os.getpid()
     return out
 
