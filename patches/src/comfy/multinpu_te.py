@@ -492,7 +492,8 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
         raise ValueError(f"MultiNPU: the text encoder carries {len(clip.patcher.patches)} weight patches (a LoRA); "
                          "tensor parallelism splits the weights they name")
     src = comfy.multinpu_models.source(clip.cond_stage_model, "text encoder")
-    runtime = runtime or thread_runtime(clip, devices, timeout)  # its threads start with its first command
+    # threads: they start with the runtime's first command
+    runtime = runtime or comfy.multinpu_threads.ThreadRuntime.on(devices, clip.patcher.load_device, "text encoder", timeout)
     mode = choose_mode(decoder, runtime.world_size, mode)
     # ranks that are threads of this process load nothing: they take this text encoder
     comfy.multinpu_models.offer(src, clip)
@@ -522,15 +523,6 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
                  f"{comfy.multinpu_threads.describe_ranks(runtime)}; the server holds the embeddings and vision tower, "
                  f"{n.patcher.model_size() / 2**30:.2f} GiB, the ranks the layers")
     return n
-
-
-def thread_runtime(clip: CLIP, devices, timeout: float):
-    """The ranks as threads of this process on `devices`, rank 0 on the CLIP's load device."""
-    devices = [torch.device(d) for d in devices]
-    if devices[0] != clip.patcher.load_device:
-        raise ValueError(f"MultiNPU: rank 0 must be the text encoder's load device {clip.patcher.load_device}, "
-                         f"got {devices[0]}")
-    return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
 
 
 def get_runner(clip: CLIP):
