@@ -151,6 +151,8 @@ def test_the_thread_runtime_runs_commands_as_the_process_driver_does(checks):
     assert "no program 'h3kit_no_such_program'" in v["unknown"]
     assert "the ranks do not hold the same DiT" in v["mismatch"] and "rank 0 (cpu) differs in files" in v["mismatch"]
     assert v["installed"] == [0, 1, 2]
+    assert v["wrong_rank0"] == ["MultiNPU: rank 0 must be the VAE's device cpu, got meta",
+                                "MultiNPU: rank 0 must be the VAE's device cpu, got no device"]
 
 
 def test_threads_run_the_worker_programs_of_the_process_transport(checks):

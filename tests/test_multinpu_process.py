@@ -121,6 +121,16 @@ def test_configs_are_checked_before_use(one_host):
     assert c["after"]["ok"]
 
 
+def test_comfyuis_free_reaches_the_workers_before_the_next_command(one_host):
+    # POST /free and ComfyUI's OOM handler empty the model cache (comfy.model_cache.clear): its listener asks the
+    # workers to free theirs, sent before the next command, which then installs its model again
+    c = one_host["configs"]
+    before = c["freed_before"]["value"]["freed"]
+    assert c["after_free"]["ok"] and c["after_free"]["value"] == 6.0, "the model was installed again after the free"
+    assert c["freed_after"]["value"]["freed"] == [n + 1 for n in before], "every rank freed once"
+    assert c["no_free"]["ok"] and c["freed_last"]["value"]["freed"] == [n + 1 for n in before], "no free, none sent"
+
+
 def test_a_killed_worker_fails_the_command_at_once_and_the_group_is_replaced(one_host):
     k = one_host["kill"]
     kind, message, seconds = error_of(k["killed"])
@@ -341,6 +351,11 @@ def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
     assert result["driver_pid_after"] == result["driver_pid"]
     assert not set(result["pids_before"].values()) & set(result["pids_after"].values())
     assert "the group's store (pid" in (tmp_path / "store_lost.log").read_text()
+    # killed while a command runs: the command fails naming the store (not a rank that left because it was gone)
+    kind, message, seconds = error_of(result["mid_command"])
+    assert f"the group's store (pid {result['mid_command_store_pid']}) ended (killed by SIGKILL)" in message, message
+    assert "during fail" in message and seconds < 4.0 + 10, "before the command would have ended by itself"
+    assert result["after_mid_command"]["ok"], result["after_mid_command"]
 
 
 def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(tmp_path):

@@ -137,6 +137,10 @@ def test_a_lora_after_the_node_is_refused(checks):
     v = value(checks, "te_patch_after_node_refused")
     assert v["patched"] == 1
     assert v["raised"] and "after MultiNPUParallelConfig" in v["raised"] and "apply it before" in v["raised"]
+    # a LoRA through upstream's loader whose key names a layer the ranks hold (the server's copy holds none)
+    assert len(v["lora_patched"]) == 1 and ".layers.0." in v["lora_patched"][0], "the LoRA was left out"
+    assert v["layer_meta"] and v["size_is_held"], "the copy names the ranks' weights at no size"
+    assert v["lora_raised"] and "after MultiNPUParallelConfig" in v["lora_raised"]
     assert len(v["plain_still_runs"]) == 3  # the parallel CLIP itself still encodes
 
 

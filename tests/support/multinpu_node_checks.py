@@ -383,9 +383,16 @@ def thread_runtime():
     finally:
         del group.PROGRAMS["h3kit_test_probe"], group.PROGRAMS["h3kit_test_fail"]
         rt.shutdown()
+    wrong_rank0 = []  # rank 0 works with the component's own copy: it must be on that copy's device
+    for devices in (["meta", "cpu"], []):
+        try:
+            comfy.multinpu_threads.ThreadRuntime.on(devices, torch.device("cpu"), "VAE", 5.0)
+        except ValueError as e:
+            wrong_rank0.append(str(e))
     return {"result": {"sum": out["sum"].tolist()}, "seen": {str(k): v for k, v in seen.items()},
             "copies": len({v["own_copy"] for v in seen.values()} | {x.data_ptr()}), "after": after,
             "failed": failed, "unknown": unknown, "mismatch": mismatch, "installed": sorted(installed),
+            "wrong_rank0": wrong_rank0,
             "spec": {"backend": rt.spec.backend, "world_size": rt.world_size, "rank1": rt.spec.describe_rank(1)}}
 
 

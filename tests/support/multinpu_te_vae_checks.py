@@ -382,7 +382,9 @@ def te_patch_after_node_refused():
     """A LoRA added to the parallel CLIP (after the node) names split weights: its load is refused, clearly."""
     import torch
     import comfy.multinpu_te as te
-    par = te.apply_tensor_parallel(_clip(), ["cpu"] * 2, timeout=5)
+    clip = _clip()
+    full = {k: t.shape for k, t in clip.cond_stage_model.state_dict().items()}
+    par = te.apply_tensor_parallel(clip, ["cpu"] * 2, timeout=5)
     lora = par.clone()
     key = next(k for k in lora.patcher.model.state_dict() if k.endswith("embed_tokens.weight"))
     w = lora.patcher.model.state_dict()[key]
@@ -393,6 +395,21 @@ def te_patch_after_node_refused():
         out["raised"] = None
     except RuntimeError as e:
         out["raised"] = str(e)
+    # a LoRA file's text-encoder keys name the ranks' layers: through upstream's loader they map onto the names the
+    # server's copy keeps (no memory), and the load is refused, not the LoRA left out
+    import comfy.sd
+    sd = par.cond_stage_model.state_dict()
+    layer = next(k for k in full if ".layers.0." in k and k.endswith("q_proj.weight"))
+    held = sum(t.nbytes for t in sd.values() if t.device.type != "meta")
+    out.update(layer_meta=layer in sd and sd[layer].device.type == "meta", size_is_held=par.patcher.model_size() == held)
+    _, with_lora = comfy.sd.load_lora_for_models(
+        None, par, {f"text_encoders.{layer[:-len('.weight')]}.diff": torch.zeros(full[layer])}, 0, 1.0)
+    out["lora_patched"] = sorted(with_lora.patcher.patches)
+    try:
+        _encode(with_lora, image=False)
+        out["lora_raised"] = None
+    except RuntimeError as e:
+        out["lora_raised"] = str(e)
     out["plain_still_runs"] = list(_encode(par, image=False).shape)
     return out
 

@@ -199,6 +199,15 @@ def scenario_configs(rt, args):
     missing = mp.RemoteConfig("config", {"digest": digest, "fail_on": 1, "name": "c.safetensors"}, digest, "model c")
     out["missing"] = _attempt(lambda: rt.run("uses_config", {"id": missing.id}, configs=[missing]))
     out["after"] = _attempt(lambda: _sum(rt))
+    # what POST /free and ComfyUI's OOM handler call (comfy.model_management.unload_all_models clears the model
+    # cache): the workers free theirs before the next command, which then installs its model again
+    import comfy.model_cache
+    out["freed_before"] = _attempt(lambda: rt.run("freed", {}))
+    comfy.model_cache.clear()
+    out["after_free"] = _attempt(lambda: rt.run("uses_config", {"id": good.id}, configs=[good]))
+    out["freed_after"] = _attempt(lambda: rt.run("freed", {}))
+    out["no_free"] = _attempt(lambda: rt.run("uses_config", {"id": good.id}, configs=[good]))
+    out["freed_last"] = _attempt(lambda: rt.run("freed", {}))
     return out
 
 
@@ -538,6 +547,12 @@ def scenario_store_lost(rt, args):
     out["store_pid_after"] = rt._store.proc.pid
     out["store_starts"] = rt._store.starts
     out["pids_after"] = dict(rt.members)
+    if not args.flood:  # then while a command runs: it fails naming the store, and the one after runs
+        store_pid = rt._store.proc.pid
+        _later(1.0, lambda: os.kill(store_pid, signal.SIGKILL))
+        out["mid_command"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=4.0))
+        out["mid_command_store_pid"] = store_pid
+        out["after_mid_command"] = _attempt(lambda: _sum(rt))
     out["driver_pid_after"] = os.getpid()
     return out
 

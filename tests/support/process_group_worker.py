@@ -95,6 +95,13 @@ def _uses_config(context, comm, payload):
     return comfy.multinpu.all_reduce(torch.tensor([float(len(held.digest))]), comm).item()
 
 
+@mp.program("freed")
+def _freed(context, comm, payload):
+    """How often each rank was asked to free its models (context.free), and the configurations it holds."""
+    counts = comfy.multinpu.all_gather_flat(torch.tensor([float(len(context.freed))]), comm)  # [P]
+    return {"freed": [int(c) for c in counts.tolist()], "configs": len(context.configs)}
+
+
 def main():
     wire.die_with_parent()
     spec = wire.GroupSpec.from_json(os.environ[wire.GROUP_ENV])
@@ -103,6 +110,7 @@ def main():
     freed = []
     context = mp.WorkerContext(spec, rank, "cpu")
     context.free = lambda: freed.append(time.time())
+    context.freed = freed
     mp.serve(context)
 
 

@@ -593,7 +593,7 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str 
     if foreign:
         raise ValueError(f"MultiNPU: DiT blocks {sorted(k[1] for k in foreign)} are already replaced by another node; "
                          "sequence parallelism needs every block")
-    runtime = runtime or thread_runtime(patcher, devices, timeout)
+    runtime = runtime or comfy.multinpu_threads.ThreadRuntime.on(devices, patcher.load_device, "model", timeout)
     src = comfy.multinpu_models.source(patcher.model, "diffusion model")
     patches = comfy.multinpu_models.weight_patches(patcher, "diffusion model")
     # ranks that are threads of this process load nothing: they take this model (their patches are the config's)
@@ -632,14 +632,6 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str 
     logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {comfy.multinpu_threads.describe_ranks(runtime)}, attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
                  f"{len(patches)} weight patch(es) sent to the ranks")
     return m
-
-
-def thread_runtime(patcher: ModelPatcher, devices, timeout: float):
-    """The ranks as threads of this process on `devices`, rank 0 on the model's load device."""
-    devices = [torch.device(d) for d in devices]
-    if devices[0] != patcher.load_device:
-        raise ValueError(f"MultiNPU: rank 0 must be the model's load device {patcher.load_device}, got {devices[0]}")
-    return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
 
 
 def _weights_line(weights: str, patcher: ModelPatcher, world: int) -> str:

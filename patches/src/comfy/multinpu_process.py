@@ -126,6 +126,7 @@ class GroupRuntime:
         self._local = None
         self._thread = None
         self._store = None             # channel.StoreHost: the store's own process
+        self._store_ended = {}         # generation -> how the store ended while it was current
         self._channel = None           # channel.ChannelServer: the command channel (this host's workers; beats of all)
         self._own_channel_dir = None   # a temporary folder for it when there is no runtime root
         self._links = {}               # (generation, pid) -> (Link, queue of its messages): rank 0's connections
@@ -192,6 +193,8 @@ class GroupRuntime:
         why = "past its memory limit: a flood of keys" if code == channel.STORE_EXIT else launch._exit_reason(code)
         logging.error(f"MultiNPU: the group's store (pid {self._store.proc.pid}) ended ({why}); starting it again "
                       "and replacing the group")
+        # a command in flight fails naming the store, not the ranks that left because it was gone
+        self._store_ended[self.generation] = f"the group's store (pid {self._store.proc.pid}) ended ({why})"
         self._store.start()
         self._connect_store()
         self._abort_generation("the group's store ended")
@@ -673,18 +676,36 @@ class GroupRuntime:
                 if isinstance(rep, dict) and rep.get("g") == g and rep.get("n") == n and rep.get("pid") == self.members.get(0):
                     return rep
                 logging.warning(f"MultiNPU: dropped a message of worker rank 0 that is not the result of command {n}")
-            self._watch()
-            if closed_at is not None and time.monotonic() - closed_at > 2.0 and not self.dead:
-                self._note_death(0, self.members.get(0), "closed the command channel")
-            if self.dead or self.state != "ready":
+            try:
+                self._watch()
+                if closed_at is not None and time.monotonic() - closed_at > 2.0 and not self.dead:
+                    self._note_death(0, self.members.get(0), "closed the command channel")
+                failed = self.dead or self.state != "ready"
+                if not failed:
+                    count = self.ctl.counter(f"failed/{g}")
+                    # the counter only says where to look (anyone reaching the store can add to it): a failure
+                    # is a signed report from a member
+                    failed = count != hint and bool(self._reports(g, n))
+                    hint = count
+            except Exception as e:
+                if not self._store_ended_now(e):
+                    raise
+                failed = True
+            if failed:
                 raise self._failure(name, g, n, t0)
-            count = self.ctl.counter(f"failed/{g}")
-            if count != hint:
-                # the counter only says where to look (anyone reaching the store can add to it): a failure is
-                # a signed report from a member
-                hint = count
-                if self._reports(g, n):
-                    raise self._failure(name, g, n, t0)
+
+    def _store_ended_now(self, e: BaseException) -> bool:
+        """True when `e` is the store's process gone (its connection reset): the store is started again and the
+        generation aborted (_watch), and the command in flight fails naming the store."""
+        if not channel._store_gone(e):
+            return False
+        deadline = time.monotonic() + 5.0
+        while self._store.alive() and time.monotonic() < deadline:
+            time.sleep(wire.POLL)
+        if self._store.alive():
+            return False
+        self._watch()
+        return True
 
     def _reports(self, g: int, n: int) -> dict:
         """{rank: signed error report of command n written by the member itself}."""
@@ -709,7 +730,7 @@ class GroupRuntime:
                     if isinstance(rep, dict) and rep.get("pid") == pid:
                         reports[r] = rep
             self._watch()
-            if any(not rep.get("collective") for rep in reports.values()):
+            if any(not rep.get("collective") for rep in reports.values()) or g in self._store_ended:
                 break
             if any(r not in reports and not launch.secondary(self.dead[r]) for r in self.dead):
                 # a death is a root cause by itself (unless its launcher caused it: then the death that made the
@@ -721,7 +742,10 @@ class GroupRuntime:
         primary = {r: rep for r, rep in reports.items() if not rep.get("collective")}
         # in the order they were seen, the first death first; deaths a launcher caused after another rank's last
         dead = sorted((r for r in self.dead if r not in reports), key=lambda r: launch.secondary(self.dead[r]))
-        if primary:
+        if g in self._store_ended and not primary:
+            exc = wire.GroupError(f"MultiNPU: {self._store_ended[g]} during {name}; every rank lost its connection "
+                                  "to it")
+        elif primary:
             r = min(primary, key=lambda r: (primary[r].get("time") or 0, r))
             exc = _rank_exception(self.spec, r, primary[r], name)
         elif dead:

@@ -453,6 +453,21 @@ def _refuse_weight_patches(patcher, *args):
                            "the node (which then runs that text encoder on one device)")
 
 
+def _name_rank_weights(model0, full):
+    """The server's copy names the weights the ranks hold in its state_dict, as meta tensors (no memory): a
+    text-encoder LoRA applied after the node then maps onto them (comfy.lora.model_lora_keys_clip reads these
+    names, ModelPatcher.add_patches keeps a patch whose key is there) and its load is refused
+    (_refuse_weight_patches) instead of the LoRA being left out with a "lora key not loaded" per weight. The
+    patcher's size is measured before (model_size above), so the names cost nothing in memory planning."""
+    held = set(model0.state_dict())
+    absent = {k: (t.shape, t.dtype) for k, t in full.state_dict().items() if k not in held}
+
+    def names(module, state_dict, prefix, local_metadata):
+        for k, (shape, dtype) in absent.items():
+            state_dict[prefix + k] = torch.empty(shape, dtype=dtype, device="meta")
+    model0.register_state_dict_post_hook(names)
+
+
 def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
                           timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> CLIP:
     """A clone of `clip` whose text encoder's layers run on the ranks of `runtime`.
@@ -477,7 +492,8 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
         raise ValueError(f"MultiNPU: the text encoder carries {len(clip.patcher.patches)} weight patches (a LoRA); "
                          "tensor parallelism splits the weights they name")
     src = comfy.multinpu_models.source(clip.cond_stage_model, "text encoder")
-    runtime = runtime or thread_runtime(clip, devices, timeout)  # its threads start with its first command
+    # threads: they start with the runtime's first command
+    runtime = runtime or comfy.multinpu_threads.ThreadRuntime.on(devices, clip.patcher.load_device, "text encoder", timeout)
     mode = choose_mode(decoder, runtime.world_size, mode)
     # ranks that are threads of this process load nothing: they take this text encoder
     comfy.multinpu_models.offer(src, clip)
@@ -500,20 +516,13 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     n = clip.clone()
     n.cond_stage_model = model0
     n.patcher = comfy.multinpu_weights.device_patcher(clip.patcher, model0, clip.patcher.load_device)
+    n.patcher.model_size()  # what the copy holds, measured before it names the ranks' weights
+    _name_rank_weights(model0, clip.cond_stage_model)
     n.patcher.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, _refuse_weight_patches)
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
                  f"{comfy.multinpu_threads.describe_ranks(runtime)}; the server holds the embeddings and vision tower, "
                  f"{n.patcher.model_size() / 2**30:.2f} GiB, the ranks the layers")
     return n
-
-
-def thread_runtime(clip: CLIP, devices, timeout: float):
-    """The ranks as threads of this process on `devices`, rank 0 on the CLIP's load device."""
-    devices = [torch.device(d) for d in devices]
-    if devices[0] != clip.patcher.load_device:
-        raise ValueError(f"MultiNPU: rank 0 must be the text encoder's load device {clip.patcher.load_device}, "
-                         f"got {devices[0]}")
-    return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
 
 
 def get_runner(clip: CLIP):

@@ -84,6 +84,16 @@ class ThreadRuntime:
         # when the runtime goes away, what its ranks hold is unloaded at the next command, not in the collector
         weakref.finalize(self, _retire, self.contexts)
 
+    @classmethod
+    def on(cls, devices, primary, what: str, timeout: float):
+        """The ranks as threads of this process on `devices`; rank 0 must be `primary`, the device of `what`
+        (the model, text encoder or VAE whose copy rank 0 works with)."""
+        devices = [torch.device(d) for d in devices or ()]
+        if not devices or devices[0] != torch.device(primary):
+            raise ValueError(f"MultiNPU: rank 0 must be the {what}'s device {primary}, got "
+                             f"{devices[0] if devices else 'no device'}")
+        return cls(devices, timeout)
+
     def _pool(self) -> comfy.multinpu.RankThreads:
         if self._threads is None or self._threads.broken:
             self._threads = comfy.multinpu.RankThreads(self.devices, set_device=comfy.multidevice.set_device,

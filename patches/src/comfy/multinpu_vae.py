@@ -263,7 +263,7 @@ def apply_decode_parallel(vae: VAE, devices=None, timeout: float = comfy.multinp
         what = "already split across devices" if isinstance(source, ParallelVideoVAE) else f"a {type(source).__name__}"
         raise ValueError(f"MultiNPU: parallel decode is for the MiniMax H3 video VAE; this VAE is {what}")
     src = comfy.multinpu_models.source(source, "VAE")
-    runtime = runtime or thread_runtime(vae, devices, timeout)
+    runtime = runtime or comfy.multinpu_threads.ThreadRuntime.on(devices, vae.device, "VAE", timeout)
     # ranks that are threads of this process load nothing: they take this VAE
     comfy.multinpu_models.offer(src, vae)
     # the loaded weights, back on the host, are the one host copy every rank's copy shares
@@ -287,15 +287,6 @@ def apply_decode_parallel(vae: VAE, devices=None, timeout: float = comfy.multinp
     logging.info(f"MultiNPU: video VAE decodes temporal chunks on {where} (every rank holds the decoder, the server "
                  f"the encoder, {n.patcher.model_size() / 2**30:.2f} of {vae.patcher.model_size() / 2**30:.2f} GiB)")
     return n
-
-
-def thread_runtime(vae: VAE, devices, timeout: float):
-    """The ranks as threads of this process on `devices`, rank 0 on the VAE's device."""
-    devices = [torch.device(d) for d in devices or ()]
-    if not devices or devices[0] != vae.device:
-        raise ValueError(f"MultiNPU: rank 0 of the VAE decode must be the VAE's device {vae.device}, got "
-                         f"{devices[0] if devices else 'no device'}")
-    return comfy.multinpu_threads.ThreadRuntime(devices, timeout)
 
 
 def get_runner(vae: VAE):
