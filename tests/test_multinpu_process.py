@@ -341,6 +341,55 @@ def test_the_channel_reaches_a_socket_past_the_unix_path_limit(tmp_path):
     channel.ChannelServer(folder, wire.Signer(b"k" * 64), lambda link, hello: None).close()
 
 
+def test_the_channel_listens_on_tcp_for_the_other_hosts_and_beats_come_back_after_a_closed_connection(tmp_path):
+    """The channel's TCP listener (the other hosts' beats) runs the Unix socket's handshake: a signed hello is
+    taken with the pid it names (no peer credential over TCP) and the peer's address, a foreign one is dropped
+    naming that address; a taken port is refused with the fix; beat() makes a closed connection again at the
+    next beat and its numbers go on growing, so the driver counts them as new."""
+    import socket
+    import threading
+    signer = wire.Signer(wire.new_key().encode())
+    got, first = [], threading.Event()
+
+    def on_link(link, hello):
+        while True:
+            got.append((hello, link.remote, link.recv()["seq"]))
+            if not first.is_set():  # the driver's end of the first connection closes after its first beat
+                first.set()
+                return
+    server = channel.ChannelServer(str(tmp_path / channel.CHANNEL_DIR), signer, on_link)
+    stop = threading.Event()
+    try:
+        port = server.listen_tcp("127.0.0.1", 0)
+        other = channel.ChannelServer(str(tmp_path / "other"), signer, on_link)
+        with pytest.raises(wire.GroupError, match=f"cannot listen on 127.0.0.1:{port} .*master port \\+ 2"):
+            other.listen_tcp("127.0.0.1", port)
+        other.close()
+        hello = {"role": "agent", "node": 1, "pid": 424242}  # another host's pid: taken as signed
+        beats = threading.Thread(target=channel.beat, args=(("127.0.0.1", port), signer, hello, stop), daemon=True)
+        beats.start()
+        deadline = time.monotonic() + 30
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [g[0] for g in got[:3]] == [hello] * 3 and all(g[1].startswith("127.0.0.1:") for g in got[:3]), got
+        seqs = [g[2] for g in got[:3]]
+        assert seqs == sorted(set(seqs)) and got[1][1] != got[0][1], "a new connection, numbers still growing"
+        foreign = wire.Signer(wire.new_key().encode())
+        dropped = server.dropped
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            nonce = channel._recv_exact(c, 32)
+            body = foreign.dumps((nonce, "w", 1, {"hello": hello}))
+            c.sendall(len(body).to_bytes(4, "big") + body)
+            assert c.recv(1) == b""  # closed without a word
+        assert server.dropped == dropped + 1
+    finally:
+        stop.set()
+        server.close()
+    with socket.socket() as s:  # closed: the port is free again at once
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
 def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
     """The store is a process of its own (not the server's); killed, it is started again on the same port and the
     group is replaced: the next command runs, the driver lives on."""
