@@ -345,7 +345,8 @@ def test_the_channel_listens_on_tcp_for_the_other_hosts_and_beats_come_back_afte
     """The channel's TCP listener (the other hosts' beats) runs the Unix socket's handshake: a signed hello is
     taken with the pid it names (no peer credential over TCP) and the peer's address, a foreign one is dropped
     naming that address; a taken port is refused with the fix; beat() makes a closed connection again at the
-    next beat and its numbers go on growing, so the driver counts them as new."""
+    next beat and its numbers go on growing, so the driver counts them as new; connections that say nothing
+    cannot keep a worker out (the oldest gives way)."""
     import socket
     import threading
     signer = wire.Signer(wire.new_key().encode())
@@ -382,6 +383,23 @@ def test_the_channel_listens_on_tcp_for_the_other_hosts_and_beats_come_back_afte
             c.sendall(len(body).to_bytes(4, "big") + body)
             assert c.recv(1) == b""  # closed without a word
         assert server.dropped == dropped + 1
+        # a client that opens connections and says nothing holds no one out: the oldest gives way to the newest
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(channel.MAX_PENDING)]
+        try:
+            for c in silent:
+                channel._recv_exact(c, 32)
+            before = len(got)
+            late = channel.connect_channel(("127.0.0.1", port), signer, hello, timeout=10)
+            late.send({"seq": 10**6})
+            deadline = time.monotonic() + 10
+            while len(got) == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert got[before:] and got[before][2] == 10**6, "a worker got in past the silent connections"
+            assert silent[0].recv(1) == b"", "the oldest silent connection was closed for it"
+            late.close()
+        finally:
+            for c in silent:
+                c.close()
     finally:
         stop.set()
         server.close()

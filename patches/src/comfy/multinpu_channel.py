@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
@@ -231,7 +232,7 @@ CHANNEL_SOCKET = "driver.sock"
 HELLO_LIMIT = 4096                   # bytes of a connection's first frame (who it is)
 FRAME_LIMIT = 256 << 20              # bytes of any frame (a command's header: its tensors go through /dev/shm)
 HANDSHAKE_TIMEOUT = 5.0
-MAX_PENDING = 16                     # connections not yet authenticated; more are closed at once
+MAX_PENDING = 16                     # connections not yet authenticated per listener; a new one closes the oldest
 
 
 class ChannelClosed(GroupError):
@@ -413,8 +414,9 @@ class ChannelServer:
 
     Both share one handshake: a connection is accepted only when its signed hello answers this connection's
     nonce; anything else is closed with a log line, its bytes never unpickled, a frame past the size limit
-    never read; each listener checks at most MAX_PENDING connections at a time (a flood on the TCP port cannot
-    keep this host's workers out). on_link(link, hello) takes each accepted connection (it runs on the
+    never read; each listener checks at most MAX_PENDING connections at a time, a new one closing the oldest (a
+    flood on the TCP port cannot keep this host's workers out, and a client that opens connections and says
+    nothing cannot keep anyone out for long). on_link(link, hello) takes each accepted connection (it runs on the
     connection's thread; link.remote is the TCP peer's "host:port", None on the Unix socket)."""
 
     def __init__(self, folder: str, signer: Signer, on_link):
@@ -425,6 +427,7 @@ class ChannelServer:
         self.dropped = 0
         self.tcp = None                  # the TCP listener's socket (listen_tcp)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         address, fd = _address(self.path)
         try:
@@ -463,7 +466,7 @@ class ChannelServer:
         return sock.getsockname()[1]
 
     def _listen(self, sock, tcp: bool):
-        pending = threading.Semaphore(MAX_PENDING)  # one per listener
+        pending = collections.OrderedDict()  # one per listener: connection -> "evicted" flag, oldest first
         threading.Thread(target=self._accept, args=(sock, pending, tcp), daemon=True,
                          name=f"multinpu-channel-{'tcp' if tcp else 'unix'}").start()
 
@@ -474,9 +477,17 @@ class ChannelServer:
             except OSError:
                 return
             remote = f"{addr[0]}:{addr[1]}" if tcp else None
-            if not pending.acquire(blocking=False):
-                self._drop(conn, f"{MAX_PENDING} connections are already being checked", remote)
-                continue
+            with self._lock:
+                if len(pending) >= MAX_PENDING:
+                    # the oldest gives way, not the newest: a client holding MAX_PENDING connections without a
+                    # hello would otherwise keep every worker out (a real one says its hello at once)
+                    oldest = next(iter(pending))
+                    pending[oldest] = True
+                    try:
+                        oldest.shutdown(socket.SHUT_RDWR)  # its handshake thread drops it
+                    except OSError:
+                        pass
+                pending[conn] = False
             threading.Thread(target=self._handshake, args=(conn, pending, remote), name="multinpu-channel-link",
                              daemon=True).start()
 
@@ -519,9 +530,13 @@ class ChannelServer:
                     return self._drop(conn, f"its hello names pid {hello['pid']}", peer)
                 conn.settimeout(None)
             except (OSError, GroupError) as e:
+                if pending.get(conn):
+                    return self._drop(conn, f"the oldest of {MAX_PENDING} connections being checked, closed for "
+                                      "a newer one", peer)
                 return self._drop(conn, str(e) or type(e).__name__, peer)
         finally:
-            pending.release()
+            with self._lock:
+                pending.pop(conn, None)
         who = f"pid {hello['pid']}" + (f" at {remote}" if remote else "")
         try:
             self.on_link(link, hello)
