@@ -26,7 +26,8 @@ for v in $pythons; do
 done
 
 start=$(date +%s)
-"$main_py" -m pytest -n "${H3KIT_TEST_WORKERS:-2}" --dist loadfile "$@"
+# files in tests/conftest.py's order (the longest first), not xdist's default of the most tests first
+"$main_py" -m pytest -n "${H3KIT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 echo "tests: main run (python $("$main_py" -c 'import platform; print(platform.python_version())')) took $(( $(date +%s) - start )) s"
 wait

@@ -235,7 +235,7 @@ def scenario_kill_while_loading(rt, args):
     load, so torchrun's stopping of that sibling is often seen first (issue 19's 300 s wait: the sibling's death
     aborted the idle-looking generation and the victim's, seen next, was dropped)."""
     import random
-    mp.LOAD_TIMEOUT = min(mp.LOAD_TIMEOUT, args.load_timeout)  # a hang shows as a load past this bound
+    wire.LOAD_TIMEOUT = min(wire.LOAD_TIMEOUT, args.load_timeout)  # a hang shows as a load past this bound
     rounds = []
     out = {"first": _attempt(lambda: _sum(rt)), "rounds": rounds}
     digest = {"files": "te", "options": "x"}
@@ -265,7 +265,7 @@ def scenario_death_after_load_report(rt, args):
     (torchrun stopping a dead worker's sibling that had finished its load, in either order): the driver, which
     waits for the ranks' load reports with no command in flight, must fail the load naming rank 2, not wait for
     rank 3's report until the load timeout (issue 19's 300 s wait)."""
-    mp.LOAD_TIMEOUT = min(mp.LOAD_TIMEOUT, args.load_timeout)
+    wire.LOAD_TIMEOUT = min(wire.LOAD_TIMEOUT, args.load_timeout)
     out = {"first": _attempt(lambda: _sum(rt)), "pids": dict(rt.members)}
     digest = {"files": "te", "options": "x"}
     cfg = mp.RemoteConfig("config", {"digest": digest, "name": "te.safetensors",

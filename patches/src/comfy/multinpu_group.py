@@ -261,7 +261,7 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
             fn = _BUILTINS.get(name) or PROGRAMS.get(name)
             if fn is None:
                 raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
-            _inject_fault(context, name)
+            inject_fault(context, name)
             # the workers run in the driver's grad and inference modes (ComfyUI executes prompts in inference mode)
             with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
                 result = fn(context, comm, payload)
@@ -311,7 +311,7 @@ def _post_result(context: WorkerContext, header: dict, g: int, n: int, result):
     context.link.send({"g": g, "n": n, "pid": os.getpid(), "data": data, "metas": metas, "nbytes": nbytes})
 
 
-def _inject_fault(context: WorkerContext, name: str):
+def inject_fault(context: WorkerContext, name: str):
     for fault in os.environ.get(FAULT_ENV, "").split(","):
         program, _, rest = fault.partition(":")
         kind, _, trigger = rest.partition(":")
@@ -346,7 +346,7 @@ def _install(context: WorkerContext, comm, payload):
     def load():
         key = f"ready/{payload['id']}/{context.rank}"
         try:
-            _inject_fault(context, payload["program"])
+            inject_fault(context, payload["program"])
             held = PROGRAMS[payload["program"]](context, comm, payload["payload"])
             context.configs[payload["id"]] = held
             ctl.put(key, {"pid": os.getpid(), "digest": held.digest})

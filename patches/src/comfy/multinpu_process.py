@@ -55,7 +55,6 @@ import comfy.multinpu_channel as channel
 import comfy.multinpu_launch as launch
 import comfy.multinpu_wire as wire
 
-LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
 WAITING_LOG = 10.0                   # while the group forms or loads, what it waits for is logged this often
@@ -782,7 +781,7 @@ class GroupRuntime:
             weakref.finalize(cfg, self._drops.append, cfg.id)  # the workers let go of it with the driver
         t0 = time.monotonic()
         self._execute("install", {"id": cfg.id, "program": cfg.program, "payload": cfg.payload, "ranks": todo})
-        reports = self._wait_reports(f"ready/{cfg.id}", todo, LOAD_TIMEOUT, f"loading {cfg.what}")
+        reports = self._wait_reports(f"ready/{cfg.id}", todo, wire.LOAD_TIMEOUT, f"loading {cfg.what}")
         failed = {r: rep for r, rep in reports.items() if "error" in rep}
         if failed:
             r = min(failed)

@@ -138,7 +138,7 @@ class ThreadRuntime:
             if nbytes:
                 buf = comm.broadcast(buf, 0)
             args = wire.unpack(data, wire.unflatten(buf, metas))
-            group._inject_fault(context, name)
+            group.inject_fault(context, name)
             result = fn(context, comm, args)
             after = None
             if isinstance(result, group.After):
