@@ -260,6 +260,9 @@ def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_o
     assert probes["sent"] > 100 and probes["closed"] == probes["sent"], probes
     assert result["healthy"]["ok"] and result["pids_healthy"] == result["pids_before"], \
         "no healthy rank was killed while its heartbeats were forged and the store's keys deleted"
+    # and the ranks file tells the truth meanwhile: node 1's announcements deleted are no deaths
+    assert {int(r): v for r, v in result["ranks_while_deleted"].items()} == {
+        r: {"alive": True, "pid": pid} for r, pid in ((int(r), p) for r, p in result["pids_before"].items())}
     for name, rank in (("remote_stopped", "3 (cpu, node 1)"), ("local_stopped", "1 (cpu, node 0)")):
         kind, message, seconds = error_of(result[name])
         assert kind == "RankDied" and f"rank {rank}" in message and "no heartbeat" in message, message

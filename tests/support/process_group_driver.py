@@ -472,6 +472,7 @@ def scenario_forged_heartbeats(rt, args):
     forger = threading.Thread(target=forge, daemon=True)
     forger.start()
     time.sleep(3 * wire.HEARTBEAT_STALE)  # idle: the monitor checks every rank's heartbeat all along
+    out["ranks_while_deleted"] = {r["rank"]: {"alive": r["alive"], "pid": r.get("pid")} for r in rt.ranks()}
     idle.clear()  # from here only the beat keys of old: the group must re-form after each hang (SPARED aside)
     out["deleted_while_idle"] = dict(deleted)
     out["healthy"] = _attempt(lambda: _sum(rt))

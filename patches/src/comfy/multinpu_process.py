@@ -112,6 +112,7 @@ class GroupRuntime:
         self._stop = threading.Event()
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
+        self._remote_seen = {}         # rank -> the newest announcement of another host's worker (_remote_worker)
         self._agent_hb = {}            # node -> ({agent pid: newest beat}, monotonic time of the last new one)
         self._agent_beats = {}         # (node, agent pid) -> the newest heartbeat seq on its channel connection
         self._watch_lock = threading.RLock()
@@ -366,8 +367,8 @@ class GroupRuntime:
         if self.spec.node_of(rank) == 0:
             host = socket.gethostname()
         else:
-            info = self._mon.peek(f"worker/{rank}")
-            host = info.get("host") if isinstance(info, dict) else None
+            info = self._remote_worker(rank)
+            host = info.get("host") if info else None
         return f"{self.spec.describe_rank(rank)}" + (f", host {host}" if host else "")
 
     def _fail(self, message: str):
@@ -393,9 +394,9 @@ class GroupRuntime:
             if self.spec.node_of(rank) == 0:
                 pid = self._local.pid(rank)
             else:
-                info = self._mon.peek(f"worker/{rank}")
+                info = self._remote_worker(rank)
                 exited = self._remote_exits.get(rank)
-                pid = info.get("pid") if isinstance(info, dict) else None
+                pid = info.get("pid") if info else None
                 if exited is not None and exited.get("pid") == pid:
                     pid = None
             out[rank] = None if pid is not None and self._identity(rank, pid) in self._retired else pid
@@ -406,8 +407,17 @@ class GroupRuntime:
         if self.spec.node_of(rank) == 0:
             info = self._local.info.get(rank) or {}
         else:
-            info = self._mon.peek(f"worker/{rank}") or {}
-        return (pid, info.get("create_time") if isinstance(info, dict) and info.get("pid") == pid else None)
+            info = self._remote_worker(rank) or {}
+        return (pid, info.get("create_time") if info.get("pid") == pid else None)
+
+    def _remote_worker(self, rank: int):
+        """The newest signed announcement ({"pid", "host", ...}) of another host's worker for `rank`, else None.
+        One gone from the store is no death (a store client can delete any key): the one seen last stands until
+        a newer one replaces it, and an exit report or the silence of its beats or of its host ends it."""
+        info = self._mon.peek(f"worker/{rank}")
+        if isinstance(info, dict):
+            self._remote_seen[rank] = info
+        return self._remote_seen.get(rank)
 
     def _missing(self, ranks) -> str:
         """Who is missing, by node where a whole node is."""
@@ -869,8 +879,8 @@ class GroupRuntime:
             else:
                 info = {"rank": rank, "node": self.spec.node_of(rank), "local_rank": rank % self.spec.local_size,
                         "device": self.spec.device_name(rank)}
-                announced = self._mon.peek(f"worker/{rank}") if self.ctl is not None else None
-                if isinstance(announced, dict):
+                announced = self._remote_worker(rank) if self.ctl is not None else None
+                if announced:
                     info.update({k: announced.get(k) for k in ("host", "pid", "create_time", "cmdline")})
                 exited = self._remote_exits.get(rank)
                 info["alive"] = bool(announced) and not (exited and exited.get("pid") == info.get("pid"))
