@@ -165,6 +165,32 @@ def test_a_node_that_never_arrives_fails_within_the_bound(tmp_path):
     assert result["state"] == "failed" and time.monotonic() - t0 < 3 + 15
 
 
+def test_a_rank_that_never_makes_its_command_connection_is_named_within_the_join_timeout(tmp_path):
+    """The driver sends no command before every member's command connection is there: a worker of rank 2 that
+    never makes it (its process alive and beating) fails the forming within --join-timeout, naming rank 2 and the
+    channel."""
+    t0 = time.monotonic()
+    result = drive(tmp_path, "form_only", "--world", 3, "--join-timeout", 30,
+                   env=_env(H3KIT_TEST_NO_COMMAND_LINK="2"))
+    kind, message, _ = error_of(result["form"])
+    assert "rank 2 (cpu) did not connect to the command channel" in message, message
+    assert "rank 0" not in message and "rank 1" not in message, message
+    assert result["state"] == "failed" and time.monotonic() - t0 < 30 + 60
+
+
+def test_a_rank_whose_command_connection_closes_during_a_command_is_named(tmp_path):
+    """Worker rank 1 closes its command connection during a command and holds it (alive, in no collective): the
+    command fails within seconds naming rank 1 (the connection's end), the group is replaced, the next runs."""
+    result = drive(tmp_path, "closed_link", "--world", 3, "--timeout", 30, "--victim", 1, "--sleep", 20,
+                   env=_env(H3KIT_EMULATE_NO_RELEASE="1"))
+    assert result["first"]["ok"], result["first"]
+    kind, message, seconds = error_of(result["closed"])
+    assert kind == "RankDied" and "rank 1 (cpu)" in message and "closed the command channel" in message, message
+    assert f"pid {result['pids_before']['1']}" in message and seconds < 15, (message, seconds)
+    assert result["after"]["ok"] and result["after"]["value"] == [3.0] * 4, result["after"]
+    assert set(result["pids_after"].values()).isdisjoint(result["pids_before"].values())
+
+
 def test_messages_signed_with_another_key_are_refused():
     obj = {"name": "install", "payload": [1, 2]}
     mine, theirs = wire.Signer(b"k" * 64), wire.Signer(b"x" * 64)
@@ -181,9 +207,9 @@ FLOOD_BOUND = 32 << 20
 
 def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
     """The issue's probes: garbage in the next command's old slot, in `gen`, in a result and an error slot, a
-    bumped failure counter, a signed value replayed into the next command's error slot, a flood of keys; then the command channel:
-    garbage, an oversized frame, a hello signed with another key, one replayed from another connection, one
-    naming worker rank 0's pid, a flood of 4 MiB frames, and a connection by another user. No worker dies or acts
+    bumped failure counter, a signed value replayed into the next command's error slot, a flood of keys; then
+    the command channel: garbage, an oversized frame, a hello signed with another key, one replayed from another
+    connection, one naming worker rank 0's pid, a flood of 4 MiB frames, and a connection by another user. No worker dies or acts
     on them, the driver fails no command and does not grow, the next commands run on the same processes."""
     result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", FLOOD)
     assert result["during_replay"]["ok"] and result["during_replay"]["value"] == result["pids_before"]["0"], \

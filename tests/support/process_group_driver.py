@@ -535,6 +535,16 @@ def scenario_deleted_command(rt, args):
     return out
 
 
+def scenario_closed_link(rt, args):
+    """Worker rank --victim closes its command connection during a command and holds it (alive, in no
+    collective): the command fails naming that rank, the group is replaced, the next command runs."""
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    out["closed"] = _attempt(lambda: rt.run("close_link", {"rank": args.victim, "seconds": args.sleep}))
+    out["after"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    return out
+
+
 def scenario_store_lost(rt, args):
     """The store's process is SIGKILLed while the group is idle (with --flood N: N values of 4 MiB written into
     it, past its growth limit, and it ends itself): the driver starts it again on the same port, the whole

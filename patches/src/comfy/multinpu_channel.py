@@ -409,8 +409,8 @@ class ChannelServer:
       this host's workers (their commands, worker rank 0's results, their beats). Its peer must be the process
       the hello names (SO_PEERCRED: same pid, same uid).
     - With listen_tcp(), a TCP listener on the master address for the other hosts' workers and agents (their
-      commands and beats); any host that reaches the port can connect, and only a key holder can sign the hello (there is no
-      peer credential over TCP: the hello's pid is taken as signed).
+      commands and beats); any host that reaches the port can connect, and only a key holder can sign the hello
+      (there is no peer credential over TCP: the hello's pid is taken as signed).
 
     Both share one handshake: a connection is accepted only when its signed hello answers this connection's
     nonce; anything else is closed with a log line, its bytes never unpickled, a frame past the size limit

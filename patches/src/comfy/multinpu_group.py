@@ -7,8 +7,9 @@ other hosts comfy.multinpu_launch.
 
 - serve(): a worker's life. It waits for its next command on its own authenticated connection to the driver's
   command channel (every rank has one; no collective is open while the server is idle, however long, and no
-  command passes through the store), runs the command's program, and closes every command with a barrier. A program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so
-  the others' collectives fail at once instead of at the timeout; the next command forms a new generation.
+  command passes through the store), runs the command's program, and closes every command with a barrier. A
+  program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so the others'
+  collectives fail at once instead of at the timeout; the next command forms a new generation.
   A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one.
 - program(): registers a worker program (PROGRAMS); the built-ins install, drop and free models.
 - `python -B -m comfy.multinpu_group` runs the agent of another host (comfy.multinpu_launch.Agent).
