@@ -165,6 +165,32 @@ def test_a_node_that_never_arrives_fails_within_the_bound(tmp_path):
     assert result["state"] == "failed" and time.monotonic() - t0 < 3 + 15
 
 
+def test_a_rank_that_never_makes_its_command_connection_is_named_within_the_join_timeout(tmp_path):
+    """The driver sends no command before every member's command connection is there: a worker of rank 2 that
+    never makes it (its process alive and beating) fails the forming within --join-timeout, naming rank 2 and the
+    channel."""
+    t0 = time.monotonic()
+    result = drive(tmp_path, "form_only", "--world", 3, "--join-timeout", 30,
+                   env=_env(H3KIT_TEST_NO_COMMAND_LINK="2"))
+    kind, message, _ = error_of(result["form"])
+    assert "rank 2 (cpu) did not connect to the command channel" in message, message
+    assert "rank 0" not in message and "rank 1" not in message, message
+    assert result["state"] == "failed" and time.monotonic() - t0 < 30 + 60
+
+
+def test_a_rank_whose_command_connection_closes_during_a_command_is_named(tmp_path):
+    """Worker rank 1 closes its command connection during a command and holds it (alive, in no collective): the
+    command fails within seconds naming rank 1 (the connection's end), the group is replaced, the next runs."""
+    result = drive(tmp_path, "closed_link", "--world", 3, "--timeout", 30, "--victim", 1, "--sleep", 20,
+                   env=_env(H3KIT_EMULATE_NO_RELEASE="1"))
+    assert result["first"]["ok"], result["first"]
+    kind, message, seconds = error_of(result["closed"])
+    assert kind == "RankDied" and "rank 1 (cpu)" in message and "closed the command channel" in message, message
+    assert f"pid {result['pids_before']['1']}" in message and seconds < 15, (message, seconds)
+    assert result["after"]["ok"] and result["after"]["value"] == [3.0] * 4, result["after"]
+    assert set(result["pids_after"].values()).isdisjoint(result["pids_before"].values())
+
+
 def test_messages_signed_with_another_key_are_refused():
     obj = {"name": "install", "payload": [1, 2]}
     mine, theirs = wire.Signer(b"k" * 64), wire.Signer(b"x" * 64)
@@ -180,12 +206,14 @@ FLOOD_BOUND = 32 << 20
 
 
 def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
-    """The issue's probes: garbage in the next command's slot, in `gen`, in a result and an error slot, a bumped
-    failure counter, a signed command replayed into the next slot, a flood of keys; then the command channel:
-    garbage, an oversized frame, a hello signed with another key, one replayed from another connection, one
-    naming worker rank 0's pid, a flood of 4 MiB frames, and a connection by another user. No worker dies or acts
+    """The issue's probes: garbage in the next command's old slot, in `gen`, in a result and an error slot, a
+    bumped failure counter, a signed value replayed into the next command's error slot, a flood of keys; then
+    the command channel: garbage, an oversized frame, a hello signed with another key, one replayed from another
+    connection, one naming worker rank 0's pid, a flood of 4 MiB frames, and a connection by another user. No worker dies or acts
     on them, the driver fails no command and does not grow, the next commands run on the same processes."""
     result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", FLOOD)
+    assert result["during_replay"]["ok"] and result["during_replay"]["value"] == result["pids_before"]["0"], \
+        "a signed value replayed as a rank's error report: refused, the command ran"
     for step in ("first", "after_garbage", "after_replay", "after_flood", "after_channel"):
         assert result[step]["ok"] and result[step]["value"] == [3.0] * 4, (step, result[step])
     assert result["during_forgery"]["ok"] and result["during_forgery"]["value"] == result["pids_before"]["0"], \
@@ -196,9 +224,8 @@ def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
     assert result["flood_rss_growth"] < FLOOD_BOUND, result["flood_rss_growth"]
     assert result["flood_store_rss_growth"] > FLOOD * (4 << 20) // 2, "the flood did reach the store"
     log = (tmp_path / "hostile.log").read_text()
-    for r in (1, 2):  # worker rank 0 takes its commands from the channel, the others from the store
-        assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/2'" in log  # the garbage, logged once per rank
-        assert f"[rank {r}] MultiNPU: dropped store key 'cmd/1/4' (" in log and "signed for 'cmd/1/3'" in log
+    assert "dropped store key 'cmd/" not in log  # every rank takes its commands from the channel: none reads cmd/
+    assert any("dropped store key 'err/1/4/1' (" in line and "signed for 'up/1/1'" in line for line in log.splitlines())
     assert "dropped store key 'err/1/3/1'" in log  # the driver's side
 
     ch = result["channel"]
@@ -238,12 +265,30 @@ def test_the_channel_folder_must_be_private(tmp_path):
         mp.GroupRuntime(spec, wire.new_key()).start()
 
 
+def test_deleting_the_stores_keys_while_commands_run_costs_no_prompt(tmp_path):
+    """A store client without the key deletes, while five commands run, every command key it sees (cmd/{g}/{n}) and
+    every other key it lists but `layout` and the process groups' rendezvous keys: every command still runs, on
+    the same processes (each rank takes its commands on its own channel connection, none from the store). When
+    worker rank 0 relayed each command to the others through the store, deleting it failed 3 or 4 of the 5
+    commands after the group timeout and replaced the group."""
+    result = drive(tmp_path, "deleted_command", "--world", 3, "--timeout", 20, "--sleep", 1,
+                   env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=300)
+    assert result["first"]["ok"], result["first"]
+    for i, (held, attempt) in enumerate(zip(result["held"], result["attacked"])):
+        assert held["ok"] and held["value"] == result["pids_before"]["0"], (i, held)
+        assert attempt["ok"] and attempt["value"] == [3.0] * 4, (i, attempt)
+    assert result["deleted"] == [], "no command is in the store"
+    assert sum(result["deleted_keys"].values()) > 0, "the deleter did reach the store"
+    assert result["pids_attacked"] == result["pids_before"] == result["pids_after"]
+    assert result["generation_attacked"] == result["generation_before"]
+    assert result["after"]["ok"] and result["after"]["value"] == [3.0] * 4, result["after"]
+
+
 @pytest.mark.parametrize("launcher", ["h3kit", "torchrun"])
 def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path, launcher):
     """Two nodes: every rank and node 1's agent beat on the command channel (node 0's on its Unix socket, node
     1's on its TCP listener, the master port + 2). A store client without the key writes garbage into the
-    heartbeat keys of old and deletes every key the store lists (all but the relayed command and `layout`, see
-    SPARED, while the group is idle; the old beat keys all along), and a channel client floods the TCP port with
+    heartbeat keys of old and deletes every key the store lists (all but `layout`, see SPARED, while the group is idle; the old beat keys all along), and a channel client floods the TCP port with
     garbage, oversized frames and hellos signed with another key or for another connection, naming node 1's
     workers and agent, and sends hellos on the Unix socket naming a worker: for three heartbeat bounds nothing
     is killed, and a SIGSTOPped worker of node 1, then one of node 0, is still named hung within the bound. On

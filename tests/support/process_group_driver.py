@@ -288,9 +288,10 @@ def scenario_death_after_load_report(rt, args):
 
 
 def scenario_hostile(rt, args):
-    """A local user without the key writes into the control store: garbage into the next command's slot, into
-    `gen` and into a result slot; a signed command copied into another slot; a bumped failure counter; then a
-    flood of keys. Every worker must drop what it cannot verify and keep serving. Then the command channel:
+    """A local user without the key writes into the control store: garbage into the next command's old slot
+    (cmd/{g}/{n}: no command is in the store now), into `gen` and into a result slot; a signed value copied into
+    another slot (a rank's `up` into the next command's error report); a bumped failure counter; then a flood of
+    keys. Every worker must drop what it cannot verify and keep serving. Then the command channel:
     what this user can send on it (garbage, an oversized frame, a hello signed with another key, one replayed
     from another connection, one naming worker rank 0's pid, a flood of big frames) is dropped, and another
     user cannot connect at all."""
@@ -311,9 +312,11 @@ def scenario_hostile(rt, args):
     _later(0.5, forge)
     out["during_forgery"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=1.5, steps=1, at=0))
     n += 1
-    copied = evil.get(f"cmd/{g}/{n}")  # a command this service signed (relayed by rank 0), for slot n
-    evil.set(f"cmd/{g}/{n + 1}", copied)  # replayed into the next slot
-    time.sleep(1.0)
+    copied = evil.get(f"up/{g}/1")  # a value this service signed, for slot up/{g}/1
+    evil.set(f"err/{g}/{n + 1}/1", copied)  # replayed as rank 1's error report of the next command (the failure
+    # counter bumped above makes the driver read it)
+    # the driver reads the reports while a command runs: one that holds the group for a while
+    out["during_replay"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=1.0, steps=1, at=0))
     out["after_replay"] = _attempt(lambda: _sum(rt))
     out["replayed_runs"] = rt.commands
     me, store = psutil.Process(), psutil.Process(rt._store.proc.pid)
@@ -397,10 +400,9 @@ def _channel_probes(rt, args):
     return out
 
 
-# What the deleter leaves alone (docs/multinpu.md, "What a store client can still do"): deleting the command
-# worker rank 0 relays to the others (cmd/...) can cost the prompt in flight, and deleting `layout` holds every
-# worker started afterwards (the replacements after a failure) until the join timeout.
-SPARED = ("cmd/", "layout")
+# What the deleter leaves alone (docs/multinpu.md, "What a store client can still do"): deleting `layout` holds
+# every worker started afterwards (the replacements after a failure) until the join timeout.
+SPARED = ("layout",)
 
 
 def scenario_forged_heartbeats(rt, args):
@@ -496,26 +498,49 @@ def scenario_forged_heartbeats(rt, args):
 
 
 def scenario_deleted_command(rt, args):
-    """What a store client without the key does today by deleting the command worker rank 0 relays to the others
-    (cmd/{g}/{n}) as soon as it appears (not fixed: docs/multinpu.md, "What must be a trusted network"): five
-    commands under the deleter, then one without it."""
-    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    """A store client without the key deleting, while five commands run, every command key it sees (cmd/{g}/{n},
+    where worker rank 0 relayed each command to the others before the commands went to every rank on its own
+    channel connection) and every other key it lists but `layout` and the process groups' rendezvous keys
+    (pg{g}/...); then one command without it."""
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members), "generation_before": rt.generation}
     raw = channel.connect_store("127.0.0.1", rt.port, 10.0)
-    stop, hits = threading.Event(), []
+    prefix = channel.STORE_PREFIX + "/"
+    stop, hits, deleted = threading.Event(), [], {}
 
     def delete():
         while not stop.is_set():
             g, n = rt.generation, rt.next_cmd
             for k in (n - 1, n):
-                key = f"{channel.STORE_PREFIX}/cmd/{g}/{k}"
+                key = f"{prefix}cmd/{g}/{k}"
                 if raw.check([key]) and raw.delete_key(key):
                     hits.append([g, k])
+            for key in raw.list_keys():
+                name = key[len(prefix):] if key.startswith(prefix) else key
+                if name != "layout" and not key.startswith("pg") and raw.delete_key(key):
+                    group = name.split("/")[0]
+                    deleted[group] = deleted.get(group, 0) + 1
     deleter = threading.Thread(target=delete, daemon=True)
     deleter.start()
-    out["attacked"] = [_attempt(lambda: _sum(rt)) for _ in range(5)]
+    out["attacked"], out["held"] = [], []
+    for _ in range(5):  # a prompt: a command that holds the group for a while, then one with inputs and a result
+        out["held"].append(_attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=args.sleep, steps=2, at=0)))
+        out["attacked"].append(_attempt(lambda: _sum(rt)))
     stop.set()
     deleter.join(5)
     out["deleted"] = hits
+    out["deleted_keys"] = deleted
+    out["pids_attacked"] = dict(rt.members)
+    out["generation_attacked"] = rt.generation
+    out["after"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    return out
+
+
+def scenario_closed_link(rt, args):
+    """Worker rank --victim closes its command connection during a command and holds it (alive, in no
+    collective): the command fails naming that rank, the group is replaced, the next command runs."""
+    out = {"first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
+    out["closed"] = _attempt(lambda: rt.run("close_link", {"rank": args.victim, "seconds": args.sleep}))
     out["after"] = _attempt(lambda: _sum(rt))
     out["pids_after"] = dict(rt.members)
     return out
@@ -665,7 +690,8 @@ def main(argv=None):
     ap.add_argument("--launcher", default="h3kit", choices=wire.LAUNCHERS)
     ap.add_argument("--agent", action="store_true", help="start node 1's agent (two nodes)")
     ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
-    ap.add_argument("--sleep", type=float, default=3.0, help="agent_lost: how long rank 0 holds the command")
+    ap.add_argument("--sleep", type=float, default=3.0, help="agent_lost, deleted_command: how long rank 0 holds a "
+                    "command")
     ap.add_argument("--load-timeout", type=float, default=60.0, help="kill_while_loading: the driver's load bound")
     ap.add_argument("--repeat", type=int, default=1, help="kill_while_loading: how many rounds")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")

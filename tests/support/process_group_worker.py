@@ -26,6 +26,30 @@ import comfy.multinpu_group as mp  # noqa: E402
 import comfy.multinpu_wire as wire  # noqa: E402
 
 
+# H3KIT_TEST_NO_COMMAND_LINK=R: worker rank R never makes its command connection (it hangs there, beating), so the
+# driver's forming must name it within the join timeout
+NO_COMMAND_LINK = "H3KIT_TEST_NO_COMMAND_LINK"
+if os.environ.get(NO_COMMAND_LINK):
+    _connect_channel = mp.connect_channel
+
+    def _never_for_commands(address, signer, hello, *args, **kwargs):
+        if hello.get("role") == "command" and hello.get("rank") == int(os.environ[NO_COMMAND_LINK]):
+            time.sleep(3600)
+        return _connect_channel(address, signer, hello, *args, **kwargs)
+    mp.connect_channel = _never_for_commands
+
+
+@mp.program("close_link")
+def _close_link(context, comm, payload):
+    """Rank payload["rank"] closes its command connection and holds the command for payload["seconds"] (a rank
+    whose connection ends during a command, its process alive); the others wait in the closing barrier."""
+    if context.rank == payload["rank"]:
+        import socket
+        context.link.sock.shutdown(socket.SHUT_RDWR)
+        time.sleep(payload["seconds"])
+    return os.getpid()
+
+
 @mp.program("sum")
 def _sum(context, comm, payload):
     """Every rank adds its rank to the payload's (zero) tensor: 0 + 1 + ... + P-1 everywhere."""

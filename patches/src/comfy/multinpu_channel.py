@@ -2,13 +2,13 @@
 
 - The store: one TCPStore for the life of the service, in a small process of its own (StoreHost;
   `python -B -m comfy.multinpu_channel --store ...`), listening on the master address only, read and written
-  through Control (every value signed for its key). Generation g of the group has its members in "gen/{g}"
-  and its commands, relayed by worker rank 0, in "cmd/{g}/{n}", numbered from 1; its process group uses
-  PrefixStore(f"pg{g}"), so re-forming needs no new port.
+  through Control (every value signed for its key). Generation g of the group has its members in "gen/{g}";
+  its process group uses PrefixStore(f"pg{g}"), so re-forming needs no new port. No command is in the store.
 - The command channel (ChannelServer, Link): a Unix socket in a 0700 folder of the runtime root, from the
-  driver to this host's workers: worker rank 0 takes each command there and returns its result there, every
-  local worker beats there. With several hosts, the same channel also listens on TCP (master address, master
-  port + 2) for the other hosts' workers and agents, which beat there (beat()). Frames are length-prefixed,
+  driver to this host's workers: every worker takes its commands there (numbered from 1 per generation, on a
+  connection of its own), worker rank 0 returns each result there, every local worker beats there. With
+  several hosts, the same channel also listens on TCP (master address, master port + 2) for the other hosts'
+  workers and agents, which take their commands and beat there (beat()). Frames are length-prefixed,
   capped and signed per connection (nonce, direction, sequence), so garbage, replays and foreign frames are
   dropped with a log line. No beat is in the store: a store client (anyone reaching its port) can delete keys,
   and a beat it deleted would be a worker taken for hung.
@@ -406,11 +406,11 @@ class ChannelServer:
     """The driver's end of the command channel.
 
     - A Unix socket in a folder only this user can enter (private_dir), so no other local user can connect:
-      this host's workers (worker rank 0's commands, every local worker's beats). Its peer must be the process
+      this host's workers (their commands, worker rank 0's results, their beats). Its peer must be the process
       the hello names (SO_PEERCRED: same pid, same uid).
     - With listen_tcp(), a TCP listener on the master address for the other hosts' workers and agents (their
-      beats); any host that reaches the port can connect, and only a key holder can sign the hello (there is no
-      peer credential over TCP: the hello's pid is taken as signed).
+      commands and beats); any host that reaches the port can connect, and only a key holder can sign the hello
+      (there is no peer credential over TCP: the hello's pid is taken as signed).
 
     Both share one handshake: a connection is accepted only when its signed hello answers this connection's
     nonce; anything else is closed with a log line, its bytes never unpickled, a frame past the size limit

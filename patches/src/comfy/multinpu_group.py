@@ -5,10 +5,11 @@ workers (comfy.multinpu_worker) are ranks 0 .. N-1. The group's settings and wir
 comfy.multinpu_wire, its store and command channel comfy.multinpu_channel, its launchers and the agents of
 other hosts comfy.multinpu_launch.
 
-- serve(): a worker's life. It waits for its next command in a blocking store wait (no collective is open
-  while the server is idle, however long), runs the command's program, and closes every command with a
-  barrier. A program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so
-  the others' collectives fail at once instead of at the timeout; the next command forms a new generation.
+- serve(): a worker's life. It waits for its next command on its own authenticated connection to the driver's
+  command channel (every rank has one; no collective is open while the server is idle, however long, and no
+  command passes through the store), runs the command's program, and closes every command with a barrier. A
+  program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so the others'
+  collectives fail at once instead of at the timeout; the next command forms a new generation.
   A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one.
 - program(): registers a worker program (PROGRAMS); the built-ins install, drop and free models.
 - `python -B -m comfy.multinpu_group` runs the agent of another host (comfy.multinpu_launch.Agent).
@@ -85,7 +86,7 @@ class WorkerContext:
         self.device = torch.device(device)
         self.configs = {}
         self.ctl = None
-        self.link = None        # rank 0: its connection to the driver's command channel
+        self.link = None        # its connection to the driver's command channel (commands; rank 0: results)
         self.generation = None  # the generation this process joins or serves
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
@@ -235,16 +236,14 @@ def _init_group(spec: GroupSpec, store, rank: int, device: torch.device):
 
 def _commands(ctl: Control, context: WorkerContext, g: int):
     comm = comfy.multinpu.ProcessComm(device=context.device, timeout=context.spec.timeout)
-    if context.rank == 0:
-        # worker rank 0 takes the commands from the driver on its own connection to the command channel
-        context.link = connect_channel(context.spec.channel, ctl.signer, {"role": "command", "rank": 0,
-                                                                          "pid": os.getpid(), "generation": g})
+    # every rank takes the commands from the driver on its own authenticated connection to the command channel
+    # (this host's Unix socket, or its TCP listener from another host): none passes through the store, where any
+    # client could delete it
+    context.link = connect_channel(context.spec.channel_address(), ctl.signer,
+                                   {"role": "command", "rank": context.rank, "pid": os.getpid(), "generation": g})
     n = 1
     while True:
-        if context.rank == 0:
-            header = _next_command(ctl, context, g, n)
-        else:
-            header = ctl.wait(f"cmd/{g}/{n}", 365 * 24 * 3600.0)
+        header = _next_command(context, g, n)
         name = header["name"]
         if name == END:
             destroy_group()
@@ -290,17 +289,20 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
         n += 1
 
 
-def _next_command(ctl: Control, context: WorkerContext, g: int, n: int) -> dict:
-    """Rank 0: command n of generation g from the driver's channel, relayed to the other ranks through the
-    store (cmd/{g}/{n}, signed for that slot; they wait there, in no collective, while the server is idle)."""
+def _next_command(context: WorkerContext, g: int, n: int) -> dict:
+    """Command n of generation g from the driver's channel (every rank has its own connection; they wait there,
+    in no collective, while the server is idle). A frame that is not that command is dropped with a log line; a
+    connection the driver closed (it aborted this generation, or it is gone) ends this process."""
     while True:
-        header = context.link.recv()
+        try:
+            header = context.link.recv()
+        except ChannelClosed:
+            logging.warning(f"MultiNPU: rank {context.rank}: the driver closed the command channel of generation {g} "
+                            "(aborted, or the driver is gone); this process leaves")
+            _leave(RECYCLED_EXIT)
         if isinstance(header, dict) and header.get("g") == g and header.get("n") == n:
-            break
-        logging.warning(f"MultiNPU: rank 0: dropped a command that is not command {n} of generation {g}")
-    if context.spec.world_size > 1:
-        ctl.put(f"cmd/{g}/{n}", header)
-    return header
+            return header
+        logging.warning(f"MultiNPU: rank {context.rank}: dropped a command that is not command {n} of generation {g}")
 
 
 def _post_result(context: WorkerContext, header: dict, g: int, n: int, result):

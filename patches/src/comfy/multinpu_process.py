@@ -6,17 +6,18 @@ the ranks of one service form one torch.distributed group: hccl on Ascend, nccl 
 server drives them (GroupRuntime): it starts the group's control store in a process of its own on the port
 h3kit recorded (a flood of keys grows that process, never the server), opens the command channel (a Unix
 socket in the runtime root's 0700 channel folder; with several hosts also a TCP listener on the master port + 2,
-where the other hosts' workers and agents beat), starts one worker per device of its host, forms numbered
-generations of the group and hands each command to worker rank 0 (run()). It never enters a collective: on
+where the other hosts' workers and agents connect), starts one worker per device of its host, forms numbered
+generations of the group and hands each command to every rank (run()). It never enters a collective: on
 HCCL and NCCL a collective whose peer failed, was destroyed or died releases nobody before the group timeout
 (H3_FACTS 9), and the server's queue must not wait inside one. The members' side is comfy.multinpu_wire (settings,
 wire format), comfy.multinpu_channel (the store's process, the channel), comfy.multinpu_launch (launchers,
 agents) and comfy.multinpu_group (the worker loop).
 
 A command: the driver writes its inputs' tensors into one file in /dev/shm (memory; only this host's worker
-rank 0 reads it) and sends a signed header on the channel; worker rank 0 relays the header to the other ranks
-through the store and broadcasts the tensors to them, every rank runs the command's program, and rank 0
-writes the program's result into another /dev/shm file, announced by a signed result header on the channel.
+rank 0 reads it) and sends a signed header to every rank on that rank's own command connection (no command
+passes through the store, where any client could delete it); worker rank 0 broadcasts the tensors to the
+others, every rank runs the command's program, and rank 0 writes the program's result into another /dev/shm
+file, announced by a signed result header on its connection.
 The driver waits for it with a bound, watching every rank meanwhile: error reports, deaths (local workers by
 their process, remote ones by their agent's reports), heartbeats.
 
@@ -129,8 +130,8 @@ class GroupRuntime:
         self._store_ended = {}         # generation -> how the store ended while it was current
         self._channel = None           # channel.ChannelServer: the command channel (this host's workers; beats of all)
         self._own_channel_dir = None   # a temporary folder for it when there is no runtime root
-        self._links = {}               # (generation, pid) -> (Link, queue of its messages): rank 0's connections
-        self._link = None              # the current generation's: (Link, queue)
+        self._links = {}               # (generation, rank, pid) -> (Link, queue of its messages): command connections
+        self._cmd_links = {}           # rank -> (Link, queue) of the current generation (rank 0's brings the results)
         self._beats = {}               # (rank, pid) -> the newest heartbeat seq on its channel connection (every host)
         self.ctl = None
 
@@ -219,8 +220,9 @@ class GroupRuntime:
 
     def _on_link(self, link, hello: dict):
         """An authenticated connection (on its own thread): a worker's or an agent's heartbeats (from any host), or
-        worker rank 0's command link (on this host's Unix socket only). A beat connection that ends is no death
-        by itself: the silence that follows is (_check_heartbeat, _agent_gone)."""
+        a worker's command connection (this host's ranks on the Unix socket, the other hosts' over TCP; rank 0's
+        brings the results back). A beat connection that ends is no death by itself: the silence that follows is
+        (_check_heartbeat, _agent_gone)."""
         pid = hello["pid"]
         role = hello.get("role")
         if role in ("beat", "agent") and isinstance(hello.get("rank" if role == "beat" else "node"), int):
@@ -232,9 +234,10 @@ class GroupRuntime:
                         beats[who] = beat["seq"]
             finally:
                 beats.pop(who, None)
-        elif role == "command" and hello.get("rank") == 0 and link.remote is None:
+        elif (role == "command" and isinstance(hello.get("rank"), int) and 0 <= hello["rank"] < self.world_size
+              and (link.remote is None) == (self.spec.node_of(hello["rank"]) == 0)):
             messages = queue.Queue()
-            self._links[(hello.get("generation"), pid)] = (link, messages)
+            self._links[(hello.get("generation"), hello["rank"], pid)] = (link, messages)
             try:
                 while True:
                     messages.put(link.recv())
@@ -435,11 +438,12 @@ class GroupRuntime:
 
     def _end_generation(self):
         """Shutdown: tell the workers of the current generation it is over (they leave)."""
-        if self.members and self._link is not None:
-            try:
-                self._link[0].send({"name": wire.END, "g": self.generation, "n": self.next_cmd})
-            except Exception:
-                pass
+        if self.members:
+            for link, _ in self._cmd_links.values():
+                try:
+                    link.send({"name": wire.END, "g": self.generation, "n": self.next_cmd})
+                except Exception:
+                    pass
 
     def _abort_generation(self, why: str):
         """Replace the whole group: the current generation's workers leave (remote ones when their heartbeat
@@ -453,9 +457,9 @@ class GroupRuntime:
         self._aborted.add(g)
         members, self.members = dict(self.members), {}
         self._aborted_members = dict(members)
-        if self._link is not None:
-            self._link[0].close()
-            self._link = None
+        links, self._cmd_links = self._cmd_links, {}
+        for link, _ in links.values():
+            link.close()  # a worker waiting for its next command leaves
         self._retired.update(self._identity(r, pid) for r, pid in members.items() if pid is not None)
         try:
             self.ctl.put(f"abort/{g}", {"why": why})
@@ -581,17 +585,28 @@ class GroupRuntime:
                           lambda: f"{', '.join(self.spec.describe_rank(r) for r in waiting())} {late}")
 
     def _wait_link(self, g: int, members: dict, deadline: float) -> bool:
-        """True once worker rank 0 of generation g connected to the command channel; False when a member died."""
+        """True once every member of generation g connected to the command channel (no command is sent before);
+        False when a member died."""
         for key in [k for k in self._links if k[0] != g]:  # connections of generations given up on
             self._links.pop(key)[0].close()
+
+        def missing():
+            return [r for r, pid in members.items() if (g, r, pid) not in self._links]
 
         def attempt():
             if any(self._announced().get(r) != pid for r, pid in members.items()):
                 return False
-            self._link = self._links.pop((g, members[0]), None)
-            return True if self._link is not None else None
-        return self._poll(deadline, attempt, lambda: f"{self.spec.describe_rank(0)} did not connect to the command "
-                                                     f"channel {self._channel.path}")
+            if missing():
+                return None
+            self._cmd_links = {r: self._links.pop((g, r, pid)) for r, pid in members.items()}
+            return True
+
+        def late():
+            where = [f"{self.spec.describe_rank(r)} did not connect to the command channel "
+                     + (self._channel.path if self.spec.node_of(r) == 0
+                        else f"{self.spec.master_addr}:{self.port + wire.CHANNEL_PORT_OFFSET}") for r in missing()]
+            return "; ".join(where)
+        return self._poll(deadline, attempt, late)
 
     def _poll(self, deadline: float, attempt, late):
         """attempt() after each look at the ranks until it returns something other than None; past the deadline
@@ -649,12 +664,13 @@ class GroupRuntime:
         try:
             metas, nbytes = wire.shm_write(inp, tensors)
             # the workers run in the server's grad and inference modes (ComfyUI executes prompts in inference mode)
-            try:
-                self._link[0].send({"name": name, "g": g, "n": n, "data": data, "metas": metas, "nbytes": nbytes,
-                                    "shm": inp, "out": out, "grad": torch.is_grad_enabled(),
-                                    "inference": torch.is_inference_mode_enabled()})
-            except OSError as e:
-                logging.warning(f"MultiNPU: could not send {name} to worker rank 0: {e}")  # _await names why
+            header = {"name": name, "g": g, "n": n, "data": data, "metas": metas, "nbytes": nbytes, "shm": inp,
+                      "out": out, "grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
+            for r, (link, _) in sorted(self._cmd_links.items()):  # to every rank on its own connection
+                try:
+                    link.send(header)
+                except OSError as e:
+                    logging.warning(f"MultiNPU: could not send {name} to worker rank {r}: {e}")  # _await names why
             rep = self._await(name, g, n)
             buf = wire.shm_read(out, rep["nbytes"])
             return wire.unpack(rep["data"], wire.unflatten(buf, rep["metas"]))
@@ -665,13 +681,15 @@ class GroupRuntime:
 
     def _await(self, name: str, g: int, n: int) -> dict:
         """Worker rank 0's result header of command n, from its channel connection; the root cause of a failure,
-        raised, otherwise. Waits at most 0.1 s at a time and watches every rank in between."""
-        _, messages = self._link
+        raised, otherwise. Waits at most 0.1 s at a time and watches every rank in between, and every rank's
+        command connection: one that ends is a death about to be seen, or named here."""
+        links = dict(self._cmd_links)  # empty when the generation was aborted meanwhile (an idle death)
+        messages = links[0][1] if 0 in links else None
         t0 = time.monotonic()
         hint = 0
-        closed_at = None
+        closed = {} if messages is not None else {0: t0}  # rank -> when its command connection ended
         while True:
-            if closed_at is not None:
+            if 0 in closed:
                 time.sleep(0.1)
                 rep = False
             else:
@@ -680,15 +698,23 @@ class GroupRuntime:
                 except queue.Empty:
                     rep = False
             if rep is None:  # rank 0's connection ended: its death is about to be seen, or it is named here
-                closed_at = time.monotonic()
+                closed[0] = time.monotonic()
             elif rep is not False:
                 if isinstance(rep, dict) and rep.get("g") == g and rep.get("n") == n and rep.get("pid") == self.members.get(0):
                     return rep
                 logging.warning(f"MultiNPU: dropped a message of worker rank 0 that is not the result of command {n}")
+            for r, (_, q) in links.items():
+                while r != 0 and r not in closed:  # the other ranks send nothing on it: only its end matters
+                    try:
+                        if q.get_nowait() is None:
+                            closed[r] = time.monotonic()
+                    except queue.Empty:
+                        break
             try:
                 self._watch()
-                if closed_at is not None and time.monotonic() - closed_at > 2.0 and not self.dead:
-                    self._note_death(0, self.members.get(0), "closed the command channel")
+                for r, at in sorted(closed.items(), key=lambda item: item[1]):
+                    if time.monotonic() - at > 2.0 and not self.dead:
+                        self._note_death(r, self.members.get(r), "closed the command channel")
                 failed = self.dead or self.state != "ready"
                 if not failed:
                     count = self.ctl.counter(f"failed/{g}")
