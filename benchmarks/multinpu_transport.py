@@ -136,7 +136,9 @@ def forward_part(args, tmp):
         empty, _ = _timed(lambda: wrapper.runtime.run("drop", []), args.repeats, dev)
         rows.append({"npu_count": n, "transport": "threads", "seconds_per_forward": sec, "max_rel": max_rel(out),
                      "bytes_per_forward": sum(wrapper.rank_bytes), "rank_bytes_per_forward": wrapper.rank_bytes,
-                     "model_bytes_per_forward": model["total"] * 4, "empty_command_seconds": empty})
+                     "model_bytes_per_forward": model["total"] * 4,
+                     "model_rank_bytes_per_forward": [x * 4 for x in model["per_device"]],
+                     "empty_command_seconds": empty})
         wrapper.runtime.shutdown()
         comfy.model_management.unload_all_models()
         base = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
