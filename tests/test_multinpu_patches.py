@@ -62,3 +62,13 @@ def test_series_applied_to_the_pin(installed_tree):
     assert '"nodes_multinpu.py",' in (tree / "nodes.py").read_text()
     assert "comfy.npu_quant.register(ck.registry)" in (tree / "comfy" / "quant_ops.py").read_text()
     assert "p = comfy.npu_quant.landed(p)" in (tree / "comfy" / "ops.py").read_text()
+
+
+def test_no_transport_fork_left_in_the_patch_sources():
+    # one code path per component (issue 19 item 7): the process group and the thread transport are chosen in one
+    # place each (comfy.multinpu_process.transport(), `runtime or ThreadRuntime.on(...)`), never branched on
+    src = ROOT / "patches" / "src"
+    forks = [f"{p.relative_to(src)}:{i}" for p in sorted(src.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if "runtime is None" in line or "runtime is not None" in line]
+    assert forks == [], forks

@@ -8,6 +8,7 @@ pytest side asserts on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -50,6 +51,24 @@ def all_equal(ref, other) -> bool:
     import torch
     ref, other = list(ref), list(other)
     return len(ref) == len(other) > 0 and all(torch.equal(a, b) for a, b in zip(ref, other))
+
+
+@contextlib.contextmanager
+def counted_programs(names):
+    """Count the runs of the worker programs `names` (comfy.multinpu_group.PROGRAMS) while inside, per rank and
+    context. Yields {"registered": {name: "module.function"}, "calls": {name: [(rank, id(context)), ...]}}; the
+    real programs are back on exit."""
+    import comfy.multinpu_group
+    programs = comfy.multinpu_group.PROGRAMS
+    real = {n: programs[n] for n in names}
+    out = {"registered": {n: f"{fn.__module__}.{fn.__name__}" for n, fn in real.items()}, "calls": {n: [] for n in names}}
+    for n in names:
+        programs[n] = lambda context, comm, payload, n=n: out["calls"][n].append((comm.rank, id(context))) or real[n](
+            context, comm, payload)
+    try:
+        yield out
+    finally:
+        programs.update(real)
 
 
 def exit_without_teardown(code: int) -> None:

@@ -403,23 +403,14 @@ def same_programs():
     and the cache emptying after sampling. And multinpu_dit.py has one code path (no thread-only branch left)."""
     import inspect
     import comfy.multinpu_dit
-    import comfy.multinpu_group
     import comfy.multinpu_threads
-    programs = comfy.multinpu_group.PROGRAMS
     names = ("dit_config", "dit_forward", "dit_empty_cache")
-    registered = {n: programs[n].__module__ + "." + programs[n].__name__ for n in names}
-    calls = {n: [] for n in names}
-    real = {n: programs[n] for n in names}
-    for n in names:
-        programs[n] = lambda context, comm, payload, n=n: calls[n].append((comm.rank, id(context))) or real[n](
-            context, comm, payload)
-    try:
+    with checks_runner.counted_programs(names) as counted:
         m, w = _sp_model(timeout=300.0)
         patcher, _ = _tiny_patcher()
         equal = checks_runner.all_equal(_forward(m), _forward(patcher))
         w.empty_caches()
-    finally:
-        programs.update(real)
+    registered, calls = counted["registered"], counted["calls"]
     source = inspect.getsource(comfy.multinpu_dit)
     return {"registered": registered, "runtime": type(w.runtime).__module__ + "." + type(w.runtime).__name__,
             "calls": {n: sorted(r for r, _ in c) for n, c in calls.items()},

@@ -208,23 +208,14 @@ def te_same_programs():
     encodes, whose result is compared with one device's. And multinpu_te.py has one code path."""
     import inspect
     import torch
-    import comfy.multinpu_group
     import comfy.multinpu_te as te
-    programs = comfy.multinpu_group.PROGRAMS
     names = ("te_config", "te_forward")
-    registered = {n: programs[n].__module__ + "." + programs[n].__name__ for n in names}
-    calls = {n: [] for n in names}
-    real = {n: programs[n] for n in names}
-    for n in names:
-        programs[n] = lambda context, comm, payload, n=n: calls[n].append((comm.rank, id(context))) or real[n](
-            context, comm, payload)
     clip = _clip({"num_attention_heads": 6, "num_key_value_heads": 2}, name="te6.safetensors")
-    try:
+    with checks_runner.counted_programs(names) as counted:
         ref = _encode(clip)
         par = te.apply_tensor_parallel(clip, ["cpu"] * 3)  # 6 heads over 3 ranks: tensor parallel
         first, second = _encode(par), _encode(par, image=False)
-    finally:
-        programs.update(real)
+    registered, calls = counted["registered"], counted["calls"]
     runner = te.get_runner(par)
     source = inspect.getsource(te)
     return {"registered": registered, "runtime": type(runner.runtime).__module__ + "." + type(runner.runtime).__name__,
@@ -467,24 +458,15 @@ def vae_same_programs():
     (no thread-only branch left)."""
     import inspect
     import torch
-    import comfy.multinpu_group
     import comfy.multinpu_vae as mv
-    programs = comfy.multinpu_group.PROGRAMS
     names = ("vae_config", "vae_decode")
-    registered = {n: programs[n].__module__ + "." + programs[n].__name__ for n in names}
-    calls = {n: [] for n in names}
-    real = {n: programs[n] for n in names}
-    for n in names:
-        programs[n] = lambda context, comm, payload, n=n: calls[n].append((comm.rank, id(context))) or real[n](
-            context, comm, payload)
     vae = _vae_through_loader("video_vae_programs.safetensors")
     z = torch.randn(1, 24, 12, 2, 3, generator=torch.Generator().manual_seed(7))  # 2 chunks
-    try:
+    with checks_runner.counted_programs(names) as counted:
         par = mv.apply_decode_parallel(vae, ["cpu"] * 3, timeout=60)
         runner = mv.get_runner(par)
         max_abs = [_max_abs(par.decode(z), vae.decode(z)), _max_abs(par.decode(z[:, :, :1]), vae.decode(z[:, :, :1]))]
-    finally:
-        programs.update(real)
+    registered, calls = counted["registered"], counted["calls"]
     held = [c.configs[runner.config.id] for c in runner.runtime.contexts]
     source = inspect.getsource(mv)
     return {"registered": registered, "runtime": type(runner.runtime).__module__ + "." + type(runner.runtime).__name__,

@@ -416,7 +416,7 @@ def _load_on_worker(context, comm, payload):
     # moved to a device: unloaded, they are the file's on the host again (what the server does before it sets a
     # configuration up). Only those: the server's own copy (unpatched, on the host; in this process when the ranks
     # are threads) stays loaded
-    _restore_host_weights(base)
+    comfy.multinpu_weights.restore_host_weights(base)
     comfy.multinpu_models.map_file_weights(base.model, src.paths)
     comfy.multinpu_weights.anchor_host_copy(base.model)
     patcher = comfy.multinpu_models.patched_clone(base, patches)
@@ -427,17 +427,6 @@ def _load_on_worker(context, comm, payload):
     else:
         patcher = _replica_patcher(patcher, context.device)
     return _WorkerDiT(patcher, comfy.multinpu_models.digest(src, base.model, patches, weights=weights))
-
-
-def _restore_host_weights(patcher):
-    """Unload the loaded clones of `patcher` (ModelPatchers over the same model) that patched its weights or hold
-    them off the host."""
-    mm = comfy.model_management
-    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-        clone = mm.current_loaded_models[i].model
-        if clone is not None and clone.is_clone(patcher) and (
-                clone.patches or clone.current_loaded_device() != clone.offload_device):
-            mm.current_loaded_models.pop(i).model_unload()
 
 
 @comfy.multinpu_group.program("dit_forward")

@@ -890,6 +890,15 @@ class GroupRuntime:
 
     # -- frees and drops --
 
+    def npu_count_error(self, npu_count: int):
+        """None when a workflow's npu_count runs on this group (1, or its ranks), else what to change."""
+        if npu_count in (1, self.world_size):
+            return None
+        spec = self.spec
+        return (f"npu_count is {npu_count} but this ComfyUI server's process group has {self.world_size} ranks "
+                f"({spec.nnodes} node(s) of {spec.local_size} {spec.device_type} device(s)). Fix: set npu_count to "
+                f"{self.world_size}, or restart the service with {npu_count} devices.")
+
     def request_free(self):
         """The workers unload their models with the server's (POST /free, the OOM handler); sent before the
         next command."""
@@ -953,6 +962,13 @@ _RUNTIME = None
 def get_runtime():
     """The GroupRuntime of this process when it drives a process group, else None (threads, one device)."""
     return _RUNTIME
+
+
+def transport():
+    """What runs this server's parallel components: its process group, or the thread transport over the devices
+    this process sees (comfy.multinpu_threads.THREADS); both answer npu_count_error(npu_count)."""
+    import comfy.multinpu_threads
+    return _RUNTIME or comfy.multinpu_threads.THREADS
 
 
 def _free_workers():

@@ -330,24 +330,13 @@ class _WorkerTE:
         self.mode = mode
 
 
-def _restore_host_weights(patcher):
-    """Unload the loaded clones of `patcher` that hold its weights off the host or patched them: the rank's shard
-    views the host weights (with threads, another clone of the same text encoder may be loaded meanwhile)."""
-    mm = comfy.model_management
-    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-        clone = mm.current_loaded_models[i].model
-        if clone is not None and clone.is_clone(patcher) and (
-                clone.patches or clone.current_loaded_device() != clone.offload_device):
-            mm.current_loaded_models.pop(i).model_unload()
-
-
 @comfy.multinpu_group.program("te_config")
 def _load_on_worker(context, comm, payload):
     src, mode = payload["source"], payload["mode"]
     # a worker process loads the file; a rank thread takes the server's loaded text encoder (one object for every
     # rank), so it builds its own shard modules over the host weights and never moves the shared ones
     clip = comfy.multinpu_models.load(src)
-    _restore_host_weights(clip.patcher)
+    comfy.multinpu_weights.restore_host_weights(clip.patcher)
     comfy.multinpu_models.map_file_weights(clip.cond_stage_model, src.paths)
     ctx = _RankContext(context.rank, context.spec.world_size)
     decoder = _shard_decoder(find_decoder(clip.cond_stage_model), ctx, mode)

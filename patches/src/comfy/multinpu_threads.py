@@ -276,6 +276,29 @@ def release_retired():
 _BUILTINS = {"install": _install, "drop": _drop, "free": _free}
 
 
+class ThreadTransport:
+    """The thread transport as a whole, before any component makes its ThreadRuntime: its ranks are the devices
+    this process sees."""
+
+    def npu_count_error(self, npu_count: int):
+        """None when a workflow's npu_count runs here (1, or the devices this process sees), else what to change."""
+        devices = comfy.multidevice.get_devices()
+        if npu_count in (1, len(devices)):
+            return None
+        if comfy.multidevice.device_kind() == "cpu":
+            fix = (f"set npu_count to {len(devices)}, or restart the server simulating {npu_count} devices "
+                   f"(h3kit start --device-type cpu --devices {','.join(str(i) for i in range(npu_count))}, "
+                   f"which sets {comfy.multidevice.SIM_DEVICES_ENV}={npu_count})")
+        else:
+            fix = (f"set npu_count to {len(devices) if len(devices) in (1, 2, 4, 8) else 1}, or restart the server "
+                   f"on {npu_count} devices (h3kit start --devices {','.join(str(i) for i in range(npu_count))})")
+        return (f"npu_count is {npu_count} but this ComfyUI process sees "
+                f"{comfy.multidevice.describe_devices(devices)}. Fix: {fix}.")
+
+
+THREADS = ThreadTransport()
+
+
 def describe_ranks(runtime) -> str:
     """For logs: "2 simulated cpu devices" (threads of this process), "4 processes (hccl)" (a process group)."""
     devices = getattr(runtime, "devices", None)

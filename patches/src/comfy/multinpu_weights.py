@@ -181,6 +181,18 @@ _LOAD_STATE = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "mod
                "current_weight_patches_uuid": None, "model_offload_buffer_memory": 0}
 
 
+def restore_host_weights(patcher):
+    """Unload the loaded clones of `patcher` (ModelPatchers over the same model) that patched its weights or hold
+    them off the host: a rank's copy views the host weights (with threads, another clone of the same model may be
+    loaded meanwhile)."""
+    import comfy.model_management as mm  # the module itself imports no ComfyUI module at load time
+    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+        clone = mm.current_loaded_models[i].model
+        if clone is not None and clone.is_clone(patcher) and (
+                clone.patches or clone.current_loaded_device() != clone.offload_device):
+            mm.current_loaded_models.pop(i).model_unload()
+
+
 def reset_load_state(module: torch.nn.Module):
     for name, value in _LOAD_STATE.items():
         if hasattr(module, name):

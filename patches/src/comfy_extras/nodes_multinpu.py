@@ -30,27 +30,8 @@ def check_npu_count(npu_count) -> str | None:
     """
     if npu_count not in NPU_COUNTS:
         return f"MultiNPU Parallel Config: npu_count must be one of {NPU_COUNTS}, got {npu_count!r}."
-    runtime = comfy.multinpu_process.get_runtime()
-    if runtime is not None:
-        if npu_count in (1, runtime.world_size):
-            return None
-        spec = runtime.spec
-        return (f"MultiNPU Parallel Config: npu_count is {npu_count} but this ComfyUI server's process group has "
-                f"{runtime.world_size} ranks ({spec.nnodes} node(s) of {spec.local_size} {spec.device_type} "
-                f"device(s)). Fix: set npu_count to {runtime.world_size}, or restart the service with "
-                f"{npu_count} devices.")
-    devices = comfy.multidevice.get_devices()
-    if npu_count == 1 or npu_count == len(devices):
-        return None
-    if comfy.multidevice.device_kind() == "cpu":
-        fix = (f"set npu_count to {len(devices)}, or restart the server simulating {npu_count} devices "
-               f"(h3kit start --device-type cpu --devices {','.join(str(i) for i in range(npu_count))}, "
-               f"which sets {comfy.multidevice.SIM_DEVICES_ENV}={npu_count})")
-    else:
-        fix = (f"set npu_count to {len(devices) if len(devices) in NPU_COUNTS else 1}, or restart the server on "
-               f"{npu_count} devices (h3kit start --devices {','.join(str(i) for i in range(npu_count))})")
-    return (f"MultiNPU Parallel Config: npu_count is {npu_count} but this ComfyUI process sees "
-            f"{comfy.multidevice.describe_devices(devices)}. Fix: {fix}.")
+    problem = comfy.multinpu_process.transport().npu_count_error(npu_count)
+    return f"MultiNPU Parallel Config: {problem}" if problem else None
 
 
 def _spread(what, apply, obj, primary, npu_count):
