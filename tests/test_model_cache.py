@@ -192,6 +192,10 @@ def _abab_loads(tree, python, workdir, port_range, tiny):
         reads = [ln for ln in abab_log.splitlines() if ln.startswith("H3KIT-LOAD") and "h3kit_tiny_" in ln]
         # POST /free with unload_models empties the cache: B (not the executor's last output) is read again
         comfy_server.http("POST", srv.url + "/free", {"unload_models": True})
+        # the prompt worker acts on a free between queue items: a prompt queued before it woke ran first (CI, loaded)
+        deadline = time.monotonic() + 60
+        while "Model cache: dropping" not in srv.log_text()[len(abab_log):] and time.monotonic() < deadline:
+            time.sleep(0.2)
         srv.run_prompt({"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3kit_tiny_b.safetensors",
                                                                    "weight_dtype": "default"}},
                         "2": {"class_type": "ModelSave", "inputs": {"model": ["1", 0], "filename_prefix": "after_free"}}})
