@@ -31,6 +31,34 @@ def test_refresh_records_sha_and_base_blobs(refreshed, upstream):
     assert "+def hello():" in (refreshed / "patches" / "p1-change-a.patch").read_text()
 
 
+def test_refresh_writes_index_lines_and_check_compares_them_with_the_pin(refreshed, upstream, runner, tmp_path):
+    up, pin = upstream
+    text = (refreshed / "patches" / "p1-change-a.patch").read_text()
+    # the base and new blobs of each section, as git diff --full-index writes them
+    work = tmp_path / "work"
+    git("clone", "-q", str(up), str(work), cwd=tmp_path)
+    git("apply", str(refreshed / "patches" / "p1-change-a.patch"), cwd=work)
+    assert (f"diff --git a/comfy/a.py b/comfy/a.py\nindex {git('rev-parse', f'{pin}:comfy/a.py', cwd=up)}.."
+            f"{git('hash-object', 'comfy/a.py', cwd=work)} 100644\n") in text
+    assert ("new file mode 100644\nindex " + "0" * 40 + ".." + git("hash-object", "comfy/new.py", cwd=work)) in text
+    assert h3(runner, "patches", "check", "--source", up).exit_code == 0
+    # a base that is not the pin's blob, then no index line at all: both named, with the fix
+    (refreshed / "patches" / "p1-change-a.patch").write_text(text.replace(git("rev-parse", f"{pin}:comfy/a.py", cwd=up),
+                                                                          "1" * 40))
+    h3(runner, "patches", "refresh", "--source", up)  # refresh puts the right line back
+    assert (refreshed / "patches" / "p1-change-a.patch").read_text() == text
+    data = json.loads((refreshed / "source_deps_info.json").read_text())
+    bad = text.replace(git("rev-parse", f"{pin}:comfy/a.py", cwd=up), "1" * 40)
+    (refreshed / "patches" / "p1-change-a.patch").write_text(bad)
+    data["patches"][0]["sha256"] = __import__("hashlib").sha256(bad.encode()).hexdigest()
+    (refreshed / "source_deps_info.json").write_text(json.dumps(data))
+    r = h3(runner, "patches", "check", "--source", up)
+    assert r.exit_code == 1 and "p1-change-a.patch: comfy/a.py: index line 111111111111.." in r.output, r.output
+    (refreshed / "patches" / "p2-change-nodes.patch").write_text(P2)
+    r = h3(runner, "patches", "check")
+    assert r.exit_code == 1 and "p2-change-nodes.patch: nodes.py: no index line" in r.output
+
+
 def test_check_passes_then_flags_each_structural_problem(refreshed, upstream, runner):
     up, _ = upstream
     assert h3(runner, "patches", "check", "--source", up).exit_code == 0

@@ -112,6 +112,19 @@ def read_blobs(repo: Path | str, commit: str, paths: list[str]) -> dict[str, byt
     return out
 
 
+def read_modes(repo: Path | str, commit: str, paths: list[str]) -> dict[str, str]:
+    """The git mode ("100644", "100755") of each path at `commit` that has one."""
+    if not paths:
+        return {}
+    proc = run(["ls-tree", "-z", commit, "--", *paths], repo, check=False)
+    out = {}
+    for entry in proc.stdout.split("\0"):
+        if entry and "\t" in entry:
+            meta, path = entry.split("\t", 1)
+            out[path] = meta.split()[0]
+    return out
+
+
 def status(tree: Path) -> list[tuple[str, str]]:
     """`git status --porcelain` as (code, path) pairs; untracked files included, ignored ones not."""
     proc = run(["status", "--porcelain", "-z", "--untracked-files=all"], tree)

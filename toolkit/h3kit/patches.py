@@ -17,7 +17,8 @@ from pathlib import Path
 
 from h3kit import gitutil, locks, manifest, testhooks
 from h3kit.errors import H3kitError
-from h3kit.patchfile import PatchFile, PatchFormatError, parse_patch, render_new_file_section, render_patch
+from h3kit.patchfile import (DEFAULT_MODE, ZERO_BLOB, PatchFile, PatchFormatError, git_blob_id, parse_patch,
+                             render_new_file_section, render_patch, with_index)
 
 GIT_TIMEOUT = 60  # seconds; applying a patch to a handful of files takes milliseconds
 _FAILED_RE = re.compile(r"^error: patch failed: (.+):(\d+)$")
@@ -335,15 +336,72 @@ def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[st
 
 # --- maintaining the series itself -----------------------------------------------------------------
 
-def regenerate(series: Series) -> dict[str, str]:
-    """Patch texts with every new-file section rebuilt from patches/src; {name: text} of those that change."""
+@dataclass
+class Step:
+    """One patch of the series applied to the files the earlier patches left: its files before and after."""
+    patch: PatchFile
+    before: dict[str, bytes | None]
+    after: dict[str, bytes | None]
+
+    def blobs(self, path: str) -> tuple[str, str]:
+        """(base, new) blob ids of `path` around this patch, as its index line records them."""
+        old, new = self.before.get(path), self.after.get(path)
+        return (git_blob_id(old) if old is not None else ZERO_BLOB, git_blob_id(new) if new is not None else ZERO_BLOB)
+
+
+def walk(series: Series, base: dict[str, bytes | None]) -> list[Step]:
+    """Apply the series to `base` (the pin's files) patch by patch, keeping each patch's before and after;
+    raises PatchConflict naming the first patch that does not apply."""
+    steps = []
+    with Scratch(base) as scratch:
+        current = scratch.read()
+        for patch in series.patches:
+            proc = scratch.git_apply(patch)
+            if proc.returncode != 0:
+                raise PatchConflict(f"the series does not apply to the pin: {patch.name} is conflict",
+                                    details=[PatchState(patch.name, "conflict",
+                                                        _failures(patch, proc.stderr, reverse=False)).to_dict()])
+            after = scratch.read()
+            steps.append(Step(patch, current, after))
+            current = after
+    return steps
+
+
+def index_lines(steps: list[Step]) -> dict[str, dict[str, tuple[str, str]]]:
+    """{patch: {path: (base, new)}}: the index line each section must carry."""
+    return {st.patch.name: {sec.path: st.blobs(sec.path) for sec in st.patch.sections} for st in steps}
+
+
+def index_problems(series: Series, steps: list[Step]) -> list[str]:
+    """Sections whose index line is missing or differs from the blobs the series produces on the pin."""
+    want = index_lines(steps)
+    problems = []
+    for patch in series.patches:
+        for sec in patch.sections:
+            old, new = want[patch.name][sec.path]
+            if sec.index_old is None:
+                problems.append(f"{patch.name}: {sec.path}: no index line (run h3kit patches refresh)")
+            elif (sec.index_old, sec.index_new) != (old, new):
+                problems.append(f"{patch.name}: {sec.path}: index line {sec.index_old[:12]}..{sec.index_new[:12]} but "
+                                f"the series on the pin goes {old[:12]}..{new[:12]} (run h3kit patches refresh)")
+    return problems
+
+
+def regenerate(series: Series, index: dict[str, dict[str, tuple[str, str]]] | None = None,
+               modes: dict[str, str] | None = None) -> dict[str, str]:
+    """Patch texts with every new-file section rebuilt from patches/src and, given `index` (index_lines), every
+    other section's index line set; {name: text} of those that change."""
     changed = {}
+    modes = modes or {}
     for patch in series.patches:
         sections = []
         for sec in patch.sections:
             src = series.source_of(sec.path)
             if sec.new_file and src is not None:
                 sections.append(render_new_file_section(sec.path, src.read_bytes()))
+            elif index is not None and not sec.new_file and not sec.deleted_file:
+                old, new = index[patch.name][sec.path]
+                sections.append(with_index(sec.text, old, new, modes.get(sec.path, sec.mode or DEFAULT_MODE)))
             else:
                 sections.append(sec.text)
         text = render_patch(patch.header_text, sections)
@@ -366,11 +424,12 @@ def add_source_sections(series: Series, name: str, rel_paths: list[str]) -> str:
 
 
 def diff_sections(old_tree, new_tree, rel_paths: list[str]) -> str:
-    """Unified diff sections, one per path that differs, from `old_tree` to `new_tree` in the series' format."""
+    """Unified diff sections, one per path that differs, from `old_tree` to `new_tree` in the series' format
+    (with index lines: pasted under a patch, they are right when OLD is the tree the earlier patches leave)."""
     out = []
     for rel in rel_paths:
         a, b = Path(old_tree) / rel, Path(new_tree) / rel
-        proc = subprocess.run(["git", "diff", "--no-index", "--no-color", "-U3", "--no-renames",
+        proc = subprocess.run(["git", "diff", "--no-index", "--no-color", "-U3", "--no-renames", "--full-index",
                                str(a) if a.exists() else "/dev/null", str(b) if b.exists() else "/dev/null"],
                               capture_output=True, text=True, timeout=GIT_TIMEOUT)
         if proc.returncode not in (0, 1):
@@ -379,8 +438,6 @@ def diff_sections(old_tree, new_tree, rel_paths: list[str]) -> str:
             continue
         lines = []
         for ln in proc.stdout.splitlines():
-            if ln.startswith("index "):
-                continue
             if ln.startswith("diff --git "):
                 ln = f"diff --git a/{rel} b/{rel}"
             elif ln.startswith("--- ") and ln != "--- /dev/null":
@@ -408,6 +465,11 @@ def structural_problems(series: Series, data: dict) -> list[str]:
                     problems.append(f"patches/src/{rel} is added by no patch")
     for name in regenerate(series):
         problems.append(f"{name}: new-file sections differ from patches/src (run h3kit patches refresh)")
+    for p in series.patches:
+        for s in p.sections:
+            if s.index_old is None:
+                problems.append(f"{p.name}: {s.path}: no index line, so the patch cannot merge three-way "
+                                "(run h3kit patches refresh)")
     owners: dict[str, str] = {}
     for p in series.patches:
         for s in p.sections:
@@ -443,6 +505,6 @@ def manifest_entries(series: Series, base: dict[str, bytes | None]) -> list[dict
     return entries
 
 
-__all__ = ["Series", "Plan", "PatchState", "Failure", "PatchConflict", "PatchFormatError", "SeriesError",
+__all__ = ["Step", "walk", "index_lines", "index_problems", "Series", "Plan", "PatchState", "Failure", "PatchConflict", "PatchFormatError", "SeriesError",
            "plan_forward", "plan_reverse", "series_result", "read_tree_files", "write_tree_files",
            "regenerate", "structural_problems", "manifest_entries", "add_source_sections", "diff_sections"]

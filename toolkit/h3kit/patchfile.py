@@ -1,13 +1,20 @@
 """One patch file of the series: its DEP-3 header and its per-file diff sections.
 
-A patch is a DEP-3 header, a line `---`, then `diff --git a/P b/P` sections (unified diff, a/ b/ prefixes,
-no index lines). Sections that *add* a file whose source is kept under `patches/src/<path>` are generated
-from that source (`render_new_file_section`), so the patch cannot drift from the code the tests import;
-all other sections are hand-written edits of upstream files.
+A patch is a DEP-3 header, a line `---`, then `diff --git a/P b/P` sections (unified diff, a/ b/ prefixes).
+Each section records its base as `git diff --full-index` writes it: `index <base>..<new> <mode>` (a new file:
+`new file mode <mode>` then `index 0000...0000..<blob>`), where <base> is the blob of the file as the series
+leaves it before this patch (the pin's blob for the first patch that touches it) and <new> the blob after it.
+With them `git apply --3way` can merge a patch into a newer upstream file (h3kit.rebase). `h3kit patches
+refresh` writes these lines and `h3kit patches check` compares them with the pin.
+
+Sections that *add* a file whose source is kept under `patches/src/<path>` are generated from that source
+(`render_new_file_section`), so the patch cannot drift from the code the tests import; all other sections
+are hand-written edits of upstream files (their index lines are rewritten by refresh).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +24,9 @@ from h3kit.errors import H3kitError
 REQUIRED_FIELDS = ("Description", "Origin", "Forwarded", "Last-Update")
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _DIFF_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
+_INDEX_RE = re.compile(r"^index ([0-9a-f]{7,40})\.\.([0-9a-f]{7,40})(?: ([0-7]{6}))?$")
+ZERO_BLOB = "0" * 40
+DEFAULT_MODE = "100644"
 
 
 class PatchFormatError(H3kitError):
@@ -40,6 +50,9 @@ class Section:
     new_file: bool = False
     deleted_file: bool = False
     hunks: list[Hunk] = field(default_factory=list)
+    index_old: str | None = None  # the `index` line's blobs (None: the section has no index line)
+    index_new: str | None = None
+    mode: str | None = None
 
 
 @dataclass
@@ -163,13 +176,20 @@ def parse_patch(path: Path) -> PatchFile:
         if not m or m.group(1) != m.group(2):
             raise PatchFormatError(f"{name}: unsupported section header {chunk[0]!r}",
                                    hint="renames are not used; sections read 'diff --git a/PATH b/PATH'")
-        if any(ln.startswith("index ") for ln in chunk[1:4]):
-            raise PatchFormatError(f"{name}: {m.group(1)}: index line present",
-                                   hint="write patches without index lines (git diff --no-index ... | sed)")
+        index = [ln for ln in chunk[1:4] if ln.startswith("index ")]
+        im = _INDEX_RE.match(index[0]) if index else None
+        if index and im is None:
+            raise PatchFormatError(f"{name}: {m.group(1)}: malformed line {index[0]!r}",
+                                   hint="index lines read 'index BASE..NEW MODE' (run h3kit patches refresh)")
         sec_text = "\n".join(chunk).rstrip("\n") + "\n"
         sec = Section(path=m.group(1), text=sec_text,
                       new_file=any(ln.startswith("new file mode") for ln in chunk[1:3]),
-                      deleted_file=any(ln.startswith("deleted file mode") for ln in chunk[1:3]))
+                      deleted_file=any(ln.startswith("deleted file mode") for ln in chunk[1:3]),
+                      index_old=im.group(1) if im else None, index_new=im.group(2) if im else None,
+                      mode=(im.group(3) if im else None))
+        if sec.new_file and im is not None:
+            mm = re.match(r"^new file mode ([0-7]{6})$", chunk[1])
+            sec.mode = mm.group(1) if mm else sec.mode
         sec.hunks = _parse_hunks(chunk, name, sec.path)
         if not sec.hunks and not sec.deleted_file:
             raise PatchFormatError(f"{name}: {sec.path}: section has no hunk")
@@ -180,8 +200,26 @@ def parse_patch(path: Path) -> PatchFile:
                      sections=sections, raw=raw)
 
 
+def git_blob_id(data: bytes) -> str:
+    """The id git gives `data` as a blob (what `git hash-object` prints), without running git."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def with_index(section_text: str, old: str, new: str, mode: str = DEFAULT_MODE) -> str:
+    """`section_text` (a modified file's section) with its index line set to `old..new mode`."""
+    lines = section_text.split("\n")
+    lines = [lines[0]] + [ln for ln in lines[1:4] if not ln.startswith("index ")] + lines[4:]
+    lines.insert(1, f"index {old}..{new} {mode}")
+    return "\n".join(lines)
+
+
+def without_index(section_text: str) -> str:
+    lines = section_text.split("\n")
+    return "\n".join([lines[0]] + [ln for ln in lines[1:4] if not ln.startswith("index ")] + lines[4:])
+
+
 def render_new_file_section(rel_path: str, content: bytes) -> str:
-    """The diff section that adds `rel_path` with `content` (text, UTF-8)."""
+    """The diff section that adds `rel_path` with `content` (text, UTF-8), as `git diff --full-index` writes it."""
     text = content.decode("utf-8")
     if not text:
         raise PatchFormatError(f"{rel_path}: empty source file cannot be added by a patch")
@@ -189,7 +227,8 @@ def render_new_file_section(rel_path: str, content: bytes) -> str:
     no_eol = not text.endswith("\n")
     if not no_eol:
         body = body[:-1]
-    out = [f"diff --git a/{rel_path} b/{rel_path}", "new file mode 100644", "--- /dev/null",
+    out = [f"diff --git a/{rel_path} b/{rel_path}", f"new file mode {DEFAULT_MODE}",
+           f"index {ZERO_BLOB}..{git_blob_id(content)}", "--- /dev/null",
            f"+++ b/{rel_path}", f"@@ -0,0 +1,{len(body)} @@" if len(body) != 1 else "@@ -0,0 +1 @@"]
     out += ["+" + ln for ln in body]
     if no_eol:

@@ -42,9 +42,10 @@ def patches():
 @handle_errors
 def check(source, as_json):
     """Validate patches/series: every entry parses with a DEP-3 header, appears once, no orphans, sources in
-    sync, manifest in sync; with a source, the whole series applies to the pin and reverses back to it."""
+    sync, manifest in sync, an index line on every section; with a source, the whole series applies to the pin
+    and reverses back to it, and each index line names the blobs the series goes through on the pin."""
     from h3kit import gitutil, manifest
-    from h3kit.patches import PatchConflict, Series, plan_reverse, series_result, structural_problems
+    from h3kit.patches import PatchConflict, Series, index_problems, plan_reverse, series_result, structural_problems, walk
     from h3kit.paths import repo_root
 
     root = repo_root()
@@ -65,6 +66,8 @@ def check(source, as_json):
                                     f"{f.get('base_blob')}")
         try:
             result = series_result(series, base)
+            problems += [p for p in index_problems(series, walk(series, base))
+                         if "no index line" not in p]  # the structural check named those already
             back = plan_reverse(series, result)
             applied_to_pin = True
             if back.conflicts or back.after != base:
@@ -92,10 +95,11 @@ def check(source, as_json):
               help="Add a new-file section for patches/src/PATH to PATCH (repeatable).")
 @handle_errors
 def refresh(source, additions):
-    """Regenerate new-file sections from patches/src and rewrite the manifest's patch list
-    (sha256, touched files, base blobs read from the pin in --source)."""
+    """Regenerate new-file sections from patches/src, write every section's index line (its base and new blob
+    on the pin) and rewrite the manifest's patch list (sha256, touched files, base blobs read from the pin in
+    --source)."""
     from h3kit import gitutil, manifest
-    from h3kit.patches import Series, add_source_sections, manifest_entries, regenerate, series_result
+    from h3kit.patches import Series, add_source_sections, index_lines, manifest_entries, regenerate, walk
     from h3kit.paths import require_checkout
 
     import shutil
@@ -123,8 +127,12 @@ def refresh(source, additions):
             (scratch / "patches" / name).write_text(text)
         series = Series.load(scratch)
         data = manifest.load(root)
-        base = gitutil.read_blobs(src, manifest.pin(data), series.touched_files())
-        series_result(series, base)  # refuse to record a series that does not apply
+        pin = manifest.pin(data)
+        base = gitutil.read_blobs(src, pin, series.touched_files())
+        steps = walk(series, base)  # refuses to record a series that does not apply
+        for name, text in regenerate(series, index_lines(steps), gitutil.read_modes(src, pin, series.touched_files())).items():
+            (scratch / "patches" / name).write_text(text)
+        series = Series.load(scratch)
         data["patches"] = manifest_entries(series, base)
         # the patch files and the manifest change together: the new ones are written beside the old first,
         # and the written ones put back if a later write fails
@@ -149,7 +157,8 @@ def refresh(source, additions):
 @handle_errors
 def diff(old, new, paths):
     """Print diff sections for PATHS from tree OLD to tree NEW in the series' format (a/ b/, 3 lines of
-    context, no index lines), ready to paste under a patch's DEP-3 header."""
+    context, full index lines), ready to paste under a patch's DEP-3 header (refresh corrects the index
+    lines if OLD was not the tree the earlier patches leave)."""
     from h3kit.patches import diff_sections
 
     click.echo(diff_sections(old, new, list(paths)), nl=False)
