@@ -33,7 +33,7 @@ def _local_source(source, required=False):
 
 @click.group()
 def patches():
-    """Inspect and maintain the patch series (check, refresh, status)."""
+    """Inspect and maintain the patch series (check, refresh, status, rebase)."""
 
 
 @patches.command()
@@ -191,3 +191,48 @@ def status(comfy_home, as_json):
                 click.echo(f"          {f}")
     # 0: every patch applied; 1: some would still apply; 2 is bad input; conflicts are 1 as well
     sys.exit(0 if applied else 1)
+
+
+@patches.command()
+@click.option("--onto", required=True, metavar="REV", help="The upstream commit (or branch of the source) to move to.")
+@click.option("--source", metavar="URL_OR_PATH", envvar="H3KIT_COMFY_SOURCE",
+              help="Git URL or local mirror holding the pin and REV (env H3KIT_COMFY_SOURCE, else the public URL).")
+@click.option("--out", "out_dir", metavar="DIR", type=click.Path(file_okay=False),
+              help="A new or empty folder for the report and the refreshed series (default: ./rebase-REV).")
+@click.option("--write", is_flag=True,
+              help="Also write the refreshed series and source_deps_info.json over this checkout's (clean only).")
+@json_option
+@handle_errors
+def rebase(onto, source, out_dir, write, as_json):
+    """Move the series onto upstream REV three-way, patch by patch (gbp pq's way), and report per patch and
+    hunk: clean, merged three-way, or conflicting with the conflicting lines. Clean: the refreshed series
+    (new context, new base blobs, Upstream-Commit in each DEP-3 header) and its source_deps_info.json go
+    into --out. A conflict: exit 1, the files with conflict markers go beside the report in --out; nothing
+    else changes. See docs/upstream.md."""
+    from pathlib import Path
+
+    from h3kit import manifest, rebase as lib
+    from h3kit.install import resolve_source
+    from h3kit.patches import Series
+    from h3kit.paths import repo_root, require_checkout
+
+    root = require_checkout("patches rebase") if write else repo_root()
+    data = manifest.load(root)
+    series = Series.load(root)
+    src = resolve_source(source, data)
+    out = Path(out_dir or f"rebase-{onto.replace('/', '_')[:40]}")
+    rep, doc = lib.rebase_onto(root, data, series, onto, src, out, progress=sys.stderr.isatty() and not as_json,
+                               log=lambda m: err(f"h3kit: {m}"))
+    if write and rep.ok:
+        doc["written_into_checkout"] = lib.write_into_checkout(root, out)
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo((out / lib.REPORT_TEXT).read_text(), nl=False)
+        if rep.ok:
+            click.echo(f"refreshed series: {out}/patches, {out}/source_deps_info.json"
+                       + (" (written into this checkout)" if write else
+                          " (copy them over patches/ and source_deps_info.json, or rerun with --write)"))
+        else:
+            click.echo(f"report and conflicting files: {out}")
+    sys.exit(0 if rep.ok else 1)
