@@ -260,6 +260,7 @@ class InstallReport:
     recovered: dict | None = None
     models_dirs: list[str] = field(default_factory=list)
     python_packages: int = 0
+    merge: dict | None = None  # off the pin: {"onto", "base", "patches": [{"patch", "how": "plain"|"3-way"}]}
 
     def to_dict(self) -> dict:
         return {"ok": True, **self.__dict__}
@@ -541,6 +542,8 @@ def _new_state(state: dict | None, report: InstallReport, target: _Target, sourc
     }
     if report.models_dirs:
         new_state["models_dirs"] = report.models_dirs
+    if report.merge is not None:
+        new_state["merge"] = report.merge
     if state is not None and {k: v for k, v in state.items() if k != "installed_at"} == \
             {k: v for k, v in new_state.items() if k != "installed_at"}:
         new_state["installed_at"] = state.get("installed_at")  # nothing else changed: a no-op writes nothing
@@ -582,10 +585,47 @@ def _interpreter(opts: InstallOptions) -> str:
     return recorded if isinstance(recorded, str) and recorded else sys.executable
 
 
+def merged_series(series: Series, home: Path, verified: str, commit: str, touched: list[str], folder: Path,
+                  log=_nolog):
+    """The series moved three-way onto `commit` (h3kit.rebase): (the refreshed series, written under `folder`,
+    what it makes of the touched files, the merge record). Raises PatchConflict naming each conflicting hunk."""
+    from h3kit import rebase
+
+    if not gitutil.has_commit(home, verified):
+        raise PatchConflict(f"the patch series does not apply to {commit[:12]} as it is, and the checkout lacks "
+                            f"the pin {verified[:12]} a three-way merge needs",
+                            hint="install from a source that holds the pin (--source or H3KIT_COMFY_SOURCE)")
+    base = gitutil.read_blobs(home, verified, touched)
+    at = gitutil.read_blobs(home, commit, touched)
+    log(f"the series does not apply to {commit[:12]} as it is: merging it three-way ...")
+    rep = rebase.replay(series, base, at, commit, modes=gitutil.read_modes(home, commit, touched))
+    if not rep.ok:
+        hunks = rep.conflicting_hunks()
+        raise PatchConflict(f"the patch series conflicts with {commit[:12]} even three-way: "
+                            + "; ".join(f"{h['patch']}: {h['file']}" + (f" hunk {h['hunk']}" if h["hunk"] else "")
+                                        + f": {h['message']}" for h in hunks),
+                            hint="the tree is as it was; h3kit patches rebase --onto COMMIT writes the conflicting "
+                                 "files and the report (docs/upstream.md), or install the pin",
+                            details={"conflicts": hunks, "patches": [p.to_dict() for p in rep.patches]})
+    (folder / "series").write_text("".join(n + "\n" for n in series.names))
+    for name, text in rep.texts.items():
+        (folder / name).write_text(text)
+    merge = {"onto": commit, "base": verified, "patches": [{"patch": p.name, "how": p.how} for p in rep.patches]}
+    return Series.load_dir(folder, series.root), rep.after, merge
+
+
 def _install(opts: InstallOptions, log, recovered: dict | None, data: dict, target: _Target,
              moved: list[str]) -> InstallReport:
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        return _install_in(opts, log, recovered, data, target, moved, stack)
+
+
+def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, target: _Target,
+                moved: list[str], stack) -> InstallReport:
     root = repo_root()
-    series = Series.load(root)
+    series = kit_series = Series.load(root)
     source = resolve_source(opts.source, data)
     pin = target.commit
     report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=pin, dry_run=opts.dry_run,
@@ -633,17 +673,31 @@ def _install(opts: InstallOptions, log, recovered: dict | None, data: dict, targ
                 report.drift.append({"patch": p.name, "file": f["path"], "expected_base": f.get("base_blob"),
                                      "found": found, "kind": "upstream"})
 
+    conflict = None
     try:
         expected = series_result(series, pin_files)
+        if not target.is_pin:
+            report.merge = {"onto": pin, "base": target.verified,
+                            "patches": [{"patch": p.name, "how": "plain"} for p in series.patches]}
     except PatchConflict as e:
-        raise PatchConflict(f"the patch series does not apply to {pin[:12]}: " + _describe(e.details),
+        conflict = e
+    if conflict is not None and target.is_pin:
+        raise PatchConflict(f"the patch series does not apply to {pin[:12]}: " + _describe(conflict.details),
                             hint="the upstream files differ from the ones the series was made for "
                                  "(see drift); install the pin from source_deps_info.json",
-                            details={"patches": e.details, "drift": report.drift}) from None
+                            details={"patches": conflict.details, "drift": report.drift})
+    if conflict is not None:  # off the pin (--commit --force): merge three-way where the plain apply fails
+        folder = stack.enter_context(locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-"))
+        series, merged, report.merge = merged_series(kit_series, home, target.verified, pin, touched, folder, log)
+        expected = {k: merged[k] for k in series.touched_files()}
 
     start = _starting_point(series, old_series, current, pin_files, expected, touched, opts.force, report)
     plan = plan_forward(series, start)
     report.patches = [s.to_dict() for s in plan.states]
+    if report.merge is not None:
+        how = {m["patch"]: m["how"] for m in report.merge["patches"]}
+        for entry in report.patches:
+            entry["how"] = how.get(entry["patch"], "plain")
     if plan.conflicts or plan.after != expected_all(expected, pin_files, touched):
         raise InstallError("internal: the series' plan disagrees with its result", details=[st.to_dict() for st in plan.states])
 
@@ -654,7 +708,7 @@ def _install(opts: InstallOptions, log, recovered: dict | None, data: dict, targ
     if overlap:
         raise InstallError(f"shipped files collide with patched files: {sorted(overlap)}")
 
-    new_state = _new_state(state, report, target, source, python, root, series, f_after, env.packages or [])
+    new_state = _new_state(state, report, target, source, python, root, kit_series, f_after, env.packages or [])
     s_before, s_after = _state_files(home, new_state, series)
     before = {**current, **f_before, **m_before, **s_before}
     after = {**{k: expected.get(k, pin_files[k]) for k in touched}, **f_after, **m_after, **s_after}
@@ -691,6 +745,13 @@ def _describe(details) -> str:
 # --- verify ---------------------------------------------------------------------------------------------
 
 def verify(comfy_home: Path) -> dict:
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        return _verify(comfy_home, stack)
+
+
+def _verify(comfy_home: Path, stack) -> dict:
     home = Path(comfy_home).expanduser().absolute()
     data = manifest.load()
     root = repo_root()
@@ -736,6 +797,20 @@ def verify(comfy_home: Path) -> dict:
             problems.append("the tree was installed with another version of the patch series: run h3kit install")
 
     touched = series.touched_files()
+    merge = (state or {}).get("merge")
+    if head == pin and merge and any(m.get("how") == "3-way" for m in merge.get("patches", [])):
+        # installed off the pin with a three-way merge: check the tree against that merge, made again here
+        folder = stack.enter_context(locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-"))
+        try:
+            series, _, again = merged_series(series, home, str(merge.get("base")), pin, touched, folder)
+            if again != merge:
+                problems.append(f"install recorded the merge {merge['patches']}, the series merges as "
+                                f"{again['patches']} now")
+            else:
+                warnings.append("merged three-way onto " + pin[:12] + ": " + ", ".join(
+                    m["patch"] for m in merge["patches"] if m["how"] == "3-way"))
+        except H3kitError as e:
+            problems.append(f"the series no longer merges onto {pin[:12]} as install recorded: {e.message}")
     if head == pin:
         pin_files = gitutil.read_blobs(home, pin, touched)
         try:
