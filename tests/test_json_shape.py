@@ -81,6 +81,8 @@ CASES = {
     "revert": (["revert", "--comfy-home", "empty", "--json"], ["revert", "--json"]),
     "patches check": (None, ["patches", "check", "--json", "--bogus"]),
     "patches status": (["patches", "status", "--comfy-home", "empty", "--json"], ["patches", "status", "--json"]),
+    "patches rebase": (["patches", "rebase", "--onto", "master", "--source", "no-such-mirror", "--out", "o", "--json"],
+                       ["patches", "rebase", "--json"]),
     "check-workflow": (["check-workflow", "missing.json", "--json"], ["check-workflow", "--json"]),
     "models list": (["models", "list", "missing.json", "--json"], ["models", "list", "--json"]),
     "models fetch": (["models", "fetch", "wf.json", "--comfy-home", "empty", "--json"],

@@ -309,7 +309,7 @@ def _clone_into(home: Path, source: str, pin: str, data: dict, report: InstallRe
 
 
 def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, report: InstallReport, log,
-                      moved: list[str]) -> Path | None:
+                      moved: list[str], precheck=None) -> Path | None:
     """Return the checkout to patch (None in a dry run that would clone). A fresh home is cloned into (see
     _clone_into); a failed clone leaves the home as it was."""
     home = opts.comfy_home
@@ -339,6 +339,8 @@ def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, r
         if not gitutil.has_commit(home, pin):
             log(f"fetching {pin[:12]} from {source} ...")
             gitutil.fetch_commit(home, source, pin)
+        if precheck is not None:  # a series that conflicts with the commit refuses before the checkout moves
+            precheck(home)
         log(f"checking out {pin[:12]} (was {head[:12]}) ...")
         _judge_missing(gitutil.checkout_detached(home, pin, force=True), data, report)
     else:
@@ -499,7 +501,10 @@ def _starting_point(series: Series, old_series: Series | None, current: dict, pi
     as_is = plan_forward(series, current)
     if not as_is.conflicts and as_is.after == expected_all(expected, pin_files, touched):
         return current
-    old_expected = series_result(old_series, pin_files) if old_series is not None else None
+    try:
+        old_expected = series_result(old_series, pin_files) if old_series is not None else None
+    except PatchConflict:  # the applied series was made for another commit (a move off or back onto the pin)
+        old_expected = None
     if old_expected is not None and all(current[f] == old_expected.get(f, pin_files[f]) for f in touched):
         return dict(pin_files)
     offending = [f for f in touched if current[f] not in (pin_files[f], expected.get(f, pin_files[f]))
@@ -646,7 +651,20 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
                                         "torch / torch-npu pair (README, 'Environment')", details=env.to_dict())
     report.warnings += env.warnings
 
-    home = _prepare_checkout(opts, source, pin, data, report, log, moved)
+    def precheck(tree: Path) -> None:
+        """Off the pin in an existing tree: the series must take the commit (plainly or three-way) before the
+        checkout moves anything, so that a conflict leaves the tree as it was."""
+        if target.is_pin:
+            return
+        commit = gitutil.resolve_commit(tree, pin)
+        touched = series.touched_files()
+        try:
+            series_result(series, gitutil.read_blobs(tree, commit, touched))
+        except PatchConflict:
+            with locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-") as folder:
+                merged_series(series, tree, target.verified, commit, touched, folder, log)
+
+    home = _prepare_checkout(opts, source, pin, data, report, log, moved, precheck)
     if home is None:  # dry run before a clone: nothing to check patches against yet
         report.patches = [{"patch": n, "state": "apply", "failures": []} for n in series.names]
         report.files["installed"] = sorted(shipped_files(root))
@@ -688,7 +706,11 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
                             details={"patches": conflict.details, "drift": report.drift})
     if conflict is not None:  # off the pin (--commit --force): merge three-way where the plain apply fails
         folder = stack.enter_context(locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-"))
-        series, merged, report.merge = merged_series(kit_series, home, target.verified, pin, touched, folder, log)
+        try:
+            series, merged, report.merge = merged_series(kit_series, home, target.verified, pin, touched, folder, log)
+        except PatchConflict as e:
+            e.details = {**(e.details or {}), "drift": report.drift}
+            raise
         expected = {k: merged[k] for k in series.touched_files()}
 
     start = _starting_point(series, old_series, current, pin_files, expected, touched, opts.force, report)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3kit import gitutil, locks
-from h3kit.errors import H3kitError
+from h3kit.errors import H3kitError, UsageError
 from h3kit.patchfile import DEFAULT_MODE, Section, git_blob_id, render_patch, with_index
 from h3kit.patches import Series, Step, walk
 
@@ -336,7 +336,7 @@ def replay(series: Series, pin_files: dict[str, bytes | None], rev_files: dict[s
                                   else "merged" if any(h.state == "merged" for h in hunks) else "clean")
                         fr = FileResult(s.path, fstate, hunks)
                         if s.path in unmerged:
-                            fr.marked = _read(repo, s.path)
+                            fr.marked = _relabel(_read(repo, s.path), label, patch.name)
                             _write(repo, s.path, partial)
                             _git(repo, "add", "--", s.path)
                         files.append(fr)
@@ -366,6 +366,14 @@ def replay(series: Series, pin_files: dict[str, bytes | None], rev_files: dict[s
     return Replay(commit, results, after, texts)
 
 
+def _relabel(marked: bytes | None, ours: str, theirs: str) -> bytes | None:
+    """git apply --3way's markers name "ours" and "theirs": name upstream's commit and the patch instead."""
+    if marked is None:
+        return None
+    return re.sub(rb"(?m)^>>>>>>> theirs$", b">>>>>>> " + theirs.encode(),
+                  re.sub(rb"(?m)^<<<<<<< ours$", b"<<<<<<< " + ours.encode(), marked))
+
+
 def _file_message(sec: Section, current: bytes | None, stderr: str) -> str:
     if sec.new_file and current is not None:
         return f"upstream already has {sec.path}, which this patch adds"
@@ -393,12 +401,12 @@ CONFLICTS_DIR = "conflicts"
 
 def _resolve(tree: Path, rev: str) -> str:
     if not rev or rev.startswith("-"):
-        raise RebaseError(f"--onto {rev!r} is not a revision", code="usage", hint="give a commit id or a branch name")
+        raise UsageError(f"--onto {rev!r} is not a revision", hint="give a commit id or a branch name")
     for cand in (rev, f"origin/{rev}", f"refs/remotes/origin/{rev}"):
         proc = gitutil.run(["rev-parse", "--verify", "--quiet", f"{cand}^{{commit}}"], tree, check=False)
         if proc.returncode == 0:
             return proc.stdout.strip()
-    raise RebaseError(f"the source holds no commit or branch {rev!r}", code="no_such_revision",
+    raise UsageError(f"the source holds no commit or branch {rev!r}", code="no_such_revision",
                       hint="give a commit id or branch name the source holds (git ls-remote SOURCE)")
 
 
@@ -445,7 +453,7 @@ def rebase_onto(root: Path, data: dict, series: Series, onto: str, source: str, 
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RebaseError(f"--out {out} exists and is not an empty folder", code="usage",
+        raise UsageError(f"--out {out} exists and is not an empty folder",
                           hint="give --out a new or empty folder (the report and the refreshed series go there)")
     pin = manifest.pin(data)
     touched = series.touched_files()

@@ -1,0 +1,161 @@
+"""`h3kit patches rebase` and `install --commit --force` off the pin, three-way, on the fake upstream
+(tests/support/fakekit.py: milliseconds, no mirror); the footprint benchmark's table on the same.
+
+Upstream commits made here: one that changes only a context line of p1's hunk (the plain apply fails, a
+three-way merge succeeds), one that changes the very line p1 changes (a real conflict).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.fakekit import (A_PY, P1, commit_change, git, h3, install, kit, payload, refreshed,  # noqa: F401
+                                   snapshot, upstream)
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIFT = A_PY.replace("line 5\n", "line five\n")    # a context line of p1's hunk: merges three-way
+CLASH = A_PY.replace("line 7\n", "line VII\n")     # the line p1 changes: conflicts
+HUNK = "@@ -4,7 +4,7 @@"
+
+
+def rebase(runner, up, onto, out, *extra):
+    return h3(runner, "patches", "rebase", "--onto", onto, "--source", up, "--out", out, "--json", *extra)
+
+
+def source_state(up: Path) -> tuple:
+    refs = git("for-each-ref", "--format=%(refname) %(objectname)", cwd=up)
+    return refs, git("rev-parse", "HEAD", cwd=up), git("status", "--porcelain", cwd=up), snapshot(up)
+
+
+def test_rebase_onto_context_drift_is_clean_and_the_refreshed_series_installs_and_verifies(refreshed, upstream,
+                                                                                          runner, tmp_path):
+    up, pin = upstream
+    later = commit_change(up, "comfy/a.py", DRIFT)
+    # the series as it is does not take the commit: p1's context moved
+    r = install(runner, tmp_path / "plain", "--source", up, "--commit", later)
+    assert r.exit_code == 1  # refused without --force (not the pin)
+    out = tmp_path / "out"
+    r = rebase(runner, up, later, out)
+    assert r.exit_code == 0, r.output
+    rep = payload(r)
+    assert rep["onto"] == later and rep["counts"] == {"clean": 1, "merged": 1, "conflict": 0}
+    p1 = rep["patches"][0]
+    assert p1["patch"] == "p1-change-a.patch" and p1["state"] == "merged"
+    a = next(f for f in p1["files"] if f["file"] == "comfy/a.py")
+    assert a["hunks"] == [{"hunk": HUNK, "state": "merged", "conflict": []}]
+    assert rep["patches"][1]["state"] == "clean"
+    text = (out / "patches" / "p1-change-a.patch").read_text()
+    assert " line five\n" in text and " line 5\n" not in text  # the new context
+    assert f"index {git('rev-parse', f'{later}:comfy/a.py', cwd=up)}.." in text  # the new base
+    assert f"Upstream-Commit: {later}\n" in text and "Description: Change a.py and add new.py\n long text\n" in text
+    data = json.loads((out / "source_deps_info.json").read_text())
+    assert data["upstream"]["commit"] == later
+    assert (out / "report.txt").read_text().startswith("h3kit patches rebase: the series from")
+    # the checkout's series is untouched until asked; --write puts the refreshed one in place
+    assert "line five" not in (refreshed / "patches" / "p1-change-a.patch").read_text()
+    r = rebase(runner, up, later, tmp_path / "out2", "--write")
+    assert r.exit_code == 0, r.output
+    assert (refreshed / "patches" / "p1-change-a.patch").read_text() == text
+    assert h3(runner, "patches", "check", "--source", up).exit_code == 0
+    home = tmp_path / "home"
+    r = install(runner, home, "--source", up)
+    assert r.exit_code == 0, r.output
+    assert payload(r)["pin"] == later and [p["state"] for p in payload(r)["patches"]] == ["apply", "apply"]
+    assert (home / "comfy" / "a.py").read_text() == DRIFT.replace("line 7\n", "line seven\n")
+    r = h3(runner, "verify", "--comfy-home", home, "--json")
+    assert r.exit_code == 0, r.output
+
+
+def test_rebase_onto_a_real_conflict_names_the_hunk_and_changes_nothing_else(refreshed, upstream, runner, tmp_path):
+    up, pin = upstream
+    clash = commit_change(up, "comfy/a.py", CLASH)
+    kit_before = snapshot(refreshed)
+    src_before = source_state(up)
+    out = tmp_path / "out"
+    r = rebase(runner, up, clash, out)
+    assert r.exit_code == 1, r.output
+    rep = payload(r)
+    assert rep["counts"] == {"clean": 1, "merged": 0, "conflict": 1}
+    (c,) = rep["conflicts"]
+    assert (c["patch"], c["file"], c["hunk"]) == ("p1-change-a.patch", "comfy/a.py", HUNK)
+    assert "line VII" in "\n".join(c["conflict"]) and "line seven" in "\n".join(c["conflict"])
+    marked = (out / "conflicts" / "p1-change-a.patch" / "comfy" / "a.py").read_text()
+    assert "<<<<<<< upstream" in marked and ">>>>>>> p1-change-a.patch" in marked
+    assert not (out / "patches").exists() and (out / "report.json").is_file()
+    assert snapshot(refreshed) == kit_before  # the checkout's series and manifest
+    assert source_state(up) == src_before  # the source tree and its refs
+    # the same without --json: the hunk is named for people too
+    r = h3(runner, "patches", "rebase", "--onto", clash, "--source", up, "--out", tmp_path / "out3")
+    assert r.exit_code == 1 and f"conflict {HUNK}" in " ".join(r.output.split())
+    # bad input: exit 2, no traceback
+    r = rebase(runner, up, "no-such-branch", tmp_path / "out4")
+    assert r.exit_code == 2 and payload(r)["error"]["code"] == "no_such_revision"
+    r = rebase(runner, up, clash, out)  # --out holds the last report
+    assert r.exit_code == 2 and "--out" in payload(r)["error"]["message"]
+
+
+def test_install_off_the_pin_merges_three_way_records_it_and_verify_checks_it(refreshed, upstream, runner, tmp_path):
+    up, pin = upstream
+    home = tmp_path / "home"
+    assert install(runner, home, "--source", up).exit_code == 0
+    later = commit_change(up, "comfy/a.py", DRIFT)
+    r = install(runner, home, "--source", up, "--commit", later, "--force")
+    assert r.exit_code == 0, r.output
+    rep = payload(r)
+    assert rep["merge"] == {"onto": later, "base": pin, "patches": [{"patch": "p1-change-a.patch", "how": "3-way"},
+                                                                   {"patch": "p2-change-nodes.patch", "how": "plain"}]}
+    assert [p["how"] for p in rep["patches"]] == ["3-way", "plain"]
+    assert (home / "comfy" / "a.py").read_text() == DRIFT.replace("line 7\n", "line seven\n")
+    state = json.loads((home / ".h3kit" / "state.json").read_text())
+    assert state["pin"] == later and state["pin_verified"] is False and state["merge"] == rep["merge"]
+    r = h3(runner, "verify", "--comfy-home", home, "--json")
+    assert r.exit_code == 0, r.output
+    assert any("merged three-way onto" in w for w in payload(r)["warnings"])
+    # a re-run changes nothing; an edit of the merged file is a problem verify names
+    r = install(runner, home, "--source", up, "--commit", later, "--force")
+    assert r.exit_code == 0 and payload(r)["changed"] == [], r.output
+    (home / "comfy" / "a.py").write_text(DRIFT)
+    r = h3(runner, "verify", "--comfy-home", home, "--json")
+    assert r.exit_code == 1 and "comfy/a.py differs from what the series produces" in " ".join(payload(r)["problems"])
+    assert install(runner, home, "--source", up, "--commit", later, "--force").exit_code == 0
+    # a commit that conflicts even three-way: refused naming patch, file and hunk; the tree as it was
+    clash = commit_change(up, "comfy/a.py", CLASH)
+    before = snapshot(home)
+    head = git("rev-parse", "HEAD", cwd=home)
+    r = install(runner, home, "--source", up, "--commit", clash, "--force")
+    assert r.exit_code == 1
+    err = payload(r)["error"]
+    assert err["code"] == "patch_conflict"
+    assert f"p1-change-a.patch: comfy/a.py hunk {HUNK}" in err["message"]
+    assert err["details"]["conflicts"][0]["hunk"] == HUNK
+    assert git("rev-parse", "HEAD", cwd=home) == head and snapshot(home) == before
+    # revert takes the merged series back off (its copy is what install applied)
+    r = h3(runner, "revert", "--comfy-home", home, "--json")
+    assert r.exit_code == 0, r.output
+    assert (home / "comfy" / "a.py").read_text() == DRIFT
+
+
+def test_the_footprint_benchmark_counts_plain_three_way_and_conflict(refreshed, upstream, tmp_path):
+    up, pin = upstream
+    commit_change(up, "nodes.py", (up / "nodes.py").read_text() + "\n\ndef later():\n    pass\n")  # plain
+    commit_change(up, "comfy/a.py", DRIFT)  # three-way
+    commit_change(up, "comfy/a.py", CLASH)  # conflict
+    git("branch", "side", pin, cwd=up)
+    git("checkout", "-q", "side", cwd=up)
+    commit_change(up, "comfy/a.py", DRIFT.replace("line 19\n", "line nineteen\n"))  # three-way
+    bench = ROOT / "benchmarks" / "patch_footprint.py"
+    proc = subprocess.run([sys.executable, str(bench), "--source", str(up), "--root", str(refreshed),
+                           "--branch", "master", "--branch", "side"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {ln.split()[0]: ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith(("master", "side"))}
+    assert rows == {"master": ["3", "1", "1", "1"], "side": ["1", "0", "1", "0"]}, proc.stdout
+    proc = subprocess.run([sys.executable, str(bench), "--source", str(up), "--root", str(refreshed), "--json",
+                           "--branch", "master"], capture_output=True, text=True, timeout=300)
+    (row,) = json.loads(proc.stdout)["rows"]
+    assert [d["verdict"] for d in row["detail"]] == ["plain", "three-way", "conflict"]
+    assert row["detail"][2]["conflicts"] == [f"p1-change-a.patch: comfy/a.py {HUNK}"]
+    shutil.rmtree(tmp_path / "unused", ignore_errors=True)
