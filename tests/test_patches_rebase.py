@@ -96,6 +96,18 @@ def test_rebase_onto_a_real_conflict_names_the_hunk_and_changes_nothing_else(ref
     assert r.exit_code == 2 and payload(r)["error"]["code"] == "no_such_revision"
     r = rebase(runner, up, clash, out)  # --out holds the last report
     assert r.exit_code == 2 and "--out" in payload(r)["error"]["message"]
+    # the maintainer resolves the marked file and replays with it: a refreshed series that takes the commit
+    r = rebase(runner, up, clash, tmp_path / "out5", "--resolved", out / "conflicts")
+    assert r.exit_code == 2 and payload(r)["error"]["code"] == "unresolved"  # markers still there
+    (out / "conflicts" / "p1-change-a.patch" / "comfy" / "a.py").write_text(CLASH.replace("line VII\n", "line VII-seven\n"))
+    r = rebase(runner, up, clash, tmp_path / "out6", "--resolved", out / "conflicts")
+    assert r.exit_code == 0, r.output
+    rep = payload(r)
+    assert rep["counts"] == {"clean": 1, "merged": 1, "conflict": 0}
+    assert rep["patches"][0]["files"][0]["state"] == "resolved"
+    text = (tmp_path / "out6" / "patches" / "p1-change-a.patch").read_text()
+    assert "-line VII\n+line VII-seven\n" in text
+    assert snapshot(refreshed) == kit_before and source_state(up) == src_before
 
 
 def test_install_off_the_pin_merges_three_way_records_it_and_verify_checks_it(refreshed, upstream, runner, tmp_path):

@@ -20,7 +20,7 @@ COMMANDS = {
     "install": ("install", "install", "Install ComfyUI at the pin and apply the h3kit patch series."),
     "verify": ("install", "verify", "Check an installed tree: pin, patches, installed files, bytecode."),
     "revert": ("install", "revert", "Reverse the patch series and remove the files install added."),
-    "patches": ("patches", "patches", "Inspect and maintain the patch series (check, refresh)."),
+    "patches": ("patches", "patches", "Inspect and maintain the patch series (check, refresh, rebase)."),
     "start": ("service", "start", "Start the ComfyUI server on the given devices and wait until healthy."),
     "stop": ("service", "stop", "Stop the server h3kit started."),
     "restart": ("service", "restart", "Restart the server (after an OOM, say) with the same settings."),

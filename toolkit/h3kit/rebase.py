@@ -66,7 +66,7 @@ class FileResult:
 @dataclass
 class PatchResult:
     name: str
-    state: str  # "clean", "merged" or "conflict"
+    state: str  # "clean", "merged" or "conflict" (a file can also be "resolved": a maintainer's resolution)
     files: list[FileResult] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -282,8 +282,12 @@ def _diff_sections(repo: Path, a: str, b: str, paths: list[str]) -> dict[str, st
 
 
 def replay(series: Series, pin_files: dict[str, bytes | None], rev_files: dict[str, bytes | None], commit: str,
-           *, modes: dict[str, str] | None = None, log=lambda m: None) -> Replay:
-    """Apply `series` (made on the pin's `pin_files`) three-way to `rev_files` (the same paths at `commit`)."""
+           *, modes: dict[str, str] | None = None, resolved: dict[str, dict[str, bytes]] | None = None,
+           log=lambda m: None) -> Replay:
+    """Apply `series` (made on the pin's `pin_files`) three-way to `rev_files` (the same paths at `commit`).
+    `resolved` ({patch: {path: content}}, a maintainer's resolution of an earlier run's conflict files) is
+    taken as that patch's result for a file that conflicts: the file is "resolved" and the replay goes on."""
+    resolved = resolved or {}
     steps = walk(series, pin_files)  # the base of every index line; raises when the series is broken on the pin
     touched = sorted(set(pin_files) | set(rev_files))
     modes = modes or {}
@@ -337,6 +341,15 @@ def replay(series: Series, pin_files: dict[str, bytes | None], rev_files: dict[s
                         fr = FileResult(s.path, fstate, hunks)
                         if s.path in unmerged:
                             fr.marked = _relabel(_read(repo, s.path), label, patch.name)
+                            mine = resolved.get(patch.name, {}).get(s.path)
+                            if mine is not None:
+                                if _conflict_regions(mine) or b"\n=======\n" in mine:
+                                    raise UsageError(f"the resolution of {patch.name}: {s.path} still holds conflict "
+                                                     "markers", code="unresolved",
+                                                     hint="edit the file until no <<<<<<< / ======= / >>>>>>> is left")
+                                fr.state, fr.marked, partial = "resolved", None, mine
+                                for h in fr.hunks:
+                                    h.state = "resolved" if h.state == "conflict" else h.state
                             _write(repo, s.path, partial)
                             _git(repo, "add", "--", s.path)
                         files.append(fr)
@@ -441,8 +454,27 @@ def render_report(rep: Replay, pin: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_resolutions(folder: Path, series: Series) -> dict[str, dict[str, bytes]]:
+    """{patch: {path: content}} from `folder`/<patch>/<path> (an earlier run's conflicts/ folder, resolved)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"--resolved {folder} is not a folder",
+                         hint="give the conflicts/ folder of an earlier rebase, its files resolved")
+    out: dict[str, dict[str, bytes]] = {}
+    for name in series.names:
+        pdir = folder / name
+        if pdir.is_dir():
+            for f in sorted(pdir.rglob("*")):
+                if f.is_file():
+                    out.setdefault(name, {})[f.relative_to(pdir).as_posix()] = f.read_bytes()
+    if not out:
+        raise UsageError(f"--resolved {folder} holds no <patch>/<path> file of this series",
+                         hint="give the conflicts/ folder of an earlier rebase, its files resolved")
+    return out
+
+
 def rebase_onto(root: Path, data: dict, series: Series, onto: str, source: str, out: Path, *, progress=False,
-                log=lambda m: None) -> tuple[Replay, dict]:
+                resolved: dict[str, dict[str, bytes]] | None = None, log=lambda m: None) -> tuple[Replay, dict]:
     """Clone `source`, replay the series onto `onto`, and write into `out` (which must be new or empty) the
     report and either the refreshed series (patches/, source_deps_info.json) or the conflicting files.
     Returns the replay and the report's document."""
@@ -477,7 +509,7 @@ def rebase_onto(root: Path, data: dict, series: Series, onto: str, source: str, 
         rev_files = gitutil.read_blobs(tree, commit, touched)
         modes = gitutil.read_modes(tree, commit, touched)
         log(f"applying {len(series.patches)} patches three-way onto {commit[:12]} ...")
-        rep = replay(series, pin_files, rev_files, commit, modes=modes, log=lambda m: log("  " + m))
+        rep = replay(series, pin_files, rev_files, commit, modes=modes, resolved=resolved, log=lambda m: log("  " + m))
         upstream = _upstream_data(tree, commit, data)
     doc = {**rep.to_dict(), "pin": pin, "source": source, "out": str(out)}
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,9 @@ def _log(msg: str) -> None:
 @click.option("--source", metavar="URL_OR_PATH",
               help="Git URL or local mirror of ComfyUI holding the pin (default: $H3KIT_COMFY_SOURCE, "
                    "else the public URL).")
-@click.option("--commit", metavar="SHA", help="Install another commit than the pin (the series may not apply).")
+@click.option("--commit", metavar="SHA",
+              help="Install another commit than the pin (with --force): where the series does not apply as it is, "
+                   "it is merged three-way against the pin's files; a conflict names each hunk and changes nothing.")
 @click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
               help="The interpreter that will run ComfyUI (default: the one the last install of this tree "
                    "recorded, else this one).")
@@ -56,12 +58,15 @@ def install(comfy_home, source, commit, python, models_dirs, force, dry_run, as_
         if d["kind"] == "upstream":
             err(f"h3kit: drift: {d['file']} is blob {str(d['found'])[:12]} at this commit; "
                 f"{d['patch']} was made against {str(d['expected_base'])[:12]}")
+    if report.merge is not None and any(m["how"] == "3-way" for m in report.merge["patches"]):
+        err(f"h3kit: the series was merged three-way onto {report.merge['onto'][:12]} (recorded; verify checks the tree "
+            "against that merge; h3kit patches rebase refreshes the series for it)")
     if report.discarded_edits:
         err("h3kit: restored from the pin (local edits discarded): " + ", ".join(report.discarded_edits))
     click.echo(f"ComfyUI {report.pin[:12]} at {report.comfy_home}" + (" (cloned)" if report.cloned else ""))
     for st in report.patches:
         label = {"apply": "apply" if report.dry_run else "applied now", "applied": "already applied"}[st["state"]]
-        click.echo(f"  patch {st['patch']}: {label}")
+        click.echo(f"  patch {st['patch']}: {label}" + (" (merged three-way)" if st.get("how") == "3-way" else ""))
     files = report.files
     click.echo(f"  files: {len(files['installed'])} new, {len(files['updated'])} updated, "
                f"{len(files['unchanged'])} unchanged, {len(files['kept'])} kept (edited), "

@@ -199,11 +199,14 @@ def status(comfy_home, as_json):
               help="Git URL or local mirror holding the pin and REV (env H3KIT_COMFY_SOURCE, else the public URL).")
 @click.option("--out", "out_dir", metavar="DIR", type=click.Path(file_okay=False),
               help="A new or empty folder for the report and the refreshed series (default: ./rebase-REV).")
+@click.option("--resolved", "resolved_dir", metavar="DIR", type=click.Path(file_okay=False),
+              help="The conflicts/ folder of an earlier run with its files resolved (markers removed): each is "
+                   "taken as its patch's result for that file, and the replay goes on.")
 @click.option("--write", is_flag=True,
               help="Also write the refreshed series and source_deps_info.json over this checkout's (clean only).")
 @json_option
 @handle_errors
-def rebase(onto, source, out_dir, write, as_json):
+def rebase(onto, source, out_dir, resolved_dir, write, as_json):
     """Move the series onto upstream REV three-way, patch by patch (gbp pq's way), and report per patch and
     hunk: clean, merged three-way, or conflicting with the conflicting lines. Clean: the refreshed series
     (new context, new base blobs, Upstream-Commit in each DEP-3 header) and its source_deps_info.json go
@@ -221,8 +224,9 @@ def rebase(onto, source, out_dir, write, as_json):
     series = Series.load(root)
     src = resolve_source(source, data)
     out = Path(out_dir or f"rebase-{onto.replace('/', '_')[:40]}")
+    resolved = lib.read_resolutions(Path(resolved_dir), series) if resolved_dir else None
     rep, doc = lib.rebase_onto(root, data, series, onto, src, out, progress=sys.stderr.isatty() and not as_json,
-                               log=lambda m: err(f"h3kit: {m}"))
+                               resolved=resolved, log=lambda m: err(f"h3kit: {m}"))
     if write and rep.ok:
         doc["written_into_checkout"] = lib.write_into_checkout(root, out)
     if as_json:
