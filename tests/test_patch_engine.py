@@ -6,6 +6,7 @@ series, a new-file source under patches/src, and shipped files, so every edge ca
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -50,7 +51,7 @@ def test_refresh_writes_index_lines_and_check_compares_them_with_the_pin(refresh
     data = json.loads((refreshed / "source_deps_info.json").read_text())
     bad = text.replace(git("rev-parse", f"{pin}:comfy/a.py", cwd=up), "1" * 40)
     (refreshed / "patches" / "p1-change-a.patch").write_text(bad)
-    data["patches"][0]["sha256"] = __import__("hashlib").sha256(bad.encode()).hexdigest()
+    data["patches"][0]["sha256"] = hashlib.sha256(bad.encode()).hexdigest()
     (refreshed / "source_deps_info.json").write_text(json.dumps(data))
     r = h3(runner, "patches", "check", "--source", up)
     assert r.exit_code == 1 and "p1-change-a.patch: comfy/a.py: index line 111111111111.." in r.output, r.output

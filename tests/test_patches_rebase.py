@@ -61,6 +61,12 @@ def test_rebase_onto_context_drift_is_clean_and_the_refreshed_series_installs_an
     assert r.exit_code == 0, r.output
     assert (refreshed / "patches" / "p1-change-a.patch").read_text() == text
     assert h3(runner, "patches", "check", "--source", up).exit_code == 0
+    # a header naming another upstream commit than the pin is a problem check names
+    data = json.loads((refreshed / "source_deps_info.json").read_text())
+    (refreshed / "source_deps_info.json").write_text(json.dumps({**data, "upstream": {**data["upstream"], "commit": pin}}))
+    r = h3(runner, "patches", "check")
+    assert r.exit_code == 1 and f"Upstream-Commit: {later[:12]}, the pin is {pin[:12]}" in r.output
+    (refreshed / "source_deps_info.json").write_text(json.dumps(data))
     home = tmp_path / "home"
     r = install(runner, home, "--source", up)
     assert r.exit_code == 0, r.output

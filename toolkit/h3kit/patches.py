@@ -476,6 +476,12 @@ def structural_problems(series: Series, data: dict) -> list[str]:
             if s.new_file and s.path in owners:
                 problems.append(f"{s.path} is added by both {owners[s.path]} and {p.name}")
             owners.setdefault(s.path, p.name)
+    pin = (data.get("upstream") or {}).get("commit")
+    for p in series.patches:
+        said = p.header.get("Upstream-Commit")
+        if said and pin and said != pin:
+            problems.append(f"{p.name}: its header says Upstream-Commit: {said[:12]}, the pin is {pin[:12]} "
+                            "(h3kit patches rebase --onto the pin writes the series for it)")
     entries = data.get("patches", [])
     if [e["name"] for e in entries] != series.names:
         problems.append("source_deps_info.json lists the patches "
