@@ -8,12 +8,11 @@ three-way merge succeeds), one that changes the very line p1 changes (a real con
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.fakekit import (A_PY, P1, commit_change, git, h3, install, kit, payload, refreshed,  # noqa: F401
+from tests.support.fakekit import (A_PY, commit_change, git, h3, install, kit, payload, refreshed,  # noqa: F401
                                    snapshot, upstream)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,4 +175,3 @@ def test_the_footprint_benchmark_counts_plain_three_way_and_conflict(refreshed, 
     (row,) = json.loads(proc.stdout)["rows"]
     assert [d["verdict"] for d in row["detail"]] == ["plain", "three-way", "conflict"]
     assert row["detail"][2]["conflicts"] == [f"p1-change-a.patch: comfy/a.py {HUNK}"]
-    shutil.rmtree(tmp_path / "unused", ignore_errors=True)
