@@ -154,6 +154,12 @@ def test_install_off_the_pin_merges_three_way_records_it_and_verify_checks_it(re
     r = h3(runner, "revert", "--comfy-home", home, "--json")
     assert r.exit_code == 0, r.output
     assert (home / "comfy" / "a.py").read_text() == DRIFT
+    # and from the merged series straight back onto the pin
+    assert install(runner, home, "--source", up, "--commit", later, "--force").exit_code == 0
+    r = install(runner, home, "--source", up, "--force")
+    assert r.exit_code == 0 and payload(r)["merge"] is None, r.output
+    assert "merge" not in json.loads((home / ".h3kit" / "state.json").read_text())
+    assert h3(runner, "verify", "--comfy-home", home).exit_code == 0
 
 
 def test_the_footprint_benchmark_counts_plain_three_way_and_conflict(refreshed, upstream, tmp_path):
