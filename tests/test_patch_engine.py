@@ -60,6 +60,22 @@ def test_refresh_writes_index_lines_and_check_compares_them_with_the_pin(refresh
     assert r.exit_code == 1 and "p2-change-nodes.patch: nodes.py: no index line" in r.output
 
 
+def test_check_names_a_hook_that_imports_a_package_inside_a_function(refreshed, upstream, runner):
+    # `import comfy.x` in a function body makes `comfy` local to all of it: an earlier comfy.* use then raises
+    # UnboundLocalError at run time (main.py's start_comfyui did, once its hook imported at its use)
+    up, _ = upstream
+    hook = P2.replace("@@ -1,6 +1,6 @@", "@@ -1,7 +1,8 @@") + "+    import os.path\n     return NODES\n"
+    (refreshed / "patches" / "p2-change-nodes.patch").write_text(hook)
+    h3(runner, "patches", "refresh", "--source", up)
+    r = h3(runner, "patches", "check", "--source", up)
+    assert r.exit_code == 1
+    assert "p2-change-nodes.patch: nodes.py: load() gains 'import os.path', which makes 'os' a local name" in r.output
+    assert "write 'from os import path'" in r.output
+    (refreshed / "patches" / "p2-change-nodes.patch").write_text(hook.replace("import os.path", "from os import path"))
+    h3(runner, "patches", "refresh", "--source", up)
+    assert h3(runner, "patches", "check", "--source", up).exit_code == 0
+
+
 def test_check_passes_then_flags_each_structural_problem(refreshed, upstream, runner):
     up, _ = upstream
     assert h3(runner, "patches", "check", "--source", up).exit_code == 0

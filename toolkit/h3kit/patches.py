@@ -497,6 +497,52 @@ def structural_problems(series: Series, data: dict) -> list[str]:
     return problems
 
 
+def _function_imports(source: bytes) -> set[tuple[str, str]]:
+    """(function, module) for each `import a.b` (no `as`) inside a function body of `source`."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return set()
+    found = set()
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, f"{where}.{child.name}" if where else child.name)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{where}.{child.name}" if where else child.name)
+            else:
+                if isinstance(child, ast.Import) and where:
+                    for alias in child.names:
+                        if "." in alias.name and alias.asname is None:
+                            found.add((where, alias.name))
+                visit(child, where)
+
+    visit(tree, "")
+    return found
+
+
+def local_import_problems(series: Series, base: dict[str, bytes | None], result: dict[str, bytes | None]) -> list[str]:
+    """Functions the series gives an `import a.b`: that binds `a` as a local name in the whole function, so any
+    use of a.* before it raises UnboundLocalError (main.py's start_comfyui did when its hook imported at its
+    use). The fix the message names: `from a import b`."""
+    problems = []
+    for rel in series.touched_files():
+        if not rel.endswith(".py") or base.get(rel) is None or result.get(rel) is None:
+            continue
+        for where, module in sorted(_function_imports(result[rel]) - _function_imports(base[rel])):
+            pkg, _, rest = module.partition(".")
+            owner = next((p.name for p in series.patches for sec in p.sections if sec.path == rel
+                          and any(ln.startswith("+") and f"import {module}" in ln for h in sec.hunks for ln in h.lines)),
+                         "the series")
+            problems.append(f"{owner}: {rel}: {where}() gains 'import {module}', which makes {pkg!r} a local name of "
+                            f"the whole function (UnboundLocalError at any earlier {pkg}.* use); write "
+                            f"'from {pkg} import {rest}'")
+    return problems
+
+
 def manifest_entries(series: Series, base: dict[str, bytes | None]) -> list[dict]:
     """The manifest's "patches" list: per patch its sha256 and the upstream files with their base blobs."""
     entries = []
@@ -511,6 +557,6 @@ def manifest_entries(series: Series, base: dict[str, bytes | None]) -> list[dict
     return entries
 
 
-__all__ = ["Step", "walk", "index_lines", "index_problems", "Series", "Plan", "PatchState", "Failure", "PatchConflict", "PatchFormatError", "SeriesError",
+__all__ = ["local_import_problems", "Step", "walk", "index_lines", "index_problems", "Series", "Plan", "PatchState", "Failure", "PatchConflict", "PatchFormatError", "SeriesError",
            "plan_forward", "plan_reverse", "series_result", "read_tree_files", "write_tree_files",
            "regenerate", "structural_problems", "manifest_entries", "add_source_sections", "diff_sections"]

@@ -45,7 +45,8 @@ def check(source, as_json):
     sync, manifest in sync, an index line on every section; with a source, the whole series applies to the pin
     and reverses back to it, and each index line names the blobs the series goes through on the pin."""
     from h3kit import gitutil, manifest
-    from h3kit.patches import PatchConflict, Series, index_problems, plan_reverse, series_result, structural_problems, walk
+    from h3kit.patches import (PatchConflict, Series, index_problems, local_import_problems, plan_reverse, series_result,
+                               structural_problems, walk)
     from h3kit.paths import repo_root
 
     root = repo_root()
@@ -68,6 +69,7 @@ def check(source, as_json):
             result = series_result(series, base)
             problems += [p for p in index_problems(series, walk(series, base))
                          if "no index line" not in p]  # the structural check named those already
+            problems += local_import_problems(series, base, result)
             back = plan_reverse(series, result)
             applied_to_pin = True
             if back.conflicts or back.after != base:
