@@ -130,7 +130,9 @@ def _env(ceiling: Path | None = None) -> dict:
 
 def _git(cwd: Path, *args: str, check=True, input: bytes | None = None, ceiling: Path | None = None) -> subprocess.CompletedProcess:
     try:
-        proc = subprocess.run(["git", "-c", "core.autocrlf=false", "-c", "commit.gpgsign=false", *args], cwd=cwd,
+        proc = subprocess.run(["git", "-c", "core.autocrlf=false", "-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null",
+                               "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "merge.conflictStyle=merge",
+                               *args], cwd=cwd,
                               capture_output=True, timeout=GIT_TIMEOUT, env=_env(ceiling), input=input,
                               **gitutil.dies_with_us())
     except FileNotFoundError:
@@ -271,7 +273,8 @@ def header_with_commit(header_text: str, commit: str) -> str:
 
 
 def _diff_sections(repo: Path, a: str, b: str, paths: list[str]) -> dict[str, str]:
-    proc = _git(repo, "diff", "--no-color", "--full-index", "-U3", "--no-renames", "--no-ext-diff", a, b, "--", *paths)
+    proc = _git(repo, "diff", "--no-color", "--full-index", "-U3", "--no-renames", "--no-ext-diff", "--no-textconv",
+                "--src-prefix=a/", "--dst-prefix=b/", a, b, "--", *paths)
     text = proc.stdout.decode("utf-8")
     out = {}
     for chunk in re.split(r"(?m)^(?=diff --git )", text):
