@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -199,23 +200,33 @@ class _Doctor:
 
     def _torch(self, python: str, info: dict):
         env = pyenv.evaluate(python, info, self.data)
-        for message in env.errors:
-            self.add("torch", "error", message, "install the pairing in source_deps_info.json (README, "
-                     "'On an NPU host'): torch-npu 2.14.0 with torch 2.14.0 (CPU build) and CANN 9.2.0")
-        for message in env.warnings:
-            self.add("torch", "warning", message)
+        install_cmd = torch_install_line(self.data, self.kind, python)
         torch = info.get("torch")
+        for message in env.errors:
+            self.add("torch", "error", message, install_cmd)
+        for message in env.warnings:
+            if torch is None and message.startswith("torch is not installed"):
+                continue  # said below, as the error it is, with the versions and the command
+            if info.get("torchaudio") is None and message.startswith("torchaudio is not installed"):
+                self.add("torch", "error", f"torchaudio is not installed in {python}: the pinned comfy/sd.py imports "
+                         f"it at start-up, so ComfyUI will not start", torch_install_line(self.data, self.kind, python,
+                                                                                          only_audio=True))
+                continue
+            self.add("torch", "warning", message)
+        if torch is None:
+            self.add("torch", "error", f"torch is not installed in {python}: ComfyUI will not start without it "
+                     f"(this host needs {torch_versions(self.data, self.kind)})", install_cmd)
         imported = info.get("torch_import") or {}
         if torch is not None and not imported.get("ok", True):
             self.add("torch", "error", f"import torch fails in {python}: {imported.get('error')}",
-                     "reinstall torch into that interpreter (README lists the versions)")
+                     f"reinstall torch into that interpreter: {install_cmd}")
         build = info.get("torch_build") or {}
         if self.kind == "cuda" and torch is not None and not build.get("cuda"):
             self.add("torch", "error", f"torch {torch} is not a CUDA build, but the device type is cuda",
                      "install a CUDA build of torch, or choose --device-type npu|cpu")
-        if self.kind == "npu" and not info.get("torch_npu"):
-            self.add("torch", "error", f"torch-npu is not installed in {python}",
-                     f"pip install torch-npu=={self.data['torch']['npu'][0]['torch_npu']} into that interpreter")
+        if self.kind == "npu" and not info.get("torch_npu") and torch is not None:
+            self.add("torch", "error", f"torch-npu is not installed in {python} (this host needs "
+                     f"{torch_versions(self.data, self.kind)})", install_cmd)
         if torch is not None and not env.errors and imported.get("ok", True):
             what = pyenv.gpu_build(torch, build) or "CPU build"
             extra = f", torch-npu {info['torch_npu']}" if info.get("torch_npu") else ""
@@ -503,6 +514,39 @@ def shm_verdict(free: int | None, several_devices: bool) -> tuple:
         return ("error", message + ": the process transport hands each command's inputs and results through it "
                 "(a decoded 768p/15 s video is about 4.5 GB in fp32)", fix)
     return "warning", message + f", less than the {SHM_NEEDED_BYTES / GB:.0f} GB a long decoded video needs", fix
+
+
+def torch_versions(data: dict, kind: str) -> str:
+    """The versions source_deps_info.json pairs for this device type, in words."""
+    cpu = data["torch"]["cpu"]
+    if kind == "npu":
+        entry = data["torch"]["npu"][0]
+        compatible = "".join(f", {c}.x compatible" for c in entry.get("cann_compatible", []))
+        return (f"torch {entry['torch']} (CPU build), torch-npu {entry['torch_npu']}, torchaudio {cpu['torchaudio']} "
+                f"and CANN {entry['cann']}{compatible}")
+    build = "a CUDA build of " if kind == "cuda" else ""
+    return f"{build}torch {cpu['torch']}, torchvision {cpu['torchvision']} and torchaudio {cpu['torchaudio']}"
+
+
+def torch_install_line(data: dict, kind: str, python: str, only_audio: bool = False) -> str:
+    """The exact pip command that puts source_deps_info.json's pairing for `kind` into `python` (the commands
+    of docs/deployment.md, section 0). torchaudio goes in with --no-deps: the newest on the registry declares
+    an older torch but imports and resamples fine with the paired one."""
+    cpu = data["torch"]["cpu"]
+    py = shlex.quote(str(python))
+    audio = f"{py} -m pip install --no-deps torchaudio=={cpu['torchaudio']}"
+    if only_audio:
+        return audio
+    index = "--index-url https://download.pytorch.org/whl/cpu"
+    if kind == "npu":
+        entry = data["torch"]["npu"][0]
+        return (f"{py} -m pip install torch=={entry['torch']} {index} && {py} -m pip install "
+                f"torch-npu=={entry['torch_npu']} && {audio}; then install CANN {entry['cann']} and pass --python a "
+                "wrapper that sources its set_env.sh (docs/deployment.md, 'A new machine')")
+    if kind == "cuda":
+        return (f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']} (the CUDA build "
+                f"for this driver: https://pytorch.org/get-started/locally/) && {audio}")
+    return f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']} {index} && {audio}"
 
 
 def cann_pairing(version: str, entry: dict) -> str | None:

@@ -1,0 +1,60 @@
+"""The first hour of a new user (issue 31): every fix names the command, bad input exits 2 with its code, a
+setting that came from the environment says so. One test per numbered item of the issue."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from h3kit.cli import main
+from tests.conftest import MANIFEST
+from tests.support import jsondoc
+from tests.test_doctor import CPU_HOST, GOOD_NPU, answer, doctor_json, findings, host  # noqa: F401 (fixture)
+
+PAIRING = MANIFEST["torch"]
+
+
+# ---- item 1 and 2: doctor names the versions and the install line; no torch on cpu is a FAIL ---------------------
+
+def test_doctor_on_cpu_without_torch_fails_naming_the_versions_and_the_command(host, runner):
+    py = host.fake_python(dict(CPU_HOST, torch=None, torchaudio=None, torchvision=None, torch_import=None))
+    code, rep = doctor_json(runner, "--device-type", "cpu", "--python", py)
+    assert code == 1 and rep["ok"] is False
+    (torch,) = findings(rep, "torch", "error")
+    cpu = PAIRING["cpu"]
+    assert f"torch is not installed in {py}" in torch["message"]
+    assert f"torch {cpu['torch']}, torchvision {cpu['torchvision']} and torchaudio {cpu['torchaudio']}" in torch["message"]
+    assert torch["fix"] == (f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']} "
+                            f"--index-url https://download.pytorch.org/whl/cpu && {py} -m pip install --no-deps "
+                            f"torchaudio=={cpu['torchaudio']}")
+    r = runner.invoke(main, ["doctor", "--device-type", "cpu", "--python", py])
+    assert r.exit_code == 1 and "not ready" in r.output and f"fix: {torch['fix']}" in r.output
+
+
+def test_doctor_on_npu_without_torch_names_torch_npu_and_cann(host, runner):
+    py = host.fake_python(answer(torch=None, torch_npu=None, torchaudio=None, torch_import=None, torch_npu_import=None))
+    code, rep = doctor_json(runner, "--device-type", "npu", "--python", py)
+    npu = PAIRING["npu"][0]
+    (torch,) = findings(rep, "torch", "error")
+    assert code == 1 and f"torch-npu {npu['torch_npu']}" in torch["message"] and f"CANN {npu['cann']}" in torch["message"]
+    assert f"{py} -m pip install torch=={npu['torch']} --index-url https://download.pytorch.org/whl/cpu" in torch["fix"]
+    assert f"{py} -m pip install torch-npu=={npu['torch_npu']}" in torch["fix"]
+    assert f"install CANN {npu['cann']}" in torch["fix"] and "set_env.sh" in torch["fix"]
+
+
+def test_doctor_names_the_command_for_a_missing_torch_npu_and_a_wrong_pairing(host, runner):
+    npu = PAIRING["npu"][0]
+    code, rep = doctor_json(runner, "--device-type", "npu", "--python", host.fake_python(answer(torch_npu=None)))
+    fixes = [f["fix"] for f in findings(rep, "torch", "error")]
+    assert code == 1 and fixes and all(f"torch-npu=={npu['torch_npu']}" in f for f in fixes), fixes
+    code, rep = doctor_json(runner, "--device-type", "npu", "--python", host.fake_python(answer(torch="2.13.0")))
+    fixes = [f["fix"] for f in findings(rep, "torch", "error")]
+    assert code == 1 and fixes and all(f"torch=={npu['torch']}" in f for f in fixes), fixes
+
+
+def test_doctor_without_torchaudio_is_a_fail_with_its_command(host, runner):
+    code, rep = doctor_json(runner, "--device-type", "cpu", "--python", host.fake_python(dict(CPU_HOST, torchaudio=None)))
+    (audio,) = findings(rep, "torch", "error")
+    assert code == 1 and "torchaudio is not installed" in audio["message"]
+    assert audio["fix"].endswith(f"-m pip install --no-deps torchaudio=={PAIRING['cpu']['torchaudio']}")
