@@ -58,3 +58,36 @@ def test_doctor_without_torchaudio_is_a_fail_with_its_command(host, runner):
     (audio,) = findings(rep, "torch", "error")
     assert code == 1 and "torchaudio is not installed" in audio["message"]
     assert audio["fix"].endswith(f"-m pip install --no-deps torchaudio=={PAIRING['cpu']['torchaudio']}")
+
+
+# ---- item 3: demo refuses an interpreter without ComfyUI's requirements up front, and leaves no lock ------------
+
+def no_site_python(tmp_path):
+    from tests.test_operator_papercuts import no_torch_python
+    return no_torch_python(tmp_path)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_demo_refuses_an_interpreter_without_the_requirements_before_creating_anything(tmp_path, existing):
+    from tests.support.service_helpers import h3kit
+    home = tmp_path / "demo-home"
+    if existing:
+        home.mkdir()
+    py = no_site_python(tmp_path)
+    r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--python", py, "--json",
+              timeout=120)
+    err = jsondoc.error(r.stdout, r.returncode)
+    assert r.returncode == 1 and err["code"] == "python_env", r.stderr
+    assert f"{py} lacks torch, torchaudio, safetensors" in err["message"]
+    assert f"{py} -m pip install torch=={MANIFEST['torch']['cpu']['torch']}" in err["fix"]
+    assert "install" not in [line.split(":")[0] for line in r.stderr.splitlines()]  # no stage began
+    assert not (home / ".h3kit").exists() and home.exists() == existing
+
+
+def test_a_demo_that_fails_after_taking_the_lock_leaves_no_lock_behind(tmp_path):
+    from tests.support.service_helpers import h3kit
+    home = tmp_path / "fresh"
+    r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1",
+              "--source", tmp_path / "no-such-mirror", "--json", timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert not (home / ".h3kit" / "h3kit.lock").exists() and not home.exists(), list(home.rglob("*"))
