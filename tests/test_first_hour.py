@@ -91,3 +91,16 @@ def test_a_demo_that_fails_after_taking_the_lock_leaves_no_lock_behind(tmp_path)
               "--source", tmp_path / "no-such-mirror", "--json", timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert not (home / ".h3kit" / "h3kit.lock").exists() and not home.exists(), list(home.rglob("*"))
+
+
+# ---- item 5: plan --tiers has H3's canvas by default; without --tiers every missing option is named -------------
+
+def test_plan_tiers_defaults_to_h3s_canvas(runner):
+    r = runner.invoke(main, ["plan", "--tiers", "--json"])
+    doc = jsondoc.data(r.stdout)
+    assert r.exit_code == 0 and (doc["width"], doc["height"], doc["frames"]) == (1344, 768, 124), r.output
+    given = jsondoc.data(runner.invoke(main, ["plan", "--tiers", "--width", "1344", "--height", "768", "--frames",
+                                              "124", "--json"]).stdout)
+    assert given == doc
+    r = runner.invoke(main, ["plan", "--npu-count", "2", "--width", "1344"])
+    assert r.exit_code == 2 and "Missing options --height, --frames" in r.output
