@@ -104,3 +104,42 @@ def test_plan_tiers_defaults_to_h3s_canvas(runner):
     assert given == doc
     r = runner.invoke(main, ["plan", "--npu-count", "2", "--width", "1344"])
     assert r.exit_code == 2 and "Missing options --height, --frames" in r.output
+
+
+# ---- item 11: status on a folder without a tree, install with an interpreter that is not one ---------------------
+
+def test_status_on_a_folder_that_is_not_a_tree_is_no_comfy_tree(runner, tmp_path):
+    for home in (tmp_path / "not" / "a" / "tree", tmp_path):
+        r = runner.invoke(main, ["status", "--comfy-home", str(home), "--json"])
+        err = jsondoc.error(r.stdout, r.exit_code)
+        assert r.exit_code == 2 and err["code"] == "no_comfy_tree", r.output
+        assert f"{home} is not a ComfyUI tree" in err["message"]
+
+
+@pytest.mark.parametrize("python, code, status, fragment", [
+    ("/nope/python", "bad_python", 2, "/nope/python cannot be run: No such file or directory"),
+    ("/usr/bin/false", "python_env", 1, "exited with status 1 and printed nothing: it is not a Python interpreter"),
+    ("/usr/bin/true", "python_env", 1, "it printed no report"),
+])
+def test_install_names_why_an_interpreter_cannot_be_used(runner, tmp_path, python, code, status, fragment):
+    r = runner.invoke(main, ["install", "--comfy-home", str(tmp_path / "c"), "--python", python,
+                             "--source", str(tmp_path / "mirror"), "--json"])
+    err = jsondoc.error(r.stdout, r.exit_code)
+    assert (r.exit_code, err["code"]) == (status, code) and fragment in err["message"], r.output
+    assert "--python" in err["fix"] and not (tmp_path / "c").exists()
+
+
+# ---- item 12: a device list taken from the environment says so -------------------------------------------------
+
+@pytest.mark.parametrize("var", ["ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"])
+def test_a_bad_device_list_from_the_environment_names_the_variable(runner, tmp_path, monkeypatch, var):
+    for other in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "H3KIT_COMFY_HOME"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(var, "0-3")
+    wf = tmp_path / "wf.json"
+    wf.write_text(json.dumps({"1": {"class_type": "MultiNPUParallelConfig", "inputs": {"npu_count": 4}}}))
+    r = runner.invoke(main, ["check-workflow", str(wf), "--json"])
+    err = jsondoc.error(r.stdout, r.exit_code)
+    assert r.exit_code == 2 and err["code"] == "bad_device_list", r.output
+    assert err["message"].startswith(f"{var} in the environment: device list '0-3'")
+    assert f"unset {var} and pass --devices" in err["fix"]
