@@ -419,10 +419,8 @@ class _Doctor:
                 by_workflow.setdefault(wf, []).append((kind, name))
         ready = sorted(wf for wf, files in by_workflow.items() if all(f in found for f in files))
         self.found_models = {wf: sum(found[f][1] for f in files if f in found) for wf, files in by_workflow.items()}
-        for (kind, name), workflows in missing.items():
-            self.add("models", "warning" if ready else "error",
-                     f"{kind}/{name} is missing (needed by {', '.join(workflows)}); searched {tree.folders(kind)}",
-                     self._fetch_hint(kind, name, workflows))
+        if missing:
+            self._missing_models(tree, missing, ready)
         for problem in broken:
             self.add("models", "error", problem, "download the file again (compare its size and checksum with the source)")
         lines = [f"{kind}/{name}: {size / GB:.2f} GB at {path}" for (kind, name), (path, size) in sorted(found.items())]
@@ -431,20 +429,33 @@ class _Doctor:
                      f"{len(found)} of {len(needed)} model file(s) found, {sum(s for _, s in found.values()) / GB:.1f} GB; "
                      f"workflows ready: {', '.join(ready) or 'none'}", lines=lines)
 
-    def _fetch_hint(self, kind: str, name: str, workflows: list[str]) -> str:
-        """`h3kit models fetch` on the shipped workflows that need the file (their installed copies when install
-        put them in the tree), with the file's source; by hand when no source is known."""
-        from h3kit.weights import sources
+    def _missing_models(self, tree, missing: dict, ready: list):
+        """One finding for every missing file, with one `h3kit models fetch` over the shipped workflows that
+        need them (their installed copies when install put them in the tree) and each file's source in the
+        words of `h3kit models list`."""
+        from h3kit.weights import listing, sources
 
-        found = sources.sources_for(kind, name)
-        if not found:
-            return f"no source is known for it: download it into models/{kind}/ or a folder listed in extra_model_paths.yaml"
+        users = sorted({wf for workflows in missing.values() for wf in workflows})
         paths = []
-        for wf in workflows:
+        for wf in users:
             copy = self.home / install.WORKFLOW_DEST / wf
             paths.append(str(copy if copy.is_file() else repo_root() / "workflows" / wf))
-        return (f"h3kit models fetch {' '.join(paths)} --comfy-home {self.home} (source: {sources.describe(found)}; "
-                "add --models-dir DIR for shared storage)")
+        known = {(w.kind, w.name): w for w in listing.collect(paths)}
+        lines, unknown = [], []
+        for (kind, name), workflows in missing.items():
+            w = known.get((kind, name))
+            src = w.sources if w is not None else sources.sources_for(kind, name)
+            if not src:
+                unknown.append(f"{kind}/{name}")
+            lines.append(f"{kind}/{name} (needed by {', '.join(workflows)}; searched {tree.folders(kind)}); "
+                         f"source: {sources.describe(src)}")
+        fix = f"h3kit models fetch {' '.join(paths)} --comfy-home {self.home} (add --dry-run to see sizes and " \
+              "free space first, --models-dir DIR for shared storage)"
+        if unknown:
+            fix += f"; no source is known for {', '.join(unknown)}: download it into models/<kind>/ or a folder " \
+                   "listed in extra_model_paths.yaml"
+        self.add("models", "warning" if ready else "error",
+                 f"{len(missing)} model file(s) missing, needed by {', '.join(users)}", fix, lines)
 
     # ---- host ---------------------------------------------------------------------------------------------
 
