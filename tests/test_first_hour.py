@@ -143,3 +143,29 @@ def test_a_bad_device_list_from_the_environment_names_the_variable(runner, tmp_p
     assert r.exit_code == 2 and err["code"] == "bad_device_list", r.output
     assert err["message"].startswith(f"{var} in the environment: device list '0-3'")
     assert f"unset {var} and pass --devices" in err["fix"]
+
+
+# ---- check-workflow: a diffusion-model wrapper node after MultiNPUParallelConfig (EasyCache) ---------------------
+
+def _with_cache(node_type: str, after: bool) -> dict:
+    from tests.support.check_workflow_helpers import deep, load_data
+    prompt = deep(load_data("api_t2va.json"))
+    inputs = {"reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+    if after:  # MultiNPUParallelConfig -> cache -> guider and scheduler
+        prompt["20"] = {"class_type": node_type, "inputs": {"model": ["6", 0], **inputs}}
+        prompt["8"]["inputs"]["model"] = prompt["9"]["inputs"]["model"] = ["20", 0]
+    else:  # LoRA -> cache -> MultiNPUParallelConfig
+        prompt["20"] = {"class_type": node_type, "inputs": {"model": ["2", 0], **inputs}}
+        prompt["6"]["inputs"]["model"] = ["20", 0]
+    return prompt
+
+
+def test_easycache_after_the_config_node_is_an_error_naming_the_fix_and_before_it_is_clean(tmp_path):
+    from tests.support.check_workflow_helpers import check_doc, found, messages
+    result = check_doc(tmp_path, _with_cache("EasyCache", after=True), devices="0,1,2,3")
+    assert found(result) == [("H3111", "20")] and result.exit_code == 1
+    (msg,) = messages(result, "H3111")
+    assert "move EasyCache before MultiNPUParallelConfig" in msg
+    assert found(check_doc(tmp_path, _with_cache("EasyCache", after=False), devices="0,1,2,3")) == []
+    # LazyCache wraps predict_noise, outside the DiT forward: the runtime refuses it on neither side
+    assert found(check_doc(tmp_path, _with_cache("LazyCache", after=True), devices="0,1,2,3")) == []
