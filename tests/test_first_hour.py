@@ -169,3 +169,7 @@ def test_easycache_after_the_config_node_is_an_error_naming_the_fix_and_before_i
     assert found(check_doc(tmp_path, _with_cache("EasyCache", after=False), devices="0,1,2,3")) == []
     # LazyCache wraps predict_noise, outside the DiT forward: the runtime refuses it on neither side
     assert found(check_doc(tmp_path, _with_cache("LazyCache", after=True), devices="0,1,2,3")) == []
+    # at npu_count 1 the node passes the model through, and EasyCache after it runs (benchmarks/step_cache.py)
+    one = _with_cache("EasyCache", after=True)
+    one["6"]["inputs"]["npu_count"] = 1
+    assert found(check_doc(tmp_path, one, devices="0")) == []

@@ -34,8 +34,9 @@ SAMPLING_NODES = frozenset({"KSampler", "KSamplerAdvanced", "SamplerCustom", "Sa
 MODEL_FLOW_TYPES = frozenset({"MODEL", "GUIDER", "*", "COMFY_MATCHTYPE_V3"})
 # Nodes that add a WrappersMP.DIFFUSION_MODEL wrapper (the pin's comfy_extras: nodes_easycache.py EasyCache,
 # nodes_hidream_o1.py). After MultiNPUParallelConfig such a wrapper would run in the server only, where no
-# forward runs, so the node's own wrapper fails the prompt at sampling; placed before the node it is kept.
-# LazyCache wraps PREDICT_NOISE (outside the DiT's forward) and is not refused on either side.
+# forward runs, so the node's own wrapper fails the prompt at sampling (npu_count 2 and up; at 1 the node passes
+# the model through); placed before the node it is kept. LazyCache wraps PREDICT_NOISE (outside the DiT's
+# forward) and works on either side (benchmarks/step_cache.py).
 DIFFUSION_MODEL_WRAPPER_NODES = frozenset({"EasyCache", "HiDreamO1PatchSeamSmoothing"})
 LORA_NODES = frozenset({"LoraLoader", "LoraLoaderModelOnly"})
 BASE_LOADER_INPUTS = {"UNETLoader": "unet_name", "CheckpointLoaderSimple": "ckpt_name",
@@ -298,7 +299,7 @@ def check_parallel_config(graph: Graph, ctx: Context, index: _Index):
         if weights is not UNKNOWN and weights is not None and weights not in WEIGHTS_CHOICES:
             _add(graph, "H3110", cfg, f"weights is {_show(weights)}; MultiNPUParallelConfig takes "
                  f"{', '.join(WEIGHTS_CHOICES)}: set it to auto (sharded where a replica would not fit a card)")
-        for wrapper in _model_path_after(graph, index, cfg, 0):
+        for wrapper in _model_path_after(graph, index, cfg, 0) if npu != 1 else ():  # 1: the node passes through
             if wrapper.class_type in DIFFUSION_MODEL_WRAPPER_NODES and wrapper.id in index.live:
                 _add(graph, "H3111", wrapper, f"{wrapper.class_type} takes the MODEL of MultiNPUParallelConfig "
                      f"{cfg.id}: the diffusion-model wrapper it adds would run in the server only, and the prompt "
