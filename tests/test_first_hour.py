@@ -173,3 +173,19 @@ def test_easycache_after_the_config_node_is_an_error_naming_the_fix_and_before_i
     one = _with_cache("EasyCache", after=True)
     one["6"]["inputs"]["npu_count"] = 1
     assert found(check_doc(tmp_path, one, devices="0")) == []
+
+
+def test_start_without_torch_names_the_install_line_itself(tmp_path):
+    from tests.support.service_helpers import h3kit
+    tree = tmp_path / "ComfyUI"
+    (tree / "comfy").mkdir(parents=True)
+    (tree / "main.py").write_text("")
+    (tree / "comfy" / "model_management.py").write_text("import torch\n")  # a ComfyUI that needs torch
+    py = no_site_python(tmp_path)
+    r = h3kit("start", "--comfy-home", tree, "--devices", "0", "--device-type", "cpu", "--python", py, "--json",
+              timeout=60)
+    err = jsondoc.error(r.stdout, r.returncode)
+    cpu = MANIFEST["torch"]["cpu"]
+    assert r.returncode == 1 and err["code"] == "python_env", r.stderr
+    assert err["fix"].startswith(f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']}")
+    assert f"h3kit doctor --comfy-home {tree.resolve()} --python {py}" in err["fix"]
