@@ -283,10 +283,13 @@ def test_model_files_missing_truncated_and_from_extra_model_paths(host, tmp_path
     code, rep = doctor_json(runner, *args)
     # two of three shipped workflows can run: the missing ref2va DiT is a warning naming its user
     missing = only_message(rep, "models", "warning")
-    assert "diffusion_models/minimax_h3_ref2va_bf16.safetensors is missing (needed by ref2va_8steps_lora.json)" in missing
-    fix = findings(rep, "models", "warning")[0]["fix"]  # the fetch command and the file's source
-    assert fix.startswith("h3kit models fetch ") and f"ref2va_8steps_lora.json --comfy-home {home}" in fix
-    assert "huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/minimax_h3_ref2va_bf16.safetensors" in fix
+    assert missing == "1 model file(s) missing, needed by ref2va_8steps_lora.json"
+    (finding,) = findings(rep, "models", "warning")  # the fetch command; the file and its source, as models list says
+    assert finding["fix"].startswith("h3kit models fetch ") and f"ref2va_8steps_lora.json --comfy-home {home}" in finding["fix"]
+    (line,) = finding["lines"]
+    assert line.startswith("diffusion_models/minimax_h3_ref2va_bf16.safetensors (needed by ref2va_8steps_lora.json;")
+    assert "huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/minimax_h3_ref2va_bf16.safetensors " \
+           "(the workflow's properties.models)" in line
     info = findings(rep, "models", "info")[0]
     assert "6 of 7 model file(s) found" in info["message"] and "ready: fl2va_8steps_lora.json, t2va_8steps_lora.json" in info["message"]
     assert any(str(lora_dir) in line for line in info["lines"])  # found through extra_model_paths.yaml, with its size
@@ -304,7 +307,12 @@ def test_model_files_missing_truncated_and_from_extra_model_paths(host, tmp_path
     for f in [*(home / "models").rglob("*.safetensors"), *lora_dir.iterdir()]:
         f.unlink()
     code, rep = doctor_json(runner, *args)
-    assert len(findings(rep, "models", "error")) == 7  # no workflow can run: every missing file is an error
+    (finding,) = findings(rep, "models", "error")  # no workflow can run: one error, one command for all seven
+    assert finding["message"].startswith("7 model file(s) missing, needed by fl2va_8steps_lora.json, "
+                                         "ref2va_8steps_lora.json, t2va_8steps_lora.json")
+    assert len(finding["lines"]) == 7 and finding["fix"].count("h3kit models fetch ") == 1
+    assert all(f"workflows/{wf}" in finding["fix"] for wf in ("fl2va_8steps_lora.json", "ref2va_8steps_lora.json",
+                                                              "t2va_8steps_lora.json"))
 
 
 @pytest.mark.parametrize("blob, fragment", [

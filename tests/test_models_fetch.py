@@ -114,15 +114,14 @@ def test_fresh_fetch_then_a_rerun_that_downloads_nothing(runner, hub, home):
 
 
 def test_an_interrupted_download_is_resumed_never_loaded(hub, home, tmp_path):
-    """SIGTERM while the DiT is half downloaded: nothing under its name, the partial file kept; the next run
-    asks for the rest only (Range) and the joined file is the server's, byte for byte."""
-    from huggingface_hub import constants
-
-    chunk = constants.DOWNLOAD_CHUNK_SIZE  # what huggingface_hub writes at a time
+    """SIGTERM while the DiT is a third downloaded: nothing under its name, every byte that arrived kept (an odd
+    count, well under huggingface_hub's 10 MB chunk, which kept nothing); the next run asks for the rest only
+    (Range from the last byte written) and the joined file is the server's, byte for byte."""
     name = "minimax_h3_fl2va_bf16.safetensors"
-    big = content(name, 2 * chunk + chunk // 2)
+    big = content(name, 3_000_000)
     dit = hub.add(*DIT, big)
-    dit.stall_after = 2 * chunk + 1000
+    cut = 1_000_003
+    dit.stall_after = cut
     cmd = [sys.executable, "-m", "h3kit", "models", "fetch", str(SHIPPED), "--comfy-home", str(home), "--json"]
     proc = subprocess.Popen(cmd, env=env_for(hub, HF_HOME=str(tmp_path / "hf-home")), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -132,7 +131,7 @@ def test_an_interrupted_download_is_resumed_never_loaded(hub, home, tmp_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the first two chunks reach the disk
             parts = list(staging.glob("*.part"))
-            if parts and parts[0].stat().st_size >= 2 * chunk:
+            if parts and parts[0].stat().st_size >= cut:
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
@@ -144,7 +143,7 @@ def test_an_interrupted_download_is_resumed_never_loaded(hub, home, tmp_path):
     assert proc.returncode == 143, err
     assert not (home / "models" / "diffusion_models" / name).exists()
     parts = list(staging.glob("*.part"))
-    assert len(parts) == 1 and parts[0].stat().st_size == 2 * chunk, parts
+    assert len(parts) == 1 and parts[0].stat().st_size == cut, parts
     assert "the next fetch resumes there" in err
 
     dit.stall_after = None
@@ -153,11 +152,11 @@ def test_an_interrupted_download_is_resumed_never_loaded(hub, home, tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     dit_gets = [g for g in resolve_gets(hub) if g[1].endswith(name)]
-    assert dit_gets == [("GET", f"/{DIT[0]}/resolve/main/{DIT[1]}", f"bytes={2 * chunk}-")]
+    assert dit_gets == [("GET", f"/{DIT[0]}/resolve/main/{DIT[1]}", f"bytes={cut}-")]
     assert (home / "models" / "diffusion_models" / name).read_bytes() == big
     assert not staging.exists()
     row = next(f for f in json.loads(r.stdout)["data"]["files"] if f["name"] == name)
-    assert row["status"] == "downloaded" and row["downloaded"] == len(big) - 2 * chunk
+    assert row["status"] == "downloaded" and row["downloaded"] == len(big) - cut
 
 
 def test_a_failed_download_is_resumed_by_the_next_run(runner, hub, home):

@@ -250,12 +250,98 @@ def run_demo(opts: DemoOptions, log=lambda m: None) -> dict:
     if opts.weights not in WEIGHTS:
         raise UsageError(f"--weights {opts.weights}: use one of {', '.join(WEIGHTS)}")
     installer.check_home_path(home)
+    require_interpreter(home, service.resolve_python(home, opts.python),
+                        h3devices.resolve_device_type(opts.device_type))
+    fresh = not home.exists() or not any(home.iterdir())
+    had_state_dir = (home / locks.STATE_DIR).exists()
     try:  # the lock lives in the home: an empty folder is still a fresh one for install
         home.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DemoFailed(f"cannot create {home}: {e.strerror or e}", hint="choose a folder you can write to") from None
-    with locks.tree_lock(home, progress=log):
-        return _run_demo(opts, home, log)
+    held = False  # never remove a lock another command holds (a refused demo did not take it)
+    try:
+        with locks.tree_lock(home, progress=log):
+            held = True
+            return _run_demo(opts, home, log)
+    except BaseException:
+        if held and not had_state_dir:
+            _remove_own_lock(home, fresh)
+        raise
+
+
+# What the demo runs in the interpreter before ComfyUI's own start: the checkpoints stage writes safetensors files
+# with torch; ComfyUI imports torchaudio at start-up.
+DEMO_MODULES = ("torch", "torchaudio", "safetensors")
+
+
+def require_interpreter(home: Path, python: str, device_type: str) -> None:
+    """Refuse, before anything is created, an interpreter that lacks what the demo and ComfyUI import: torch,
+    torchaudio, safetensors (torch-npu on npu) and, once the tree exists, its requirements.txt. The same
+    metadata-only probe `h3kit start` refuses an interpreter without torch with (service.require_torch); the
+    fix is the exact pip line `h3kit doctor` prints."""
+    from h3kit import doctor, manifest, pyenv
+
+    try:
+        found = pyenv.probe(python, packages=True).get("packages") or []
+    except pyenv.PythonEnvError as e:
+        raise pyenv.PythonEnvError(e.message, hint="pass --python the interpreter that runs ComfyUI") from None
+    have = {_norm(item.partition("==")[0]) for item in found}
+    need = list(DEMO_MODULES) + (["torch-npu"] if device_type == "npu" else [])
+    reqs = home / "requirements.txt"
+    need += [name for name in _requirement_names(reqs) if name not in need]
+    missing = [name for name in need if _norm(name) not in have]
+    if not missing:
+        return
+    fixes = []
+    if {"torch", "torchaudio", "torch-npu"} & set(missing):
+        fixes.append(doctor.torch_install_line(manifest.load(), device_type, python))
+    if set(missing) - {"torch", "torchaudio", "torch-npu"}:
+        fixes.append(f"{python} -m pip install -r {reqs}" if reqs.is_file() else
+                     f"{python} -m pip install -r requirements.txt of the ComfyUI pin (ComfyUI's requirements; "
+                     "docs/deployment.md, section 0)")
+    raise pyenv.PythonEnvError(f"{python} lacks {', '.join(missing)}: the demo and ComfyUI cannot run with it",
+                               hint="; then ".join(fixes) + " (or pass --python the interpreter that runs ComfyUI)",
+                               details={"python": python, "missing": missing})
+
+
+def _norm(name: str) -> str:
+    import re
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_names(path: Path) -> list[str]:
+    """The distribution names of a requirements file whose markers apply here (torch's trio left unpinned)."""
+    import packaging.requirements
+
+    names = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return names
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        try:
+            req = packaging.requirements.Requirement(line)
+        except packaging.requirements.InvalidRequirement:
+            continue
+        if req.marker is None or req.marker.evaluate():
+            names.append(req.name)
+    return names
+
+
+def _remove_own_lock(home: Path, fresh: bool) -> None:
+    """After a failed demo that created `home/.h3kit/` only for its lock: remove the lock file, the folder and,
+    when the demo made the home itself, the empty home (install already removes what it wrote)."""
+    state = home / locks.STATE_DIR
+    if (state / "state.json").exists():
+        return
+    with contextlib.suppress(OSError):
+        locks.lock_path(home).unlink()
+        state.rmdir()
+        if fresh:
+            home.rmdir()
 
 
 def _run_demo(opts: DemoOptions, home: Path, log) -> dict:

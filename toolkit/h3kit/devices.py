@@ -116,5 +116,10 @@ def visible_devices_from_env(environ=None) -> tuple[str, list[int]] | None:
     for name in (ASCEND_VISIBLE_ENV, CUDA_VISIBLE_ENV):
         value = environ.get(name)
         if value:
-            return name, parse_device_list(value)
+            try:
+                return name, parse_device_list(value)
+            except DeviceListError as e:  # say where the list came from: the user typed no list here
+                raise DeviceListError(f"{name} in the environment: {e.message}",
+                                      hint=f"{e.hint + '; ' if e.hint else ''}or unset {name} and pass --devices",
+                                      details={"variable": name, "value": value}) from None
     return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -199,23 +200,33 @@ class _Doctor:
 
     def _torch(self, python: str, info: dict):
         env = pyenv.evaluate(python, info, self.data)
-        for message in env.errors:
-            self.add("torch", "error", message, "install the pairing in source_deps_info.json (README, "
-                     "'On an NPU host'): torch-npu 2.14.0 with torch 2.14.0 (CPU build) and CANN 9.2.0")
-        for message in env.warnings:
-            self.add("torch", "warning", message)
+        install_cmd = torch_install_line(self.data, self.kind, python)
         torch = info.get("torch")
+        for message in env.errors:
+            self.add("torch", "error", message, install_cmd)
+        for message in env.warnings:
+            if torch is None and message.startswith("torch is not installed"):
+                continue  # said below, as the error it is, with the versions and the command
+            if info.get("torchaudio") is None and message.startswith("torchaudio is not installed"):
+                self.add("torch", "error", f"torchaudio is not installed in {python}: the pinned comfy/sd.py imports "
+                         f"it at start-up, so ComfyUI will not start", torch_install_line(self.data, self.kind, python,
+                                                                                          only_audio=True))
+                continue
+            self.add("torch", "warning", message)
+        if torch is None:
+            self.add("torch", "error", f"torch is not installed in {python}: ComfyUI will not start without it "
+                     f"(this host needs {torch_versions(self.data, self.kind)})", install_cmd)
         imported = info.get("torch_import") or {}
         if torch is not None and not imported.get("ok", True):
             self.add("torch", "error", f"import torch fails in {python}: {imported.get('error')}",
-                     "reinstall torch into that interpreter (README lists the versions)")
+                     f"reinstall torch into that interpreter: {install_cmd}")
         build = info.get("torch_build") or {}
         if self.kind == "cuda" and torch is not None and not build.get("cuda"):
             self.add("torch", "error", f"torch {torch} is not a CUDA build, but the device type is cuda",
                      "install a CUDA build of torch, or choose --device-type npu|cpu")
-        if self.kind == "npu" and not info.get("torch_npu"):
-            self.add("torch", "error", f"torch-npu is not installed in {python}",
-                     f"pip install torch-npu=={self.data['torch']['npu'][0]['torch_npu']} into that interpreter")
+        if self.kind == "npu" and not info.get("torch_npu") and torch is not None:
+            self.add("torch", "error", f"torch-npu is not installed in {python} (this host needs "
+                     f"{torch_versions(self.data, self.kind)})", install_cmd)
         if torch is not None and not env.errors and imported.get("ok", True):
             what = pyenv.gpu_build(torch, build) or "CPU build"
             extra = f", torch-npu {info['torch_npu']}" if info.get("torch_npu") else ""
@@ -408,10 +419,8 @@ class _Doctor:
                 by_workflow.setdefault(wf, []).append((kind, name))
         ready = sorted(wf for wf, files in by_workflow.items() if all(f in found for f in files))
         self.found_models = {wf: sum(found[f][1] for f in files if f in found) for wf, files in by_workflow.items()}
-        for (kind, name), workflows in missing.items():
-            self.add("models", "warning" if ready else "error",
-                     f"{kind}/{name} is missing (needed by {', '.join(workflows)}); searched {tree.folders(kind)}",
-                     self._fetch_hint(kind, name, workflows))
+        if missing:
+            self._missing_models(tree, missing, ready)
         for problem in broken:
             self.add("models", "error", problem, "download the file again (compare its size and checksum with the source)")
         lines = [f"{kind}/{name}: {size / GB:.2f} GB at {path}" for (kind, name), (path, size) in sorted(found.items())]
@@ -420,20 +429,33 @@ class _Doctor:
                      f"{len(found)} of {len(needed)} model file(s) found, {sum(s for _, s in found.values()) / GB:.1f} GB; "
                      f"workflows ready: {', '.join(ready) or 'none'}", lines=lines)
 
-    def _fetch_hint(self, kind: str, name: str, workflows: list[str]) -> str:
-        """`h3kit models fetch` on the shipped workflows that need the file (their installed copies when install
-        put them in the tree), with the file's source; by hand when no source is known."""
-        from h3kit.weights import sources
+    def _missing_models(self, tree, missing: dict, ready: list):
+        """One finding for every missing file, with one `h3kit models fetch` over the shipped workflows that
+        need them (their installed copies when install put them in the tree) and each file's source in the
+        words of `h3kit models list`."""
+        from h3kit.weights import listing, sources
 
-        found = sources.sources_for(kind, name)
-        if not found:
-            return f"no source is known for it: download it into models/{kind}/ or a folder listed in extra_model_paths.yaml"
+        users = sorted({wf for workflows in missing.values() for wf in workflows})
         paths = []
-        for wf in workflows:
+        for wf in users:
             copy = self.home / install.WORKFLOW_DEST / wf
             paths.append(str(copy if copy.is_file() else repo_root() / "workflows" / wf))
-        return (f"h3kit models fetch {' '.join(paths)} --comfy-home {self.home} (source: {sources.describe(found)}; "
-                "add --models-dir DIR for shared storage)")
+        known = {(w.kind, w.name): w for w in listing.collect(paths)}
+        lines, unknown = [], []
+        for (kind, name), workflows in missing.items():
+            w = known.get((kind, name))
+            src = w.sources if w is not None else sources.sources_for(kind, name)
+            if not src:
+                unknown.append(f"{kind}/{name}")
+            lines.append(f"{kind}/{name} (needed by {', '.join(workflows)}; searched {tree.folders(kind)}); "
+                         f"source: {sources.describe(src)}")
+        fix = f"h3kit models fetch {' '.join(paths)} --comfy-home {self.home} (add --dry-run to see sizes and " \
+              "free space first, --models-dir DIR for shared storage)"
+        if unknown:
+            fix += f"; no source is known for {', '.join(unknown)}: download it into models/<kind>/ or a folder " \
+                   "listed in extra_model_paths.yaml"
+        self.add("models", "warning" if ready else "error",
+                 f"{len(missing)} model file(s) missing, needed by {', '.join(users)}", fix, lines)
 
     # ---- host ---------------------------------------------------------------------------------------------
 
@@ -503,6 +525,39 @@ def shm_verdict(free: int | None, several_devices: bool) -> tuple:
         return ("error", message + ": the process transport hands each command's inputs and results through it "
                 "(a decoded 768p/15 s video is about 4.5 GB in fp32)", fix)
     return "warning", message + f", less than the {SHM_NEEDED_BYTES / GB:.0f} GB a long decoded video needs", fix
+
+
+def torch_versions(data: dict, kind: str) -> str:
+    """The versions source_deps_info.json pairs for this device type, in words."""
+    cpu = data["torch"]["cpu"]
+    if kind == "npu":
+        entry = data["torch"]["npu"][0]
+        compatible = "".join(f", {c}.x compatible" for c in entry.get("cann_compatible", []))
+        return (f"torch {entry['torch']} (CPU build), torch-npu {entry['torch_npu']}, torchaudio {cpu['torchaudio']} "
+                f"and CANN {entry['cann']}{compatible}")
+    build = "a CUDA build of " if kind == "cuda" else ""
+    return f"{build}torch {cpu['torch']}, torchvision {cpu['torchvision']} and torchaudio {cpu['torchaudio']}"
+
+
+def torch_install_line(data: dict, kind: str, python: str, only_audio: bool = False) -> str:
+    """The exact pip command that puts source_deps_info.json's pairing for `kind` into `python` (the commands
+    of docs/deployment.md, section 0). torchaudio goes in with --no-deps: the newest on the registry declares
+    an older torch but imports and resamples fine with the paired one."""
+    cpu = data["torch"]["cpu"]
+    py = shlex.quote(str(python))
+    audio = f"{py} -m pip install --no-deps torchaudio=={cpu['torchaudio']}"
+    if only_audio:
+        return audio
+    index = "--index-url https://download.pytorch.org/whl/cpu"
+    if kind == "npu":
+        entry = data["torch"]["npu"][0]
+        return (f"{py} -m pip install torch=={entry['torch']} {index} && {py} -m pip install "
+                f"torch-npu=={entry['torch_npu']} && {audio}; then install CANN {entry['cann']} and pass --python a "
+                "wrapper that sources its set_env.sh (docs/deployment.md, 'A new machine')")
+    if kind == "cuda":
+        return (f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']} (the CUDA build "
+                f"for this driver: https://pytorch.org/get-started/locally/) && {audio}")
+    return f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']} {index} && {audio}"
 
 
 def cann_pairing(version: str, entry: dict) -> str | None:

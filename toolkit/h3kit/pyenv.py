@@ -17,7 +17,7 @@ from pathlib import Path
 import packaging.specifiers
 import packaging.version
 
-from h3kit.errors import H3kitError
+from h3kit.errors import H3kitError, UsageError
 
 PROBE = Path(__file__).with_name("envprobe.py")  # run by the interpreter being checked
 
@@ -40,15 +40,25 @@ class EnvReport:
 
 def probe(python: str, packages: bool = False) -> dict:
     """envprobe's shallow answer from `python`; with `packages`, also its "packages" list."""
+    hint = "give --python the interpreter that runs ComfyUI (a wrapper script must exec python \"$@\")"
     try:
         proc = subprocess.run([python, str(PROBE)] + (["--packages"] if packages else []), capture_output=True,
                               text=True, timeout=60)
+    except (FileNotFoundError, PermissionError, NotADirectoryError) as e:  # bad input: no such interpreter
+        raise UsageError(f"the Python interpreter {python} cannot be run: {e.strerror or e}", code="bad_python",
+                         hint=hint) from None
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise PythonEnvError(f"cannot run {python}: {e}", hint="give --python the interpreter that runs ComfyUI") from None
+        raise PythonEnvError(f"cannot run {python}: {e}", hint=hint) from None
+    why = proc.stderr.strip()[-400:] or (f"it exited with status {proc.returncode} and printed nothing: it is not a "
+                                         "Python interpreter, or a wrapper that does not run the script it is given")
     if proc.returncode != 0:
-        raise PythonEnvError(f"{python} failed to report its packages: {proc.stderr.strip()[-400:]}",
-                             hint="give --python the interpreter that runs ComfyUI")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise PythonEnvError(f"{python} failed to report its packages: {why}", hint=hint)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise PythonEnvError(f"{python} failed to report its packages: it printed no report (exit 0, "
+                             f"{len(proc.stdout)} bytes on stdout): it is not a Python interpreter, or a wrapper "
+                             "that does not run the script it is given", hint=hint) from None
 
 
 def _base(version: str) -> tuple[int, ...]:

@@ -523,8 +523,11 @@ def require_torch(home: Path, python: str, device_type: str, what: str) -> None:
         return
     from h3kit import pyenv
 
-    hint = (f"h3kit doctor --comfy-home {home} --python {python} --device-type {device_type} says what to install "
-            "and how; or pass --python the interpreter that runs ComfyUI")
+    from h3kit import doctor, manifest
+
+    hint = (f"{doctor.torch_install_line(manifest.load(), device_type, python)}; then h3kit doctor --comfy-home {home} "
+            f"--python {python} --device-type {device_type} checks the rest; or pass --python the interpreter that "
+            "runs ComfyUI")
     try:
         info = pyenv.probe(python)
     except pyenv.PythonEnvError as e:

@@ -42,19 +42,25 @@ def list_(workflows, comfy_home, as_json):
               help="Put diffusion_models/, text_encoders/, vae/ and loras/ files on this folder (shared storage) "
                    "instead of the tree's models/; extra_model_paths.yaml is made to name it (h3kit install "
                    "--models-dir) when it does not yet.")
+@click.option("--dry-run", is_flag=True, help="Ask the server for each file's size and print what would be "
+              "downloaded (or taken from the Hugging Face cache), where each file goes, the total and the free "
+              "space; write nothing.")
 @json_option
 @handle_errors
-def fetch(workflows, comfy_home, models_dir, as_json):
+def fetch(workflows, comfy_home, models_dir, dry_run, as_json):
     """Download the model files the workflows need that the tree lacks.
 
     From Hugging Face with huggingface_hub (HF_ENDPOINT names a mirror, HF_TOKEN a token), or a plain
     https:// URL. Each file lands under its folder by name, only after its size and sha256 (where known)
-    were checked; an interrupted download stays in <folder>/.h3kit-fetch/ and the next run resumes it.
+    were checked; an interrupted download stays in <folder>/.h3kit-fetch/ and the next run resumes it from
+    its last byte. A Hub file already in the Hugging Face cache (HF_HOME) is hard-linked from it (copied
+    across file systems) instead of downloaded.
     Nothing is downloaded when a target folder is read-only or its disk is too full. Exit 0: every file is
     in place; 1: some could not be fetched (the reason is given per file) or the fetch was refused."""
     from h3kit.weights import fetch as fetch_mod
 
-    data = fetch_mod.fetch(list(workflows), comfy_home, models_dir, log=err, progress=sys.stderr.isatty())
+    data = fetch_mod.fetch(list(workflows), comfy_home, models_dir, log=err, progress=sys.stderr.isatty(),
+                           dry_run=dry_run)
     if as_json:
         emit_json(data)
     else:

@@ -150,9 +150,9 @@ def _verdict(row) -> str:
 
 
 @click.command()
-@click.option("--width", type=click.IntRange(min=32), required=True, help="Video width in pixels (a multiple of 32).")
-@click.option("--height", type=click.IntRange(min=32), required=True, help="Video height in pixels (a multiple of 32).")
-@click.option("--frames", type=click.IntRange(min=1), required=True, help="Frame count at 24 fps (snapped up to 17k+5).")
+@click.option("--width", type=click.IntRange(min=32), help="Video width in pixels (a multiple of 32); with --tiers default H3's canvas, 1344x768, 124 frames.")
+@click.option("--height", type=click.IntRange(min=32), help="Video height in pixels (a multiple of 32); with --tiers default H3's canvas, 1344x768, 124 frames.")
+@click.option("--frames", type=click.IntRange(min=1), help="Frame count at 24 fps (snapped up to 17k+5); with --tiers default H3's canvas, 1344x768, 124 frames.")
 @click.option("--npu-count", type=click.Choice(COUNTS), multiple=True,
               help="Devices; repeat the option to compare (--npu-count 1 --npu-count 2 --npu-count 4). Required "
                    "but with --tiers, where it picks the tiers shown (default: all).")
@@ -199,6 +199,14 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider
     sharded weights' gathers move per step.
     """
     counts = sorted({int(c) for c in npu_count})
+    canvas = {"--width": width, "--height": height, "--frames": frames}
+    if tiers:  # H3's own canvas (768p/5 s) for what is not given
+        width, height, frames = (v if v is not None else d
+                                 for v, d in zip(canvas.values(), costmodel.GEOMETRIES["768p/5s"]))
+    elif any(v is None for v in canvas.values()):
+        missing = [k for k, v in canvas.items() if v is None]
+        raise click.UsageError(f"Missing option{'s' if len(missing) > 1 else ''} {', '.join(missing)} (or --tiers, "
+                               "which defaults to H3's canvas, 1344x768, 124 frames).")
     if not counts and not tiers:
         raise click.UsageError("Missing option '--npu-count' (or --tiers, which shows every device count).")
     if calibration and (tflops or link_gbs):

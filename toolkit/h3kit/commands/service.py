@@ -15,6 +15,7 @@ import click
 from h3kit import devices as h3devices
 from h3kit import group, logscan, service, supervise
 from h3kit.cliutil import comfy_home_option, emit_json, err, handle_errors, json_option
+from h3kit.errors import NotAComfyTree
 
 runtime_root_option = click.option(
     "--runtime-root", metavar="DIR", envvar=service.RUNTIME_ROOT_ENV, type=click.Path(),
@@ -222,6 +223,8 @@ def status(comfy_home, runtime_root, as_json):
     Exits 0 when the recorded process runs, 1 when it does not, 4 when it runs with the process transport
     but its group cannot run prompts now (failed, re-forming, a rank down).
     """
+    if comfy_home and not (Path(comfy_home) / "main.py").is_file():
+        raise NotAComfyTree(Path(comfy_home).expanduser().absolute())  # as every other command says it
     root = service.runtime_root(comfy_home, runtime_root)
     st = service.status(root, comfy_home=comfy_home)
     code = service.status_code(st)

@@ -74,7 +74,7 @@ def collect(paths: list[str]) -> list[Wanted]:
             elif entries and not any(s.origin == "workflow" for s in w.sources):
                 found = sources_mod.sources_for(kind, name, entries)
                 if found and found[0].origin == "workflow":
-                    w.sources.insert(0, found[0])
+                    w.sources = sources_mod.dedupe([found[0], *w.sources])
             if path not in w.workflows:
                 w.workflows.append(path)
             loader = f"{node.class_type}.{input_name}"
@@ -113,8 +113,13 @@ def list_models(paths: list[str], comfy_home: str | None = None) -> dict:
     rows = []
     for w in wanted:
         row = w.to_dict()
+        published = next((s.size for s in w.sources if s.size is not None), None)
+        row["published_size"] = published
+        row["target"] = None
         if install is not None:
             row["searched"] = install.model_dirs.get(w.kind, [])
+            if not w.found and not w.bad_name:  # where `h3kit models fetch` puts it (without --models-dir)
+                row["target"] = os.path.join(install.home, "models", w.kind, *w.name.replace("\\", "/").split("/"))
         if w.bad_name:
             row["problem"] = w.bad_name
         elif install is not None and w.found and w.sources and w.sources[0].size is not None \
@@ -138,12 +143,21 @@ def render_text(data: dict) -> str:
         else:
             state = "MISSING"
         where = f"{r['kind']}/{r['name']}"
-        size = f"  {r['size'] / 1e9:.2f} GB" if r.get("size") is not None else ""
+        if r.get("size") is not None:
+            size = f"  {_size(r['size'])}"
+        elif r.get("published_size") is not None:
+            size = f"  {_size(r['published_size'])} (published)"
+        elif r["sources"]:
+            size = "  size: not published (h3kit models fetch --dry-run asks the server)"
+        else:
+            size = ""
         lines.append(f"{state} {where}{size}")
         if r["found"]:
             lines.append(f"         at {r['found']} (via {r['via']})")
         elif checked:
             lines.append(f"         searched: {', '.join(r['searched']) or '(no folder)'}")
+            if r.get("target"):
+                lines.append(f"         fetch puts it at: {r['target']}")
         src = r["sources"][0] if r["sources"] else None
         lines.append(f"         source: {r['note'] if r['note'] and not src else sources_mod.describe_dict(src)}")
         if r.get("problem"):
@@ -160,3 +174,7 @@ def render_text(data: dict) -> str:
     for p in data["problems"]:
         lines.append(f"note: {p}")
     return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.2f} MB" if n >= 1e4 else f"{n} bytes"

@@ -198,7 +198,22 @@ def sources_for(kind: str, name: str, entries: dict | None = None) -> list[Sourc
         entry = entries.get((kind, name)) or entries.get((None, name))
         if entry is not None:
             out.append(entry_source(entry))
-    out += load_manifest().get((kind, name), [])
+    return dedupe(out + load_manifest().get((kind, name), []))
+
+
+def dedupe(sources: list[Source]) -> list[Source]:
+    """One source per place: the workflow and the manifest usually name the same Hub file, which fetch would
+    otherwise ask (and report failing) twice. The first keeps its place and origin and takes a size or sha256
+    only a later one publishes."""
+    out: list[Source] = []
+    for s in sources:
+        same = next((o for o in out if o.url == s.url), None)
+        if same is None:
+            out.append(s)
+            continue
+        same.size = same.size if same.size is not None else s.size
+        same.sha256 = same.sha256 or s.sha256
+        same.published_by = same.published_by or s.published_by
     return out
 
 
@@ -218,4 +233,6 @@ def describe_dict(src: dict | None) -> str:
         return "none known (neither the workflow's properties.models nor h3kit's manifest names it)"
     where = "the workflow's properties.models" if src["origin"] == "workflow" else "h3kit's manifest"
     text = f"{src['url']} ({where})"
+    if src.get("repo") and endpoint() != DEFAULT_ENDPOINT:
+        text += f", fetched through HF_ENDPOINT={endpoint()}"
     return text + (f"; refused: {src['refused']}" if src.get("refused") else "")

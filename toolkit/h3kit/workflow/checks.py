@@ -32,6 +32,12 @@ GEOMETRY_NODES = ("EmptyMiniMaxH3LatentAV", "MiniMaxH3ImageToVideo", "MiniMaxH3R
 H3_NODES = frozenset({*GEOMETRY_NODES, "MiniMaxH3SigmaShift", CONFIG})
 SAMPLING_NODES = frozenset({"KSampler", "KSamplerAdvanced", "SamplerCustom", "SamplerCustomAdvanced"})
 MODEL_FLOW_TYPES = frozenset({"MODEL", "GUIDER", "*", "COMFY_MATCHTYPE_V3"})
+# Nodes that add a WrappersMP.DIFFUSION_MODEL wrapper (the pin's comfy_extras: nodes_easycache.py EasyCache,
+# nodes_hidream_o1.py). After MultiNPUParallelConfig such a wrapper would run in the server only, where no
+# forward runs, so the node's own wrapper fails the prompt at sampling (npu_count 2 and up; at 1 the node passes
+# the model through); placed before the node it is kept. LazyCache wraps PREDICT_NOISE (outside the DiT's
+# forward) and works on either side (benchmarks/step_cache.py).
+DIFFUSION_MODEL_WRAPPER_NODES = frozenset({"EasyCache", "HiDreamO1PatchSeamSmoothing"})
 LORA_NODES = frozenset({"LoraLoader", "LoraLoaderModelOnly"})
 BASE_LOADER_INPUTS = {"UNETLoader": "unet_name", "CheckpointLoaderSimple": "ckpt_name",
                       "UnetLoaderGGUF": "unet_name"}
@@ -293,6 +299,12 @@ def check_parallel_config(graph: Graph, ctx: Context, index: _Index):
         if weights is not UNKNOWN and weights is not None and weights not in WEIGHTS_CHOICES:
             _add(graph, "H3110", cfg, f"weights is {_show(weights)}; MultiNPUParallelConfig takes "
                  f"{', '.join(WEIGHTS_CHOICES)}: set it to auto (sharded where a replica would not fit a card)")
+        for wrapper in _model_path_after(graph, index, cfg, 0) if npu != 1 else ():  # 1: the node passes through
+            if wrapper.class_type in DIFFUSION_MODEL_WRAPPER_NODES and wrapper.id in index.live:
+                _add(graph, "H3111", wrapper, f"{wrapper.class_type} takes the MODEL of MultiNPUParallelConfig "
+                     f"{cfg.id}: the diffusion-model wrapper it adds would run in the server only, and the prompt "
+                     f"fails at sampling ('wrappers added after MultiNPUParallelConfig'); move {wrapper.class_type} "
+                     f"before MultiNPUParallelConfig (between the model loader or LoRA and the node's model input)")
         if not _reaches_sampler(graph, index, cfg, 0):
             _add(graph, "H3104", cfg, "the MODEL output of MultiNPUParallelConfig reaches no sampler "
                  "(KSampler, SamplerCustom, or a guider into SamplerCustomAdvanced), so it configures nothing: "
@@ -336,6 +348,23 @@ def _reaches_sampler(graph: Graph, index: _Index, start: Node, slot: int) -> boo
                     seen.add((consumer.id, i))
                     frontier.append((consumer, i))
     return False
+
+
+def _model_path_after(graph: Graph, index: _Index, start: Node, slot: int) -> list:
+    """The nodes a MODEL (or GUIDER) output flows through downstream, in the order met, samplers excluded."""
+    frontier, seen, out = [(start, slot)], set(), []
+    while frontier:
+        node, out_slot = frontier.pop()
+        for consumer, _in_name, src_slot in index.consumers.get(node.id, ()):
+            if src_slot != out_slot or _is_sampler(consumer, index.ctx):
+                continue
+            if consumer not in out:
+                out.append(consumer)
+            for i, kind in enumerate(_output_types(consumer, index)):
+                if (kind is None or kind in MODEL_FLOW_TYPES) and (consumer.id, i) not in seen:
+                    seen.add((consumer.id, i))
+                    frontier.append((consumer, i))
+    return out
 
 
 def _output_types(node: Node, index: _Index) -> list:

@@ -25,6 +25,7 @@ CODES = {
     "H3108": (ERROR, "npu_count 8 without 8 exposed devices"),
     "H3109": (WARNING, "the workflow's tier does not fit the service's cards"),
     "H3110": (ERROR, "weights is not auto, replicated or sharded"),
+    "H3111": (ERROR, "a diffusion-model wrapper node (EasyCache) after MultiNPUParallelConfig"),
     "H3201": (ERROR, "width or height not a multiple of 32"),
     "H3202": (WARNING, "canvas area above 768x1344"),
     "H3203": (WARNING, "length off the 17k+5 frame grid"),
