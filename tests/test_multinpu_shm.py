@@ -281,3 +281,90 @@ def test_a_full_dev_shm_fails_one_command_and_the_group_lives_on(tmp_path):
     assert f"h3kit-lock-{res['driver_pid']}-" not in " ".join(res["after_stop"]), "its lock goes at shutdown"
     print(f"full /dev/shm -> error {res['seconds_full_to_error']:.2f} s; space back -> success "
           f"{res['seconds_room_to_success']:.2f} s")
+
+
+BOOT = 300
+PROMPT = 300
+
+
+def _h3kit(*args, env=None, timeout=BOOT + 60):
+    proc = subprocess.run([sys.executable, "-m", "h3kit", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    return proc
+
+
+@pytest.mark.upstream
+@pytest.mark.slow
+def test_a_full_dev_shm_costs_one_prompt_of_the_real_server(installed_tree, comfy_python, tmp_path):
+    """`h3kit start --transport process` on 2 CPU ranks with the tiny H3 checkpoints, the hand-off folder a 16 MiB
+    tmpfs (H3KIT_SHM_DIR). Filled by another program after a warm prompt, the next prompt errors with the message
+    within seconds; the server and both workers live on (same pids); once space returns the next prompt runs.
+    (Before: the server died of SIGBUS, the prompt never answered, the next was refused.)"""
+    from h3kit import demo
+    from tests.support.service_helpers import free_port, http_json, wait_for
+
+    home = tmp_path / "ComfyUI"
+    shutil.copytree(installed_tree, home, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+    demo.write_tiny_checkpoints(home, comfy_python)
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "h3kit-test", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        requires.skip_or_fail(f"needs root to mount a small tmpfs: {mounted.stderr.strip()}")
+    port = free_port(8640, 8659)
+    env = dict(os.environ, **{wire.SHM_DIR_ENV: str(folder)})
+    base = ["--comfy-home", home]
+    try:
+        started = _h3kit("start", *base, "--devices", "0,1", "--device-type", "cpu", "--transport", "process",
+                         "--python", comfy_python, "--port", port, "--timeout", BOOT, "--json", env=env)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-3000:]
+
+        def status():
+            r = _h3kit("status", *base, "--json", timeout=60)
+            return json.loads(r.stdout)["data"]
+
+        def ranks():
+            return {r["rank"]: r["pid"] for r in json.loads((home / ".h3kit" / "run" / "ranks.json").read_text())["ranks"]}
+
+        def run_prompt(tag):
+            p = demo.demo_prompt(2, tag)
+            for node in p.values():
+                if node["class_type"] == "RandomNoise":
+                    node["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")  # nothing from the cache
+            pid = http_json(f"http://127.0.0.1:{port}/prompt", {"prompt": p})["prompt_id"]
+
+            def done():
+                entry = http_json(f"http://127.0.0.1:{port}/history/{pid}").get(pid)
+                return entry if entry and entry["status"].get("completed") is not None else None
+            return wait_for(done, PROMPT, f"prompt {pid}", step=0.05)["status"]
+
+        assert run_prompt("warm")["status_str"] == "success"
+        server, workers = status()["pid"], ranks()
+        # another program fills the tmpfs to the last byte
+        with open(folder / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\1" * (1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+        t0 = time.monotonic()
+        full = run_prompt("full")
+        to_error = time.monotonic() - t0
+        errors = [m[1] for m in full["messages"] if m[0] == "execution_error"]
+        assert full["status_str"] == "error" and errors, full
+        assert errors[0]["exception_type"].endswith("SharedMemoryFull"), errors[0]
+        message = errors[0]["exception_message"]
+        assert "shared memory is full" in message and f"in {folder}" in message and "--shm-size" in message, message
+        assert to_error < 60, f"{to_error:.1f} s"
+        os.unlink(folder / "filler")
+        t1 = time.monotonic()
+        after = run_prompt("after")
+        to_success = time.monotonic() - t1
+        assert after["status_str"] == "success", after
+        assert status()["pid"] == server and ranks() == workers, "the server and its workers live on"
+        print(f"service: full /dev/shm -> prompt error {to_error:.2f} s; space back -> next prompt ok {to_success:.2f} s")
+    finally:
+        _h3kit("stop", *base, "--json", timeout=120)
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
