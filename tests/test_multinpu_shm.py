@@ -232,6 +232,34 @@ def test_sweep_removes_what_dead_drivers_left_and_keeps_live_ones(tmp_path):
                 p.wait()
 
 
+def test_a_live_driver_in_another_pid_namespace_keeps_its_files(tmp_path):
+    """A driver in another pid namespace (a container sharing /dev/shm) names its files with a pid that means
+    nothing here: its held lock alone keeps them. The files are aged so that the pid check alone would remove
+    them (pid 1 here started after they were written)."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    probe = subprocess.run(["unshare", "-p", "-f", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        requires.skip_or_fail(f"needs root or CAP_SYS_ADMIN for a pid namespace (`unshare -p`): {probe.stderr.strip()}")
+    p = subprocess.Popen(["unshare", "-p", "-f", "--kill-child", sys.executable, "-c", HOLDER, str(folder), "abcdefabcdef"],
+                         stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert p.stdout.readline().strip() == "written"
+        names = sorted(os.listdir(folder))
+        assert names == ["h3kit-1-abcdefabcdef-1-7-in", "h3kit-lock-1-abcdefabcdef"], names
+        for name in names:
+            os.utime(folder / name, (946684800, 946684800))
+        assert wire.shm_sweep(str(folder)) == [] and sorted(os.listdir(folder)) == names
+    finally:
+        p.kill()  # unshare's child (pid 1 of the namespace) gets SIGKILL with it
+        p.wait()
+    removed, deadline = [], time.monotonic() + 30
+    while not removed and time.monotonic() < deadline:  # until the kernel has reaped the holder (its lock goes)
+        removed = wire.shm_sweep(str(folder))
+        time.sleep(0.1)
+    assert sorted(removed) == names, "once it is gone, its files go"
+
+
 def test_a_driver_removes_its_lock_at_shutdown(tmp_path):
     claim = wire.shm_claim("0123456789ab", str(tmp_path))
     name = f"h3kit-lock-{os.getpid()}-0123456789ab"
