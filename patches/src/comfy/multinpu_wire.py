@@ -246,11 +246,7 @@ _ALIGN = 64
 
 def flatten(tensors, device) -> tuple:
     """One uint8 buffer on `device` holding every tensor, and the layout [(offset, nbytes, shape, dtype, on_cpu)]."""
-    metas, offset = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
-        offset += -(-nbytes // _ALIGN) * _ALIGN  # aligned, so every slice can be viewed as its dtype
+    metas, offset = shm_layout(tensors)
     buf = torch.empty(offset, dtype=torch.uint8, device=device)
     for t, (start, nbytes, _, _, _) in zip(tensors, metas):
         if nbytes:
@@ -299,12 +295,13 @@ def shm_dir() -> str:
 
 
 def shm_layout(tensors) -> tuple:
-    """(metas, nbytes) of tensors laid out as flatten() does."""
+    """(metas, nbytes) of tensors laid out in one buffer (flatten, shm_write); metas: [(offset, nbytes, shape,
+    dtype, on_cpu)]."""
     metas, offset = [], 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
+        offset += -(-nbytes // _ALIGN) * _ALIGN  # aligned, so every slice can be viewed as its dtype
     return metas, offset
 
 
