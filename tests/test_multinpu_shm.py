@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support import requires
@@ -327,7 +328,8 @@ def test_a_full_dev_shm_costs_one_prompt_of_the_real_server(installed_tree, comf
     """`h3kit start --transport process` on 2 CPU ranks with the tiny H3 checkpoints, the hand-off folder a 16 MiB
     tmpfs (H3KIT_SHM_DIR). Filled by another program after a warm prompt, the next prompt errors with the message
     within seconds; the server and both workers live on (same pids); once space returns the next prompt runs.
-    (Before: the server died of SIGBUS, the prompt never answered, the next was refused.)"""
+    (Before: the server died of SIGBUS, the prompt never answered, the next was refused.) Then the server is killed
+    -9 mid-prompt: its input file stays until the next `h3kit start`, which removes it, and a prompt runs."""
     from h3kit import demo
     from tests.support.service_helpers import free_port, http_json, wait_for
 
@@ -341,11 +343,13 @@ def test_a_full_dev_shm_costs_one_prompt_of_the_real_server(installed_tree, comf
     if mounted.returncode != 0:
         requires.skip_or_fail(f"needs root to mount a small tmpfs: {mounted.stderr.strip()}")
     port = free_port(8640, 8659)
-    env = dict(os.environ, **{wire.SHM_DIR_ENV: str(folder)})
+    hold = tmp_path / "hold"
+    env = dict(os.environ, **{wire.SHM_DIR_ENV: str(folder), "H3KIT_MULTINPU_FAULT": f"dit_forward:hold:{hold}"})
     base = ["--comfy-home", home]
+    start_args = [*base, "--devices", "0,1", "--device-type", "cpu", "--transport", "process", "--python",
+                  comfy_python, "--port", port, "--timeout", BOOT, "--json"]
     try:
-        started = _h3kit("start", *base, "--devices", "0,1", "--device-type", "cpu", "--transport", "process",
-                         "--python", comfy_python, "--port", port, "--timeout", BOOT, "--json", env=env)
+        started = _h3kit("start", *start_args, env=env)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-3000:]
 
         def status():
@@ -355,12 +359,15 @@ def test_a_full_dev_shm_costs_one_prompt_of_the_real_server(installed_tree, comf
         def ranks():
             return {r["rank"]: r["pid"] for r in json.loads((home / ".h3kit" / "run" / "ranks.json").read_text())["ranks"]}
 
-        def run_prompt(tag):
+        def submit(tag):
             p = demo.demo_prompt(2, tag)
             for node in p.values():
                 if node["class_type"] == "RandomNoise":
                     node["inputs"]["noise_seed"] = int.from_bytes(os.urandom(4), "little")  # nothing from the cache
-            pid = http_json(f"http://127.0.0.1:{port}/prompt", {"prompt": p})["prompt_id"]
+            return http_json(f"http://127.0.0.1:{port}/prompt", {"prompt": p})["prompt_id"]
+
+        def run_prompt(tag):
+            pid = submit(tag)
 
             def done():
                 entry = http_json(f"http://127.0.0.1:{port}/history/{pid}").get(pid)
@@ -393,6 +400,23 @@ def test_a_full_dev_shm_costs_one_prompt_of_the_real_server(installed_tree, comf
         assert after["status_str"] == "success", after
         assert status()["pid"] == server and ranks() == workers, "the server and its workers live on"
         print(f"service: full /dev/shm -> prompt error {to_error:.2f} s; space back -> next prompt ok {to_success:.2f} s")
+
+        # killed -9 mid-prompt (its workers hold the DiT forward while `hold` exists), the server leaves its input
+        # file behind; the next start removes it
+        hold.touch()
+        submit("killed")
+        mine = lambda: [n for n in os.listdir(folder) if n.startswith((f"h3kit-{server}-", f"h3kit-lock-{server}-"))]  # noqa: E731
+        wait_for(lambda: any(n.endswith("-in") for n in mine()), PROMPT, "the held prompt's input file")
+        os.kill(server, signal.SIGKILL)
+        wait_for(lambda: not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE,
+                 60, "the killed server to end")
+        hold.unlink()
+        left = mine()
+        assert any(n.endswith("-in") for n in left), left
+        started = _h3kit("start", *start_args, env=env)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-3000:]
+        assert mine() == [], f"a killed server's files survived the next start: {mine()}"
+        assert run_prompt("restarted")["status_str"] == "success"
     finally:
         _h3kit("stop", *base, "--json", timeout=120)
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
