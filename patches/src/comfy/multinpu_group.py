@@ -31,6 +31,7 @@ import comfy.multinpu
 from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, RECYCLED_EXIT,
                                  REPORTED_EXIT, Signer, key_from_environment, pack, shm_read, shm_write, td,
                                  unflatten, unpack)
+from comfy.multinpu_wire import SharedMemoryFull
 from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
 
@@ -309,7 +310,13 @@ def _post_result(context: WorkerContext, header: dict, g: int, n: int, result):
     """Rank 0: the command's result to the driver on the channel, its tensors through shared memory
     (header["out"])."""
     data, tensors = pack(result)
-    metas, nbytes = shm_write(header["out"], tensors)
+    try:
+        metas, nbytes = shm_write(header["out"], tensors, f"the result of {header['name']}")
+    except SharedMemoryFull as e:
+        # every rank is past the command's closing barrier, in step: only this command fails (in the driver)
+        logging.error(f"MultiNPU: rank 0: {e}")
+        context.link.send({"g": g, "n": n, "pid": os.getpid(), "shm_full": str(e)})
+        return
     context.link.send({"g": g, "n": n, "pid": os.getpid(), "data": data, "metas": metas, "nbytes": nbytes})
 
 

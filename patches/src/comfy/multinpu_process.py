@@ -124,6 +124,7 @@ class GroupRuntime:
         self._aborted_members = {}     # rank -> pid of the generation aborted last, until the next one is ready
         self._failed_at = 0.0
         self._token = uuid.uuid4().hex[:12]
+        self._shm_claim = None         # the lock file that keeps this driver's /dev/shm hand-off files from sweeps
         self._local = None
         self._thread = None
         self._store = None             # channel.StoreHost: the store's own process
@@ -140,6 +141,7 @@ class GroupRuntime:
     def start(self):
         spec = self.spec
         wire.check_timeouts(spec)
+        self._shm_claim = wire.shm_claim(self._token)  # first, what killed drivers left in /dev/shm is removed
         if spec.device_type == "cpu" and launch.is_loopback(spec.master_addr):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", launch.loopback_interface())
         wire.set_hccl_timeout(spec)
@@ -215,6 +217,7 @@ class GroupRuntime:
             self._store.stop()
         if self._own_channel_dir:
             shutil.rmtree(self._own_channel_dir, ignore_errors=True)
+        wire.shm_release(self._shm_claim)
 
     # -- the command channel --
 
@@ -655,14 +658,15 @@ class GroupRuntime:
 
     def _execute(self, name, payload):
         g, n = self.generation, self.next_cmd
-        self.next_cmd += 1
         self.commands += 1
         data, tensors = wire.pack(payload)
         base = os.path.join(wire.shm_dir(), f"h3kit-{os.getpid()}-{self._token}-{g}-{n}")
         inp, out = f"{base}-in", f"{base}-out"
         self.inflight = (name, n)
         try:
-            metas, nbytes = wire.shm_write(inp, tensors)
+            # a full /dev/shm fails here (wire.SharedMemoryFull) before any rank hears of command n: n is used next
+            metas, nbytes = wire.shm_write(inp, tensors, f"the inputs of {name}")
+            self.next_cmd += 1
             # the workers run in the server's grad and inference modes (ComfyUI executes prompts in inference mode)
             header = {"name": name, "g": g, "n": n, "data": data, "metas": metas, "nbytes": nbytes, "shm": inp,
                       "out": out, "grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
@@ -672,6 +676,8 @@ class GroupRuntime:
                 except OSError as e:
                     logging.warning(f"MultiNPU: could not send {name} to worker rank {r}: {e}")  # _await names why
             rep = self._await(name, g, n)
+            if rep.get("shm_full"):  # rank 0 had no room for the result; the ranks are in step: only this command fails
+                raise wire.SharedMemoryFull(rep["shm_full"])
             buf = wire.shm_read(out, rep["nbytes"])
             return wire.unpack(rep["data"], wire.unflatten(buf, rep["metas"]))
         finally:

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import errno
+import fcntl
 import hashlib
 import hmac
 import io
 import json
 import logging
+import math
 import os
 import pickle
+import re
 import signal
+import stat
 import sys
 
 import torch
@@ -241,11 +246,7 @@ _ALIGN = 64
 
 def flatten(tensors, device) -> tuple:
     """One uint8 buffer on `device` holding every tensor, and the layout [(offset, nbytes, shape, dtype, on_cpu)]."""
-    metas, offset = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
-        offset += -(-nbytes // _ALIGN) * _ALIGN  # aligned, so every slice can be viewed as its dtype
+    metas, offset = shm_layout(tensors)
     buf = torch.empty(offset, dtype=torch.uint8, device=device)
     for t, (start, nbytes, _, _, _) in zip(tensors, metas):
         if nbytes:
@@ -268,26 +269,90 @@ def td(seconds: float) -> datetime.timedelta:
 
 
 # ---- shared memory between the driver and worker rank 0 ------------------------------------------
+#
+# A command's tensors go from the driver to worker rank 0 (and the result back) through a file in /dev/shm named
+# h3kit-{driver pid}-{driver token}-{generation}-{command}-in|out. The space is reserved (posix_fallocate) before
+# the file is mapped: on a full tmpfs a write through a mapping of a file sized by ftruncate alone raises SIGBUS,
+# which kills the writer (the ComfyUI server); a reservation fails with ENOSPC instead, a command's error
+# (SharedMemoryFull). A driver holds an flock on its own h3kit-lock-{pid}-{token} file in the same folder for its
+# life: a driver starting later removes the hand-off files of drivers whose lock nobody holds (killed -9 mid-command),
+# never those of a live one, whatever its pid namespace (shm_sweep).
+
+SHM_DIR_ENV = "H3KIT_SHM_DIR"        # where the hand-off files live (default /dev/shm; tests put a small tmpfs here)
+SHM_PREFIX = "h3kit-"
+SHM_LOCK_PREFIX = "h3kit-lock-"
+_SHM_NAME = re.compile(r"h3kit-(?:lock-)?(\d+)-([0-9a-f]+)(?:-\d+-\d+-(?:in|out))?")
+
+
+class SharedMemoryFull(GroupError):
+    """The hand-off's shared memory has no room for a command's tensors: that command fails, the group stays."""
+
 
 def shm_dir() -> str:
+    if os.environ.get(SHM_DIR_ENV):
+        return os.environ[SHM_DIR_ENV]
     return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
 
 
-def shm_write(path: str, tensors) -> tuple:
-    """Write tensors into a new file `path` (0600; /dev/shm is memory) laid out as flatten() does:
-    (metas, nbytes). Nothing is written for no bytes."""
+def shm_layout(tensors) -> tuple:
+    """(metas, nbytes) of tensors laid out in one buffer (flatten, shm_write); metas: [(offset, nbytes, shape,
+    dtype, on_cpu)]."""
     metas, offset = [], 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         metas.append((offset, nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
+        offset += -(-nbytes // _ALIGN) * _ALIGN  # aligned, so every slice can be viewed as its dtype
+    return metas, offset
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def shm_full_message(path: str, nbytes: int, what: str) -> str:
+    """What a full hand-off folder fails a command with: what needed how much, what was free, the fix."""
+    folder = os.path.dirname(path) or "."
+    size = 16
+    try:
+        st = os.statvfs(folder)
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        room = f"{_size(free)} free of {_size(total)}"
+        size = max(size, math.ceil((total - free + nbytes) / 2**30) + 1)  # GiB: room for what is there and this
+    except OSError as e:
+        room = f"free space unknown ({e.strerror})"
+    return (f"MultiNPU: shared memory is full: the hand-off of {what} between the server and worker rank 0 needs "
+            f"{_size(nbytes)} in {folder}, which has {room}. Fix: enlarge it (`mount -o remount,size={size}G "
+            f"{folder}`; docker: `--shm-size {size}g`; Kubernetes: an emptyDir with medium Memory on /dev/shm) or "
+            f"free it (what other programs left there), then run the prompt again")
+
+
+def _reserve(fd: int, path: str, nbytes: int, what: str):
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT, errno.EFBIG):
+            raise SharedMemoryFull(shm_full_message(path, nbytes, what)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        # a file system without fallocate (the TMPDIR fallback): sized only, as before
+        os.ftruncate(fd, nbytes)
+
+
+def shm_write(path: str, tensors, what: str = "a command's tensors") -> tuple:
+    """Write tensors into a new file `path` (0600; /dev/shm is memory) laid out as flatten() does:
+    (metas, nbytes). Nothing is written for no bytes. SharedMemoryFull (and no file left) when the folder has no
+    room for them: the space is reserved before anything is written through the mapping."""
+    metas, offset = shm_layout(tensors)
     if offset == 0:
         return metas, 0
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, offset)
-    finally:
+        _reserve(fd, path, offset, what)
+    except BaseException:
         os.close(fd)
+        shm_remove(path)
+        raise
+    os.close(fd)
     buf = torch.from_file(path, shared=True, size=offset, dtype=torch.uint8)
     for t, (start, nbytes, _, _, _) in zip(tensors, metas):
         if nbytes:
@@ -310,6 +375,120 @@ def shm_remove(path):
             pass
         except OSError as e:
             logging.warning(f"MultiNPU: cannot remove {path}: {e}")
+
+
+def shm_claim(token: str, folder: str = None) -> tuple:
+    """At a driver's start: remove what dead drivers left in the hand-off folder (shm_sweep), then hold this
+    driver's lock file there for its life (h3kit-lock-{pid}-{token}, flock'd before it has its name, so no sweep
+    ever sees it unlocked). Returns (path, fd) for shm_release; (None, None) when the folder takes no lock."""
+    folder = folder or shm_dir()
+    shm_sweep(folder)
+    path = os.path.join(folder, f"{SHM_LOCK_PREFIX}{os.getpid()}-{token}")
+    fd = None
+    try:
+        fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.link(f"/proc/self/fd/{fd}", path)
+    except (OSError, AttributeError):
+        if fd is not None:
+            os.close(fd)
+        try:  # no O_TMPFILE: the pid check of shm_sweep covers the moment before the flock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            logging.warning(f"MultiNPU: cannot hold a lock file in {folder} ({e}): a driver started later may "
+                            "remove this one's hand-off files only when its pid is gone")
+            return None, None
+    return path, fd
+
+
+def shm_release(claim):
+    path, fd = claim or (None, None)
+    if path is not None:
+        shm_remove(path)
+    if fd is not None:
+        os.close(fd)
+
+
+def _process_start(pid: int):
+    """The wall-clock time process `pid` (of this pid namespace) started, or None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _pid_may_own(pid: int, mtime: float) -> bool:
+    """Whether process `pid` may have written a file last changed at mtime: it is alive and started before (a pid
+    reused by a later process owns nothing older than itself; 2 s of slack for the boot time's whole seconds)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    start = _process_start(pid)
+    return start is None or start <= mtime + 2.0
+
+
+def _lock_free(path: str):
+    """An fd holding the lock at `path` when nobody else holds it (its owner died), else None (held, or absent)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def shm_sweep(folder: str = None) -> list:
+    """Remove the hand-off files (and lock files) that drivers which are gone left in `folder`: only regular files
+    of this user named as shm_write's callers name them, only when their driver's lock file is not held by anyone
+    and their pid is not a live process that started before the file was written. The names removed."""
+    folder = folder or shm_dir()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    owners = {}
+    for name in names:
+        m = _SHM_NAME.fullmatch(name)
+        if m:
+            owners.setdefault((int(m.group(1)), m.group(2)), []).append(name)
+    removed = []
+    for (pid, token), files in sorted(owners.items()):
+        if pid == os.getpid():
+            continue
+        lock = os.path.join(folder, f"{SHM_LOCK_PREFIX}{pid}-{token}")
+        held = _lock_free(lock) if os.path.lexists(lock) else None
+        if os.path.lexists(lock) and held is None:
+            continue  # a live driver holds it
+        try:
+            for name in sorted(files, key=lambda n: n.startswith(SHM_LOCK_PREFIX)):  # the lock file last
+                path = os.path.join(folder, name)
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or _pid_may_own(pid, st.st_mtime):
+                    continue
+                shm_remove(path)
+                removed.append(name)
+        finally:
+            if held is not None:
+                os.close(held)
+    if removed:
+        logging.warning(f"MultiNPU: removed {len(removed)} shared-memory file(s) that stopped servers left in "
+                        f"{folder}: {', '.join(removed[:8])}{' ...' if len(removed) > 8 else ''}")
+    return removed
 
 
 # ---- what every process of the group does -------------------------------------------------------
