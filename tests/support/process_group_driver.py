@@ -158,6 +158,40 @@ def scenario_faults(rt, args):
     return out
 
 
+def _hang_fault(rt, name, args):
+    """One fault of HANGS while a command runs, then the next command: what each cost, and who was left behind."""
+    last = rt.world_size - 1
+    out = {"fault": name, "pids_before": dict(rt.members)}
+    t0 = time.monotonic()
+    if name == "blocked_send":
+        # the last rank holds after a command (its heartbeat beating) and reads no command meanwhile; the next
+        # command's header (16 MiB in the pickle) fills its connection's socket buffer
+        out["stall"] = _attempt(lambda: rt.run("stall_after", {"rank": last, "seconds": args.sleep}))
+        t0 = time.monotonic()
+        out["error"] = _attempt(lambda: rt.run("blob", {"blob": b"x" * (16 << 20)}))
+    else:
+        raise ValueError(name)
+    out["fault_to_error"] = time.monotonic() - t0
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["fault_to_next"] = time.monotonic() - t0
+    out["pids_after"] = dict(rt.members)
+    time.sleep(0.5)
+    out["left_behind"] = [pid for pid in out["pids_before"].values() if _alive(pid)]
+    return out
+
+
+HANGS = ("blocked_send",)
+
+
+def scenario_hangs(rt, args):
+    """Every fault of HANGS once (--faults: a subset), with HCCL/NCCL's semantics (H3KIT_EMULATE_NO_RELEASE=1)."""
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt))}
+    for name in (args.faults.split(",") if args.faults else HANGS):
+        out[name] = _hang_fault(rt, name, args)
+    out["driver_pid_after"] = os.getpid()
+    return out
+
+
 def scenario_kill(rt, args):
     out = {}
     victim = rt.members[args.victim]

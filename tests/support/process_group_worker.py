@@ -96,6 +96,22 @@ def _fail(context, comm, payload):
     return os.getpid()
 
 
+@mp.program("stall_after")
+def _stall_after(context, comm, payload):
+    """Rank payload["rank"] holds payload["seconds"] after the command's closing barrier (its result is in, the
+    driver goes on): it reads no command meanwhile, its heartbeat beating (a rank hung between commands)."""
+    if context.rank == payload["rank"]:
+        return mp.After(lambda: time.sleep(payload["seconds"]))
+    return os.getpid()
+
+
+@mp.program("blob")
+def _blob(context, comm, payload):
+    """A command whose header is big (payload["blob"] bytes travel in the pickle, not through shared memory)."""
+    comfy.multinpu.all_reduce(torch.ones(4), comm)
+    return len(payload["blob"])
+
+
 class _Held:
     def __init__(self, digest):
         self.digest = digest

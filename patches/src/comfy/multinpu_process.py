@@ -131,6 +131,7 @@ class GroupRuntime:
         self._channel = None           # channel.ChannelServer: the command channel (this host's workers; beats of all)
         self._own_channel_dir = None   # a temporary folder for it when there is no runtime root
         self._links = {}               # (generation, rank, pid) -> (Link, queue of its messages): command connections
+        self._links_lock = threading.Lock()  # _links is written by the channel's threads: read only under it
         self._cmd_links = {}           # rank -> (Link, queue) of the current generation (rank 0's brings the results)
         self._beats = {}               # (rank, pid) -> the newest heartbeat seq on its channel connection (every host)
         self.ctl = None
@@ -237,7 +238,8 @@ class GroupRuntime:
         elif (role == "command" and isinstance(hello.get("rank"), int) and 0 <= hello["rank"] < self.world_size
               and (link.remote is None) == (self.spec.node_of(hello["rank"]) == 0)):
             messages = queue.Queue()
-            self._links[(hello.get("generation"), hello["rank"], pid)] = (link, messages)
+            with self._links_lock:
+                self._links[(hello.get("generation"), hello["rank"], pid)] = (link, messages)
             try:
                 while True:
                     messages.put(link.recv())
@@ -317,14 +319,23 @@ class GroupRuntime:
             return
         if now - last[2] <= wire.HEARTBEAT_STALE:
             return
-        why = f"no heartbeat for {now - last[2]:.0f} s (hung)"
         self._hb[rank] = (pid, count, now)
-        if self.spec.node_of(rank) == 0:
-            if self._local.pid(rank) == pid:  # never its replacement, which beats on the same key
-                self._local.kill(rank, why)
-        else:
-            self._mon.put(f"kill/{rank}", {"pid": pid, "why": why})
-        self._note_death(rank, pid, why)
+        self._kill_hung(rank, pid, f"no heartbeat for {now - last[2]:.0f} s (hung)")
+
+    def _kill_hung(self, rank: int, pid, why: str):
+        """A member found hung: killed (SIGKILL here, by its agent on another host) and noted dead with `why`."""
+        if pid is None:
+            return
+        with self._watch_lock:
+            if self.spec.node_of(rank) == 0:
+                if self._local.pid(rank) == pid:  # never its replacement, which beats on the same key
+                    self._local.kill(rank, why)
+            else:
+                try:
+                    self._mon.put(f"kill/{rank}", {"pid": pid, "why": why})
+                except Exception as e:
+                    logging.warning(f"MultiNPU: could not ask node {self.spec.node_of(rank)} to kill rank {rank}: {e}")
+            self._note_death(rank, pid, why)
 
     def _beat(self, rank: int, pid: int, known: int) -> int:
         """The newest heartbeat seq of rank's worker `pid` (known: the newest seen before): every worker beats on
@@ -439,9 +450,9 @@ class GroupRuntime:
     def _end_generation(self):
         """Shutdown: tell the workers of the current generation it is over (they leave)."""
         if self.members:
-            for link, _ in self._cmd_links.values():
+            for link, _ in list(self._cmd_links.values()):
                 try:
-                    link.send({"name": wire.END, "g": self.generation, "n": self.next_cmd})
+                    link.send({"name": wire.END, "g": self.generation, "n": self.next_cmd}, timeout=1.0)
                 except Exception:
                     pass
 
@@ -587,18 +598,22 @@ class GroupRuntime:
     def _wait_link(self, g: int, members: dict, deadline: float) -> bool:
         """True once every member of generation g connected to the command channel (no command is sent before);
         False when a member died."""
-        for key in [k for k in self._links if k[0] != g]:  # connections of generations given up on
-            self._links.pop(key)[0].close()
+        with self._links_lock:  # the channel's threads add connections meanwhile
+            old = [self._links.pop(k) for k in list(self._links) if k[0] != g]
+        for link, _ in old:  # connections of generations given up on
+            link.close()
 
         def missing():
-            return [r for r, pid in members.items() if (g, r, pid) not in self._links]
+            with self._links_lock:
+                return [r for r, pid in members.items() if (g, r, pid) not in self._links]
 
         def attempt():
             if any(self._announced().get(r) != pid for r, pid in members.items()):
                 return False
             if missing():
                 return None
-            self._cmd_links = {r: self._links.pop((g, r, pid)) for r, pid in members.items()}
+            with self._links_lock:
+                self._cmd_links = {r: self._links.pop((g, r, pid)) for r, pid in members.items()}
             return True
 
         def late():
@@ -666,11 +681,7 @@ class GroupRuntime:
             # the workers run in the server's grad and inference modes (ComfyUI executes prompts in inference mode)
             header = {"name": name, "g": g, "n": n, "data": data, "metas": metas, "nbytes": nbytes, "shm": inp,
                       "out": out, "grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
-            for r, (link, _) in sorted(self._cmd_links.items()):  # to every rank on its own connection
-                try:
-                    link.send(header)
-                except OSError as e:
-                    logging.warning(f"MultiNPU: could not send {name} to worker rank {r}: {e}")  # _await names why
+            self._send_all(header)
             rep = self._await(name, g, n)
             buf = wire.shm_read(out, rep["nbytes"])
             return wire.unpack(rep["data"], wire.unflatten(buf, rep["metas"]))
@@ -678,6 +689,22 @@ class GroupRuntime:
             self.inflight = None
             wire.shm_remove(inp)
             wire.shm_remove(out)
+
+    def _send_all(self, header: dict):
+        """The command to every rank on its own connection, each send bounded (channel.SEND_TIMEOUT without a byte
+        taken): a rank that stopped reading its commands (stopped, or hung with its heartbeat beating) is named
+        and killed, and cannot hold the run lock."""
+        name, n = header["name"], header["n"]
+        for r, (link, _) in sorted(dict(self._cmd_links).items()):
+            try:
+                link.send(header)
+            except channel.SendTimeout as e:
+                pid = self.members.get(r)
+                self._kill_hung(r, pid, f"hung: it took no byte of command {n} ({name}) for "
+                                        f"{channel.SEND_TIMEOUT:g} s (it stopped reading its command connection)")
+                logging.error(f"MultiNPU: could not send {name} to worker rank {r}: {e}")
+            except (OSError, channel.ChannelClosed) as e:
+                logging.warning(f"MultiNPU: could not send {name} to worker rank {r}: {e}")  # _await names why
 
     def _await(self, name: str, g: int, n: int) -> dict:
         """Worker rank 0's result header of command n, from its channel connection; the root cause of a failure,

@@ -1,0 +1,175 @@
+"""Issue 28: a hung rank is named within a bound, and nothing in the command path can hold the driver.
+
+- The command path has no races: the channel's threads add command connections while the driver forms a
+  generation (GroupRuntime._links, read only under its lock), and every send on the channel is bounded
+  (channel.SEND_TIMEOUT without a byte taken), so a peer that stopped reading cannot hold the driver's run lock.
+- A rank blocked in a "kernel" (the GIL released: its heartbeat thread keeps beating) while its peers wait in a
+  collective is named by the progress each rank reports with its heartbeat (the command, the collective it is in
+  or last completed) once the progress bound passes; the next command runs on a fresh group, the driver's pid
+  unchanged. A rank that is slow but keeps completing collectives is never killed.
+Under H3KIT_EMULATE_NO_RELEASE=1 (HCCL/NCCL's semantics: nobody is released before the group timeout), with h3kit's
+launcher and with torchrun.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.support import requires
+
+torch = requires.torch_module()
+from tests.test_multinpu_process import _env, _three_ports, drive  # noqa: E402
+
+import comfy.multinpu_channel as channel  # noqa: E402
+import comfy.multinpu_process as mp  # noqa: E402
+import comfy.multinpu_wire as wire  # noqa: E402
+
+GROUP_TIMEOUT = 60   # the collective timeout: a hang seen only when it expires would take this long
+PROGRESS = 8         # the progress bound these tests run with (H3KIT_PROGRESS_TIMEOUT)
+SEND = 3             # the send bound (H3KIT_SEND_TIMEOUT)
+
+
+# ---- the command path: bounded sends, no container read while another thread changes it ----------------------
+
+def test_a_send_to_a_peer_that_stopped_reading_fails_within_the_bound():
+    """The other end of a channel connection reads nothing (a stopped peer): once its socket buffer is full the
+    send used to block for ever (sendall, no timeout) while the driver held its run lock."""
+    mine, theirs = socket.socketpair()
+    link = channel.Link(mine, wire.Signer(b"k" * 64), b"n" * 32, "d", "w")
+    outcome = {}
+
+    def send():
+        t0 = time.monotonic()
+        try:
+            link.send({"name": "sum", "data": b"x" * (32 << 20)}, timeout=1.0)
+            outcome["sent"] = True
+        except BaseException as e:  # noqa: BLE001 - the test reads what happened
+            outcome["error"] = e
+        outcome["seconds"] = time.monotonic() - t0
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    t.join(30)
+    try:
+        assert not t.is_alive(), "the send is still blocked after 30 s: a peer that reads nothing holds the sender"
+        assert isinstance(outcome.get("error"), channel.SendTimeout), outcome
+        assert outcome["seconds"] < 20, outcome
+        assert link.sock.fileno() == -1, "the connection is closed: a frame was cut short"
+    finally:
+        theirs.close()
+        mine.close()
+
+
+def test_a_slow_reader_is_no_stopped_one():
+    """The bound is on a send that moves no byte: a peer that keeps reading, slowly, gets the whole frame."""
+    mine, theirs = socket.socketpair()
+    link = channel.Link(mine, wire.Signer(b"k" * 64), b"n" * 32, "d", "w")
+    got = bytearray()
+
+    def read_slowly():
+        while True:
+            chunk = theirs.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+            time.sleep(0.002)
+    reader = threading.Thread(target=read_slowly, daemon=True)
+    reader.start()
+    link.send({"data": b"y" * (4 << 20)}, timeout=0.5)
+    link.close()
+    reader.join(60)
+    assert len(got) > 4 << 20
+
+
+class _EndedLink:
+    remote = None
+
+    def recv(self, limit=None):
+        raise channel.ChannelClosed("gone")
+
+    def close(self):
+        pass
+
+
+def test_forming_a_generation_while_connections_arrive_reads_no_changing_container():
+    """The channel's threads add command connections (GroupRuntime._on_link) while the driver hands a generation
+    over (_wait_link drops the connections of the generations given up on, then takes the new members'): it iterated
+    _links while they inserted, which raised "dictionary changed size during iteration" and failed the forming."""
+    rt = mp.GroupRuntime(wire.GroupSpec(local_size=2), "k" * 64)
+    rt._watch = lambda: None
+    rt._announced = lambda: {0: 1}
+    stop = threading.Event()
+    errors = []
+
+    def connect():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:  # a connection of a generation given up on, which ends at once
+                rt._on_link(_EndedLink(), {"role": "command", "rank": 0, "pid": 10 + i, "generation": -i})
+            except channel.ChannelClosed:
+                pass
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=connect, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 20
+        rounds = 0
+        while time.monotonic() < deadline and rounds < 3000:
+            rounds += 1
+            with rt._links_lock if hasattr(rt, "_links_lock") else threading.Lock():
+                rt._links[(7, 0, 1)] = ("link", None)
+            try:
+                assert rt._wait_link(7, {0: 1}, time.monotonic() + 5) is True
+            except RuntimeError as e:
+                errors.append(e)
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        sys.setswitchinterval(switch)
+    assert not errors, f"after {rounds} hand-overs: {errors[0]!r}"
+    assert rt._cmd_links == {0: ("link", None)}
+
+
+# ---- with real processes ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["h3kit", "torchrun"])
+def hangs(request, tmp_path_factory):
+    launcher = request.param
+    env = _env(H3KIT_EMULATE_NO_RELEASE="1", H3KIT_PROGRESS_TIMEOUT=str(PROGRESS), H3KIT_SEND_TIMEOUT=str(SEND))
+    return drive(tmp_path_factory.mktemp(f"hangs-{launcher}"), "hangs", "--world", 2, "--timeout", GROUP_TIMEOUT,
+                 "--launcher", launcher, "--port", _three_ports(), "--sleep", 45, env=env, timeout=900) | {
+        "launcher": launcher}
+
+
+def _fresh_group(f):
+    assert f["next"]["ok"] and f["next"]["value"] == [1.0] * 4, f["next"]
+    before, after = f["pids_before"], f["pids_after"]
+    assert sorted(before) == sorted(after) and not set(before.values()) & set(after.values()), \
+        "every rank is a fresh process after a failure"
+    assert f["left_behind"] == [], "no worker of the failed generation is left running"
+
+
+def test_a_rank_that_stops_reading_its_commands_cannot_hold_the_driver(hangs):
+    """Rank 1 holds after a command (a hang between commands, its heartbeat beating); the next command's 16 MiB
+    header fills its connection. The driver's blocking sendall waited out the hold (45 s) with the run lock
+    held; now the send fails after SEND seconds without a byte taken, naming rank 1, and the next command runs."""
+    f = hangs["blocked_send"]
+    assert f["stall"]["ok"], f["stall"]
+    assert not f["error"]["ok"], f["error"]
+    message = f["error"]["error"]["message"]
+    assert "rank 1 (cpu), host " in message and "took no byte of command" in message, message
+    assert f"pid {f['pids_before']['1']}" in message and "(blob)" in message, message
+    assert f["fault_to_error"] < SEND + 20, f["fault_to_error"]
+    _fresh_group(f)
+    assert hangs["driver_pid_after"] == hangs["driver_pid"]
