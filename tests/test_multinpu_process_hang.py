@@ -141,6 +141,100 @@ def test_forming_a_generation_while_connections_arrive_reads_no_changing_contain
     assert rt._cmd_links == {0: ("link", None)}
 
 
+# ---- the progress bound, on beats made up here ----------------------------------------------------------------
+
+import comfy.multinpu_progress as progress  # noqa: E402
+
+
+def _p(n, coll, inside, op="all_reduce", g=1):
+    return {"g": g, "n": n, "coll": coll, "p2p": 0, "op": op, "inside": inside}
+
+
+def _run(watch, beats, until, step=1.0, command=(1, 3, "forward")):
+    """Feed {rank: fn(t) -> progress} as beats once a second, checking twice a second; the first verdict."""
+    g, n, name = command
+    t = 0.0
+    while t <= until:
+        for r, fn in beats.items():
+            if t == int(t):
+                watch.beat(r, 100 + r, fn(t), t)
+        verdict = watch.check({r: 100 + r for r in beats}, g, n, name, t)
+        if verdict is not None:
+            return t, verdict
+        t += step / 2
+    return None
+
+
+def test_a_rank_that_does_not_reach_the_collective_its_peers_wait_in_is_named_after_the_bound():
+    watch = progress.ProgressWatch(10.0)
+    beats = {0: lambda t: _p(3, 7, True), 1: lambda t: _p(3, 7, True), 2: lambda t: _p(3, 6, False)}
+    t, (rank, why) = _run(watch, beats, 60)
+    assert rank == 2 and 10 < t <= 12, (t, why)
+    assert "command 3 (forward)" in why and "last completed collective #6" in why
+    assert "ranks 0, 1 wait in collective #7 (all_reduce)" in why
+
+
+def test_a_rank_that_never_took_the_command_is_named():
+    watch = progress.ProgressWatch(5.0)
+    t, (rank, why) = _run(watch, {0: lambda t: _p(3, 7, True), 1: lambda t: _p(2, 6, False)}, 60)
+    assert rank == 1 and "it has not taken command 3 (its last was command 2)" in why
+
+
+def test_a_slow_rank_that_reaches_each_collective_is_never_named():
+    watch = progress.ProgressWatch(5.0)
+    # rank 1 computes 4 s before each collective (rank 0 waits in each): 60 s in all, 4 s at most without progress
+    slow = {0: lambda t: _p(3, 1 + int(t // 4), True), 1: lambda t: _p(3, int(t // 4), False)}
+    assert _run(watch, slow, 60) is None
+
+
+def test_a_rank_whose_beats_stop_is_left_to_the_heartbeat():
+    """No beat after t = 2 (stopped, dead): its progress is old news, never evidence of a hang."""
+    watch = progress.ProgressWatch(5.0)
+    beats = {0: lambda t: _p(3, 7, True), 1: lambda t: _p(3, 6, False)}
+    t = 0.0
+    while t <= 40:
+        watch.beat(0, 100, beats[0](t), t)
+        if t <= 2:
+            watch.beat(1, 101, beats[1](t), t)
+        assert watch.check({0: 100, 1: 101}, 1, 3, "forward", t) is None, t
+        t += 1.0
+
+
+def test_a_collective_every_rank_is_stuck_in_is_named():
+    watch = progress.ProgressWatch(5.0)
+    t, (rank, why) = _run(watch, {0: lambda t: _p(3, 7, True, "all_to_all"), 1: lambda t: _p(3, 7, True, "all_to_all")}, 60)
+    assert rank is None and 5 < t <= 7 and "collective #7 (all_to_all) of command 3 (forward) made no progress" in why
+
+
+def test_the_progress_bound_is_ordered_with_the_other_detectors():
+    spec = wire.GroupSpec(local_size=2, timeout=300)
+    detectors = wire.failure_detectors(spec)
+    assert detectors["a rank's heartbeat"] < detectors["a rank's progress"] == 60 < spec.timeout
+    assert wire.progress_timeout(wire.GroupSpec(local_size=2, timeout=40)) == 20  # half a short group timeout
+
+
+def test_every_collective_of_the_process_comm_is_counted(tmp_path):
+    """comfy.multinpu.PROGRESS counts what a rank entered (the heartbeat sends it): collectives in one count, the
+    same on every rank, send/recv apart; inside while in one."""
+    import comfy.multinpu
+    import torch.distributed as dist
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        comm = comfy.multinpu.ProcessComm()
+        before = comfy.multinpu.PROGRESS.snapshot()
+        seen = []
+        comm._call("all_reduce", lambda group=None: seen.append(comfy.multinpu.PROGRESS.snapshot()))
+        comm.all_reduce(torch.ones(2))
+        comm.barrier()
+        after = comfy.multinpu.PROGRESS.snapshot()
+    finally:
+        dist.destroy_process_group()
+    assert seen[0]["inside"] and seen[0]["op"] == "all_reduce" and seen[0]["coll"] == before["coll"] + 1
+    assert after["coll"] == before["coll"] + 3 and after["op"] == "barrier" and not after["inside"]
+    assert after["p2p"] == before["p2p"]
+
+
 # ---- with real processes ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=["h3kit", "torchrun"])
@@ -148,7 +242,7 @@ def hangs(request, tmp_path_factory):
     launcher = request.param
     env = _env(H3KIT_EMULATE_NO_RELEASE="1", H3KIT_PROGRESS_TIMEOUT=str(PROGRESS), H3KIT_SEND_TIMEOUT=str(SEND))
     return drive(tmp_path_factory.mktemp(f"hangs-{launcher}"), "hangs", "--world", 2, "--timeout", GROUP_TIMEOUT,
-                 "--launcher", launcher, "--port", _three_ports(), "--sleep", 45, env=env, timeout=900) | {
+                 "--launcher", launcher, "--port", _three_ports(), "--sleep", 45, "--slow", 3, env=env, timeout=900) | {
         "launcher": launcher}
 
 
@@ -173,3 +267,35 @@ def test_a_rank_that_stops_reading_its_commands_cannot_hold_the_driver(hangs):
     assert f["fault_to_error"] < SEND + 20, f["fault_to_error"]
     _fresh_group(f)
     assert hangs["driver_pid_after"] == hangs["driver_pid"]
+
+
+def test_a_rank_blocked_in_a_kernel_is_named_within_the_progress_bound(hangs):
+    """Rank 1 blocks at step 1 of a command with the GIL released (a stuck kernel: its heartbeat keeps beating) while
+    rank 0 waits for it in that step's all_reduce. Before, nothing named it until the group timeout (60 s here,
+    300 s by default); now its beats show no progress and the command fails after the progress bound, naming
+    rank 1, the command and the collective rank 0 waits in; the next command runs on a fresh group."""
+    f = hangs["hung_in_kernel"]
+    assert not f["error"]["ok"], f["error"]
+    error = f["error"]["error"]
+    assert error["type"] == "RankHung", error
+    message = error["message"]
+    assert "rank 1 (cpu), host " in message and "hung during fail" in message, message
+    assert f"pid {f['pids_before']['1']}" in message, message
+    assert "it last completed collective #" in message and "while rank 0 waits in collective #" in message, message
+    assert "(all_reduce)" in message and "no progress for" in message, message
+    assert PROGRESS <= f["fault_to_error"] < PROGRESS + 20 < GROUP_TIMEOUT, f["fault_to_error"]
+    _fresh_group(f)
+
+
+def test_a_slow_rank_that_keeps_progressing_is_never_killed(hangs):
+    """Rank 1 takes 3 s before each of 6 collectives (18 s, more than twice the progress bound, rank 0 waiting for it
+    each time): it keeps reaching its collectives, so the command succeeds on the same processes."""
+    f = hangs["slow_progress"]
+    assert f["error"]["ok"], f["error"]
+    assert f["error"]["seconds"] > 2 * PROGRESS, f["error"]["seconds"]
+    assert f["pids_after"] == f["pids_before"]
+
+
+def test_the_driver_lives_on(hangs):
+    assert hangs["first"]["ok"] and hangs["driver_pid_after"] == hangs["driver_pid"]
+    assert hangs["state"] == "ready" and all(r["alive"] and r["joined"] for r in hangs["ranks"])

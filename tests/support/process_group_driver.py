@@ -169,6 +169,14 @@ def _hang_fault(rt, name, args):
         out["stall"] = _attempt(lambda: rt.run("stall_after", {"rank": last, "seconds": args.sleep}))
         t0 = time.monotonic()
         out["error"] = _attempt(lambda: rt.run("blob", {"blob": b"x" * (16 << 20)}))
+    elif name == "hung_in_kernel":
+        # the last rank blocks at step 1 (time.sleep: the GIL released, as a device wait does; its heartbeat thread
+        # beats on) while its peers wait for it in that step's all_reduce
+        out["error"] = _attempt(lambda: _fail(rt, rank=last, kind="sleep", seconds=600, steps=4, at=1))
+    elif name == "slow_progress":
+        # the last rank takes args.slow seconds before each of 6 all_reduces: much longer than the progress bound in
+        # all, never that long without reaching a collective
+        out["error"] = _attempt(lambda: rt.run("slow", {"rank": last, "seconds": args.slow, "steps": 6}))
     else:
         raise ValueError(name)
     out["fault_to_error"] = time.monotonic() - t0
@@ -180,7 +188,7 @@ def _hang_fault(rt, name, args):
     return out
 
 
-HANGS = ("blocked_send",)
+HANGS = ("hung_in_kernel", "slow_progress", "blocked_send")
 
 
 def scenario_hangs(rt, args):
@@ -728,6 +736,7 @@ def main(argv=None):
                     "command")
     ap.add_argument("--load-timeout", type=float, default=60.0, help="kill_while_loading: the driver's load bound")
     ap.add_argument("--repeat", type=int, default=1, help="kill_while_loading: how many rounds")
+    ap.add_argument("--slow", type=float, default=3.0, help="hangs: seconds the slow rank takes before each step")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
     if args.nnodes > 1 and args.port == 0:

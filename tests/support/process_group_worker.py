@@ -105,6 +105,17 @@ def _stall_after(context, comm, payload):
     return os.getpid()
 
 
+@mp.program("slow")
+def _slow(context, comm, payload):
+    """`steps` all_reduces; before each, rank payload["rank"] computes for payload["seconds"] (a slow rank that keeps
+    reaching its collectives: its peers wait for it in each)."""
+    for _ in range(payload["steps"]):
+        if context.rank == payload["rank"]:
+            time.sleep(payload["seconds"])
+        comfy.multinpu.all_reduce(torch.ones(4), comm)
+    return os.getpid()
+
+
 @mp.program("blob")
 def _blob(context, comm, payload):
     """A command whose header is big (payload["blob"] bytes travel in the pickle, not through shared memory)."""

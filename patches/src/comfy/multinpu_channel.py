@@ -412,12 +412,12 @@ def connect_channel(address, signer: Signer, hello: dict, timeout: float = 30.0)
     return link
 
 
-def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None):
+def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None, news=None):
     """Beat every HEARTBEAT_INTERVAL on an authenticated connection to the driver's channel (connect_channel),
     until `stop` is set: {"seq": n}, n counting up for the life of this process, so the driver counts only a
-    newer beat. A connection that fails is made again at the next beat (the driver takes silence past its bound
-    for a death, never a closed connection by itself). each(): called after every beat; what it raises ends
-    the beats."""
+    newer beat, plus what news() returns (a worker's progress). A connection that fails is made again at the next
+    beat (the driver takes silence past its bound for a death, never a closed connection by itself). each():
+    called after every beat; what it raises ends the beats."""
     link, seq, down = None, 0, None
     while not stop.wait(HEARTBEAT_INTERVAL):
         seq += 1
@@ -427,7 +427,7 @@ def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None)
                 if down is not None:
                     logging.info(f"MultiNPU: {hello.get('role')} of pid {hello.get('pid')}: beating again")
                     down = None
-            link.send({"seq": seq})
+            link.send({"seq": seq, **(news() if news is not None else {})})
         except (OSError, GroupError) as e:
             if down is None:  # logged once per outage
                 down = e

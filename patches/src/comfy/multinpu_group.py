@@ -10,7 +10,10 @@ other hosts comfy.multinpu_launch.
   command passes through the store), runs the command's program, and closes every command with a barrier. A
   program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so the others'
   collectives fail at once instead of at the timeout; the next command forms a new generation.
-  A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one.
+  A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one;
+  each beat carries the rank's progress (the command it took last, the collectives it entered, the one it is in:
+  comfy.multinpu.PROGRESS), so the driver can tell a rank blocked in a kernel, its heartbeat beating, from a slow
+  one that keeps reaching its collectives.
 - program(): registers a worker program (PROGRAMS); the built-ins install, drop and free models.
 - `python -B -m comfy.multinpu_group` runs the agent of another host (comfy.multinpu_launch.Agent).
 """
@@ -88,6 +91,7 @@ class WorkerContext:
         self.ctl = None
         self.link = None        # its connection to the driver's command channel (commands; rank 0: results)
         self.generation = None  # the generation this process joins or serves
+        self.command = None     # the number of the last command it took (in its generation)
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
 
@@ -117,10 +121,16 @@ def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threadi
                 sys.stdout.flush()
                 os._exit(RECYCLED_EXIT)
         beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
-             aborted)
+             aborted, lambda: {"progress": progress(context)})
     except Exception as e:
         # the store or the driver is gone: the main loop notices and exits
         logging.warning(f"MultiNPU: rank {context.rank}: the heartbeat stopped: {e}")
+
+
+def progress(context: WorkerContext) -> dict:
+    """What the heartbeat tells of this rank's progress: its generation, the last command it took, and its
+    collectives (comfy.multinpu.PROGRESS: how many it entered, the last one's op, whether it is inside it)."""
+    return {"g": context.generation, "n": context.command, **comfy.multinpu.PROGRESS.snapshot()}
 
 
 def _report(ctl: Control, key: str, exc: BaseException, collective: bool):
@@ -244,6 +254,7 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
     n = 1
     while True:
         header = _next_command(context, g, n)
+        context.command = n
         name = header["name"]
         if name == END:
             destroy_group()

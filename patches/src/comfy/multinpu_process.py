@@ -54,6 +54,7 @@ import comfy.model_cache
 import comfy.multinpu
 import comfy.multinpu_channel as channel
 import comfy.multinpu_launch as launch
+import comfy.multinpu_progress as progress
 import comfy.multinpu_wire as wire
 
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
@@ -134,6 +135,8 @@ class GroupRuntime:
         self._links_lock = threading.Lock()  # _links is written by the channel's threads: read only under it
         self._cmd_links = {}           # rank -> (Link, queue) of the current generation (rank 0's brings the results)
         self._beats = {}               # (rank, pid) -> the newest heartbeat seq on its channel connection (every host)
+        self._progress = progress.ProgressWatch(wire.progress_timeout(spec), wire.PROGRESS_ENV)  # what beats tell
+        self._stalled = {}             # generation -> a collective every rank was stuck in (ProgressWatch)
         self.ctl = None
 
     # -- start and stop --
@@ -233,8 +236,12 @@ class GroupRuntime:
                     beat = link.recv(channel.HELLO_LIMIT)
                     if isinstance(beat, dict) and isinstance(beat.get("seq"), int) and beat["seq"] > beats.get(who, 0):
                         beats[who] = beat["seq"]
+                        if role == "beat":
+                            self._progress.beat(hello["rank"], pid, beat.get("progress"), time.monotonic())
             finally:
                 beats.pop(who, None)
+                if role == "beat":
+                    self._progress.forget(hello["rank"], pid)
         elif (role == "command" and isinstance(hello.get("rank"), int) and 0 <= hello["rank"] < self.world_size
               and (link.remote is None) == (self.spec.node_of(hello["rank"]) == 0)):
             messages = queue.Queue()
@@ -304,6 +311,7 @@ class GroupRuntime:
                         self._remote_exits[rank] = report
                         self._note_death(rank, report.get("pid"), str(report.get("reason")))
             self._check_hosts()
+            self._check_progress(now)
 
     def _check_heartbeat(self, rank: int, now: float):
         pid = self.members.get(rank)
@@ -321,6 +329,22 @@ class GroupRuntime:
             return
         self._hb[rank] = (pid, count, now)
         self._kill_hung(rank, pid, f"no heartbeat for {now - last[2]:.0f} s (hung)")
+
+    def _check_progress(self, now: float):
+        """While a command runs: a member that holds it (beating, but not reaching the collective its peers wait in,
+        past the progress bound) is killed and named; a collective every member is stuck in fails the command."""
+        inflight, members = self.inflight, dict(self.members)
+        if inflight is None or self.state != "ready" or not members or self.generation in self._stalled:
+            return
+        verdict = self._progress.check(members, self.generation, inflight[1], inflight[0], now)
+        if verdict is None:
+            return
+        rank, why = verdict
+        if rank is not None:
+            self._kill_hung(rank, members[rank], why)
+        else:
+            logging.error(f"MultiNPU: {why}")
+            self._stalled[self.generation] = why
 
     def _kill_hung(self, rank: int, pid, why: str):
         """A member found hung: killed (SIGKILL here, by its agent on another host) and noted dead with `why`."""
@@ -742,7 +766,7 @@ class GroupRuntime:
                 for r, at in sorted(closed.items(), key=lambda item: item[1]):
                     if time.monotonic() - at > 2.0 and not self.dead:
                         self._note_death(r, self.members.get(r), "closed the command channel")
-                failed = self.dead or self.state != "ready"
+                failed = self.dead or self.state != "ready" or g in self._stalled
                 if not failed:
                     count = self.ctl.counter(f"failed/{g}")
                     # the counter only says where to look (anyone reaching the store can add to it): a failure
@@ -812,7 +836,11 @@ class GroupRuntime:
             exc = _rank_exception(self.spec, r, primary[r], name)
         elif dead:
             r = dead[0]
-            exc = wire.RankDied(f"MultiNPU: {self._where(r)} died during {name} ({self.dead[r]})")
+            hung = "hung: " in self.dead[r]
+            exc = (wire.RankHung if hung else wire.RankDied)(
+                f"MultiNPU: {self._where(r)} {'hung' if hung else 'died'} during {name} ({self.dead[r]})")
+        elif g in self._stalled:
+            exc = wire.GroupError(f"MultiNPU: {self._stalled[g]}; the group is replaced")
         elif reports:
             r = min(reports)
             exc = _rank_exception(self.spec, r, reports[r], name)

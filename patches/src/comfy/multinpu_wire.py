@@ -34,6 +34,7 @@ RANK_ENV = "H3KIT_RANK"
 LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
 PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
+PROGRESS_ENV = "H3KIT_PROGRESS_TIMEOUT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 LAUNCHERS = ("h3kit", "torchrun")    # who starts and restarts a host's workers: LocalWorkers or TorchrunWorkers
@@ -50,6 +51,11 @@ HEARTBEAT_INTERVAL = 1.0
 # A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
 # replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
 HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
+# A rank whose heartbeat beats but whose progress (the command and the collective it is in or last completed, sent
+# with each beat) has not moved for this long while its peers wait in a collective it has not reached, or a
+# collective every rank has been inside for this long, is hung (a stuck kernel, an HCCL wait on a broken link):
+# killed and the group replaced. Default: 60 s, or half the group timeout when that is shorter (progress_timeout).
+PROGRESS_STALE = float(os.environ[PROGRESS_ENV]) if os.environ.get(PROGRESS_ENV) else None
 # A host whose agent (which beats every second) has been silent this long is lost: its ranks are dead. A killed
 # agent or torchrun is seen sooner, by its workers' notes of their SIGTERM (watch_termination)
 HOST_STALE = min(10.0, HEARTBEAT_STALE)
@@ -77,6 +83,11 @@ class RankDied(GroupError):
 
 class RankFailed(GroupError):
     """A rank raised; the message names the rank and carries its exception type and message."""
+
+
+class RankHung(RankDied):
+    """A rank's process was alive and beating but made no progress (a stuck kernel, a collective its peers were not
+    in, a command it did not take) past its bound; it was killed."""
 
 
 class ConfigMismatch(GroupError):
@@ -343,7 +354,8 @@ def failure_detectors(spec: GroupSpec) -> dict:
     """{what: seconds} after which each of h3kit's (and torchrun's) detectors notices a failed rank or host. Every
     one must fire before a collective gives up (spec.timeout; HCCL_EXEC_TIMEOUT is at least that), so a failure
     is named by what saw it, never by a peer's collective timing out."""
-    out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE}
+    out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE,
+           "a rank's progress": progress_timeout(spec)}
     if spec.launcher == "torchrun":
         out["torchrun's rendezvous keep-alive"] = float(KEEP_ALIVE * KEEP_ALIVE_ATTEMPTS)
         out["torchrun's rendezvous store reads"] = float(RDZV_READ_TIMEOUT)
@@ -356,7 +368,14 @@ def check_timeouts(spec: GroupSpec):
     if spec.timeout <= seconds:
         raise GroupError(f"MultiNPU: the collective timeout ({spec.timeout:g} s) must be longer than {what} "
                          f"({seconds:g} s): a failed rank would be reported as a peer's collective timing out. "
-                         f"Fix: a longer group timeout, or a shorter {HEARTBEAT_ENV}")
+                         f"Fix: a longer group timeout, or a shorter "
+                         f"{PROGRESS_ENV if 'progress' in what else HEARTBEAT_ENV}")
+
+
+def progress_timeout(spec: GroupSpec) -> float:
+    """Seconds a beating rank may make no progress while its peers wait for it (PROGRESS_STALE): H3KIT_PROGRESS_TIMEOUT,
+    else 60 s, or half the group timeout when that is shorter (always before the collective timeout)."""
+    return PROGRESS_STALE if PROGRESS_STALE is not None else min(60.0, spec.timeout / 2)
 
 
 def set_hccl_timeout(spec: GroupSpec):
