@@ -299,3 +299,36 @@ def test_a_slow_rank_that_keeps_progressing_is_never_killed(hangs):
 def test_the_driver_lives_on(hangs):
     assert hangs["first"]["ok"] and hangs["driver_pid_after"] == hangs["driver_pid"]
     assert hangs["state"] == "ready" and all(r["alive"] and r["joined"] for r in hangs["ranks"])
+
+
+# ---- HCCL restart hygiene (read with a stand-in: only HCCL reads these; unmeasured on hardware) -----------------
+
+def test_each_generation_forms_with_its_own_hccl_ports_and_the_side_group_at_join(tmp_path):
+    """Worker rank 0 records every group it forms (init_process_group, new_group), when (the last command it had
+    taken: None at join) and with which HCCL settings. Two generations, a failure between them: each gets its own
+    HCCL_IF_BASE_PORT band, none overlapping the earlier one's (its listener's ports may linger), HCCL_EXEC_TIMEOUT
+    below the group timeout (a multiple of 68), and the side group of the weight gathers is formed at join, not by
+    the first command that asks for it. Before: no HCCL port was set, HCCL_EXEC_TIMEOUT (on NPU) was at or above
+    the group timeout, and the side group was made inside the first sharded forward."""
+    result = drive(tmp_path, "hccl", "--world", 2, "--timeout", 150)
+    first, second = result["first"], result["second"]
+    assert first["ok"] and second["ok"] and not result["failed"]["ok"], result
+    ports = []
+    for run in (first["value"], second["value"]):
+        calls = run["calls"]
+        assert [(name, cmd) for name, cmd, _ in calls] == [("init_process_group", None), ("new_group", None)], calls
+        assert run["same_side"], "the side group is made once"
+        env = calls[0][2]
+        exec_timeout = int(env["HCCL_EXEC_TIMEOUT"])
+        assert exec_timeout % 68 == 0 and 68 <= exec_timeout < 150, env
+        ports.append(int(env["HCCL_IF_BASE_PORT"]))
+    assert first["value"]["pid"] != second["value"]["pid"] and second["value"]["generation"] > first["value"]["generation"]
+    assert abs(ports[1] - ports[0]) >= wire.HCCL_PORTS, f"the two generations' HCCL port bands overlap: {ports}"
+
+
+def test_hccl_settings_for_a_generation():
+    assert wire.hccl_exec_timeout(300) == 272 and wire.hccl_exec_timeout(1800) == 1768  # below, multiples of 68
+    assert wire.hccl_exec_timeout(30) == 68  # HCCL's least (a warning says HCCL may then not report first)
+    bands = [wire.hccl_base_port(g) for g in range(1, wire.HCCL_PORT_SLOTS + 2)]
+    assert bands[0] == wire.HCCL_PORT_START and bands[-1] == bands[0]  # round again after HCCL_PORT_SLOTS
+    assert all(b - a == wire.HCCL_PORTS for a, b in zip(bands, bands[1:wire.HCCL_PORT_SLOTS]))

@@ -200,6 +200,14 @@ def scenario_hangs(rt, args):
     return out
 
 
+def scenario_hccl(rt, args):
+    """What worker rank 0 formed its groups with, in two generations (a failure between them)."""
+    out = {"first": _attempt(lambda: rt.run("hccl", {}))}
+    out["failed"] = _attempt(lambda: _fail(rt, rank=1, kind="raise"))
+    out["second"] = _attempt(lambda: rt.run("hccl", {}))
+    return out
+
+
 def scenario_kill(rt, args):
     out = {}
     victim = rt.members[args.victim]

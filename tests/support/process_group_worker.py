@@ -39,6 +39,33 @@ if os.environ.get(NO_COMMAND_LINK):
     mp.connect_channel = _never_for_commands
 
 
+# What this worker did to form its groups, in order: [(call, the last command it had taken)] (the "hccl" program
+# reads it): the side group of the weight gathers must be made at join, before any command
+GROUP_CALLS = []
+HCCL_VARS = ("HCCL_IF_BASE_PORT", "HCCL_EXEC_TIMEOUT")
+CONTEXT = []
+
+
+def _recording(name, fn):
+    def call(*args, **kwargs):
+        GROUP_CALLS.append((name, CONTEXT[0].command if CONTEXT else None,
+                            {k: os.environ.get(k) for k in HCCL_VARS}))
+        return fn(*args, **kwargs)
+    return call
+
+
+torch.distributed.init_process_group = _recording("init_process_group", torch.distributed.init_process_group)
+torch.distributed.new_group = _recording("new_group", torch.distributed.new_group)
+
+
+@mp.program("hccl")
+def _hccl(context, comm, payload):
+    """What this rank's groups were formed with, and when; then the side group as a sharded forward asks for it."""
+    side = comm.side()
+    return {"calls": list(GROUP_CALLS), "same_side": side is comm.side(), "generation": context.generation,
+            "pid": os.getpid()} if comm.rank == 0 else None
+
+
 @mp.program("close_link")
 def _close_link(context, comm, payload):
     """Rank payload["rank"] closes its command connection and holds the command for payload["seconds"] (a rank
@@ -160,6 +187,7 @@ def main():
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stdout)
     freed = []
     context = mp.WorkerContext(spec, rank, "cpu")
+    CONTEXT.append(context)
     context.free = lambda: freed.append(time.time())
     context.freed = freed
     mp.serve(context)

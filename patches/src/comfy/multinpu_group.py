@@ -32,8 +32,8 @@ import torch.distributed
 
 import comfy.multinpu
 from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, RECYCLED_EXIT,
-                                 REPORTED_EXIT, Signer, key_from_environment, pack, shm_read, shm_write, td,
-                                 unflatten, unpack)
+                                 REPORTED_EXIT, Signer, hccl_environment, key_from_environment, pack, shm_read,
+                                 shm_write, td, unflatten, unpack)
 from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
 
@@ -92,6 +92,7 @@ class WorkerContext:
         self.link = None        # its connection to the driver's command channel (commands; rank 0: results)
         self.generation = None  # the generation this process joins or serves
         self.command = None     # the number of the last command it took (in its generation)
+        self.comm = None        # its generation's ProcessComm (made at join, with its side group)
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
 
@@ -218,11 +219,17 @@ def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -
             return False  # the driver gave up on g (a member died): wait for the next one
         time.sleep(POLL)
     try:
+        os.environ.update(hccl_environment(spec, g))  # this generation's own HCCL ports (read when HCCL connects)
         _init_group(spec, torch.distributed.PrefixStore(f"pg{g}", base), rank, context.device)
         comm = comfy.multinpu.ProcessComm(device=context.device, timeout=spec.timeout)
         total = comm.all_reduce(torch.ones(1, device=context.device))
         if int(total.item()) != spec.world_size:
             raise GroupError(f"MultiNPU: the warm-up all_reduce gave {total.item()}, not {spec.world_size}")
+        if spec.world_size > 1:
+            # the side group of the sharded weights' gathers, formed and connected here (HCCL connects at a group's
+            # first collective), not inside the first sharded forward of a prompt
+            comm.side().all_reduce(torch.ones(1, device=context.device))
+        context.comm = comm
     except Exception as e:
         logging.exception(f"MultiNPU: rank {rank} could not join generation {g}")
         _report(ctl, f"joinerr/{g}/{rank}", e, isinstance(e, comfy.multinpu.CollectiveError))
@@ -245,7 +252,7 @@ def _init_group(spec: GroupSpec, store, rank: int, device: torch.device):
 
 
 def _commands(ctl: Control, context: WorkerContext, g: int):
-    comm = comfy.multinpu.ProcessComm(device=context.device, timeout=context.spec.timeout)
+    comm = context.comm  # made at join, with its side group
     # every rank takes the commands from the driver on its own authenticated connection to the command channel
     # (this host's Unix socket, or its TCP listener from another host): none passes through the store, where any
     # client could delete it

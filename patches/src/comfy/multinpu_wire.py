@@ -19,6 +19,7 @@ import hmac
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import signal
@@ -378,7 +379,42 @@ def progress_timeout(spec: GroupSpec) -> float:
     return PROGRESS_STALE if PROGRESS_STALE is not None else min(60.0, spec.timeout / 2)
 
 
+HCCL_PORT_ENV = "H3KIT_HCCL_BASE_PORT"  # the first port of the band the generations' HCCL base ports rotate in
+HCCL_PORT_START = 60000              # HCCL's own default HCCL_IF_BASE_PORT
+HCCL_PORTS = 16                      # ports HCCL may take from its base port (one per device of a host; CANN docs)
+HCCL_PORT_SLOTS = 16                 # generations before a base port comes round again: a band of 256 ports
+
+
+def hccl_exec_timeout(timeout: float) -> int:
+    """HCCL_EXEC_TIMEOUT for a group timeout: the largest multiple of 68 below it (CANN takes [68, 17340] s, rounded
+    down to a multiple of 68), at least 68. Below the group's own timeout, as torch_npu's ProcessGroupHCCL advises,
+    so HCCL times out first and writes its own diagnostics."""
+    return min(17340, max(68, (math.ceil(timeout) - 1) // 68 * 68))
+
+
+def hccl_base_port(generation: int) -> int:
+    """HCCL_IF_BASE_PORT of a generation: the band from H3KIT_HCCL_BASE_PORT (60000) in slots of HCCL_PORTS, one
+    slot per generation, round and round. A replacement generation forms as soon as the old processes are reaped,
+    while the ports their listeners held may linger (EJ0003 "host nic listen start failed", vllm-ascend #405):
+    HCCL_PORT_SLOTS - 1 generations later, which takes as many failures, they are long free."""
+    start = int(os.environ.get(HCCL_PORT_ENV) or HCCL_PORT_START)
+    if not 1024 <= start <= 65535 - HCCL_PORTS * HCCL_PORT_SLOTS:
+        raise GroupError(f"MultiNPU: {HCCL_PORT_ENV}={start} leaves no band of {HCCL_PORTS * HCCL_PORT_SLOTS} ports. "
+                         f"Fix: a port from 1024 to {65535 - HCCL_PORTS * HCCL_PORT_SLOTS}")
+    return start + (max(1, generation) - 1) % HCCL_PORT_SLOTS * HCCL_PORTS
+
+
+def hccl_environment(spec: GroupSpec, generation: int) -> dict:
+    """What a worker sets before it forms generation `generation` (only HCCL reads it; every backend gets it, so the
+    CPU tests see what an NPU worker gets): its own HCCL ports, and HCCL_EXEC_TIMEOUT below the group timeout
+    unless the operator chose one. Unmeasured on hardware."""
+    return {"HCCL_IF_BASE_PORT": str(hccl_base_port(generation)),
+            "HCCL_EXEC_TIMEOUT": os.environ.get("HCCL_EXEC_TIMEOUT") or str(hccl_exec_timeout(spec.timeout))}
+
+
 def set_hccl_timeout(spec: GroupSpec):
     if spec.device_type == "npu" and "HCCL_EXEC_TIMEOUT" not in os.environ:
-        # CANN takes [68, 17340] s, rounded down to a multiple of 68: at least the group's own timeout
-        os.environ["HCCL_EXEC_TIMEOUT"] = str(max(68, -(-int(spec.timeout) // 68) * 68))
+        os.environ["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout(spec.timeout))
+        if hccl_exec_timeout(spec.timeout) >= spec.timeout:
+            logging.warning(f"MultiNPU: HCCL_EXEC_TIMEOUT cannot be below a group timeout of {spec.timeout:g} s (HCCL "
+                            "takes 68 s at least): HCCL may not write its own diagnostics of a stuck collective")
