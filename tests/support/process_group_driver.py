@@ -173,6 +173,12 @@ def _hang_fault(rt, name, args):
         # the last rank blocks at step 1 (time.sleep: the GIL released, as a device wait does; its heartbeat thread
         # beats on) while its peers wait for it in that step's all_reduce
         out["error"] = _attempt(lambda: _fail(rt, rank=last, kind="sleep", seconds=600, steps=4, at=1))
+    elif name == "kill9":
+        # an existing fault, for the side-by-side figures: the last rank SIGKILLed 1 s into a command
+        victim = out["pids_before"][last]
+        _later(1.0, lambda: os.kill(victim, signal.SIGKILL))
+        t0 += 1.0
+        out["error"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
     elif name == "slow_progress":
         # the last rank takes args.slow seconds before each of 6 all_reduces: much longer than the progress bound in
         # all, never that long without reaching a collective
