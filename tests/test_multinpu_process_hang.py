@@ -332,3 +332,17 @@ def test_hccl_settings_for_a_generation():
     bands = [wire.hccl_base_port(g) for g in range(1, wire.HCCL_PORT_SLOTS + 2)]
     assert bands[0] == wire.HCCL_PORT_START and bands[-1] == bands[0]  # round again after HCCL_PORT_SLOTS
     assert all(b - a == wire.HCCL_PORTS for a, b in zip(bands, bands[1:wire.HCCL_PORT_SLOTS]))
+
+
+def test_a_collective_every_rank_is_stuck_in_fails_the_command_naming_it(hangs):
+    """Every rank inside the same collective, none moving, their heartbeats beating (a stand-in for an HCCL collective
+    stuck on a broken link): the command fails after the progress bound naming the collective and the command, not
+    at the group timeout; the next command runs on a fresh group."""
+    f = hangs["stuck_collective"]
+    assert not f["error"]["ok"], f["error"]
+    error = f["error"]["error"]
+    assert error["type"] == "GroupError", error
+    assert "collective #" in error["message"] and "(all_reduce) of command" in error["message"], error
+    assert "(stuck) made no progress for" in error["message"] and "every rank is inside it" in error["message"], error
+    assert PROGRESS <= f["fault_to_error"] < PROGRESS + 20 < GROUP_TIMEOUT, f["fault_to_error"]
+    _fresh_group(f)

@@ -179,6 +179,8 @@ def _hang_fault(rt, name, args):
         _later(1.0, lambda: os.kill(victim, signal.SIGKILL))
         t0 += 1.0
         out["error"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    elif name == "stuck_collective":
+        out["error"] = _attempt(lambda: rt.run("stuck", {"seconds": 600}))
     elif name == "slow_progress":
         # the last rank takes args.slow seconds before each of 6 all_reduces: much longer than the progress bound in
         # all, never that long without reaching a collective
@@ -194,7 +196,7 @@ def _hang_fault(rt, name, args):
     return out
 
 
-HANGS = ("hung_in_kernel", "slow_progress", "blocked_send")
+HANGS = ("hung_in_kernel", "stuck_collective", "slow_progress", "blocked_send")
 
 
 def scenario_hangs(rt, args):

@@ -143,6 +143,15 @@ def _slow(context, comm, payload):
     return os.getpid()
 
 
+@mp.program("stuck")
+def _stuck(context, comm, payload):
+    """Every rank enters a collective that never completes (a stand-in for an HCCL collective stuck on a broken
+    link: the process comm's own bookkeeping, a wait with the GIL released inside), its heartbeat beating."""
+    comfy.multinpu.all_reduce(torch.ones(4), comm)
+    comm._call("all_reduce", lambda group=None: time.sleep(payload["seconds"]))
+    return os.getpid()
+
+
 @mp.program("blob")
 def _blob(context, comm, payload):
     """A command whose header is big (payload["blob"] bytes travel in the pickle, not through shared memory)."""

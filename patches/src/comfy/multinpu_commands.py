@@ -135,8 +135,9 @@ class CommandPath:
                     if isinstance(rep, dict) and rep.get("pid") == pid:
                         reports[r] = rep
             self._watch()
-            if any(not rep.get("collective") for rep in reports.values()) or g in self._store_ended:
-                break
+            if any(not rep.get("collective") for rep in reports.values()) or g in self._store_ended or (
+                    g in self._stalled and not self.dead):
+                break  # (a stuck collective: every rank is in it, none reports)
             if any(r not in reports and not launch.secondary(self.dead[r]) for r in self.dead):
                 # a death is a root cause by itself (unless its launcher caused it: then the death that made the
                 # launcher act is awaited); a report explaining it is written before its exit
