@@ -40,6 +40,11 @@ def test_parameters_and_weights_match_the_33b_model():
     assert 33.0e9 < counts["total"] < 33.2e9
     mem = costmodel.memory_per_device(38010, 4)
     assert 66e9 < mem["weights"] < 66.6e9  # "about 66 GB at BF16", on every device
+    # two HCCL communicators (the group, the side group for weight gathers), 2 x HCCL_BUFFSIZE (200 MB) each
+    assert mem["communicators"] == 2 * 2 * 200 * 2**20
+    assert mem["total"] == mem["weights"] + mem["communicators"] + mem["activations"]
+    assert costmodel.memory_per_device(38010, 1)["communicators"] == 0
+    assert costmodel.memory_per_device(38010, 4, hccl_buffsize_mb=100)["communicators"] == 2 * 2 * 100 * 2**20
 
 
 def test_exchange_model_modes():
@@ -188,7 +193,8 @@ def test_plan_command_weights_sharding_and_device_memory(runner):
     out = runner.invoke(main, argv + ["--sharding", "sharded", "--weights", "int8", "--device-memory", "32"]).output
     assert "weights per device (int8, sharded)" in out and "two gathered blocks" in out
     fit = next(ln for ln in out.splitlines() if ln.startswith("fits a 32 GB card"))
-    assert fit.split()[-6:] == ["no,", "-18.8", "GB", "yes,", "15.6", "GB"], fit  # 1 device holds all 46.3 GB
+    # 1 device holds all 46.3 GB; 4 hold their slices and two HCCL communicators' buffers (0.84 GB)
+    assert fit.split()[-6:] == ["no,", "-18.8", "GB", "yes,", "14.7", "GB"], fit
     assert "weight gathers per step (per device)" in out
     r = runner.invoke(main, argv + ["--sharding", "sharded", "--device-memory", "32", "--json"])
     one, four = jsondoc.data(r.stdout, r.exit_code)["plans"]

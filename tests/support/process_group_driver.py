@@ -158,6 +158,64 @@ def scenario_faults(rt, args):
     return out
 
 
+def _hang_fault(rt, name, args):
+    """One fault of HANGS while a command runs, then the next command: what each cost, and who was left behind."""
+    last = rt.world_size - 1
+    out = {"fault": name, "pids_before": dict(rt.members)}
+    t0 = time.monotonic()
+    if name == "blocked_send":
+        # the last rank holds after a command (its heartbeat beating) and reads no command meanwhile; the next
+        # command's header (16 MiB in the pickle) fills its connection's socket buffer
+        out["stall"] = _attempt(lambda: rt.run("stall_after", {"rank": last, "seconds": args.sleep}))
+        t0 = time.monotonic()
+        out["error"] = _attempt(lambda: rt.run("blob", {"blob": b"x" * (16 << 20)}))
+    elif name == "hung_in_kernel":
+        # the last rank blocks at step 1 (time.sleep: the GIL released, as a device wait does; its heartbeat thread
+        # beats on) while its peers wait for it in that step's all_reduce
+        out["error"] = _attempt(lambda: _fail(rt, rank=last, kind="sleep", seconds=600, steps=4, at=1))
+    elif name == "kill9":
+        # an existing fault, for the side-by-side figures: the last rank SIGKILLed 1 s into a command
+        victim = out["pids_before"][last]
+        _later(1.0, lambda: os.kill(victim, signal.SIGKILL))
+        t0 += 1.0
+        out["error"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
+    elif name == "stuck_collective":
+        out["error"] = _attempt(lambda: rt.run("stuck", {"seconds": 600}))
+    elif name == "slow_progress":
+        # the last rank takes args.slow seconds before each of 6 all_reduces: much longer than the progress bound in
+        # all, never that long without reaching a collective
+        out["error"] = _attempt(lambda: rt.run("slow", {"rank": last, "seconds": args.slow, "steps": 6}))
+    else:
+        raise ValueError(name)
+    out["fault_to_error"] = time.monotonic() - t0
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["fault_to_next"] = time.monotonic() - t0
+    out["pids_after"] = dict(rt.members)
+    time.sleep(0.5)
+    out["left_behind"] = [pid for pid in out["pids_before"].values() if _alive(pid)]
+    return out
+
+
+HANGS = ("hung_in_kernel", "stuck_collective", "slow_progress", "blocked_send")
+
+
+def scenario_hangs(rt, args):
+    """Every fault of HANGS once (--faults: a subset), with HCCL/NCCL's semantics (H3KIT_EMULATE_NO_RELEASE=1)."""
+    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt))}
+    for name in (args.faults.split(",") if args.faults else HANGS):
+        out[name] = _hang_fault(rt, name, args)
+    out["driver_pid_after"] = os.getpid()
+    return out
+
+
+def scenario_hccl(rt, args):
+    """What worker rank 0 formed its groups with, in two generations (a failure between them)."""
+    out = {"first": _attempt(lambda: rt.run("hccl", {}))}
+    out["failed"] = _attempt(lambda: _fail(rt, rank=1, kind="raise"))
+    out["second"] = _attempt(lambda: rt.run("hccl", {}))
+    return out
+
+
 def scenario_kill(rt, args):
     out = {}
     victim = rt.members[args.victim]
@@ -694,6 +752,7 @@ def main(argv=None):
                     "command")
     ap.add_argument("--load-timeout", type=float, default=60.0, help="kill_while_loading: the driver's load bound")
     ap.add_argument("--repeat", type=int, default=1, help="kill_while_loading: how many rounds")
+    ap.add_argument("--slow", type=float, default=3.0, help="hangs: seconds the slow rank takes before each step")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
     args = ap.parse_args(argv)
     if args.nnodes > 1 and args.port == 0:

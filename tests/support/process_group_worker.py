@@ -39,6 +39,33 @@ if os.environ.get(NO_COMMAND_LINK):
     mp.connect_channel = _never_for_commands
 
 
+# What this worker did to form its groups, in order: [(call, the last command it had taken)] (the "hccl" program
+# reads it): the side group of the weight gathers must be made at join, before any command
+GROUP_CALLS = []
+HCCL_VARS = ("HCCL_IF_BASE_PORT", "HCCL_EXEC_TIMEOUT")
+CONTEXT = []
+
+
+def _recording(name, fn):
+    def call(*args, **kwargs):
+        GROUP_CALLS.append((name, CONTEXT[0].command if CONTEXT else None,
+                            {k: os.environ.get(k) for k in HCCL_VARS}))
+        return fn(*args, **kwargs)
+    return call
+
+
+torch.distributed.init_process_group = _recording("init_process_group", torch.distributed.init_process_group)
+torch.distributed.new_group = _recording("new_group", torch.distributed.new_group)
+
+
+@mp.program("hccl")
+def _hccl(context, comm, payload):
+    """What this rank's groups were formed with, and when; then the side group as a sharded forward asks for it."""
+    side = comm.side()
+    return {"calls": list(GROUP_CALLS), "same_side": side is comm.side(), "generation": context.generation,
+            "pid": os.getpid()} if comm.rank == 0 else None
+
+
 @mp.program("close_link")
 def _close_link(context, comm, payload):
     """Rank payload["rank"] closes its command connection and holds the command for payload["seconds"] (a rank
@@ -96,6 +123,42 @@ def _fail(context, comm, payload):
     return os.getpid()
 
 
+@mp.program("stall_after")
+def _stall_after(context, comm, payload):
+    """Rank payload["rank"] holds payload["seconds"] after the command's closing barrier (its result is in, the
+    driver goes on): it reads no command meanwhile, its heartbeat beating (a rank hung between commands)."""
+    if context.rank == payload["rank"]:
+        return mp.After(lambda: time.sleep(payload["seconds"]))
+    return os.getpid()
+
+
+@mp.program("slow")
+def _slow(context, comm, payload):
+    """`steps` all_reduces; before each, rank payload["rank"] computes for payload["seconds"] (a slow rank that keeps
+    reaching its collectives: its peers wait for it in each)."""
+    for _ in range(payload["steps"]):
+        if context.rank == payload["rank"]:
+            time.sleep(payload["seconds"])
+        comfy.multinpu.all_reduce(torch.ones(4), comm)
+    return os.getpid()
+
+
+@mp.program("stuck")
+def _stuck(context, comm, payload):
+    """Every rank enters a collective that never completes (a stand-in for an HCCL collective stuck on a broken
+    link: the process comm's own bookkeeping, a wait with the GIL released inside), its heartbeat beating."""
+    comfy.multinpu.all_reduce(torch.ones(4), comm)
+    comm._call("all_reduce", lambda group=None: time.sleep(payload["seconds"]))
+    return os.getpid()
+
+
+@mp.program("blob")
+def _blob(context, comm, payload):
+    """A command whose header is big (payload["blob"] bytes travel in the pickle, not through shared memory)."""
+    comfy.multinpu.all_reduce(torch.ones(4), comm)
+    return len(payload["blob"])
+
+
 class _Held:
     def __init__(self, digest):
         self.digest = digest
@@ -133,6 +196,7 @@ def main():
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stdout)
     freed = []
     context = mp.WorkerContext(spec, rank, "cpu")
+    CONTEXT.append(context)
     context.free = lambda: freed.append(time.time())
     context.freed = freed
     mp.serve(context)

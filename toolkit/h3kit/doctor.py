@@ -669,7 +669,8 @@ def tier_memory(free: list) -> list:
         smallest = min(free[:n])
         for name, (w, h, f) in costmodel.GEOMETRIES.items():
             seq = costmodel.packed_sequence(w, h, f)["seq_len"]
-            act = costmodel.memory_per_device(seq, n, "bf16")["activations"]
+            mem = costmodel.memory_per_device(seq, n, "bf16")
+            act = mem["activations"] + mem["communicators"]  # and the HCCL communicators' buffers
             bf16, int8 = costmodel.weight_bytes("bf16") + act, costmodel.weight_bytes("int8") + act
             sharded = {w: costmodel.memory_per_device(seq, n, "bf16", weights=w, sharding="sharded")["total"]
                        for w in ("bf16", "int8")}

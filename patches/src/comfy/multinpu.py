@@ -377,6 +377,31 @@ class ThreadComm:
         return buf
 
 
+class CollectiveProgress:
+    """This process's collectives, counted for its heartbeat (comfy.multinpu_group): how many it entered (every rank
+    enters the same collectives in the same order, so the count says who has not reached the one its peers wait
+    in), the last one's op and whether it is inside it now. send/recv are counted apart (their number differs from
+    rank to rank)."""
+
+    def __init__(self):
+        self.seq = self.p2p = 0
+        self.op = None
+        self.inside = False
+
+    def enter(self, op: str):
+        if op in ("send", "recv"):
+            self.p2p += 1
+        else:
+            self.seq += 1
+        self.op, self.inside = op, True
+
+    def snapshot(self) -> dict:
+        return {"coll": self.seq, "p2p": self.p2p, "op": self.op, "inside": self.inside}
+
+
+PROGRESS = CollectiveProgress()
+
+
 class ProcessComm:
     """This process's rank in a torch.distributed process group (hccl, nccl or gloo).
 
@@ -417,6 +442,7 @@ class ProcessComm:
 
     def _call(self, op: str, fn, *args, **kwargs):
         t0 = time.monotonic()
+        PROGRESS.enter(op)
         try:
             return fn(*args, group=self.pg, **kwargs)
         except RuntimeError as e:
@@ -427,6 +453,8 @@ class ProcessComm:
                 raise CollectiveTimeout(f"{op} on rank {self.rank} of {self.world_size} timed out after "
                                         f"{self.timeout:g} s ({EMULATE_NO_RELEASE_ENV}=1; the backend said: {e})") from e
             raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {e}") from e
+        finally:
+            PROGRESS.inside = False
 
     def _count(self, nbytes: int):
         self.bytes_moved += nbytes

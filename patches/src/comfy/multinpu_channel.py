@@ -20,6 +20,7 @@ import collections
 import hashlib
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -232,11 +233,44 @@ CHANNEL_SOCKET = "driver.sock"
 HELLO_LIMIT = 4096                   # bytes of a connection's first frame (who it is)
 FRAME_LIMIT = 256 << 20              # bytes of any frame (a command's header: its tensors go through /dev/shm)
 HANDSHAKE_TIMEOUT = 5.0
+SEND_ENV = "H3KIT_SEND_TIMEOUT"
+# A send on a channel connection that moves no byte for this long fails (SendTimeout) and closes the connection:
+# a peer that stopped reading (stopped, hung with its heartbeat still beating, its host cut off) and whose socket
+# buffer is full cannot hold the sender, the driver holding its run lock least of all
+SEND_TIMEOUT = float(os.environ.get(SEND_ENV, "10"))
 MAX_PENDING = 16                     # connections not yet authenticated per listener; a new one closes the oldest
 
 
 class ChannelClosed(GroupError):
     """The other end of a channel connection went away."""
+
+
+class SendTimeout(ChannelClosed):
+    """A send on a channel connection moved no byte for SEND_TIMEOUT seconds: its peer stopped reading. The
+    connection is closed (part of a frame may have gone out)."""
+
+
+def send_bounded(sock, data: bytes, timeout: float):
+    """sendall that fails with SendTimeout once `timeout` seconds pass without a byte taken by the peer. Each send is
+    non-blocking (MSG_DONTWAIT), so another thread may keep reading the same socket in blocking mode."""
+    view = memoryview(data)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    stalled_since = time.monotonic()
+    while view:
+        try:
+            sent = sock.send(view, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent:
+            view = view[sent:]
+            stalled_since = time.monotonic()
+            continue
+        left = stalled_since + timeout - time.monotonic()
+        if left <= 0:
+            raise SendTimeout(f"MultiNPU: the channel's other end took no byte for {timeout:g} s "
+                              f"({len(view)} of {len(data)} bytes not sent): it stopped reading")
+        poller.poll(min(left, 1.0) * 1000)
 
 
 def private_dir(path: str) -> str:
@@ -305,11 +339,17 @@ class Link:
         self.remote = None      # the TCP peer's "host:port" (ChannelServer); None on the Unix socket
         self._send_lock = threading.Lock()
 
-    def send(self, obj):
+    def send(self, obj, timeout: float = None):
+        """Send one message; SendTimeout (the connection closed) when the peer takes no byte for `timeout` seconds
+        (default SEND_TIMEOUT)."""
         with self._send_lock:
             self.sent += 1
             body = self.signer.dumps((self.nonce, self.mine, self.sent, obj))
-            self.sock.sendall(len(body).to_bytes(4, "big") + body)
+            try:
+                send_bounded(self.sock, len(body).to_bytes(4, "big") + body, SEND_TIMEOUT if timeout is None else timeout)
+            except SendTimeout:
+                self.close()  # a frame cut short: nothing more can follow it on this connection
+                raise
 
     def open(self, data: bytes):
         """The message of a frame this connection's peer sent next; GroupError for anything else."""
@@ -372,12 +412,12 @@ def connect_channel(address, signer: Signer, hello: dict, timeout: float = 30.0)
     return link
 
 
-def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None):
+def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None, news=None):
     """Beat every HEARTBEAT_INTERVAL on an authenticated connection to the driver's channel (connect_channel),
     until `stop` is set: {"seq": n}, n counting up for the life of this process, so the driver counts only a
-    newer beat. A connection that fails is made again at the next beat (the driver takes silence past its bound
-    for a death, never a closed connection by itself). each(): called after every beat; what it raises ends
-    the beats."""
+    newer beat, plus what news() returns (a worker's progress). A connection that fails is made again at the next
+    beat (the driver takes silence past its bound for a death, never a closed connection by itself). each():
+    called after every beat; what it raises ends the beats."""
     link, seq, down = None, 0, None
     while not stop.wait(HEARTBEAT_INTERVAL):
         seq += 1
@@ -387,7 +427,7 @@ def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None)
                 if down is not None:
                     logging.info(f"MultiNPU: {hello.get('role')} of pid {hello.get('pid')}: beating again")
                     down = None
-            link.send({"seq": seq})
+            link.send({"seq": seq, **(news() if news is not None else {})})
         except (OSError, GroupError) as e:
             if down is None:  # logged once per outage
                 down = e

@@ -10,7 +10,10 @@ other hosts comfy.multinpu_launch.
   command passes through the store), runs the command's program, and closes every command with a barrier. A
   program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so the others'
   collectives fail at once instead of at the timeout; the next command forms a new generation.
-  A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one.
+  A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one;
+  each beat carries the rank's progress (the command it took last, the collectives it entered, the one it is in:
+  comfy.multinpu.PROGRESS), so the driver can tell a rank blocked in a kernel, its heartbeat beating, from a slow
+  one that keeps reaching its collectives.
 - program(): registers a worker program (PROGRAMS); the built-ins install, drop and free models.
 - `python -B -m comfy.multinpu_group` runs the agent of another host (comfy.multinpu_launch.Agent).
 """
@@ -29,8 +32,8 @@ import torch.distributed
 
 import comfy.multinpu
 from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, RECYCLED_EXIT,
-                                 REPORTED_EXIT, Signer, key_from_environment, pack, shm_read, shm_write, td,
-                                 unflatten, unpack)
+                                 REPORTED_EXIT, Signer, hccl_environment, key_from_environment, pack, shm_read,
+                                 shm_write, td, unflatten, unpack)
 from comfy.multinpu_wire import SharedMemoryFull
 from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
@@ -89,6 +92,8 @@ class WorkerContext:
         self.ctl = None
         self.link = None        # its connection to the driver's command channel (commands; rank 0: results)
         self.generation = None  # the generation this process joins or serves
+        self.command = None     # the number of the last command it took (in its generation)
+        self.comm = None        # its generation's ProcessComm (made at join, with its side group)
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
 
@@ -118,10 +123,16 @@ def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threadi
                 sys.stdout.flush()
                 os._exit(RECYCLED_EXIT)
         beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
-             aborted)
+             aborted, lambda: {"progress": progress(context)})
     except Exception as e:
         # the store or the driver is gone: the main loop notices and exits
         logging.warning(f"MultiNPU: rank {context.rank}: the heartbeat stopped: {e}")
+
+
+def progress(context: WorkerContext) -> dict:
+    """What the heartbeat tells of this rank's progress: its generation, the last command it took, and its
+    collectives (comfy.multinpu.PROGRESS: how many it entered, the last one's op, whether it is inside it)."""
+    return {"g": context.generation, "n": context.command, **comfy.multinpu.PROGRESS.snapshot()}
 
 
 def _report(ctl: Control, key: str, exc: BaseException, collective: bool):
@@ -209,11 +220,17 @@ def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -
             return False  # the driver gave up on g (a member died): wait for the next one
         time.sleep(POLL)
     try:
+        os.environ.update(hccl_environment(spec, g))  # this generation's own HCCL ports (read when HCCL connects)
         _init_group(spec, torch.distributed.PrefixStore(f"pg{g}", base), rank, context.device)
         comm = comfy.multinpu.ProcessComm(device=context.device, timeout=spec.timeout)
         total = comm.all_reduce(torch.ones(1, device=context.device))
         if int(total.item()) != spec.world_size:
             raise GroupError(f"MultiNPU: the warm-up all_reduce gave {total.item()}, not {spec.world_size}")
+        if spec.world_size > 1:
+            # the side group of the sharded weights' gathers, formed and connected here (HCCL connects at a group's
+            # first collective), not inside the first sharded forward of a prompt
+            comm.side().all_reduce(torch.ones(1, device=context.device))
+        context.comm = comm
     except Exception as e:
         logging.exception(f"MultiNPU: rank {rank} could not join generation {g}")
         _report(ctl, f"joinerr/{g}/{rank}", e, isinstance(e, comfy.multinpu.CollectiveError))
@@ -236,7 +253,7 @@ def _init_group(spec: GroupSpec, store, rank: int, device: torch.device):
 
 
 def _commands(ctl: Control, context: WorkerContext, g: int):
-    comm = comfy.multinpu.ProcessComm(device=context.device, timeout=context.spec.timeout)
+    comm = context.comm  # made at join, with its side group
     # every rank takes the commands from the driver on its own authenticated connection to the command channel
     # (this host's Unix socket, or its TCP listener from another host): none passes through the store, where any
     # client could delete it
@@ -245,6 +262,7 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
     n = 1
     while True:
         header = _next_command(context, g, n)
+        context.command = n
         name = header["name"]
         if name == END:
             destroy_group()

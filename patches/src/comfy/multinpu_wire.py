@@ -39,6 +39,7 @@ RANK_ENV = "H3KIT_RANK"
 LOCAL_RANK_ENV = "H3KIT_LOCAL_RANK"
 PARENT_ENV = "H3KIT_PARENT_PID"
 HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
+PROGRESS_ENV = "H3KIT_PROGRESS_TIMEOUT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 LAUNCHERS = ("h3kit", "torchrun")    # who starts and restarts a host's workers: LocalWorkers or TorchrunWorkers
@@ -55,6 +56,11 @@ HEARTBEAT_INTERVAL = 1.0
 # A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
 # replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
 HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
+# A rank whose heartbeat beats but whose progress (the command and the collective it is in or last completed, sent
+# with each beat) has not moved for this long while its peers wait in a collective it has not reached, or a
+# collective every rank has been inside for this long, is hung (a stuck kernel, an HCCL wait on a broken link):
+# killed and the group replaced. Default: 60 s, or half the group timeout when that is shorter (progress_timeout).
+PROGRESS_STALE = float(os.environ[PROGRESS_ENV]) if os.environ.get(PROGRESS_ENV) else None
 # A host whose agent (which beats every second) has been silent this long is lost: its ranks are dead. A killed
 # agent or torchrun is seen sooner, by its workers' notes of their SIGTERM (watch_termination)
 HOST_STALE = min(10.0, HEARTBEAT_STALE)
@@ -82,6 +88,11 @@ class RankDied(GroupError):
 
 class RankFailed(GroupError):
     """A rank raised; the message names the rank and carries its exception type and message."""
+
+
+class RankHung(RankDied):
+    """A rank's process was alive and beating but made no progress (a stuck kernel, a collective its peers were not
+    in, a command it did not take) past its bound; it was killed."""
 
 
 class ConfigMismatch(GroupError):
@@ -522,7 +533,8 @@ def failure_detectors(spec: GroupSpec) -> dict:
     """{what: seconds} after which each of h3kit's (and torchrun's) detectors notices a failed rank or host. Every
     one must fire before a collective gives up (spec.timeout; HCCL_EXEC_TIMEOUT is at least that), so a failure
     is named by what saw it, never by a peer's collective timing out."""
-    out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE}
+    out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE,
+           "a rank's progress": progress_timeout(spec)}
     if spec.launcher == "torchrun":
         out["torchrun's rendezvous keep-alive"] = float(KEEP_ALIVE * KEEP_ALIVE_ATTEMPTS)
         out["torchrun's rendezvous store reads"] = float(RDZV_READ_TIMEOUT)
@@ -535,10 +547,52 @@ def check_timeouts(spec: GroupSpec):
     if spec.timeout <= seconds:
         raise GroupError(f"MultiNPU: the collective timeout ({spec.timeout:g} s) must be longer than {what} "
                          f"({seconds:g} s): a failed rank would be reported as a peer's collective timing out. "
-                         f"Fix: a longer group timeout, or a shorter {HEARTBEAT_ENV}")
+                         f"Fix: a longer group timeout, or a shorter "
+                         f"{PROGRESS_ENV if 'progress' in what else HEARTBEAT_ENV}")
+
+
+def progress_timeout(spec: GroupSpec) -> float:
+    """Seconds a beating rank may make no progress while its peers wait for it (PROGRESS_STALE): H3KIT_PROGRESS_TIMEOUT,
+    else 60 s, or half the group timeout when that is shorter (always before the collective timeout)."""
+    return PROGRESS_STALE if PROGRESS_STALE is not None else min(60.0, spec.timeout / 2)
+
+
+HCCL_PORT_ENV = "H3KIT_HCCL_BASE_PORT"  # the first port of the band the generations' HCCL base ports rotate in
+HCCL_PORT_START = 60000              # HCCL's own default HCCL_IF_BASE_PORT
+HCCL_PORTS = 16                      # ports HCCL may take from its base port (one per device of a host; CANN docs)
+HCCL_PORT_SLOTS = 16                 # generations before a base port comes round again: a band of 256 ports
+
+
+def hccl_exec_timeout(timeout: float) -> int:
+    """HCCL_EXEC_TIMEOUT for a group timeout: the largest multiple of 68 below it (CANN takes [68, 17340] s, rounded
+    down to a multiple of 68), at least 68. Below the group's own timeout, as torch_npu's ProcessGroupHCCL advises,
+    so HCCL times out first and writes its own diagnostics."""
+    return min(17340, max(68, (math.ceil(timeout) - 1) // 68 * 68))
+
+
+def hccl_base_port(generation: int) -> int:
+    """HCCL_IF_BASE_PORT of a generation: the band from H3KIT_HCCL_BASE_PORT (60000) in slots of HCCL_PORTS, one
+    slot per generation, round and round. A replacement generation forms as soon as the old processes are reaped,
+    while the ports their listeners held may linger (EJ0003 "host nic listen start failed", vllm-ascend #405):
+    HCCL_PORT_SLOTS - 1 generations later, which takes as many failures, they are long free."""
+    start = int(os.environ.get(HCCL_PORT_ENV) or HCCL_PORT_START)
+    if not 1024 <= start <= 65535 - HCCL_PORTS * HCCL_PORT_SLOTS:
+        raise GroupError(f"MultiNPU: {HCCL_PORT_ENV}={start} leaves no band of {HCCL_PORTS * HCCL_PORT_SLOTS} ports. "
+                         f"Fix: a port from 1024 to {65535 - HCCL_PORTS * HCCL_PORT_SLOTS}")
+    return start + (max(1, generation) - 1) % HCCL_PORT_SLOTS * HCCL_PORTS
+
+
+def hccl_environment(spec: GroupSpec, generation: int) -> dict:
+    """What a worker sets before it forms generation `generation` (only HCCL reads it; every backend gets it, so the
+    CPU tests see what an NPU worker gets): its own HCCL ports, and HCCL_EXEC_TIMEOUT below the group timeout
+    unless the operator chose one. Unmeasured on hardware."""
+    return {"HCCL_IF_BASE_PORT": str(hccl_base_port(generation)),
+            "HCCL_EXEC_TIMEOUT": os.environ.get("HCCL_EXEC_TIMEOUT") or str(hccl_exec_timeout(spec.timeout))}
 
 
 def set_hccl_timeout(spec: GroupSpec):
     if spec.device_type == "npu" and "HCCL_EXEC_TIMEOUT" not in os.environ:
-        # CANN takes [68, 17340] s, rounded down to a multiple of 68: at least the group's own timeout
-        os.environ["HCCL_EXEC_TIMEOUT"] = str(max(68, -(-int(spec.timeout) // 68) * 68))
+        os.environ["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout(spec.timeout))
+        if hccl_exec_timeout(spec.timeout) >= spec.timeout:
+            logging.warning(f"MultiNPU: HCCL_EXEC_TIMEOUT cannot be below a group timeout of {spec.timeout:g} s (HCCL "
+                            "takes 68 s at least): HCCL may not write its own diagnostics of a stuck collective")

@@ -279,6 +279,7 @@ def format_plans(plans) -> list:
     if p0["sharding"] == "sharded":
         row("  resident slices and the rest", lambda p: _si(p["memory_per_device"]["weights_resident"], "B"))
         row("  two gathered blocks", lambda p: _si(p["memory_per_device"]["weights_gathered"], "B"))
+    row("HCCL buffers per device (2 groups)", lambda p: _si(p["memory_per_device"]["communicators"], "B"))
     row("activations per device (estimate)", lambda p: _si(p["memory_per_device"]["activations"], "B"))
     row("memory per device", lambda p: _si(p["memory_per_device"]["total"], "B"))
     if "fit" in p0:

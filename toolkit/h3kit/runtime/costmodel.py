@@ -45,6 +45,11 @@ FORWARDS_PER_STEP = {"basic": 1, "cfg": 2}   # BasicGuider (CFG-distilled H3); C
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 WEIGHTS = ("bf16", "fp16", "fp32", "int8")
 SHARDINGS = ("replicated", "sharded")
+# Each HCCL communicator takes 2 x HCCL_BUFFSIZE MB of device memory (CANN's default 200); the process transport
+# forms two per generation when it has more than one rank: the group and its side group for the sharded weights'
+# gathers (comfy.multinpu.ProcessComm.side, formed at join). Unmeasured on hardware.
+HCCL_BUFFSIZE_MB = 200
+COMMUNICATORS = 2
 SHARD_ALIGN = 512          # comfy.multinpu_shard.ALIGN: each tensor of a block's flat layout gets aligned(n) + 512
 
 
@@ -147,11 +152,17 @@ def flops_per_device(seq_len: int, world: int, cfg: dict = H3) -> dict:
             "total": attention + projections + mlp + final}
 
 
+def communicator_bytes(world: int, buffsize_mb: int = HCCL_BUFFSIZE_MB) -> int:
+    """Device memory of the HCCL communicators on each device: COMMUNICATORS x 2 x HCCL_BUFFSIZE (none on one)."""
+    return 0 if world <= 1 else COMMUNICATORS * 2 * buffsize_mb * 2**20
+
+
 def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict = H3, weights: str = None,
-                      sharding: str = "replicated") -> dict:
+                      sharding: str = "replicated", hccl_buffsize_mb: int = HCCL_BUFFSIZE_MB) -> dict:
     """Bytes on each device: the DiT weights (the whole DiT, or with sharding the resident slices plus two
-    gathered blocks) plus an estimate of the peak activations of one forward. weights: the weights' storage
-    (default: dtype; "int8" for INT8 linears, the rest at dtype).
+    gathered blocks), the HCCL communicators' buffers (communicator_bytes) and an estimate of the peak
+    activations of one forward. weights: the weights' storage (default: dtype; "int8" for INT8 linears, the rest
+    at dtype).
 
     Activation phases (the largest one counts): the full sequence every device embeds before block 0;
     attention on the shard with the Ulysses buffers (or the gathered K/V); the SwiGLU MLP on the shard;
@@ -175,8 +186,9 @@ def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict =
     gather = (p * s + seq_len) * h if world > 1 else 0
     activations = (max(embed, attention, mlp, gather) + s * h) * e
     held = w["resident"] + w["gathered"]
+    comms = communicator_bytes(world, hccl_buffsize_mb)
     return {"weights": held, "weights_resident": w["resident"], "weights_gathered": w["gathered"],
-            "activations": activations, "total": held + activations}
+            "communicators": comms, "activations": activations, "total": held + comms + activations}
 
 
 def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS,

@@ -1,0 +1,119 @@
+"""Which rank holds a command: the progress every worker reports with its heartbeat, read by the driver.
+
+A rank blocked in a kernel, in an HCCL wait on a broken link, or in another collective than its peers keeps its
+process and its heartbeat thread alive (a kernel or driver wait releases the GIL), so its beats alone do not tell
+it from a busy one. Every beat also carries the rank's progress (comfy.multinpu_group.progress): the command it
+took last, how many collectives it entered (comfy.multinpu.PROGRESS; every rank enters the same ones in the same
+order) and whether it is inside one. While a command runs, ProgressWatch.check() compares the members:
+
+- peers inside collective #k of the command and a rank that has not reached it (it has not taken the command, or
+  entered fewer collectives) whose own beats keep saying so for the progress bound: that rank is hung;
+- every rank inside the same collective, none moving, for the bound: that collective made no progress.
+
+The evidence is the rank's own beat: a rank whose beats stop (stopped, dead) is left to the heartbeat detector,
+and a rank that is slow but reaches its collectives changes its position with each one, so it is never taken for
+hung. Like NCCL's flight recorder (per-collective sequence numbers), not a timer on the whole command.
+"""
+
+from __future__ import annotations
+
+import threading
+
+P2P = ("send", "recv")           # point-to-point ops: a rank in one waits for one peer, not for the group
+
+
+def _position(progress: dict) -> tuple:
+    return (progress.get("g"), progress.get("n"), progress.get("coll"), progress.get("p2p"), progress.get("inside"))
+
+
+def _in_command(progress: dict, g: int, n: int) -> bool:
+    return progress.get("g") == g and progress.get("n") == n
+
+
+def describe(progress: dict, g: int, n: int) -> str:
+    """Where a rank is, from its progress, in words."""
+    if not _in_command(progress, g, n):
+        return (f"it has not taken command {n}" + (f" (its last was command {progress.get('n')})"
+                                                   if progress.get("n") is not None else ""))
+    op, coll = progress.get("op"), progress.get("coll")
+    if progress.get("inside") and op in P2P:
+        return f"it waits in {op}, after collective #{coll}"
+    if progress.get("inside"):
+        return f"it is inside collective #{coll} ({op})"
+    return f"it last completed collective #{coll} ({op}) and has entered none since"
+
+
+class ProgressWatch:
+    """The members' progress as their beats bring it (beat(), from the channel's threads) and the verdict on the
+    command in flight (check(), from the driver's watch)."""
+
+    def __init__(self, bound: float, setting: str = "H3KIT_PROGRESS_TIMEOUT"):
+        self.bound = bound
+        self.setting = setting
+        self._lock = threading.Lock()
+        self._beats = {}          # (rank, pid) -> (progress, monotonic time of the newest beat)
+        self._since = {}          # (rank, pid) -> (position, monotonic time of the first beat that showed it)
+        self._command = None      # ((g, n), monotonic time the watch first saw it in flight)
+        self._frontier = None     # (collective number the peers wait in, monotonic time first seen)
+
+    def beat(self, rank: int, pid: int, progress, now: float):
+        if not isinstance(progress, dict):
+            return
+        position = _position(progress)
+        with self._lock:
+            self._beats[(rank, pid)] = (progress, now)
+            seen = self._since.get((rank, pid))
+            if seen is None or seen[0] != position:
+                self._since[(rank, pid)] = (position, now)
+
+    def forget(self, rank: int, pid: int):
+        with self._lock:
+            self._beats.pop((rank, pid), None)
+            self._since.pop((rank, pid), None)
+
+    def _reports(self, members: dict, g: int, n: int, now: float):
+        """{rank: (progress, newest beat, position since)} of every member, or None while one has not beaten."""
+        with self._lock:
+            if self._command is None or self._command[0] != (g, n):
+                self._command, self._frontier = ((g, n), now), None
+            out = {}
+            for r, pid in members.items():
+                if (r, pid) not in self._beats or (r, pid) not in self._since:
+                    return None
+                out[r] = (self._beats[(r, pid)][0], self._beats[(r, pid)][1], self._since[(r, pid)][1])
+            return out
+
+    def check(self, members: dict, g: int, n: int, name: str, now: float):
+        """(rank, why) of the member that holds command n of generation g, (None, why) of a collective every
+        member is stuck in, or None."""
+        reports = self._reports(members, g, n, now)
+        if not reports:
+            return None
+        waiting = {r: p for r, (p, _, _) in reports.items()
+                   if _in_command(p, g, n) and p.get("inside") and p.get("op") not in P2P}
+        if not waiting:
+            self._frontier = None
+            return None  # every rank computes (or waits for one peer): slow and hung look alike from here
+        top = max(p.get("coll") or 0 for p in waiting.values())
+        if self._frontier is None or self._frontier[0] != top:
+            self._frontier = (top, now)
+        start = max(self._command[1], self._frontier[1])
+        # how long each rank's own beats have shown it at the same place since the peers began to wait
+        stuck = {r: newest - max(start, since) for r, (_, newest, since) in reports.items()}
+        peers = sorted(r for r, p in waiting.items() if p.get("coll") == top)
+        at = f"collective #{top} ({waiting[peers[0]].get('op')})"
+        behind = [r for r, (p, _, _) in reports.items() if not (_in_command(p, g, n) and (p.get("coll") or 0) >= top)]
+        if behind:
+            hung = [r for r in behind if stuck[r] > self.bound]
+            if not hung:
+                return None
+            r = max(hung, key=lambda r: (stuck[r], -r))
+            return r, (f"hung: no progress for {stuck[r]:.0f} s in command {n} ({name}): "
+                       f"{describe(reports[r][0], g, n)}, while rank{'s' if len(peers) > 1 else ''} "
+                       f"{', '.join(map(str, peers))} wait{'' if len(peers) > 1 else 's'} in {at} (progress bound "
+                       f"{self.bound:g} s, {self.setting})")
+        if all(s > self.bound for s in stuck.values()):
+            return None, (f"{at} of command {n} ({name}) made no progress for {min(stuck.values()):.0f} s: every "
+                          f"rank is inside it (a broken link, or a collective stuck on a device; progress bound "
+                          f"{self.bound:g} s, {self.setting})")
+        return None
