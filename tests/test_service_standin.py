@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_json, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
-from tests.support import jsondoc
+from tests.support import jsondoc, requires
 
 from h3kit import proc as h3kit_proc
 from h3kit import service
@@ -336,7 +336,7 @@ def test_a_record_naming_a_foreign_process_is_never_acted_on(home, tmp_path, cas
     if case == "interpreter":
         other_python = shutil.which("python3", path="/usr/bin:/bin")
         if not other_python or os.path.realpath(other_python) == os.path.realpath(sys.executable):
-            pytest.skip("no second Python interpreter on this machine")
+            requires.skip("no second Python interpreter on this machine (/usr/bin/python3 other than this one)")
         foreign = subprocess.Popen([other_python, *argv], cwd=home.path)  # this tree's main.py, the stand-in
     else:
         foreign = subprocess.Popen([sys.executable, *argv] + (["--highvram"] if case == "cmdline" else []),

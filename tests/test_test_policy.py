@@ -9,6 +9,7 @@ before any fixture, and say so; the others still run or fail as anywhere else.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,11 +53,45 @@ def test_tests_that_need_torch_follow_the_interpreter():
         assert rc == 1 and "1 error" in out and "torch is not installed" in out, out
 
 
-def test_no_test_skips_on_a_missing_module_behind_ci_s_back():
-    """pytest.importorskip skips under H3KIT_REQUIRE_UPSTREAM=1 too: a test asks requires.module() instead."""
-    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
-                 if p.name != "test_test_policy.py" and "importorskip(" in p.read_text()]
-    assert offenders == []
+# what skips behind CI's back: pytest's own skips do not know H3KIT_REQUIRE_UPSTREAM
+DIRECT_SKIPS = re.compile(r"pytest\.skip\(|\bskipif\b|mark\.skip\b|importorskip\(|pytest\.xfail\(|mark\.xfail\b")
+
+
+def test_every_skip_goes_through_the_one_helper():
+    """pytest.skip, skipif, mark.skip, importorskip and xfail skip (or pass) under H3KIT_REQUIRE_UPSTREAM=1 too:
+    a test skips only through requires.skip(), which fails in CI unless the skip is by design."""
+    offenders = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in sorted((ROOT / "tests").rglob("*.py"))
+                 if p.name != "test_test_policy.py" and p != ROOT / "tests" / "support" / "requires.py"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if DIRECT_SKIPS.search(line)]
+    assert offenders == [], "\n".join(offenders)
+
+
+def test_the_policy_catches_each_way_to_skip():
+    for line in ("    pytest.skip('x')", "@pytest.mark.skipif(True, reason='x')", "@pytest.mark.skip(reason='x')",
+                 "np = pytest.importorskip('numpy')", "    pytest.xfail('x')", "@pytest.mark.xfail"):
+        assert DIRECT_SKIPS.search(line), line
+    assert not DIRECT_SKIPS.search("    requires.skip('x', by_design=True)")
+
+
+def test_only_a_skip_by_design_skips_in_ci(tmp_path):
+    test = tmp_path / "test_skips.py"
+    test.write_text("from tests.support import requires\n\n\n"
+                    "def test_missing():\n    requires.skip('needs the frobnicator: apt-get install frob')\n\n\n"
+                    "def test_designed():\n    requires.skip('the parent-death signal is Linux\\'s', by_design=True)\n")
+    env = {"PYTHONPATH": str(ROOT)}
+    rc, out = pytest_run(str(test), **env)
+    assert rc == 0 and "2 skipped" in out and "needs the frobnicator" in out, out
+    assert "by design: the parent-death signal is Linux's" in out, out
+    rc, out = pytest_run(str(test), H3KIT_REQUIRE_UPSTREAM="1", **env)
+    assert rc == 1 and "1 failed, 1 skipped" in out and "needs the frobnicator" in out, out
+    assert "H3KIT_REQUIRE_UPSTREAM=1" in out and "by design: the parent-death signal" in out, out
+
+
+def test_a_skip_says_why():
+    import pytest
+    for reason in ("", "   ", None):
+        with pytest.raises(ValueError, match="needs the reason"):
+            requires.skip(reason, by_design=True)
 
 
 def test_ci_turns_a_missing_module_into_a_failure(tmp_path):
