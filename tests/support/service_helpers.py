@@ -100,6 +100,60 @@ def wait_for(predicate, timeout: float, what: str, step: float = 0.1):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def prompt_after(url: str, timeout: float = 120) -> dict:
+    """Queue a prompt of two core nodes (PrimitiveInt -> PreviewAny) on the ComfyUI at `url` and wait for its
+    history entry; the entry. The event a test waits on after POST /free: ComfyUI's prompt worker acts on the
+    free's flags after the prompt it is running (or at once when idle), in the same loop that then takes the
+    next prompt, so once this prompt is done the free has taken effect for every prompt queued after it."""
+    import uuid
+    prompt = {"1": {"class_type": "PrimitiveInt", "inputs": {"value": uuid.uuid4().int % 10**9}},
+              "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
+    pid = http_json(f"{url}/prompt", {"prompt": prompt})["prompt_id"]
+    seen = None
+
+    def done():
+        nonlocal seen
+        seen = (http_json(f"{url}/history/{pid}") or {}).get(pid)
+        return seen if seen and (seen.get("status") or {}).get("completed") is not None else None
+    try:
+        entry = wait_for(done, timeout, f"prompt {pid} (queued after the free) to finish")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; its history entry: {json.dumps(seen)[:2000]}") from None
+    assert entry["status"].get("status_str") == "success", json.dumps(entry["status"])[:2000]
+    return entry
+
+
+def submit_until_sampling(port: int, prompt: dict, timeout: float = 120, step: int = 1) -> str:
+    """Queue `prompt` on the ComfyUI at 127.0.0.1:`port` and return its id once the server reported (on /ws, the
+    sampler's `progress` message) that `step` sampling steps are done: the stage a kill or an interrupt test means
+    to hit, whatever the host's speed (a fixed sleep after the prompt appeared in the queue hit the loading on a
+    loaded host and the end on a fast one). Fails with the messages it saw when the prompt ends or the time
+    passes first."""
+    import uuid
+    from h3kit import comfyws
+    client = uuid.uuid4().hex
+    ws = comfyws.WebSocket("127.0.0.1", port, client, timeout=30)
+    seen = []
+    try:
+        pid = http_json(f"http://127.0.0.1:{port}/prompt", {"prompt": prompt, "client_id": client})["prompt_id"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = ws.recv_json(max(0.1, deadline - time.monotonic()))
+            if m is None:
+                break
+            data = m.get("data") if isinstance(m.get("data"), dict) else {}
+            if data.get("prompt_id") not in (None, pid):
+                continue
+            seen.append(m.get("type"))
+            if m.get("type") == "progress" and isinstance(data.get("value"), int) and data["value"] >= step:
+                return pid
+            if m.get("type") in ("execution_success", "execution_error", "execution_interrupted"):
+                raise AssertionError(f"prompt {pid} ended ({m['type']}) before sampling step {step}: {seen[-40:]}")
+        raise AssertionError(f"prompt {pid}: no sampling step {step} within {timeout} s; messages seen: {seen[-40:]}")
+    finally:
+        ws.close()
+
+
 def pid_running(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -171,6 +225,11 @@ class StandinHome(Home):
     def frees(self) -> list[dict]:
         path = self.path / "standin-free.jsonl"
         return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+    def history_reads(self) -> int:
+        """How often GET /history was answered (watch reads it every tick)."""
+        path = self.path / "standin-history-reads"
+        return len(path.read_text()) if path.exists() else 0
 
     def report_oom(self, log: bool = True, history: bool = False) -> None:
         http_json(f"{self.url}/standin/oom", {"log": log, "history": history})
