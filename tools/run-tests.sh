@@ -36,14 +36,14 @@ if [ "$selected" -gt 0 ] && [ "$ignored_only" = "$selected" ]; then
   pythons=""
 fi
 
-offset=0
+# ports: every run takes them from the one allocator (tests/support/service_helpers.py free_port: reserved by a
+# lock all runs share, checked by binding), so the parallel runs need no bands of their own
 for v in $pythons; do
   py=$("$root/tools/ensure-toolkit-venv.sh" "$v") || exit 1
-  offset=$((offset + 3000))   # its own port band (tests/support/service_helpers.py)
   ( start=$(date +%s)
     # below the main run's priority: when both want the two cores, the main run's bounded tests (a fault named
     # within its bound) get them first
-    H3KIT_TORCH_FREE_RUN=1 H3KIT_TEST_PORT_OFFSET=$offset nice -n 5 "$py" -m pytest -p no:cacheprovider \
+    H3KIT_TORCH_FREE_RUN=1 nice -n 5 "$py" -m pytest -p no:cacheprovider \
       "${torch_free_skip[@]}" "$@" \
       >"$logs/$v.log" 2>&1
     echo "$? $(( $(date +%s) - start ))" >"$logs/$v.rc" ) &
