@@ -294,7 +294,7 @@ def test_a_worker_killed_mid_prompt_is_named_and_replaced(group):
     os.kill(victim, signal.SIGKILL)
     t_kill = time.monotonic()
     err = error_of(finished(group, pid))
-    assert time.monotonic() - t_kill < 10.0, "the prompt failed at once, not at a collective timeout"
+    assert time.monotonic() - t_kill < 60.0, "the prompt failed at once, not at the 300 s group timeout"
     assert err["exception_type"].endswith("RankDied"), err
     assert "rank 3 (cpu, node 1)" in err["exception_message"] and f"pid {victim}" in err["exception_message"]
     status = finished(group, submit(group, prompt(4, "after_kill")))
