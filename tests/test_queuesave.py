@@ -181,3 +181,42 @@ def test_a_failed_restart_hands_the_save_to_the_record_of_its_new_process(tmp_pa
     queuesave.discard(tmp_path)
     queuesave.discard(tmp_path)  # twice: nothing to remove is no error
     assert queuesave.load(tmp_path) is None
+
+
+def test_what_is_no_queue_entry_and_what_a_short_entry_keeps():
+    for raw in (5, None, [1, "p"], (1,), "abc"):
+        assert queuesave._item(raw) is None, raw
+    four = queuesave._item([1, "p", {}, {"client_id": "c"}])  # no outputs list: the extra data is kept
+    assert four.extra_data == {"client_id": "c"} and four.outputs == [] and four.client_id == "c"
+    assert queuesave._item((2, "q", {"1": {}}, {}, ["1"])).outputs == ["1"]  # a tuple is an entry too
+
+
+def test_a_save_read_from_the_server_is_dated_and_a_plain_save_always_writes(tmp_path, monkeypatch):
+    import datetime
+    Server(monkeypatch, {"queue_running": [], "queue_pending": [entry(1, "a")]})
+    saved = queuesave.read_queue("http://127.0.0.1:1", 1, 1.0)
+    when = datetime.datetime.fromisoformat(saved.saved_at)
+    assert when.tzinfo is not None and abs((datetime.datetime.now().astimezone() - when).total_seconds()) < 600
+    path = queuesave.save(tmp_path, saved)
+    assert path == tmp_path / queuesave.SAVE_NAME and path.read_text().endswith("}\n")
+    assert queuesave.save(tmp_path, saved, unless_same=True) == path  # unchanged: the same path, not rewritten
+    # without unless_same (restart, hand_over) the save is written even when it holds the same prompts
+    queuesave.save(tmp_path, save_of([], [entry(1, "a")], saved_at="later", pid=1, create_time=1.0))
+    assert queuesave.load(tmp_path).saved_at == "later"
+
+
+def test_a_save_up_to_the_size_limit_is_read_one_byte_more_is_not(tmp_path, monkeypatch):
+    text = json.dumps(save_of([], [entry(1, "a")]).to_dict())
+    monkeypatch.setattr(queuesave, "MAX_SAVE", len(text) + 10)
+    (tmp_path / queuesave.SAVE_NAME).write_text(text + " " * 10)  # exactly the limit (JSON allows the spaces)
+    assert queuesave.load(tmp_path) is not None
+    (tmp_path / queuesave.SAVE_NAME).write_text(text + " " * 11)
+    assert queuesave.load(tmp_path) is None
+
+
+def test_the_outcome_of_a_restore_as_json(tmp_path, monkeypatch):
+    Server(monkeypatch, answers={"b": {"prompt_id": "b2"}})
+    out = queuesave.restore(tmp_path, "u", save_of([entry(0, "r")], [entry(1, "a"), entry(2, "b")], saved_at="t0"))
+    assert out.to_dict() == {"saved_at": "t0", "restored": ["a", "b"], "renamed": {"b": "b2"}, "failed": [],
+                             "running": ["r"], "requeued_running": False, "running_error": None}
+    assert (tmp_path / queuesave.RESTORED_NAME).read_text().endswith("}\n")
