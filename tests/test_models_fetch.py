@@ -130,10 +130,12 @@ def test_an_interrupted_download_is_resumed_never_loaded(hub, home, tmp_path):
     try:
         assert hub.stalled.wait(60), "the download never started"
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the first two chunks reach the disk
+        while True:  # the first two chunks reach the disk
             parts = list(staging.glob("*.part"))
             if parts and parts[0].stat().st_size >= 2 * chunk:
                 break
+            assert time.monotonic() < deadline, \
+                f"two chunks never reached the disk: {[(p.name, p.stat().st_size) for p in parts]}"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
