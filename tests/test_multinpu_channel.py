@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,14 @@ def raw(sock, signer, nonce, direction, seq, obj):
     """Put one frame on `sock` as the peer would, with the fields chosen by the test."""
     body = signer.dumps((nonce, direction, seq, obj))
     sock.sendall(len(body).to_bytes(4, "big") + body)
+
+
+def settled(predicate, timeout=30.0):
+    """Wait for what another thread does next; fail when it does not come."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the channel's threads did not get there"
+        time.sleep(0.01)
 
 
 def dropped(caplog):
@@ -127,12 +136,14 @@ def test_silent_connections_beyond_max_pending_close_the_oldest_at_once(tmp_path
             c.setblocking(False)
             with pytest.raises(BlockingIOError):  # open, nothing said
                 c.recv(1)
+        settled(lambda: server.dropped >= extra)  # each evicted one's thread counts it as it drops it
         assert server.dropped == extra
         hello = {"role": "agent", "node": 1, "pid": 424242}
         late = channel.connect_channel(("127.0.0.1", port), signer, hello, timeout=60)
         late.send({"seq": 7})
         assert arrived.wait(60), "the worker's connection was not taken"
         assert got == [(hello, {"seq": 7})]
+        settled(lambda: server.dropped >= extra + 1)
         assert server.dropped == extra + 1  # the worker's connection evicted one more silent one
         late.close()
     finally:
