@@ -150,3 +150,60 @@ def test_silent_connections_beyond_max_pending_close_the_oldest_at_once(tmp_path
         for c in silent:
             c.close()
         server.close()
+
+
+def test_the_unix_socket_is_private_and_takes_only_the_process_its_hello_names(tmp_path, caplog):
+    """The socket (0600, in a 0700 folder) takes a hello signed with the key whose pid is the socket's peer;
+    a hello naming another pid and one signed with another key are dropped with a log line naming why, and the
+    connection is closed. A connection whose on_link raises ends with a log line naming its pid."""
+    caplog.set_level(logging.WARNING)
+    signer = wire.Signer(wire.new_key().encode())
+    got, arrived = [], threading.Event()
+
+    def on_link(link, hello):
+        got.append((hello, link.remote, link.recv()))
+        arrived.set()
+        if hello.get("role") == "raises":
+            raise ValueError("boom")
+    server = channel.ChannelServer(str(tmp_path / channel.CHANNEL_DIR), signer, on_link)
+    try:
+        assert os.stat(server.path).st_mode & 0o777 == 0o600
+        assert os.stat(server.folder).st_mode & 0o777 == 0o700
+        me = {"role": "beat", "rank": 0, "pid": os.getpid()}
+        link = channel.connect_channel(server.path, signer, me, timeout=30)
+        link.send({"seq": 1})
+        assert arrived.wait(30) and got == [(me, None, {"seq": 1})]
+        link.close()
+        for hello, key, why in (({"role": "beat", "rank": 1, "pid": os.getpid() + 1}, signer,
+                                 f"its hello names pid {os.getpid() + 1}"),
+                                (me, wire.Signer(wire.new_key().encode()), "is not signed with this service's key")):
+            before = server.dropped
+            other = channel.connect_channel(server.path, key, hello, timeout=30)
+            other.sock.settimeout(30)
+            assert other.sock.recv(1) == b"", "the connection was closed"
+            settled(lambda: server.dropped == before + 1)
+            assert any(f"dropped a connection from pid {os.getpid()}: " in m and why in m for m in
+                       (r.getMessage() for r in caplog.records)), [r.getMessage() for r in caplog.records]
+            other.close()
+        arrived.clear()
+        raising = {"role": "raises", "pid": os.getpid()}
+        link = channel.connect_channel(server.path, signer, raising, timeout=30)
+        link.send({"seq": 2})
+        assert arrived.wait(30)
+        settled(lambda: any(f"the connection of pid {os.getpid()} ended: boom" in r.getMessage()
+                            for r in caplog.records))
+        link.close()
+    finally:
+        server.close()
+    assert not os.path.exists(server.path)
+
+
+def test_close_frees_the_sockets_and_the_port(tmp_path):
+    fds = set(os.listdir("/proc/self/fd"))
+    server = channel.ChannelServer(str(tmp_path / channel.CHANNEL_DIR), wire.Signer(b"k" * 64), lambda link, h: None)
+    port = server.listen_tcp("127.0.0.1", 0)
+    assert len(set(os.listdir("/proc/self/fd")) - fds) == 2
+    server.close()
+    settled(lambda: set(os.listdir("/proc/self/fd")) <= fds)
+    with socket.socket() as s:  # free again at once, without SO_REUSEADDR's help for a listener still there
+        s.bind(("127.0.0.1", port))
