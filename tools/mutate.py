@@ -46,7 +46,7 @@ MODULES = {
     "channel": ("patches/src/comfy/multinpu_channel.py", ["tests/test_multinpu_channel.py"],
                 ["_recv_exact", "recv_frame", "Link", "ChannelServer"],
                 "the command channel: framing, signature checks, handshake, MAX_PENDING"),
-    "fetch": ("toolkit/h3kit/weights/fetch.py", ["tests/test_models_fetch.py"], None,
+    "fetch": ("toolkit/h3kit/weights/fetch.py", ["tests/test_models_fetch_units.py", "tests/test_models_fetch.py"], None,
               "models fetch: download, resume, hash verification"),
     "patchfile": ("toolkit/h3kit/patchfile.py", ["tests/test_patch_engine.py"], None,
                   "the patch engine: parsing and applying the series' sections"),
