@@ -48,7 +48,7 @@ MODULES = {
                 "the command channel: framing, signature checks, handshake, MAX_PENDING"),
     "fetch": ("toolkit/h3kit/weights/fetch.py", ["tests/test_models_fetch_units.py", "tests/test_models_fetch.py"], None,
               "models fetch: download, resume, hash verification"),
-    "patchfile": ("toolkit/h3kit/patchfile.py", ["tests/test_patch_engine.py"], None,
+    "patchfile": ("toolkit/h3kit/patchfile.py", ["tests/test_patchfile_units.py", "tests/test_patch_engine.py"], None,
                   "the patch engine: parsing and applying the series' sections"),
     "shard": ("patches/src/comfy/multinpu_shard.py", ["tests/test_multinpu_shard.py"], None,
               "sharded slices of the DiT's and TE's weights (needs torch and the pin)"),
