@@ -98,3 +98,31 @@ def test_the_report_says_what_is_in_place_and_how_to_resume():
     assert "run the same command again" not in fetch.render_text({"files": files, "downloaded_bytes": 0})
     assert [fetch._gb(n) for n in (None, 999, 1000, 10**6, 10**9)] == [
         "size unknown", "999 bytes", "1.00 kB", "1.00 MB", "1.00 GB"]
+
+
+def test_a_file_another_fetch_is_downloading_is_left_to_it(tmp_path):
+    import fcntl
+    job, _ = job_for(tmp_path, b"")
+    job.source = types.SimpleNamespace(url="http://127.0.0.1:1/m.safetensors", is_hf=False)
+    job.meta = types.SimpleNamespace(location="http://127.0.0.1:1/m.safetensors", etag=None)
+    job.part = job.part_path()
+    with open(job.part, "ab") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other fetch
+        assert fetch._download_http(job, lambda m: None, False) is None
+    assert job.status == "failed" and job.reason == f"another h3kit models fetch is downloading it ({job.part})"
+
+
+def test_every_source_that_failed_is_named_in_the_reason(tmp_path, monkeypatch):
+    import huggingface_hub
+    from h3kit.weights import sources
+
+    def refuse(url, **kw):
+        raise ConnectionError(f"refused: {url}")
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", refuse)
+    job, _ = job_for(tmp_path, b"")
+    job.sources = [sources.Source(origin="test", url="http://127.0.0.1:1/a.safetensors"),
+                   sources.Source(origin="test", url="http://127.0.0.1:2/a.safetensors")]
+    fetch._metadata([job], lambda m: None)
+    assert job.status == "failed" and job.reason.startswith(
+        "no source answered: http://127.0.0.1:1/a.safetensors: ConnectionError: refused: http://127.0.0.1:1/a.safetensors; "
+        "http://127.0.0.1:2/a.safetensors: ConnectionError: refused: http://127.0.0.1:2/a.safetensors ("), job.reason
