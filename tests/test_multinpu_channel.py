@@ -207,3 +207,24 @@ def test_close_frees_the_sockets_and_the_port(tmp_path):
     settled(lambda: set(os.listdir("/proc/self/fd")) <= fds)
     with socket.socket() as s:  # free again at once, without SO_REUSEADDR's help for a listener still there
         s.bind(("127.0.0.1", port))
+
+
+def test_the_tcp_listener_takes_the_port_asked_for_again_after_a_closed_server(tmp_path):
+    """listen_tcp binds the master port + 2 it is given (not any port), and a channel started again on it (a
+    restarted driver) gets it while the last server's closed connections are still in TIME_WAIT."""
+    from tests.support.service_helpers import free_port
+    port = free_port(21100, 21199)
+    signer = wire.Signer(wire.new_key().encode())
+    for i in range(2):
+        server = channel.ChannelServer(str(tmp_path / f"c{i}"), signer, lambda link, hello: None)
+        try:
+            assert server.listen_tcp("127.0.0.1", port) == port
+            before = server.dropped
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:  # dropped: the server closes first
+                channel._recv_exact(c, 32)
+                c.sendall(b"\x00\x00\x00\x05junk!")
+                c.settimeout(30)
+                assert c.recv(1) == b""
+            settled(lambda: server.dropped == before + 1)
+        finally:
+            server.close()
