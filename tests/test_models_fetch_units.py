@@ -126,3 +126,32 @@ def test_every_source_that_failed_is_named_in_the_reason(tmp_path, monkeypatch):
     assert job.status == "failed" and job.reason.startswith(
         "no source answered: http://127.0.0.1:1/a.safetensors: ConnectionError: refused: http://127.0.0.1:1/a.safetensors; "
         "http://127.0.0.1:2/a.safetensors: ConnectionError: refused: http://127.0.0.1:2/a.safetensors ("), job.reason
+
+
+def test_a_download_resumes_from_the_part_file_and_restarts_one_longer_than_the_file(tmp_path, monkeypatch):
+    from huggingface_hub import file_download
+    calls = []
+
+    def http_get(url, f, resume_size, headers, expected_size, displayed_filename, tqdm_class):
+        calls.append((url, resume_size, expected_size))
+        f.write(b"b" * (expected_size - resume_size))
+    monkeypatch.setattr(file_download, "http_get", http_get)
+    job, _ = job_for(tmp_path, b"")
+    job.size = 10
+    job.source = types.SimpleNamespace(url="http://127.0.0.1:1/m.safetensors", is_hf=False)
+    job.meta = types.SimpleNamespace(location="http://127.0.0.1:1/m.safetensors", etag=None)
+    job.part = job.part_path()
+    stale = os.path.join(job.staging, "m.safetensors.0123456789abcdef.part")  # an older version's partial file
+    for path, data in ((job.part, b"a" * 3), (stale, b"old")):
+        with open(path, "wb") as f:
+            f.write(data)
+    said = []
+    assert fetch._download_http(job, said.append, False) == job.part
+    assert calls == [("http://127.0.0.1:1/m.safetensors", 3, 10)] and job.downloaded == 7
+    assert open(job.part, "rb").read() == b"aaa" + b"b" * 7 and not os.path.exists(stale)
+    assert said == ["sub/m.safetensors: resuming at 3 bytes of 10 bytes"]
+    with open(job.part, "ab") as f:
+        f.write(b"c" * 5)  # longer than the file: not resumed, downloaded again
+    said.clear()
+    assert fetch._download_http(job, said.append, False) == job.part
+    assert calls[-1][1] == 0 and job.downloaded == 10 and said == ["sub/m.safetensors: downloading 10 bytes"]
