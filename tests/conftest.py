@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.support import requires
+from tests.support import requires, service_helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 # Test this checkout's h3kit, whichever checkout the environment's editable install points at, here and in
@@ -50,6 +50,22 @@ LONGEST_FIRST = ("test_multinpu_process_faults.py", "test_multinpu_process.py", 
 def pytest_collection_modifyitems(config, items):
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each file keeps its own order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    # free_port holds a port reserved by a module- or session-scoped fixture until the process ends
+    service_helpers.FIXTURE_SCOPES.append(fixturedef.scope)
+    try:
+        yield
+    finally:
+        service_helpers.FIXTURE_SCOPES.pop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    service_helpers.release_test_ports()  # after the test's fixtures stopped what used them
 
 
 def pytest_runtest_setup(item):

@@ -173,9 +173,8 @@ def test_bad_input_is_refused_before_anything_runs(runner, tmp_path):
         "plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "4", "--calibration", str(bad)]).output
 
 
-def test_plot_without_matplotlib_says_how_before_measuring(runner, tmp_path):
-    if importlib.util.find_spec("matplotlib") is not None:
-        pytest.skip("matplotlib is installed here: the missing-matplotlib message cannot show")
+def test_plot_without_matplotlib_says_how_before_measuring(runner, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, installed or not
     r = runner.invoke(main, ["calibrate", "--comfy-home", str(tmp_path), "--device-type", "cpu", "--npu-count", "2",
                              "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 1 and "[no_matplotlib]" in r.output and "pip install 'h3kit[plot]'" in r.output

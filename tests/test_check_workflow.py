@@ -19,10 +19,8 @@ from h3kit.workflow import report
 from h3kit.workflow.checks import adapt_canvas, align_frame_count
 from tests.support.check_workflow_helpers import ROOT, check_doc, deep, found, frontend_schema_errors, load_data, messages
 from tests.support.pin_source import pin_functions
-from tests.support.service_helpers import PORT_OFFSET
+from tests.support.service_helpers import free_port
 from tests.support import jsondoc
-
-FAKE_PORT = 8607 + PORT_OFFSET  # a stand-in service; each parallel run of make test has its own port band
 
 API = load_data("api_t2va.json")
 NESTED = load_data("ui_nested_subgraphs.json")
@@ -486,7 +484,7 @@ class _FakeComfy(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_service():
-    server = HTTPServer(("127.0.0.1", FAKE_PORT), _FakeComfy)
+    server = HTTPServer(("127.0.0.1", 0), _FakeComfy)  # the kernel's choice: nothing else can hold it
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -533,14 +531,14 @@ def _home(tmp_path, record, node_types=None):
 
 def test_devices_from_the_running_service(tmp_path, fake_service):
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
-    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
+    home = _home(tmp_path, {"port": fake_service.server_port, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3102") == [("H3102", "6")]
     assert result.summary["device_count"] == 2
-    assert str(FAKE_PORT) in result.summary["device_source"]
+    assert str(fake_service.server_port) in result.summary["device_source"]
     # a CPU server in simulation mode: the record's device list is the simulated one
     _FakeComfy.stats = {"system": {"argv": ["main.py", "--use-sage-attention"]}, "devices": [{"name": "cpu"}]}
-    home = _home(tmp_path / "b", {"port": FAKE_PORT, "listen": "0.0.0.0", "device_type": "cpu", "devices": [0, 1, 2, 3]})
+    home = _home(tmp_path / "b", {"port": fake_service.server_port, "listen": "0.0.0.0", "device_type": "cpu", "devices": [0, 1, 2, 3]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert result.summary["device_count"] == 4
     assert found(result, "H3102") == [] and found(result, "H3305") == [("H3305", None)]
@@ -551,7 +549,7 @@ def test_a_proxy_in_the_environment_does_not_hide_the_local_service(tmp_path, fa
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
-    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
+    home = _home(tmp_path, {"port": fake_service.server_port, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3102") == [("H3102", "6")]
 
@@ -562,10 +560,10 @@ def test_card_memory_from_the_running_service(tmp_path, fake_service):
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [
         {"name": "npu:0", "vram_total": 64 * 10**9}, {"name": "npu:1", "vram_total": 32 * 10**9},
         {"name": "npu:2", "vram_total": 64 * 10**9}, {"name": "npu:3", "vram_total": 64 * 10**9}]}
-    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1, 2, 3]})
+    home = _home(tmp_path, {"port": fake_service.server_port, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1, 2, 3]})
     result = check_doc(tmp_path, prompt, comfy_home=str(home))
     assert found(result, "H3109") == [("H3109", "6")] and result.summary["device_memory_gb"] == 32  # the smallest
-    assert f"the cards have 32 GB (/system_stats of http://127.0.0.1:{FAKE_PORT})" in messages(result, "H3109")[0]
+    assert f"the cards have 32 GB (/system_stats of http://127.0.0.1:{fake_service.server_port})" in messages(result, "H3109")[0]
     # --device-memory wins over the service's figure
     assert found(check_doc(tmp_path, prompt, comfy_home=str(home), device_memory=80), "H3109") == []
 
@@ -573,7 +571,7 @@ def test_card_memory_from_the_running_service(tmp_path, fake_service):
 def test_a_record_whose_process_is_gone_says_nothing(tmp_path, fake_service):
     _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": "npu:0"}, {"name": "npu:1"}]}
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    home = _home(tmp_path, {"port": FAKE_PORT, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1],
+    home = _home(tmp_path, {"port": fake_service.server_port, "listen": "127.0.0.1", "device_type": "npu", "devices": [0, 1],
                             "pid": int(dead.stdout), "create_time": 1.0})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3102") == [] and found(result, "H3105") == [("H3105", "6")]
@@ -581,7 +579,8 @@ def test_a_record_whose_process_is_gone_says_nothing(tmp_path, fake_service):
 
 
 def test_no_device_source_is_a_note(tmp_path):
-    home = _home(tmp_path, {"port": FAKE_PORT + 1, "listen": "127.0.0.1", "device_type": "npu", "devices": [0]})
+    silent = free_port(8600, 8699)  # reserved for this test and free: nothing answers there
+    home = _home(tmp_path, {"port": silent, "listen": "127.0.0.1", "device_type": "npu", "devices": [0]})
     result = check_doc(tmp_path, API, comfy_home=str(home))
     assert found(result, "H3105") == [("H3105", "6")]
     assert "does not answer" in result.summary["device_source"]

@@ -18,10 +18,9 @@ import pytest
 from h3kit import health
 from h3kit.workflow.catalog import H3KIT_NODES, PIN_CATALOG, compact_object_info, load_catalog
 from h3kit.workflow.models import LOADER_INPUTS, scan_node_types
-from tests.support.service_helpers import PORT_OFFSET
+from tests.support.service_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-PORT = 8603 + PORT_OFFSET
 BOOT_TIMEOUT_S = 90
 
 
@@ -32,7 +31,8 @@ def pin_object_info(pin_tree, comfy_python, tmp_path_factory):
     for sub in ("custom_nodes", "models", "input", "output", "temp", "user"):
         (base / sub).mkdir()
     log = open(base / "server.log", "wb")
-    proc = subprocess.Popen([comfy_python, "-B", "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(PORT),
+    port = free_port(8600, 8699)
+    proc = subprocess.Popen([comfy_python, "-B", "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                              "--base-directory", str(base), "--database-url", "sqlite:///:memory:"],
                             cwd=pin_tree, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
@@ -42,14 +42,18 @@ def pin_object_info(pin_tree, comfy_python, tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"the pinned server exited with {proc.returncode}: {(base / 'server.log').read_text()[-2000:]}")
             try:
-                health.request_json(f"http://127.0.0.1:{PORT}/system_stats", timeout=2)
-                break
+                stats = health.request_json(f"http://127.0.0.1:{port}/system_stats", timeout=2)
             except health.HttpError:
-                pass
+                stats = None
+            if stats is not None:
+                # this server's answer (its --base-directory), not another's that holds the port: ours then exits
+                # on its failed bind, which the poll above reports
+                assert str(base) in (stats.get("system") or {}).get("argv", []), f"another server on {port}: {stats}"
+                break
             if time.monotonic() > deadline:
                 pytest.fail(f"the pinned server did not answer within {BOOT_TIMEOUT_S} s")
             time.sleep(0.5)
-        yield health.request_json(f"http://127.0.0.1:{PORT}/object_info", timeout=60)
+        yield health.request_json(f"http://127.0.0.1:{port}/object_info", timeout=60)
     finally:
         proc.terminate()
         try:

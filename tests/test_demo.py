@@ -10,13 +10,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from h3kit.demo import PARITY_GATE, TINY, demo_prompt
 from tests.support.comfy_server import free_port
+from tests.support.service_helpers import prompt_after
 from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
@@ -138,15 +138,11 @@ def test_demo_on_one_device_and_a_failure_naming_its_stage(demo_home):
         te = home / "models" / TINY["te"][0]
         te.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  " + b"\x00" * 64)
         from h3kit import health
-        log = Path(rep["service"]["log"])
-        dropped = log.read_text(errors="replace").count("Model cache: dropping")
         health.free_memory(rep["service"]["url"])
-        # ComfyUI's prompt worker acts on the free between prompts; wait until it did (it empties the model cache the
-        # demo's loaders filled), not a fixed 2 s, which a loaded CI machine overran (the next run was all cached)
-        deadline = time.monotonic() + 60
-        while log.read_text(errors="replace").count("Model cache: dropping") == dropped and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(0.5)  # the executor's node cache is reset right after the models are unloaded
+        # ComfyUI's prompt worker acts on the free between prompts (a fixed 2 s wait, and later a wait on the model
+        # cache's log line, were overrun on a loaded CI machine: the next run came back all cached). A prompt
+        # queued after the free and finished means the models are unloaded and the node cache reset
+        prompt_after(rep["service"]["url"])
         r = h3kit("demo", "--comfy-home", home, "--device-type", "cpu", "--npu-count", "1", "--port", port, "--json")
         assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
         err = jsondoc.error(r.stdout, r.returncode)

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.fakekit import git, kit, refreshed, snapshot, upstream  # noqa: F401
 from tests.support.service_helpers import StandinHome, free_port, h3kit, kill_started_under, pid_running
-from tests.support import jsondoc
+from tests.support import jsondoc, requires
 
 LONG_ID = "7" * 4400
 
@@ -31,7 +31,7 @@ def unprivileged(cmd: list[str]) -> list[str]:
         return cmd
     setpriv = shutil.which("setpriv")
     if not setpriv:
-        pytest.skip("running as root without setpriv: cannot make a folder read-only for h3kit")
+        requires.skip("running as root without setpriv (util-linux): cannot make a folder read-only for h3kit")
     return [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner,-linux_immutable", "--", *cmd]
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from h3kit import install, manifest
+from h3kit.gitutil import GitError
 
 
 def test_a_rerun_keeps_the_recorded_interpreter_unless_python_is_given(tmp_path):
@@ -38,6 +39,7 @@ def test_the_target_commit_is_decided_once(tmp_path):
 
 def test_a_failed_install_leaves_the_options_as_declared(tmp_path):
     opts = install.InstallOptions(comfy_home=tmp_path / "home", source=str(tmp_path / "no-such-mirror"))
-    with pytest.raises(Exception):
+    with pytest.raises(GitError, match="no-such-mirror does not exist") as e:
         install.install(opts)
+    assert e.value.code == "no_source"
     assert set(vars(opts)) == {f.name for f in dataclasses.fields(install.InstallOptions)}

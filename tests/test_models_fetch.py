@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from h3kit import modelpaths
-from tests.support import jsondoc
+from tests.support import jsondoc, requires
 from tests.support.fakekit import REAL_ROOT, h3, install, kit, payload, refreshed, upstream  # noqa: F401
 from tests.support.hub_standin import HubStandin
 from tests.support.model_trees import home  # noqa: F401  (a fixture)
@@ -129,10 +129,12 @@ def test_an_interrupted_download_is_resumed_never_loaded(hub, home, tmp_path):
     try:
         assert hub.stalled.wait(60), "the download never started"
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the first two chunks reach the disk
+        while True:  # the first two chunks reach the disk
             parts = list(staging.glob("*.part"))
             if parts and parts[0].stat().st_size >= cut:
                 break
+            assert time.monotonic() < deadline, \
+                f"two chunks never reached the disk: {[(p.name, p.stat().st_size) for p in parts]}"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
@@ -222,7 +224,7 @@ def test_a_full_disk_is_refused_before_any_download(runner, hub, home):
 
 def test_a_read_only_target_is_refused_before_any_request(hub, home, tmp_path):
     if os.geteuid() == 0 and not shutil.which("setpriv"):
-        pytest.skip("running as root without setpriv: cannot make a folder read-only for h3kit")
+        requires.skip("running as root without setpriv (util-linux): cannot make a folder read-only for h3kit")
     models = home / "models"
     models.chmod(0o555)
     try:

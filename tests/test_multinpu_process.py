@@ -158,24 +158,24 @@ def test_every_rank_listed_alive_and_joined(one_host):
 
 
 def test_a_node_that_never_arrives_fails_within_the_bound(tmp_path):
-    t0 = time.monotonic()
+    # the bound is on the forming the driver timed (wait_ready gives up at the join timeout + 5 s), not on the
+    # wall clock around it, which counted the interpreters' start: 25.3 s against 18 s on a loaded CI machine
     result = drive(tmp_path, "form_only", "--world", 4, "--nnodes", 2, "--join-timeout", 3)
-    kind, message, _ = error_of(result["form"])
+    kind, message, seconds = error_of(result["form"])
     assert "node 1 (ranks 2, 3) never arrived" in message and "--node-rank 1" in message
-    assert result["state"] == "failed" and time.monotonic() - t0 < 3 + 15
+    assert result["state"] == "failed" and seconds < 3 + 5 + 20, seconds
 
 
 def test_a_rank_that_never_makes_its_command_connection_is_named_within_the_join_timeout(tmp_path):
     """The driver sends no command before every member's command connection is there: a worker of rank 2 that
     never makes it (its process alive and beating) fails the forming within --join-timeout, naming rank 2 and the
     channel."""
-    t0 = time.monotonic()
     result = drive(tmp_path, "form_only", "--world", 3, "--join-timeout", 30,
                    env=_env(H3KIT_TEST_NO_COMMAND_LINK="2"))
-    kind, message, _ = error_of(result["form"])
+    kind, message, seconds = error_of(result["form"])
     assert "rank 2 (cpu) did not connect to the command channel" in message, message
     assert "rank 0" not in message and "rank 1" not in message, message
-    assert result["state"] == "failed" and time.monotonic() - t0 < 30 + 60
+    assert result["state"] == "failed" and seconds < 30 + 5 + 30, seconds
 
 
 def test_a_rank_whose_command_connection_closes_during_a_command_is_named(tmp_path):
@@ -328,36 +328,6 @@ def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_o
     assert "host lost" not in log, "node 1's agent was taken for lost"
 
 
-def test_channel_frames_replayed_reordered_or_reflected_are_dropped(caplog):
-    """On one connection: a frame sent again (a replay), one sent back the way it came, garbage and one signed
-    with another key are dropped with a log line; the next real frame still arrives."""
-    import socket
-    a, b = socket.socketpair()
-    signer = wire.Signer(wire.new_key().encode())
-    nonce = os.urandom(32)
-    worker, driver = channel.Link(a, signer, nonce, "w", "d"), channel.Link(b, signer, nonce, "d", "w")
-    worker.send({"seq": 1})
-    assert driver.recv() == {"seq": 1}
-    again = signer.dumps((nonce, "w", 1, {"seq": 1}))  # the same frame again
-    a.sendall(len(again).to_bytes(4, "big") + again)
-    body = signer.dumps((nonce, "d", 1, {"name": "end"}))  # as if the driver had sent it: reflected
-    a.sendall(len(body).to_bytes(4, "big") + body)
-    a.sendall(b"\x00\x00\x00\x05junk!")
-    foreign = wire.Signer(wire.new_key().encode()).dumps((nonce, "w", 2, {"seq": 9}))
-    a.sendall(len(foreign).to_bytes(4, "big") + foreign)
-    worker.send({"seq": 2})
-    with caplog.at_level("WARNING"):
-        assert driver.recv() == {"seq": 2}
-    dropped = [r.getMessage() for r in caplog.records if "dropped a channel frame" in r.getMessage()]
-    assert len(dropped) == 4 and "a replay" in dropped[0] and "from the driver" in dropped[1], dropped
-    assert "is not signed with this service's key" in dropped[2] and "is not signed with this service's key" in dropped[3]
-    b.sendall((10 << 20).to_bytes(4, "big"))
-    with pytest.raises(wire.GroupError, match="a frame of 10485760 bytes"):
-        worker.recv(limit=4096)
-    a.close()
-    b.close()
-
-
 def test_the_channel_reaches_a_socket_past_the_unix_path_limit(tmp_path):
     """A runtime root deep enough that its socket's path passes 107 bytes: bound and reached through the
     folder's descriptor."""
@@ -393,8 +363,8 @@ def test_the_channel_listens_on_tcp_for_the_other_hosts_and_beats_come_back_afte
     """The channel's TCP listener (the other hosts' beats) runs the Unix socket's handshake: a signed hello is
     taken with the pid it names (no peer credential over TCP) and the peer's address, a foreign one is dropped
     naming that address; a taken port is refused with the fix; beat() makes a closed connection again at the
-    next beat and its numbers go on growing, so the driver counts them as new; connections that say nothing
-    cannot keep a worker out (the oldest gives way)."""
+    next beat and its numbers go on growing, so the driver counts them as new (frames and MAX_PENDING:
+    test_multinpu_channel.py)."""
     import socket
     import threading
     signer = wire.Signer(wire.new_key().encode())
@@ -431,23 +401,6 @@ def test_the_channel_listens_on_tcp_for_the_other_hosts_and_beats_come_back_afte
             c.sendall(len(body).to_bytes(4, "big") + body)
             assert c.recv(1) == b""  # closed without a word
         assert server.dropped == dropped + 1
-        # a client that opens connections and says nothing holds no one out: the oldest gives way to the newest
-        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(channel.MAX_PENDING)]
-        try:
-            for c in silent:
-                channel._recv_exact(c, 32)
-            before = len(got)
-            late = channel.connect_channel(("127.0.0.1", port), signer, hello, timeout=10)
-            late.send({"seq": 10**6})
-            deadline = time.monotonic() + 10
-            while len(got) == before and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert got[before:] and got[before][2] == 10**6, "a worker got in past the silent connections"
-            assert silent[0].recv(1) == b"", "the oldest silent connection was closed for it"
-            late.close()
-        finally:
-            for c in silent:
-                c.close()
     finally:
         stop.set()
         server.close()

@@ -87,7 +87,7 @@ def test_the_runtime_gets_the_launcher_and_torchrun_a_free_port_pair(tmp_path):
 
 
 def test_start_honours_master_port_on_one_host_and_records_the_launcher(home):
-    port = free_port(29800, 29899)
+    port = free_port(29800, 29899, span=3)  # the master port, torchrun's + 1, the channel's + 2
     # a stand-in writes no ranks.json: start times out waiting for the group, after the server was started
     r = home.start("--master-port", port, "--launcher", "torchrun", "--json", devices="0,1", device_type="npu",
                    timeout=3)
@@ -99,7 +99,7 @@ def test_start_honours_master_port_on_one_host_and_records_the_launcher(home):
 
 
 def test_a_taken_rendezvous_port_is_named_before_anything_starts(home):
-    port = free_port(29800, 29899)
+    port = free_port(29800, 29899, span=3)  # the master port, torchrun's + 1, the channel's + 2
     with socket.socket() as s:  # torchrun's rendezvous port (the next one) is taken
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port + 1))
@@ -113,7 +113,7 @@ def test_a_taken_channel_port_of_several_hosts_is_named_before_anything_starts(h
     """With several hosts node 0 also listens on the master port + 2 (the command channel, where the other hosts'
     workers and agents beat): start checks it is free, and refuses a master port with no room for it."""
     monkeypatch.setenv(group.KEY_ENV, "ab" * 32)
-    port = free_port(29800, 29899)
+    port = free_port(29800, 29899, span=3)  # the master port, torchrun's + 1, the channel's + 2
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port + 2))

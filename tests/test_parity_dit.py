@@ -239,7 +239,9 @@ def test_a_terminated_parity_run_takes_its_worker_with_it(installed_tree, tmp_pa
                             "--python", str(fake), "--timeout", "600"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
-    while not (pidfile.is_file() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+    while not (pidfile.is_file() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline and cli.poll() is None, \
+            f"the parity worker never wrote its pid (h3kit: {cli.poll()})"
         time.sleep(0.05)
     worker = int(pidfile.read_text())
     assert psutil.pid_exists(worker)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.service_helpers import (PORT_OFFSET, Home, free_port, http_json, http_status, kill_started_under,
+from tests.support.service_helpers import (Home, free_port, http_json, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
 from tests.support import jsondoc
 
@@ -266,7 +266,7 @@ def test_sigkilled_server_is_seen_as_not_running_and_restarted(server):
 
 def test_foreign_process_on_the_port_is_refused_and_left_alive(server, comfy_tree, tmp_path):
     server_pid = ensure_running(server)
-    port = free_port(server.port - PORT_OFFSET + 1, 8489)
+    port = free_port(8470, 8489)  # reserved: never the server's
     foreign = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
     try:

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_json, http_status, kill_started_under,
                                      pid_running, port_is_free, wait_for)
-from tests.support import jsondoc
+from tests.support import jsondoc, requires
 
 from h3kit import proc as h3kit_proc
 from h3kit import service
@@ -336,7 +336,7 @@ def test_a_record_naming_a_foreign_process_is_never_acted_on(home, tmp_path, cas
     if case == "interpreter":
         other_python = shutil.which("python3", path="/usr/bin:/bin")
         if not other_python or os.path.realpath(other_python) == os.path.realpath(sys.executable):
-            pytest.skip("no second Python interpreter on this machine")
+            requires.skip("no second Python interpreter on this machine (/usr/bin/python3 other than this one)")
         foreign = subprocess.Popen([other_python, *argv], cwd=home.path)  # this tree's main.py, the stand-in
     else:
         foreign = subprocess.Popen([sys.executable, *argv] + (["--highvram"] if case == "cmdline" else []),
@@ -451,7 +451,7 @@ def test_watch_restarts_a_dead_server_and_ends_on_stop(home):
     pid = started_pid(home)
     watch = spawn_watch(home, "--max-seconds", "60")
     try:
-        time.sleep(0.5)
+        assert "watching" in watch.stderr.readline()  # watch holds the record and follows this server now
         os.kill(pid, signal.SIGKILL)
         new = wait_for(lambda: (home.record() or {}).get("pid") not in (None, pid) and home.status()["healthy"],
                        30, "watch to restart the server")
@@ -560,7 +560,9 @@ def test_watch_frees_memory_after_an_oom_before_anything_harsher(home, where):
         assert "watching" in first
         home.report_oom(log=where == "log", history=where == "history")
         frees = wait_for(home.frees, 15, "POST /free")
-        time.sleep(1.0)  # a few more ticks: the same OOM must not be answered twice
+        # three more ticks (each reads /history) after the free: the same OOM must not be answered twice
+        ticks = home.history_reads()
+        wait_for(lambda: home.history_reads() >= ticks + 3, 60, "three more ticks of watch")
         watch.send_signal(signal.SIGTERM)
         out, errs = watch.communicate(timeout=20)
     finally:

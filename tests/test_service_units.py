@@ -121,7 +121,10 @@ def test_verify_tells_alive_gone_and_recycled_apart(sleeper):
 def test_verify_sees_an_unreaped_child_as_gone(sleeper):
     ident = proc.identify(sleeper.pid)
     os.kill(sleeper.pid, signal.SIGKILL)
-    time.sleep(0.3)  # now a zombie of this process
+    deadline = time.monotonic() + 30  # the kernel makes it a zombie of this process (not reaped: no wait())
+    while psutil.Process(sleeper.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"pid {sleeper.pid} is {psutil.Process(sleeper.pid).status()}, no zombie"
+        time.sleep(0.02)
     assert proc.verify(ident.pid, ident.create_time, ident.cmdline).state == proc.GONE
 
 

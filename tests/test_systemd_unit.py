@@ -12,6 +12,7 @@ import click
 import pytest
 
 from h3kit.cli import main
+from tests.support import requires
 
 UNIT = Path(__file__).resolve().parents[1] / "launch" / "h3kit-watch.service"
 
@@ -27,7 +28,7 @@ def unit_settings(text: str) -> dict[str, list[str]]:
 
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path):
     if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed here (Debian: apt-get install systemd)")
+        requires.skip("systemd-analyze is not installed here (Debian: apt-get install systemd)")
     r = subprocess.run(["systemd-analyze", "verify", str(UNIT)], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path)
     assert r.returncode == 0 and UNIT.name not in r.stdout + r.stderr, r.stdout + r.stderr
@@ -65,10 +66,10 @@ def test_the_unit_runs_as_its_own_account_and_is_hardened(tmp_path):
                        ("ProtectControlGroups", "yes"), ("RestrictSUIDSGID", "yes"), ("UMask", "0027")):
         assert settings.get(key) == [value], key
     if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed here (Debian: apt-get install systemd)")
+        requires.skip("systemd-analyze is not installed here (Debian: apt-get install systemd)")
     r = subprocess.run(["systemd-analyze", "security", "--offline=true", str(UNIT)], capture_output=True, text=True,
                        timeout=60, cwd=tmp_path)
     if "--offline" in r.stderr and r.returncode != 0:
-        pytest.skip(f"this systemd-analyze cannot judge a unit file offline (systemd 250 or newer can): {r.stderr}")
+        requires.skip(f"this systemd-analyze cannot judge a unit file offline (systemd 250 or newer can): {r.stderr}")
     score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout).group(1))
     assert score <= 2.5, r.stdout  # README, systemd section: 2.0 OK with systemd 252 (9.6 UNSAFE before)

@@ -83,6 +83,21 @@ class Server:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def wait_for_log(self, text: str, since: int = 0, timeout: float = 120) -> str:
+        """Wait until `text` appears in the server's log after character `since`; the log from there. Fails with
+        what the log says when it does not come (or the server exits), never goes on without it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.log_text()[since:]
+            if text in log:
+                return log
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"the server exited ({self.proc.returncode}) before logging {text!r}:\n"
+                                     f"{log[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} in the server log within {timeout} s; it says:\n{log[-3000:]}")
+            time.sleep(0.1)
+
     def run_prompt(self, prompt: dict, timeout=120) -> dict:
         pid = http("POST", self.url + "/prompt", {"prompt": prompt})["prompt_id"]
         deadline = time.time() + timeout

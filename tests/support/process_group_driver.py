@@ -346,8 +346,8 @@ def scenario_death_after_load_report(rt, args):
 
 
 def scenario_hostile(rt, args):
-    """A local user without the key writes into the control store: garbage into the next command's old slot
-    (cmd/{g}/{n}: no command is in the store now), into `gen` and into a result slot; a signed value copied into
+    """A local user without the key writes into the control store: garbage into `gen` (read at the next
+    forming) and into a result slot; a signed value copied into
     another slot (a rank's `up` into the next command's error report); a bumped failure counter; then a flood of
     keys. Every worker must drop what it cannot verify and keep serving. Then the command channel:
     what this user can send on it (garbage, an oversized frame, a hello signed with another key, one replayed
@@ -358,9 +358,7 @@ def scenario_hostile(rt, args):
            "restarts_before": {r["rank"]: r["restarts"] for r in rt.ranks()}}
     evil = torch.distributed.PrefixStore(channel.STORE_PREFIX, channel.connect_store("127.0.0.1", rt.port, 10.0))
     g, n = rt.generation, rt.next_cmd
-    evil.set(f"cmd/{g}/{n}", b"\x80\x05garbage that is no pickle")
     evil.set("gen", b"not-a-number")
-    time.sleep(1.0)  # the workers read the garbage in the slot they wait on
     out["after_garbage"] = _attempt(lambda: _sum(rt))
 
     def forge(n=n + 1):  # while command n + 1 runs: a forged result, a forged error report, a bumped counter

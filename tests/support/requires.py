@@ -10,8 +10,15 @@ needs one skips with the reason and the fix: a developer without a mirror still 
   environments have the toolkit's dependencies and no torch) skips the tests that need torch by design,
   with that reason; everything else, upstream tests included, runs there as in the main run.
 
+Every skip of the suite goes through skip() here (tests/test_test_policy.py keeps pytest.skip, skipif,
+mark.skip and importorskip out of every other file). A skip is one of two kinds:
+- a missing prerequisite (the source, torch in the main run, a tool such as systemd-analyze or setpriv, a
+  second interpreter): skip(reason) skips with the reason and its fix, and fails under H3KIT_REQUIRE_UPSTREAM=1;
+- a skip by design, where the test cannot mean anything in this run and another run covers it (torch in the
+  torch-free runs, a Linux-only behaviour elsewhere): skip(reason, by_design=True), which skips everywhere and
+  says "by design" in the summary.
 A module a test imports (torch, comfy_kitchen) is asked for with module(name, reason), never with
-pytest.importorskip, which skips whatever H3KIT_REQUIRE_UPSTREAM says (tests/test_test_policy.py keeps it out).
+pytest.importorskip, which skips whatever H3KIT_REQUIRE_UPSTREAM says.
 
 A test needs torch when it is marked `torch` (module-level: `torch = requires.torch_module()`) or uses a
 fixture that runs the pinned ComfyUI (TORCH_FIXTURES); tests/conftest.py applies the rule per test.
@@ -35,21 +42,33 @@ NO_TORCH_REASON = ("torch is not installed in this interpreter: run the tests wi
                    "tools/ensure-venv.sh (make test) or set H3KIT_COMFY_PYTHON")
 
 
-def skip_or_fail(reason: str, allow_module_level: bool = False):
-    """Skip with `reason`; under H3KIT_REQUIRE_UPSTREAM=1 (CI) fail with it instead."""
+BY_DESIGN = "by design: "          # how a skip by design starts in pytest's summary
+
+
+def skip(reason: str, *, by_design: bool = False, allow_module_level: bool = False):
+    """The one way a test of this suite skips. `reason` says what is missing and how to provide it (or, with
+    by_design, why this run cannot judge the test and which run does). A skip that is not by design fails under
+    H3KIT_REQUIRE_UPSTREAM=1 (CI): there, everything a test needs must be present."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("requires.skip needs the reason the test skips")
+    if by_design:
+        pytest.skip(BY_DESIGN + reason, allow_module_level=allow_module_level)
     if REQUIRE_UPSTREAM:
-        pytest.fail(f"{reason} [H3KIT_REQUIRE_UPSTREAM=1: CI needs every upstream test to run, none may skip]",
-                    pytrace=False)
+        pytest.fail(f"{reason} [H3KIT_REQUIRE_UPSTREAM=1: CI needs every test to run; only a skip by design may "
+                    "skip]", pytrace=False)
     pytest.skip(reason, allow_module_level=allow_module_level)
+
+
+def skip_or_fail(reason: str, allow_module_level: bool = False):
+    """Skip with `reason`; under H3KIT_REQUIRE_UPSTREAM=1 (CI) fail with it instead (skip(), not by design)."""
+    skip(reason, allow_module_level=allow_module_level)
 
 
 def missing_torch(allow_module_level: bool = False):
     """The verdict for a test that needs torch in an interpreter without it."""
     if TORCH_FREE_RUN:
-        pytest.skip(TORCH_FREE_REASON, allow_module_level=allow_module_level)
-    if REQUIRE_UPSTREAM:
-        pytest.fail(f"{NO_TORCH_REASON} [H3KIT_REQUIRE_UPSTREAM=1]", pytrace=False)
-    pytest.skip(NO_TORCH_REASON, allow_module_level=allow_module_level)
+        skip(TORCH_FREE_REASON, by_design=True, allow_module_level=allow_module_level)
+    skip(NO_TORCH_REASON, allow_module_level=allow_module_level)
 
 
 def needs_torch(item) -> bool:

@@ -181,6 +181,8 @@ def main():
                                         "queue_pending": [[i, f"p{i}", {"1": {}}, extra, ["1"]] for i in range(pending)]
                                         + posted})
             if path == "/history":
+                with open(os.path.join(HOME, "standin-history-reads"), "a") as f:
+                    f.write(".")  # one per read: a test counts watch's ticks (each reads /history)
                 return self._json(200, history)
             if path == "/prompt":
                 return self._json(200, {"exec_info": {"queue_remaining": sum(cfg.get("queue", [0, 0]))}})

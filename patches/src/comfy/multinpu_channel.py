@@ -518,10 +518,12 @@ class ChannelServer:
                 return
             remote = f"{addr[0]}:{addr[1]}" if tcp else None
             with self._lock:
-                if len(pending) >= MAX_PENDING:
+                checking = [c for c, evicted in pending.items() if not evicted]  # oldest first
+                if len(checking) >= MAX_PENDING:
                     # the oldest gives way, not the newest: a client holding MAX_PENDING connections without a
-                    # hello would otherwise keep every worker out (a real one says its hello at once)
-                    oldest = next(iter(pending))
+                    # hello would otherwise keep every worker out (a real one says its hello at once). One already
+                    # closed for a newer one stays listed until its thread drops it: never the oldest twice
+                    oldest = checking[0]
                     pending[oldest] = True
                     try:
                         oldest.shutdown(socket.SHUT_RDWR)  # its handshake thread drops it

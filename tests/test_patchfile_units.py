@@ -1,0 +1,59 @@
+"""h3kit.patchfile's parsing and rendering on small hand-written patches (the engine around it, with real trees,
+is test_patch_engine.py). Written for the survivors of tools/mutate.py --module patchfile."""
+
+from __future__ import annotations
+
+import pytest
+
+from h3kit import patchfile
+
+HEADER = "Description: a test\nOrigin: h3kit\nForwarded: not-needed\nLast-Update: 2026-12-02\n---\n"
+
+
+def parsed(tmp_path, body: str) -> patchfile.PatchFile:
+    p = tmp_path / "t.patch"
+    p.write_text(HEADER + body)
+    return patchfile.parse_patch(p)
+
+
+def test_hunk_headers_with_and_without_lengths(tmp_path):
+    pf = parsed(tmp_path, "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n"
+                          "@@ -7 +9,2 @@\n-old\n+new\n+more\n"
+                          "@@ -20,2 +23 @@\n-a\n-b\n+c\n")
+    (sec,) = pf.sections
+    assert [(h.old_start, h.old_len, h.new_start, h.new_len) for h in sec.hunks] == [(7, 1, 9, 2), (20, 2, 23, 1)]
+    assert not sec.new_file and not sec.deleted_file
+    # the failing hunk git names: by old start, or by new start in reverse; two hunks and no match: none
+    assert pf.find_hunk("x.py", 20) is sec.hunks[1] and pf.find_hunk("x.py", 9, reverse=True) is sec.hunks[0]
+    assert pf.find_hunk("x.py", 5) is None and pf.find_hunk("y.py", 7) is None
+
+
+def test_a_single_hunk_is_the_failing_one_whatever_line_git_names(tmp_path):
+    pf = parsed(tmp_path, "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -3,1 +3,1 @@\n-a\n+b\n")
+    assert pf.find_hunk("x.py", 99) is pf.sections[0].hunks[0]
+
+
+def test_new_and_deleted_file_sections(tmp_path):
+    pf = parsed(tmp_path, "diff --git a/n.py b/n.py\nnew file mode 100644\n--- /dev/null\n+++ b/n.py\n"
+                          "@@ -0,0 +1 @@\n+x\n"
+                          "diff --git a/d.py b/d.py\ndeleted file mode 100644\n--- a/d.py\n+++ /dev/null\n"
+                          "@@ -1 +0,0 @@\n-y\n")
+    new, gone = pf.sections
+    assert new.new_file and not new.deleted_file and gone.deleted_file and not gone.new_file
+    assert (new.hunks[0].new_start, new.hunks[0].new_len, gone.hunks[0].old_len, gone.hunks[0].new_len) == (1, 1, 1, 0)
+
+
+def test_a_hunk_whose_counts_do_not_match_its_header_is_refused(tmp_path):
+    with pytest.raises(patchfile.PatchFormatError, match="has 1 old and 1 new lines"):
+        parsed(tmp_path, "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1,2 +1 @@\n-a\n+b\n"
+                         "diff --git a/y.py b/y.py\n--- a/y.py\n+++ b/y.py\n@@ -1 +1 @@\n-a\n+b\n")
+
+
+def test_a_new_file_section_as_written():
+    assert patchfile.render_new_file_section("a/b.py", b"x\n") == (
+        "diff --git a/a/b.py b/a/b.py\nnew file mode 100644\n--- /dev/null\n+++ b/a/b.py\n@@ -0,0 +1 @@\n+x\n")
+    assert patchfile.render_new_file_section("c.py", b"x\ny") == (
+        "diff --git a/c.py b/c.py\nnew file mode 100644\n--- /dev/null\n+++ b/c.py\n@@ -0,0 +1,2 @@\n+x\n+y\n"
+        "\\ No newline at end of file\n")
+    with pytest.raises(patchfile.PatchFormatError, match="empty source file"):
+        patchfile.render_new_file_section("e.py", b"")
