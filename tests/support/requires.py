@@ -59,6 +59,15 @@ def skip(reason: str, *, by_design: bool = False, allow_module_level: bool = Fal
     pytest.skip(reason, allow_module_level=allow_module_level)
 
 
+def upstream_moved(reason: str):
+    """The verdict of a look-ahead test when upstream's newest commit conflicts with the series: an expected
+    failure that names the commit and the hunks (pytest prints it as XFAIL), never a skip and never a red CI:
+    what upstream does next is not this submission's fault, and the report is the point."""
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("requires.upstream_moved needs the commit and the conflicting hunks")
+    pytest.xfail(reason)
+
+
 def skip_or_fail(reason: str, allow_module_level: bool = False):
     """Skip with `reason`; under H3KIT_REQUIRE_UPSTREAM=1 (CI) fail with it instead (skip(), not by design)."""
     skip(reason, allow_module_level=allow_module_level)
