@@ -51,9 +51,11 @@ def test_a_hunk_whose_counts_do_not_match_its_header_is_refused(tmp_path):
 
 def test_a_new_file_section_as_written():
     assert patchfile.render_new_file_section("a/b.py", b"x\n") == (
-        "diff --git a/a/b.py b/a/b.py\nnew file mode 100644\n--- /dev/null\n+++ b/a/b.py\n@@ -0,0 +1 @@\n+x\n")
+        "diff --git a/a/b.py b/a/b.py\nnew file mode 100644\n"
+        "index 0000000000000000000000000000000000000000..587be6b4c3f93f93c489c0111bba5596147a26cb\n--- /dev/null\n+++ b/a/b.py\n@@ -0,0 +1 @@\n+x\n")
     assert patchfile.render_new_file_section("c.py", b"x\ny") == (
-        "diff --git a/c.py b/c.py\nnew file mode 100644\n--- /dev/null\n+++ b/c.py\n@@ -0,0 +1,2 @@\n+x\n+y\n"
+        "diff --git a/c.py b/c.py\nnew file mode 100644\n"
+        "index 0000000000000000000000000000000000000000..1b322989b6eea65102d4f5921ccb7df5dc613fe7\n--- /dev/null\n+++ b/c.py\n@@ -0,0 +1,2 @@\n+x\n+y\n"
         "\\ No newline at end of file\n")
     with pytest.raises(patchfile.PatchFormatError, match="empty source file"):
         patchfile.render_new_file_section("e.py", b"")
