@@ -144,7 +144,7 @@ def forward_part(args, tmp):
         base = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
 
         runtime = _start_group(n, args.device_type)
-        proc = comfy.multinpu_dit.apply_sequence_parallel(base, None, runtime=runtime)
+        proc = comfy.multinpu_dit.apply_sequence_parallel(base, None)  # the group started above serves it
         comfy.model_management.load_models_gpu([proc], force_full_load=True)
         wrapper = comfy.multinpu_dit.get_wrapper(proc)
         wrapper.count_bytes = True

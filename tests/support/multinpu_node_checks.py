@@ -10,6 +10,7 @@ is a mismatch and 2 is not (npu_count must equal the device count) either: only 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -22,6 +23,18 @@ CHECKS = {}
 def check(fn):
     CHECKS[fn.__name__] = fn
     return fn
+
+
+@contextlib.contextmanager
+def serving(runtime):
+    """`runtime` as this process's process group while the block runs: what comfy.multinpu_process.runtime_for
+    hands every component, as in a server started with the process transport."""
+    import comfy.multinpu_process as mp
+    before, mp._RUNTIME = mp._RUNTIME, runtime
+    try:
+        yield runtime
+    finally:
+        mp._RUNTIME = before
 
 
 def _tiny_patcher():
@@ -56,6 +69,7 @@ def process_transport_server_copy():
     loaded model's device, and a stand-in runtime (apply_sequence_parallel only reads its size and settings)."""
     import torch
     import comfy.multinpu_dit
+    import comfy.multinpu_runtime_base
     import comfy.multinpu_shard
     import comfy.multinpu_wire
     import comfy.patcher_extension
@@ -63,12 +77,13 @@ def process_transport_server_copy():
     base, _ = _tiny_patcher()
     lora = parity_common.lora_state_dict(base.model.diffusion_model.state_dict(), "blocks.", "diffusion_model.", 0)
     patched = parity_dit._apply_lora(base, lora)[0]
-    runtime = types.SimpleNamespace(world_size=2, spec=comfy.multinpu_wire.GroupSpec(local_size=2, device_type="npu"))
+    runtime = comfy.multinpu_runtime_base.Runtime(comfy.multinpu_wire.GroupSpec(local_size=2, device_type="npu"))
     out = {}
     for weights in ("replicated", "sharded"):
         p = patched.clone()
         p.load_device = torch.device("meta")  # where an accelerator's rank 0 would compute
-        m = comfy.multinpu_dit.apply_sequence_parallel(p, None, runtime=runtime, weights=weights)
+        with serving(runtime):
+            m = comfy.multinpu_dit.apply_sequence_parallel(p, None, weights=weights)
         wrapper = comfy.multinpu_dit.get_wrapper(m)
         shards = comfy.multinpu_shard.of(m.model.diffusion_model)
         out[weights] = {"load_device": str(m.load_device), "offload_device": str(m.offload_device),

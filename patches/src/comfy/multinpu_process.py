@@ -45,15 +45,14 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 
 import torch
 import torch.distributed
 
-import comfy.model_cache
 import comfy.multinpu
 import comfy.multinpu_channel as channel
 import comfy.multinpu_launch as launch
+import comfy.multinpu_runtime_base as base
 import comfy.multinpu_wire as wire
 
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
@@ -79,7 +78,7 @@ class RemoteConfig:
         self.installed = {}  # rank -> pid of the worker that holds it, checked
 
 
-class GroupRuntime:
+class GroupRuntime(base.Runtime):
     """The driver of the process group: owns the store's process, the command channel, this host's workers, the
     generations and every command.
 
@@ -91,25 +90,19 @@ class GroupRuntime:
     def __init__(self, spec: wire.GroupSpec, key: str, device=None):
         if spec.node_rank != 0:
             raise ValueError("MultiNPU: the driver runs on node 0; other nodes run an agent")
-        self.spec = spec
+        super().__init__(spec)  # run(), the frees and drops: comfy.multinpu_runtime_base
         self.key = key
         self.signer = wire.Signer(key.encode())
-        self.world_size = spec.world_size
         self.device = torch.device(device if device is not None else spec.device_name(0))
         self.state = "starting"
         self.error = None
         self.generation = 0
         self.members = {}              # rank -> pid in the current generation (empty while none is formed)
-        self.commands = 0
         self.next_cmd = 1
         self.port = None
         self.inflight = None           # (program, command number) while a command runs
         self.dead = {}                 # rank -> "pid X: reason" noticed in the current generation
-        self.configs = weakref.WeakSet()  # RemoteConfigs the workers were asked to hold
         self.last_failure = None       # {"message", "seconds_to_error"} of the last failed command
-        self._drops = []
-        self._free_pending = False
-        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
@@ -637,22 +630,6 @@ class GroupRuntime:
             logging.info(f"MultiNPU: forming the process group before {what}")
             self._form()
 
-    def run(self, name: str, payload, configs=()):
-        """Run command `name` on every rank (PROGRAMS[name](context, comm, payload) in each worker) and return
-        what worker rank 0's program returned.
-
-        configs: RemoteConfigs the workers must hold first (installed and checked where missing). Raises
-        wire.GroupError subclasses naming the rank that failed or died (wire.RankFailed, wire.RankDied,
-        wire.ConfigMismatch) or torch.OutOfMemoryError for a rank that ran out of memory; the group is then
-        replaced by fresh processes and the next call forms it again.
-        """
-        with self._lock:
-            self._ensure_ready(name)
-            self._housekeeping()
-            for cfg in configs:
-                self._install(cfg)
-            return self._execute(name, payload)
-
     def _execute(self, name, payload):
         g, n = self.generation, self.next_cmd
         self.next_cmd += 1
@@ -797,24 +774,11 @@ class GroupRuntime:
                       "command started)")
         return exc
 
-    def _housekeeping(self):
-        if self._free_pending:
-            self._free_pending = False
-            self._execute("free", None)
-            logging.info("MultiNPU: the workers let go of their models (POST /free or ComfyUI's OOM handler)")
-            for cfg in self.configs:
-                cfg.installed = {}
-        if self._drops:
-            ids, self._drops = self._drops, []
-            self._execute("drop", ids)
-
     def _install(self, cfg: RemoteConfig):
         todo = [r for r in range(self.world_size) if cfg.installed.get(r) != self.members.get(r)]
         if not todo:
             return
-        if cfg not in self.configs:
-            self.configs.add(cfg)
-            weakref.finalize(cfg, self._drops.append, cfg.id)  # the workers let go of it with the driver
+        self._track(cfg)
         t0 = time.monotonic()
         self._execute("install", {"id": cfg.id, "program": cfg.program, "payload": cfg.payload, "ranks": todo})
         reports = self._wait_reports(f"ready/{cfg.id}", todo, wire.LOAD_TIMEOUT, f"loading {cfg.what}")
@@ -824,17 +788,9 @@ class GroupRuntime:
             exc = _rank_exception(self.spec, r, failed[r]["error"], f"loading {cfg.what}")
             self._abort_generation(str(exc)[:300])
             raise exc
-        bad = {}
-        for r, rep in reports.items():
-            diff = [k for k in sorted(set(cfg.digest) | set(rep["digest"])) if cfg.digest.get(k) != rep["digest"].get(k)]
-            if diff:
-                bad[r] = diff
-        if bad:
-            lines = [f"{self.spec.describe_rank(r)} differs in {', '.join(d)} ("
-                     + "; ".join(f"{k}: the server {cfg.digest.get(k)!s:.40}, rank {r} {reports[r]['digest'].get(k)!s:.40}"
-                                 for k in d) + ")" for r, d in sorted(bad.items())]
-            raise wire.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
-                                       + ". Fix: the same model files at the same paths on every host")
+        mismatch = base.config_mismatch(self.spec, cfg, {r: rep["digest"] for r, rep in reports.items()})
+        if mismatch is not None:
+            raise mismatch
         for r in todo:
             cfg.installed[r] = self.members[r]
         logging.info(f"MultiNPU: {cfg.what} loaded and checked on {len(todo)} worker(s) in "
@@ -899,10 +855,8 @@ class GroupRuntime:
                 f"({spec.nnodes} node(s) of {spec.local_size} {spec.device_type} device(s)). Fix: set npu_count to "
                 f"{self.world_size}, or restart the service with {npu_count} devices.")
 
-    def request_free(self):
-        """The workers unload their models with the server's (POST /free, the OOM handler); sent before the
-        next command."""
-        self._free_pending = True
+    def describe(self) -> str:
+        return f"{self.world_size} processes ({self.spec.backend})"
 
     # -- the ranks file --
 
@@ -965,21 +919,19 @@ def get_runtime():
 
 
 def transport():
-    """What runs this server's parallel components: its process group, or the thread transport over the devices
-    this process sees (comfy.multinpu_threads.THREADS); both answer npu_count_error(npu_count)."""
+    """The one place the transport of this server's parallel components is chosen: its process group, or the
+    thread transport over the devices this process sees (comfy.multinpu_threads.THREADS). Both answer
+    npu_count_error(npu_count) and runtime_for(devices, primary, what, timeout)."""
     import comfy.multinpu_threads
     return _RUNTIME or comfy.multinpu_threads.THREADS
 
 
-def _free_workers():
-    # comfy.model_management.unload_all_models (POST /free, the OOM handler, --disable-smart-memory) empties the
-    # model cache: the workers let go of theirs too, before the next command
-    if _RUNTIME is not None:
-        logging.info("MultiNPU: ComfyUI freed its models; the workers free theirs before the next command")
-        _RUNTIME.request_free()
-
-
-comfy.model_cache.add_clear_listener(_free_workers)
+def runtime_for(devices, primary, what: str, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> base.Runtime:
+    """The runtime a parallel component (the DiT, the text encoder, the VAE) runs its programs on: this server's
+    process group, which serves every component, or ranks that are threads of this process on `devices` (a runtime
+    of the component's own, whose collectives are bounded by `timeout`). Rank 0 must be on `primary`, the device
+    of `what` (ValueError otherwise, with threads; a process group's rank 0 is device 0 by construction)."""
+    return transport().runtime_for(devices, primary, what, timeout)
 
 
 def start_runtime(spec: wire.GroupSpec, key: str, device=None) -> GroupRuntime:

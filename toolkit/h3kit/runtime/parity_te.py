@@ -136,7 +136,7 @@ def run_te(args):
         variants = [node.execute(model=loaded["dit"], npu_count=args.npu_count, clip=clip).args[1]]
         if dtype == "float32":  # the layer split runs each layer unchanged, whatever the dtype: once is enough
             devices = comfy.multidevice.devices_for(clip.patcher.load_device, args.npu_count)
-            variants.append(comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers", runtime=runtime))
+            variants.append(comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers"))
         for par in variants:
             runner = comfy.multinpu_te.get_runner(par)
             threads = runner is not None and hasattr(runner.runtime, "contexts")  # a thread runtime: the row's own
