@@ -412,6 +412,28 @@ def thread_runtime():
 
 
 @check
+def free_reaches_thread_ranks():
+    """ComfyUI's free (POST /free, the OOM handler: unload_all_models empties the model cache) reaches a thread
+    runtime's ranks as it reaches the process group's workers: before the next command every rank lets go of its
+    configuration, and that command installs it again; without a free, nothing is installed again."""
+    import comfy.model_management
+    import comfy.multinpu_dit
+    with checks_runner.counted_programs(("dit_config",)) as counted:
+        m, w = _sp_model(timeout=300.0)
+        _forward(m)
+        held_before = [len(c.configs) for c in w.runtime.contexts]
+        _forward(m)
+        installs_before_free = len(counted["calls"]["dit_config"])
+        comfy.model_management.unload_all_models()
+        pending = w.runtime._free_pending
+        _forward(m)
+        installs_after_free = len(counted["calls"]["dit_config"])
+    w.runtime.shutdown()
+    return {"held_before": held_before, "installs_before_free": installs_before_free, "pending": pending,
+            "installs_after_free": installs_after_free}
+
+
+@check
 def same_programs():
     """The thread transport runs the worker programs the process workers run (comfy.multinpu_group.PROGRAMS, by
     name), each rank with its own context: every registered DiT program is counted per rank over a setup, a forward
