@@ -117,3 +117,19 @@ def test_the_fork_patterns_leave_ordinary_code_alone():
     for line in ('        return getattr(self._local, "comm", None)', "    return _RUNTIME or comfy.multinpu_threads.THREADS",
                  "    runtime = comfy.multinpu_process.runtime_for(devices, vae.device, \"VAE\", timeout)"):
         assert not TRANSPORT_BRANCHES.search(line), line
+
+
+@pytest.mark.parametrize("name", Series.load(ROOT).names)
+def test_each_patch_header_names_every_file_it_adds(series, name):
+    # a header says what the patch does now: every new file of the patch is described there (the process group's
+    # header once described a store relay and a comfy/multinpu_group.py holding what four later modules hold)
+    patch = next(p for p in series.patches if p.name == name)
+    described = patch.header["Description"]
+    missing = [s.path for s in patch.sections if s.new_file and s.path not in described]
+    assert missing == [], f"{name}'s Description does not mention {missing}"
+
+
+def test_no_header_describes_the_removed_store_relay(series):
+    stale = [p.name for p in series.patches if "relays them to the other ranks" in p.header["Description"]
+             or "worker threads" in p.header["Description"] or "in waves" in p.header["Description"]]
+    assert stale == [], stale
