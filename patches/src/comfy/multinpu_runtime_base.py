@@ -76,6 +76,10 @@ class Runtime:
         """A running group serves every component of this server (the node checked npu_count against it)."""
         return self
 
+    def release(self):
+        """Done with this runtime: one a component set up for itself stops and lets go of what its ranks hold; the
+        server's process group serves every component and stays (comfy.multinpu_process.stop_runtime ends it)."""
+
     def run(self, name: str, payload, configs=()):
         """Run command `name` on every rank (PROGRAMS[name](context, comm, payload)) and return what rank 0's
         program returned.

@@ -119,6 +119,10 @@ class ThreadRuntime(base.Runtime):
         _retire(self.contexts)
         release_retired()
 
+    def release(self):
+        # a component's own runtime: nobody else uses it
+        self.shutdown()
+
     def _ensure_ready(self, name: str):
         release_retired()
 

@@ -139,15 +139,13 @@ def run_te(args):
             variants.append(comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers"))
         for par in variants:
             runner = comfy.multinpu_te.get_runner(par)
-            threads = runner is not None and hasattr(runner.runtime, "contexts")  # a thread runtime: the row's own
             if runner is not None:
                 runner.keep_rank_outputs = True
-            if threads:
-                runner.runtime.timeout = args.timeout
+                runner.runtime.timeout = args.timeout  # the process group's: the one it started with
             rows.extend(_te_row(args, par, runner, layout, dtype, single[(dtype, layout)], reads[paths[component]])
                         for layout in layouts_of(dtype))
-            if threads:
-                runner.runtime.shutdown()  # the process group serves every row
+            if runner is not None:
+                runner.runtime.release()  # a thread runtime is the row's own; the process group serves every row
     if args.lora:
         rows.append(_te_lora_row(args, node, loaded, layouts[0], single[("float32", layouts[0])][0],
                                  lambda: reads[paths["te"]]))
