@@ -132,7 +132,7 @@ def load_child(args):
     time.sleep(1.0)  # the workers settle (imports done, heartbeats running)
     with Sampler(pids) as s:
         base = comfy.sd.load_diffusion_model(args.dit, model_options={"dtype": torch.float32})
-        m = comfy.multinpu_dit.apply_sequence_parallel(base, None, runtime=runtime)
+        m = comfy.multinpu_dit.apply_sequence_parallel(base, None)  # the group started above serves it
         comfy.model_management.load_models_gpu([m], force_full_load=True)
         x, ctx = _inputs(torch, base.load_device)
         got = transport._forward(m, x, ctx)

@@ -80,7 +80,7 @@ def measured_part(args, tmp):
                 base = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
                 dev = base.load_device
                 devices = None if runtime else comfy.multidevice.devices_for(dev, n)
-                m = comfy.multinpu_dit.apply_sequence_parallel(base, devices, runtime=runtime, weights=weights)
+                m = comfy.multinpu_dit.apply_sequence_parallel(base, devices, weights=weights)
                 comfy.model_management.load_models_gpu([m] + m.get_nested_additional_models())
                 wrapper = comfy.multinpu_dit.get_wrapper(m)
                 wrapper.count_bytes = True

@@ -62,7 +62,7 @@ def _start_group(n, device_type, timeout=600.0):
     import comfy.multinpu_process as mp
     key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     spec = wire.GroupSpec(local_size=n, device_type=device_type, join_timeout=timeout,
-                          worker_args=["--cpu"] if device_type == "cpu" else [])
+                          worker_args=["--cpu"] if device_type == "cpu" else [], launcher="h3kit")
     runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
     mp.wait_ready(runtime, timeout)
     return runtime
@@ -144,7 +144,7 @@ def forward_part(args, tmp):
         base = comfy.sd.load_diffusion_model(path, model_options={"dtype": torch.float32})
 
         runtime = _start_group(n, args.device_type)
-        proc = comfy.multinpu_dit.apply_sequence_parallel(base, None, runtime=runtime)
+        proc = comfy.multinpu_dit.apply_sequence_parallel(base, None)  # the group started above serves it
         comfy.model_management.load_models_gpu([proc], force_full_load=True)
         wrapper = comfy.multinpu_dit.get_wrapper(proc)
         wrapper.count_bytes = True

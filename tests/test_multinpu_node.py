@@ -169,6 +169,14 @@ def test_threads_run_the_worker_programs_of_the_process_transport(checks):
     assert v["runtime_is_none"] == 0 and v["thread_only"] == []
 
 
+def test_comfyuis_free_reaches_a_thread_runtimes_ranks(checks):
+    # frees were wired to the process group only: a thread runtime's ranks kept their models after POST /free
+    v = value(checks, "free_reaches_thread_ranks")
+    assert v["held_before"] == [1, 1, 1] and v["installs_before_free"] == 3, "installed once, kept between forwards"
+    assert v["pending"], "the free is asked of the thread runtime too"
+    assert v["installs_after_free"] == 6, "every rank let go of it and installed it again for the next forward"
+
+
 def test_refusals_name_the_problem(checks):
     v = value(checks, "refusals")
     assert "DiT blocks [1] are already replaced" in v["foreign_block"]

@@ -240,7 +240,7 @@ def test_server_reads_each_file_once_and_matches_one_device(patched_tree, comfy_
     assert "the audio VAE stays on one device, in fp32" in log
     # the work itself ran split: the text encoding on 4 ranks (the second prompt reuses its output), and
     # each prompt's decode with its 2 chunks on 2 devices
-    assert log.count("MultiNPU: text encoder forward (tensor) on 4 devices") == 1
+    assert log.count("MultiNPU: text encoder forward (tensor) on 4 simulated cpu devices") == 1
     assert log.count("MultiNPU: video VAE decode of 2 chunks on 4 devices") == 2
     for entry in (first, second, one):
         images = entry["outputs"]["15"]["images"]

@@ -10,6 +10,7 @@ is a mismatch and 2 is not (npu_count must equal the device count) either: only 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -22,6 +23,18 @@ CHECKS = {}
 def check(fn):
     CHECKS[fn.__name__] = fn
     return fn
+
+
+@contextlib.contextmanager
+def serving(runtime):
+    """`runtime` as this process's process group while the block runs: what comfy.multinpu_process.runtime_for
+    hands every component, as in a server started with the process transport."""
+    import comfy.multinpu_process as mp
+    before, mp._RUNTIME = mp._RUNTIME, runtime
+    try:
+        yield runtime
+    finally:
+        mp._RUNTIME = before
 
 
 def _tiny_patcher():
@@ -56,6 +69,7 @@ def process_transport_server_copy():
     loaded model's device, and a stand-in runtime (apply_sequence_parallel only reads its size and settings)."""
     import torch
     import comfy.multinpu_dit
+    import comfy.multinpu_runtime_base
     import comfy.multinpu_shard
     import comfy.multinpu_wire
     import comfy.patcher_extension
@@ -63,12 +77,13 @@ def process_transport_server_copy():
     base, _ = _tiny_patcher()
     lora = parity_common.lora_state_dict(base.model.diffusion_model.state_dict(), "blocks.", "diffusion_model.", 0)
     patched = parity_dit._apply_lora(base, lora)[0]
-    runtime = types.SimpleNamespace(world_size=2, spec=comfy.multinpu_wire.GroupSpec(local_size=2, device_type="npu"))
+    runtime = comfy.multinpu_runtime_base.Runtime(comfy.multinpu_wire.GroupSpec(local_size=2, device_type="npu"))
     out = {}
     for weights in ("replicated", "sharded"):
         p = patched.clone()
         p.load_device = torch.device("meta")  # where an accelerator's rank 0 would compute
-        m = comfy.multinpu_dit.apply_sequence_parallel(p, None, runtime=runtime, weights=weights)
+        with serving(runtime):
+            m = comfy.multinpu_dit.apply_sequence_parallel(p, None, weights=weights)
         wrapper = comfy.multinpu_dit.get_wrapper(m)
         shards = comfy.multinpu_shard.of(m.model.diffusion_model)
         out[weights] = {"load_device": str(m.load_device), "offload_device": str(m.offload_device),
@@ -394,6 +409,28 @@ def thread_runtime():
             "failed": failed, "unknown": unknown, "mismatch": mismatch, "installed": sorted(installed),
             "wrong_rank0": wrong_rank0,
             "spec": {"backend": rt.spec.backend, "world_size": rt.world_size, "rank1": rt.spec.describe_rank(1)}}
+
+
+@check
+def free_reaches_thread_ranks():
+    """ComfyUI's free (POST /free, the OOM handler: unload_all_models empties the model cache) reaches a thread
+    runtime's ranks as it reaches the process group's workers: before the next command every rank lets go of its
+    configuration, and that command installs it again; without a free, nothing is installed again."""
+    import comfy.model_management
+    import comfy.multinpu_dit
+    with checks_runner.counted_programs(("dit_config",)) as counted:
+        m, w = _sp_model(timeout=300.0)
+        _forward(m)
+        held_before = [len(c.configs) for c in w.runtime.contexts]
+        _forward(m)
+        installs_before_free = len(counted["calls"]["dit_config"])
+        comfy.model_management.unload_all_models()
+        pending = w.runtime._free_pending
+        _forward(m)
+        installs_after_free = len(counted["calls"]["dit_config"])
+    w.runtime.shutdown()
+    return {"held_before": held_before, "installs_before_free": installs_before_free, "pending": pending,
+            "installs_after_free": installs_after_free}
 
 
 @check

@@ -12,6 +12,7 @@ tiny_models (H3KIT_TOOLKIT on sys.path).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 
 import checks_runner  # tests/support, beside this script (its folder is on sys.path)
@@ -504,6 +505,18 @@ def dit_weights_shared():
     return out
 
 
+@contextlib.contextmanager
+def _serving(runtime):
+    """`runtime` as this process's process group while the block runs: what comfy.multinpu_process.runtime_for
+    hands every component, as in a server started with the process transport."""
+    import comfy.multinpu_process as mp
+    before, mp._RUNTIME = mp._RUNTIME, runtime
+    try:
+        yield runtime
+    finally:
+        mp._RUNTIME = before
+
+
 class _StandInRuntime:
     """The process transport's runtime as apply_tensor_parallel / apply_decode_parallel use it, in this process:
     each command computes what the workers would, on the host from the plain (unsplit) models, as one device does,
@@ -514,6 +527,12 @@ class _StandInRuntime:
         self.world_size = 2
         self.spec = types.SimpleNamespace(backend="hccl")
         self.clip, self.vae, self.calls = clip, vae, []
+
+    def runtime_for(self, devices, primary, what, timeout):
+        return self
+
+    def describe(self):
+        return "2 processes (hccl)"
 
     def run(self, name, payload, configs):
         import torch
@@ -609,7 +628,8 @@ def process_transport_server_copies():
     one_no_image, one_image = _encode(clip, image=False), _encode(clip, image=True)
     mm.unload_model_and_clones(clip.patcher, all_devices=True)
     runtime = _StandInRuntime(clip=clip)
-    par = te.apply_tensor_parallel(clip, None, runtime=runtime)
+    with _serving(runtime):
+        par = te.apply_tensor_parallel(clip, None)
     for image in (False, True):
         with _StandInAccelerator([par.patcher]) as acc:
             cond = _encode(par, image=image)
@@ -629,7 +649,8 @@ def process_transport_server_copies():
     ones = [vae.decode(z), vae.decode(z[:, :, :1]), vae.encode(image), vae.encode(video)]
     mm.unload_model_and_clones(vae.patcher, all_devices=True)
     runtime = _StandInRuntime(vae=vae)
-    pv = mv.apply_decode_parallel(vae, None, runtime=runtime)
+    with _serving(runtime):
+        pv = mv.apply_decode_parallel(vae, None)
     for name, run, ref in (("decode", lambda: pv.decode(z), ones[0]),
                            ("decode_1", lambda: pv.decode(z[:, :, :1]), ones[1]),
                            ("encode_image", lambda: pv.encode(image), ones[2]),

@@ -27,6 +27,8 @@ from h3kit import proc
 from h3kit.errors import UsageError
 
 TRANSPORTS = ("process", "threads")
+# The group contract: what this side writes and comfy/multinpu_wire.py (the ComfyUI interpreter, which this one
+# cannot import) reads. Both copies are pinned equal by tests/test_group_contract.py.
 DEFAULT_JOIN_TIMEOUT = 300.0
 GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_wire.py
 KEY_ENV = "H3KIT_GROUP_KEY"

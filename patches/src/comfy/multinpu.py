@@ -259,8 +259,10 @@ class ThreadComm:
         return self._rendezvous("all_gather", x, lambda slots: [
             x if i == self.rank else self._copy_in(slots[i]) for i in range(self.world_size)])
 
-    def all_gather_flat(self, x: torch.Tensor) -> torch.Tensor:
-        """[P * n, ...]: the P equal-shape tensors in rank order, copied straight into one new tensor."""
+    def all_gather_flat(self, x: torch.Tensor, async_op: bool = False):
+        """[P * n, ...]: the P equal-shape tensors in rank order, copied straight into one new tensor. async_op:
+        (the tensor, a function that returns it), as ProcessComm's; a peer copy waits for both ranks anyway, so
+        the tensor is complete when this returns."""
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=self.device)
 
         def take(slots):
@@ -269,7 +271,8 @@ class ThreadComm:
                     self.group._count(x.numel() * x.element_size(), self.rank)
                 part.copy_(x if i == self.rank else slots[i], non_blocking=True)
             return out
-        return self._rendezvous("all_gather", x, take)
+        out = self._rendezvous("all_gather", x, take)
+        return (out, lambda: out) if async_op else out
 
     def side(self):
         """A communicator for traffic that must not queue behind this one's collectives: with threads, every peer
@@ -675,14 +678,11 @@ def all_gather_flat_start(x: torch.Tensor, comm):
 
     Processes: the backend's asynchronous collective (the caller computes while it moves; on gloo a thread of
     the backend's, on hccl/nccl the group's stream); threads: done before this returns (a peer copy waits for
-    both ranks anyway).
+    both ranks anyway). Each communicator says which (all_gather_flat's async_op).
     """
     if comm.world_size == 1:
         return lambda: x
-    if isinstance(comm, ProcessComm):
-        return comm.all_gather_flat(x.contiguous(), async_op=True)[1]
-    out = comm.all_gather_flat(x.contiguous())
-    return lambda: out
+    return comm.all_gather_flat(x.contiguous(), async_op=True)[1]
 
 
 def gather_v(x: torch.Tensor, comm, sizes=None, dst: int = 0, dim: int = 0):

@@ -21,8 +21,8 @@ Weights: replicated (every rank holds the whole DiT, about 66 GB at BF16 for H3)
 gathered just before it runs and dropped after it). Sequence parallelism splits the activations and the
 attention work; sharding splits the weights too, at the cost of one all-gather of each block per forward.
 
-One code path for both transports: the ranks are the worker processes of a torch.distributed group
-(comfy.multinpu_process) or threads of this process (comfy.multinpu_threads), and either way they run the
+One code path for every transport: the ranks are those of the runtime comfy.multinpu_process.runtime_for() gives
+(worker processes of a torch.distributed group, or threads of this process), and either way they run the
 programs below (dit_config, dit_forward, dit_empty_cache) through the same command path: worker rank 0
 broadcasts each forward's inputs (latents, timestep, context, the payload with its packed layout), every rank
 runs _forward on its own copy of the DiT (a structural copy over the weights the worker loaded from the same
@@ -50,8 +50,8 @@ import comfy.multinpu
 import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
+import comfy.multinpu_runtime_base
 import comfy.multinpu_shard
-import comfy.multinpu_threads
 import comfy.multinpu_weights
 import comfy.multinpu_wire
 import comfy.patcher_extension
@@ -245,9 +245,8 @@ def _to(obj, device):
 class SequenceParallelDiT:
     """DIFFUSION_MODEL wrapper running MiniMaxH3Model._forward sequence-parallel on the ranks of `runtime`.
 
-    runtime: the server's comfy.multinpu_process.GroupRuntime (worker processes) or a
-    comfy.multinpu_threads.ThreadRuntime (threads of this process); either runs the dit_forward program on every
-    rank, each on its own copy of the DiT described by `config` (what every rank loads, checked by digest).
+    runtime: a comfy.multinpu_runtime_base.Runtime (comfy.multinpu_process.runtime_for); it runs the dit_forward
+    program on every rank, each on its own copy of the DiT described by `config` (what every rank loads, checked by digest).
     device: where the server's copy and the sampler's latents live (the host); rank_device: worker rank 0's
     device. `weights` is "replicated" or "sharded" (every rank's DiT is then sharded: comfy.multinpu_shard). One
     forward at a time per wrapper. forwards, rank_forwards (per rank), bytes_moved and bytes_received (per rank,
@@ -285,13 +284,12 @@ class SequenceParallelDiT:
 
     @property
     def timeout(self) -> float:
-        """The bound of a collective (the thread runtime's; a process group's is fixed when it starts)."""
-        return getattr(self.runtime, "timeout", self.runtime.spec.timeout)
+        """The bound of a collective on the ranks (a process group's is fixed when it starts)."""
+        return self.runtime.timeout
 
     @timeout.setter
     def timeout(self, seconds: float):
-        if hasattr(self.runtime, "timeout"):
-            self.runtime.timeout = float(seconds)
+        self.runtime.timeout = seconds
 
     def _check_blocks(self, dm, transformer_options):
         blocks = transformer_options.get("patches_replace", {}).get("dit", {})
@@ -451,7 +449,7 @@ def _forward_rank(comm, payload, held, hook):
     memory = payload["memory"][comm.rank] if payload["memory"] else (0, None)
     out = None
     try:
-        with comfy.multinpu_threads.MODEL_LOCK:  # model management is one per process, not thread-safe
+        with comfy.multinpu_runtime_base.MODEL_LOCK:  # model management is one per process, not thread-safe
             comfy.model_management.load_models_gpu([held.patcher], memory_required=memory[0],
                                                    minimum_memory_required=memory[1])
         out = dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev),
@@ -471,7 +469,7 @@ def _forward_rank(comm, payload, held, hook):
 @comfy.multinpu_group.program("dit_empty_cache")
 def _empty_cache_on_worker(context, comm, payload):
     # empty_cache acts on the current device: the rank's own (each rank thread has set its device)
-    with comfy.multinpu_threads.MODEL_LOCK, comfy.multidevice.device_context(context.device):
+    with comfy.multinpu_runtime_base.MODEL_LOCK, comfy.multidevice.device_context(context.device):
         comfy.model_management.soft_empty_cache()
     return _rank_counts(comm, [1])
 
@@ -554,15 +552,15 @@ def choose_weights(weights: str, patcher: ModelPatcher, devices) -> str:
 
 
 def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str = "auto",
-                            timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None,
+                            timeout: float = comfy.multinpu.DEFAULT_TIMEOUT,
                             weights: str = "replicated") -> ModelPatcher:
-    """A clone of `patcher` whose MiniMax H3 DiT runs sequence-parallel on the ranks of `runtime`.
+    """A clone of `patcher` whose MiniMax H3 DiT runs sequence-parallel on the ranks of this server's runtime.
 
-    runtime: the server's process group (comfy.multinpu_process.get_runtime()); None: the ranks are threads of
-    this process on `devices` (rank 0 = devices[0], the model's load device; a comfy.multinpu_threads.ThreadRuntime
-    with `timeout`). Either way every rank loads the same file with the server's weight patches (its own structural
-    copy over the host weights; sharded the same way), checked before the first forward, and the server's copy
-    stays on the host, unpatched (it computes no DiT forward).
+    The ranks are comfy.multinpu_process.runtime_for(devices, the model's load device, ...): the server's process
+    group, or threads of this process on `devices` (rank 0 = devices[0], the model's load device; collectives
+    bounded by `timeout`). Either way every rank loads the same file with the server's weight patches (its own
+    structural copy over the host weights; sharded the same way), checked before the first forward, and the
+    server's copy stays on the host, unpatched (it computes no DiT forward).
     weights "replicated": every rank holds the whole DiT; "sharded": every rank holds 1/P of each block's weights
     (comfy.multinpu_shard); "auto": choose_weights. Installs the DIFFUSION_MODEL wrapper, one block replacement
     per DiT block, and the sampling wrappers that size each rank's load by its own activations and empty every
@@ -571,6 +569,25 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str 
     patches a rank cannot apply the same way.
     """
     dm = patcher.model.diffusion_model
+    _check_applicable(patcher, dm)
+    runtime = comfy.multinpu_process.runtime_for(devices, patcher.load_device, "model", timeout)
+    config, weights = _rank_config(patcher, weights)
+    # The server computes no DiT forward (worker rank 0 does, on device 0): its copy stays on the host, mapped from
+    # the file, and the sampler's latents with it, so device 0 holds one DiT, worker rank 0's, not two. The copy
+    # keeps rank 0's structure (its slices when sharded), which ComfyUI sizes rank 0's load and estimate by.
+    device, host = patcher.load_device, patcher.offload_device
+    m = _server_copy(patcher, weights, host, runtime.world_size)
+    _install_wrappers(m, SequenceParallelDiT(runtime, config, attention, weights=weights, device=host,
+                                             rank_device=device))
+    _replace_blocks(m, len(dm.blocks))
+    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {runtime.describe()}, attention {attention}; "
+                 f"{_weights_line(weights, patcher, runtime.world_size)}, "
+                 f"{len(config.payload['patches'])} weight patch(es) sent to the ranks")
+    return m
+
+
+def _check_applicable(patcher: ModelPatcher, dm):
+    """ValueError for a model apply_sequence_parallel cannot set up."""
     if not isinstance(dm, comfy.ldm.minimax.model.MiniMaxH3Model):
         raise ValueError(f"MultiNPU: sequence parallelism supports the MiniMax H3 DiT, not {type(dm).__name__}")
     if comfy.multinpu_shard.of(dm) is not None:
@@ -582,7 +599,11 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str 
     if foreign:
         raise ValueError(f"MultiNPU: DiT blocks {sorted(k[1] for k in foreign)} are already replaced by another node; "
                          "sequence parallelism needs every block")
-    runtime = runtime or comfy.multinpu_threads.ThreadRuntime.on(devices, patcher.load_device, "model", timeout)
+
+
+def _rank_config(patcher: ModelPatcher, weights: str):
+    """(the RemoteConfig every rank loads its DiT from, the weights mode chosen); the host weights become the
+    file's mapped copy."""
     src = comfy.multinpu_models.source(patcher.model, "diffusion model")
     patches = comfy.multinpu_models.weight_patches(patcher, "diffusion model")
     # ranks that are threads of this process load nothing: they take this model (their patches are the config's)
@@ -598,12 +619,13 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str 
     config = comfy.multinpu_process.RemoteConfig(
         "dit_config", {"source": src, "patches": patches, "weights": weights},
         comfy.multinpu_models.digest(src, patcher.model, patches, weights=weights), f"DiT {src.paths[0]}")
-    # The server computes no DiT forward (worker rank 0 does, on device 0): its copy stays on the host, mapped from
-    # the file, and the sampler's latents with it, so device 0 holds one DiT, worker rank 0's, not two. The copy
-    # keeps rank 0's structure (its slices when sharded), which ComfyUI sizes rank 0's load and estimate by.
-    device, host = patcher.load_device, patcher.offload_device
+    return config, weights
+
+
+def _server_copy(patcher: ModelPatcher, weights: str, host, world: int) -> ModelPatcher:
+    """The server's clone of the model: on the host, without weight patches, rank 0's structure."""
     if weights == "sharded":
-        m = sharded_patcher(patcher, host, 0, runtime.world_size)
+        m = sharded_patcher(patcher, host, 0, world)
         # its slices would only be built to sit on the host unused: the ranks build their own
         m.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, KEY)
     else:
@@ -615,11 +637,6 @@ def apply_sequence_parallel(patcher: ModelPatcher, devices=None, attention: str 
     # every LoRA'd weight on the CPU into a private copy no forward reads
     m.patches = {}
     m.patches_uuid = uuid.uuid4()
-    _install_wrappers(m, SequenceParallelDiT(runtime, config, attention, weights=weights, device=host,
-                                             rank_device=device))
-    _replace_blocks(m, len(dm.blocks))
-    logging.info(f"MultiNPU: MiniMax H3 DiT sequence-parallel on {comfy.multinpu_threads.describe_ranks(runtime)}, attention {attention}; {_weights_line(weights, patcher, runtime.world_size)}, "
-                 f"{len(patches)} weight patch(es) sent to the ranks")
     return m
 
 

@@ -37,6 +37,7 @@ from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, REC
 from comfy.multinpu_wire import SharedMemoryFull
 from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
+from comfy.multinpu_runtime_base import MODEL_LOCK, unload
 
 
 
@@ -95,6 +96,17 @@ class WorkerContext:
         self.command = None     # the number of the last command it took (in its generation)
         self.comm = None        # its generation's ProcessComm (made at join, with its side group)
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
+
+    def loaded(self, config_id: str, held):
+        """The built-in install's report of a configuration set up here (the driver reads ready/{id}/{rank})."""
+        self.ctl.put(f"ready/{config_id}/{self.rank}", {"pid": os.getpid(), "digest": held.digest})
+
+    def load_failed(self, config_id: str, exc: BaseException):
+        """... and of one that failed: reported, then this process leaves (never reused after an error)."""
+        self.ctl.put(f"ready/{config_id}/{self.rank}", {
+            "pid": os.getpid(), "error": {"pid": os.getpid(), "host": socket.gethostname(), "type": type(exc).__name__,
+                                          "message": str(exc)[:2000], "oom": is_oom(exc)}})
+        _leave(REPORTED_EXIT)
 
 
 class After:
@@ -276,7 +288,7 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
             if header["nbytes"]:
                 buf = comm.broadcast(buf, 0)
             payload = unpack(header["data"], unflatten(buf, header["metas"]))
-            fn = _BUILTINS.get(name) or PROGRAMS.get(name)
+            fn = BUILTINS.get(name) or PROGRAMS.get(name)
             if fn is None:
                 raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
             inject_fault(context, name)
@@ -365,38 +377,42 @@ def _free_memory(context: WorkerContext):
             logging.warning(f"MultiNPU: rank {context.rank}: freeing memory failed: {e}")
 
 
+# The built-in commands, the same functions for every runtime (comfy.multinpu_runtime_base): what differs between a
+# worker process and a rank thread is the context's (how a load is reported, what freeing memory means).
+
 def _install(context: WorkerContext, comm, payload):
     if context.rank not in payload["ranks"]:
         return None
-    ctl = context.ctl
 
     def load():
-        key = f"ready/{payload['id']}/{context.rank}"
+        # after the closing barrier (reading model files must not hold the group); one rank at a time through
+        # model management (uncontended in a worker process)
         try:
             inject_fault(context, payload["program"])
-            held = PROGRAMS[payload["program"]](context, comm, payload["payload"])
+            with MODEL_LOCK:
+                held = PROGRAMS[payload["program"]](context, comm, payload["payload"])
             context.configs[payload["id"]] = held
-            ctl.put(key, {"pid": os.getpid(), "digest": held.digest})
+            context.loaded(payload["id"], held)
         except Exception as e:
             logging.exception(f"MultiNPU: rank {context.rank} could not load {payload['program']}")
-            ctl.put(key, {"pid": os.getpid(), "error": {"pid": os.getpid(), "host": socket.gethostname(),
-                                                        "type": type(e).__name__, "message": str(e)[:2000],
-                                                        "oom": is_oom(e)}})
-            _leave(REPORTED_EXIT)
+            context.load_failed(payload["id"], e)
     return After(load)
 
 
 def _drop(context: WorkerContext, comm, ids):
     for i in ids:
-        context.configs.pop(i, None)
+        unload(context.configs.pop(i, None))
 
 
 def _free(context: WorkerContext, comm, payload):
+    held = list(context.configs.values())
     context.configs.clear()
+    for h in held:
+        unload(h)
     _free_memory(context)
 
 
-_BUILTINS = {"install": _install, "drop": _drop, "free": _free}
+BUILTINS = {"install": _install, "drop": _drop, "free": _free}
 
 
 if __name__ == "__main__":

@@ -1,43 +1,30 @@
 """The driver's installs: a mixin of comfy.multinpu_process.GroupRuntime, which holds the state.
 
 What every worker must hold before a command uses it (a RemoteConfig: a model loaded from the same files with the
-same weight patches) is installed where missing and checked against rank 0's digest; frees and drops reach the
-workers before the next command.
+same weight patches) is installed where missing and checked against rank 0's digest (config_mismatch). The frees
+and drops that reach the workers before the next command are comfy.multinpu_runtime_base.Runtime's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 
 import comfy.multinpu_launch as launch
+import comfy.multinpu_runtime_base as base
 import comfy.multinpu_wire as wire
 from comfy.multinpu_commands import ERROR_WAIT, _rank_exception
 from comfy.multinpu_members import WAITING_LOG
 
 
 class Installs:
-    """Installs, frees and drops of what the workers hold."""
-
-    def _housekeeping(self):
-        if self._free_pending:
-            self._free_pending = False
-            self._execute("free", None)
-            logging.info("MultiNPU: the workers let go of their models (POST /free or ComfyUI's OOM handler)")
-            for cfg in self.configs:
-                cfg.installed = {}
-        if self._drops:
-            ids, self._drops = self._drops, []
-            self._execute("drop", ids)
+    """Installs of what the workers hold, checked."""
 
     def _install(self, cfg: RemoteConfig):
         todo = [r for r in range(self.world_size) if cfg.installed.get(r) != self.members.get(r)]
         if not todo:
             return
-        if cfg not in self.configs:
-            self.configs.add(cfg)
-            weakref.finalize(cfg, self._drops.append, cfg.id)  # the workers let go of it with the driver
+        self._track(cfg)
         t0 = time.monotonic()
         self._execute("install", {"id": cfg.id, "program": cfg.program, "payload": cfg.payload, "ranks": todo})
         reports = self._wait_reports(f"ready/{cfg.id}", todo, wire.LOAD_TIMEOUT, f"loading {cfg.what}")
@@ -47,17 +34,9 @@ class Installs:
             exc = _rank_exception(self.spec, r, failed[r]["error"], f"loading {cfg.what}")
             self._abort_generation(str(exc)[:300])
             raise exc
-        bad = {}
-        for r, rep in reports.items():
-            diff = [k for k in sorted(set(cfg.digest) | set(rep["digest"])) if cfg.digest.get(k) != rep["digest"].get(k)]
-            if diff:
-                bad[r] = diff
-        if bad:
-            lines = [f"{self.spec.describe_rank(r)} differs in {', '.join(d)} ("
-                     + "; ".join(f"{k}: the server {cfg.digest.get(k)!s:.40}, rank {r} {reports[r]['digest'].get(k)!s:.40}"
-                                 for k in d) + ")" for r, d in sorted(bad.items())]
-            raise wire.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
-                                       + ". Fix: the same model files at the same paths on every host")
+        mismatch = base.config_mismatch(self.spec, cfg, {r: rep["digest"] for r, rep in reports.items()})
+        if mismatch is not None:
+            raise mismatch
         for r in todo:
             cfg.installed[r] = self.members[r]
         logging.info(f"MultiNPU: {cfg.what} loaded and checked on {len(todo)} worker(s) in "
@@ -119,8 +98,3 @@ class Installs:
         return (f"npu_count is {npu_count} but this ComfyUI server's process group has {self.world_size} ranks "
                 f"({spec.nnodes} node(s) of {spec.local_size} {spec.device_type} device(s)). Fix: set npu_count to "
                 f"{self.world_size}, or restart the service with {npu_count} devices.")
-
-    def request_free(self):
-        """The workers unload their models with the server's (POST /free, the OOM handler); sent before the
-        next command."""
-        self._free_pending = True

@@ -45,16 +45,15 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 
 import torch
 import torch.distributed
 
-import comfy.model_cache
 import comfy.multinpu
 import comfy.multinpu_channel as channel
 import comfy.multinpu_launch as launch
 import comfy.multinpu_progress as progress
+import comfy.multinpu_runtime_base as base
 import comfy.multinpu_wire as wire
 
 from comfy.multinpu_commands import ERROR_WAIT, CommandPath  # noqa: F401 (ERROR_WAIT: the tests' bounds)
@@ -81,11 +80,12 @@ class RemoteConfig:
         self.installed = {}  # rank -> pid of the worker that holds it, checked
 
 
-class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs):
+class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtime):
     """The driver of the process group: owns the store's process, the command channel, this host's workers, the
-    generations and every command. Its concerns live in mixins that share this object's state: membership and
-    monitoring (comfy.multinpu_members: GroupMonitor, Generations), the command path (comfy.multinpu_commands:
-    CommandPath; run and _execute are here), installs (comfy.multinpu_installs: Installs).
+    generations and every command. What every runtime shares (run(), the frees and drops, the digest check) is
+    comfy.multinpu_runtime_base.Runtime's; its own concerns live in mixins that share this object's state:
+    membership and monitoring (comfy.multinpu_members: GroupMonitor, Generations), the command path
+    (comfy.multinpu_commands: CommandPath; _execute is here), installs (comfy.multinpu_installs: Installs).
 
     One command runs at a time (`run`); the monitor thread forms the group, watches every rank, replaces
     the whole group after a failure and re-forms it while the server is idle, so `h3kit status` shows every
@@ -95,25 +95,19 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs):
     def __init__(self, spec: wire.GroupSpec, key: str, device=None):
         if spec.node_rank != 0:
             raise ValueError("MultiNPU: the driver runs on node 0; other nodes run an agent")
-        self.spec = spec
+        super().__init__(spec)  # run(), the frees and drops: comfy.multinpu_runtime_base
         self.key = key
         self.signer = wire.Signer(key.encode())
-        self.world_size = spec.world_size
         self.device = torch.device(device if device is not None else spec.device_name(0))
         self.state = "starting"
         self.error = None
         self.generation = 0
         self.members = {}              # rank -> pid in the current generation (empty while none is formed)
-        self.commands = 0
         self.next_cmd = 1
         self.port = None
         self.inflight = None           # (program, command number) while a command runs
         self.dead = {}                 # rank -> "pid X: reason" noticed in the current generation
-        self.configs = weakref.WeakSet()  # RemoteConfigs the workers were asked to hold
         self.last_failure = None       # {"message", "seconds_to_error"} of the last failed command
-        self._drops = []
-        self._free_pending = False
-        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
@@ -261,30 +255,17 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs):
         else:
             logging.warning(f"MultiNPU: command channel: pid {pid} says it is {hello!r:.200}; closing it")
 
-    # -- commands (the rest of the command path: comfy.multinpu_commands) --
+    def describe(self) -> str:
+        return f"{self.world_size} processes ({self.spec.backend})"
 
-    def run(self, name: str, payload, configs=()):
-        """Run command `name` on every rank (PROGRAMS[name](context, comm, payload) in each worker) and return
-        what worker rank 0's program returned.
-
-        configs: RemoteConfigs the workers must hold first (installed and checked where missing). Raises
-        wire.GroupError subclasses naming the rank that failed or died (wire.RankFailed, wire.RankDied,
-        wire.ConfigMismatch) or torch.OutOfMemoryError for a rank that ran out of memory; the group is then
-        replaced by fresh processes and the next call forms it again.
-        """
-        with self._lock:
-            self._ensure_ready(name)
-            self._housekeeping()
-            for cfg in configs:
-                self._install(cfg)
-            return self._execute(name, payload)
+    # -- commands (run(): comfy.multinpu_runtime_base; the rest of the command path: comfy.multinpu_commands) --
 
     def _execute(self, name, payload):
         g, n = self.generation, self.next_cmd
         self.commands += 1
         data, tensors = wire.pack(payload)
-        base = os.path.join(wire.shm_dir(), f"h3kit-{os.getpid()}-{self._token}-{g}-{n}")
-        inp, out = f"{base}-in", f"{base}-out"
+        stem = os.path.join(wire.shm_dir(), f"h3kit-{os.getpid()}-{self._token}-{g}-{n}")
+        inp, out = f"{stem}-in", f"{stem}-out"
         self.inflight = (name, n)
         try:
             # a full /dev/shm fails here (wire.SharedMemoryFull) before any rank hears of command n: n is used next
@@ -316,21 +297,19 @@ def get_runtime():
 
 
 def transport():
-    """What runs this server's parallel components: its process group, or the thread transport over the devices
-    this process sees (comfy.multinpu_threads.THREADS); both answer npu_count_error(npu_count)."""
+    """The one place the transport of this server's parallel components is chosen: its process group, or the
+    thread transport over the devices this process sees (comfy.multinpu_threads.THREADS). Both answer
+    npu_count_error(npu_count) and runtime_for(devices, primary, what, timeout)."""
     import comfy.multinpu_threads
     return _RUNTIME or comfy.multinpu_threads.THREADS
 
 
-def _free_workers():
-    # comfy.model_management.unload_all_models (POST /free, the OOM handler, --disable-smart-memory) empties the
-    # model cache: the workers let go of theirs too, before the next command
-    if _RUNTIME is not None:
-        logging.info("MultiNPU: ComfyUI freed its models; the workers free theirs before the next command")
-        _RUNTIME.request_free()
-
-
-comfy.model_cache.add_clear_listener(_free_workers)
+def runtime_for(devices, primary, what: str, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> base.Runtime:
+    """The runtime a parallel component (the DiT, the text encoder, the VAE) runs its programs on: this server's
+    process group, which serves every component, or ranks that are threads of this process on `devices` (a runtime
+    of the component's own, whose collectives are bounded by `timeout`). Rank 0 must be on `primary`, the device
+    of `what` (ValueError otherwise, with threads; a process group's rank 0 is device 0 by construction)."""
+    return transport().runtime_for(devices, primary, what, timeout)
 
 
 def start_runtime(spec: wire.GroupSpec, key: str, device=None) -> GroupRuntime:

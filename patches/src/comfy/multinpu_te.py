@@ -7,10 +7,9 @@ through the embeddings and the vision tower (images and video blocks become embe
 features), then Llama2_.forward. No upstream file is edited: apply_tensor_parallel(clip, devices) returns
 a CLIP whose Llama2_ runs on P ranks, and every rank runs upstream's Llama2_.forward on its own shard.
 
-The ranks run the worker programs te_config (a rank sets up its shard) and te_forward (one forward) through a
-runtime: the server's process group (comfy.multinpu_process, one process per device) or, with the thread
-transport, a comfy.multinpu_threads.ThreadRuntime (threads of this process, one per device, the same programs
-through the same command path). Either way the server computes only what is not parallel, the token embeddings
+The ranks run the worker programs te_config (a rank sets up its shard) and te_forward (one forward) through the
+runtime comfy.multinpu_process.runtime_for() gives: the server's process group (one process per device) or threads
+of this process (one per device, the same programs through the same command path). Either way the server computes only what is not parallel, the token embeddings
 and the vision tower (images and video blocks of the prompt), so its copy holds only those: the decoder's layers
 are left out of it (server_decoder) and of what it loads onto device 0; every rank holds its shard of the layers
 and no embeddings (rank 0 receives the server's inputs, the others the same without the vision inputs), so device
@@ -57,7 +56,7 @@ import comfy.multinpu
 import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
-import comfy.multinpu_threads
+import comfy.multinpu_runtime_base
 import comfy.patcher_extension
 import comfy.multinpu_weights
 import comfy.text_encoders.llama
@@ -275,7 +274,7 @@ class TextEncoderParallel:
     """
 
     def __init__(self, runtime, config, mode: str, layers: int = 0):
-        self.runtime = runtime    # the server's process group or a comfy.multinpu_threads.ThreadRuntime
+        self.runtime = runtime    # a comfy.multinpu_runtime_base.Runtime (comfy.multinpu_process.runtime_for)
         self.config = config      # the RemoteConfig every rank sets its shard up from (te_config)
         self.mode = mode
         self.world_size = runtime.world_size
@@ -310,13 +309,9 @@ class TextEncoderParallel:
         self.bytes_moved += moved
         if outs is not None:
             self.rank_outputs = [o.detach().cpu() for o in outs]
-        logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {self.world_size} {_ranks(self.runtime)} in "
+        logging.debug(f"MultiNPU: text encoder forward ({self.mode}) on {self.runtime.describe()} in "
                       f"{time.perf_counter() - t0:.3f} s")
         return out
-
-
-def _ranks(runtime) -> str:
-    return "devices" if runtime.spec.backend == "threads" else "processes"
 
 
 class _WorkerTE:
@@ -359,7 +354,7 @@ def _forward_on_worker(context, comm, payload):
 
 def _forward_rank(context, comm, payload):
     held = context.configs[payload["config"]]
-    with comfy.multinpu_threads.MODEL_LOCK:  # model management is one per process, not thread-safe
+    with comfy.multinpu_runtime_base.MODEL_LOCK:  # model management is one per process, not thread-safe
         comfy.model_management.load_models_gpu([held.patcher])
     start = comm.bytes_received
     held.ctx.comm = comm
@@ -458,12 +453,12 @@ def _name_rank_weights(model0, full):
 
 
 def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
-                          timeout: float = comfy.multinpu.DEFAULT_TIMEOUT, runtime=None) -> CLIP:
-    """A clone of `clip` whose text encoder's layers run on the ranks of `runtime`.
+                          timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> CLIP:
+    """A clone of `clip` whose text encoder's layers run on the ranks of this server's runtime.
 
-    runtime: the server's process group (comfy.multinpu_process.get_runtime()); None: the ranks are threads of
-    this process on `devices` (rank 0 = devices[0], the CLIP's load device; a comfy.multinpu_threads.ThreadRuntime
-    with `timeout`). Either way every rank sets up its shard of the layers (program te_config, checked against the
+    The ranks are comfy.multinpu_process.runtime_for(devices, the CLIP's load device, ...): the server's process
+    group, or threads of this process on `devices` (rank 0 = devices[0], the CLIP's load device; collectives
+    bounded by `timeout`). Either way every rank sets up its shard of the layers (program te_config, checked against the
     server's digest before the first forward) and the clone, which loads onto the CLIP's device, holds only the
     embeddings and the vision tower.
 
@@ -482,7 +477,7 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
                          "tensor parallelism splits the weights they name")
     src = comfy.multinpu_models.source(clip.cond_stage_model, "text encoder")
     # threads: they start with the runtime's first command
-    runtime = runtime or comfy.multinpu_threads.ThreadRuntime.on(devices, clip.patcher.load_device, "text encoder", timeout)
+    runtime = comfy.multinpu_process.runtime_for(devices, clip.patcher.load_device, "text encoder", timeout)
     mode = choose_mode(decoder, runtime.world_size, mode)
     # ranks that are threads of this process load nothing: they take this text encoder
     comfy.multinpu_models.offer(src, clip)
@@ -509,7 +504,7 @@ def apply_tensor_parallel(clip: CLIP, devices, mode: str = "auto",
     _name_rank_weights(model0, clip.cond_stage_model)
     n.patcher.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, _refuse_weight_patches)
     logging.info(f"MultiNPU: text encoder {'tensor-parallel' if mode == 'tensor' else 'split by layers'} on "
-                 f"{comfy.multinpu_threads.describe_ranks(runtime)}; the server holds the embeddings and vision tower, "
+                 f"{runtime.describe()}; the server holds the embeddings and vision tower, "
                  f"{n.patcher.model_size() / 2**30:.2f} GiB, the ranks the layers")
     return n
 

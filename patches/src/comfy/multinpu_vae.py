@@ -4,7 +4,7 @@ MiniMaxH3VideoVAE.decode_temporal (comfy/ldm/minimax/vae.py) cuts the latents in
 chunks (7 latents, 28 frames, for the real VAE), decodes each with _adaptive_decode (spatial tiles
 inside), blends each chunk into the previous one's overlap and writes the frames out in order. The chunk
 decodes are independent; only the blend is ordered. No upstream file is edited: apply_decode_parallel(vae,
-devices, runtime=...) returns a VAE whose decode_temporal
+devices) returns a VAE whose decode_temporal
 
 1. plans the chunks as upstream does (its _decode_temporal_chunks, the same padding and slices),
 2. hands them to the ranks as one command (the worker program "vae_decode"): chunk i is decoded on rank i % P
@@ -15,8 +15,8 @@ devices, runtime=...) returns a VAE whose decode_temporal
    pixels and the writes into the output buffer are upstream's own code, in upstream's order, on the device
    where one-device decoding runs them.
 
-The ranks are the processes of the server's group (comfy.multinpu_process) or threads of this process on
-`devices` (comfy.multinpu_threads.ThreadRuntime): the same programs, the same command path, the same server-side
+The ranks are those of the runtime comfy.multinpu_process.runtime_for() gives, the processes of the server's group or
+threads of this process on `devices`: the same programs, the same command path, the same server-side
 copy. Every rank sets its decoder up with the configuration "vae_config": it loads the same file through the same
 cached loader (threads take the server's loaded VAE, comfy.multinpu_models.offer) and keeps a structural copy of its
 own over the one host copy (comfy.multinpu_weights), so loading rank r's onto device r moves no other rank's.
@@ -41,12 +41,11 @@ import torch
 
 import comfy.ldm.minimax.vae
 import comfy.model_management
-import comfy.multidevice
 import comfy.multinpu
 import comfy.multinpu_group
 import comfy.multinpu_models
 import comfy.multinpu_process
-import comfy.multinpu_threads
+import comfy.multinpu_runtime_base
 import comfy.multinpu_weights
 
 if TYPE_CHECKING:
@@ -100,7 +99,7 @@ class VideoDecodeParallel:
     """
 
     def __init__(self, runtime, config):
-        self.runtime = runtime  # comfy.multinpu_process's GroupRuntime or comfy.multinpu_threads.ThreadRuntime
+        self.runtime = runtime  # a comfy.multinpu_runtime_base.Runtime (comfy.multinpu_process.runtime_for)
         self.config = config
         self.world_size = runtime.world_size
         self.forwards = 0
@@ -218,7 +217,7 @@ def _decode_on_worker(context, comm, payload):
     """Chunk i on rank i % P; rank 0 returns every decoded chunk in order, each moved to the host as it
     arrives (they reach the server through shared memory or a host buffer; the device holds one wave at a time)."""
     held = context.configs[payload["config"]]
-    with comfy.multinpu_threads.MODEL_LOCK:  # model management is one per process, not thread-safe
+    with comfy.multinpu_runtime_base.MODEL_LOCK:  # model management is one per process, not thread-safe
         comfy.model_management.load_models_gpu([held.patcher])
     chunks = payload["chunks"]
 
@@ -247,12 +246,11 @@ class ParallelVideoVAE(comfy.ldm.minimax.vae.MiniMaxH3VideoVAE):
         return self.multinpu.decode_in_workers(z)
 
 
-def apply_decode_parallel(vae: VAE, devices=None, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT,
-                          runtime=None) -> VAE:
-    """A copy of `vae` (a MiniMax H3 video VAE loaded by VAELoader) whose decodes run on the ranks of `runtime`.
+def apply_decode_parallel(vae: VAE, devices=None, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> VAE:
+    """A copy of `vae` (a MiniMax H3 video VAE loaded by VAELoader) whose decodes run on this server's runtime.
 
-    runtime: the server's process group (comfy.multinpu_process.get_runtime()); None: the ranks are threads of this
-    process on `devices` (rank 0 = devices[0], the VAE's device; a comfy.multinpu_threads.ThreadRuntime with
+    The ranks are comfy.multinpu_process.runtime_for(devices, the VAE's device, ...): the server's process group,
+    or threads of this process on `devices` (rank 0 = devices[0], the VAE's device; collectives bounded by
     `timeout`). Either way every rank loads the same file and keeps its own copy of the decoder over the host
     weights, checked before the first decode, and the copy returned, which loads onto the VAE's device, keeps the
     encoder and decodes nothing itself. Raises ValueError for any other VAE (the audio VAE stays on one device, in
@@ -263,7 +261,7 @@ def apply_decode_parallel(vae: VAE, devices=None, timeout: float = comfy.multinp
         what = "already split across devices" if isinstance(source, ParallelVideoVAE) else f"a {type(source).__name__}"
         raise ValueError(f"MultiNPU: parallel decode is for the MiniMax H3 video VAE; this VAE is {what}")
     src = comfy.multinpu_models.source(source, "VAE")
-    runtime = runtime or comfy.multinpu_threads.ThreadRuntime.on(devices, vae.device, "VAE", timeout)
+    runtime = comfy.multinpu_process.runtime_for(devices, vae.device, "VAE", timeout)
     # ranks that are threads of this process load nothing: they take this VAE
     comfy.multinpu_models.offer(src, vae)
     # the loaded weights, back on the host, are the one host copy every rank's copy shares
@@ -281,10 +279,7 @@ def apply_decode_parallel(vae: VAE, devices=None, timeout: float = comfy.multinp
     n = copy.copy(vae)  # the VAE's settings (dtypes, memory estimates, strides) are shared, read-only
     n.first_stage_model = server
     n.patcher = comfy.multinpu_weights.device_patcher(vae.patcher, server, vae.device)
-    ranks = getattr(runtime, "devices", None)
-    where = (comfy.multidevice.describe_devices(ranks) if ranks is not None
-             else f"{runtime.world_size} processes")
-    logging.info(f"MultiNPU: video VAE decodes temporal chunks on {where} (every rank holds the decoder, the server "
+    logging.info(f"MultiNPU: video VAE decodes temporal chunks on {runtime.describe()} (every rank holds the decoder, the server "
                  f"the encoder, {n.patcher.model_size() / 2**30:.2f} of {vae.patcher.model_size() / 2**30:.2f} GiB)")
     return n
 

@@ -33,6 +33,8 @@ import torch
 
 import comfy.multinpu
 
+# The group contract: what h3kit's service side (toolkit/h3kit/group.py, another interpreter, which cannot import
+# this module) writes and this side reads. Both copies are pinned equal by tests/test_group_contract.py.
 GROUP_ENV = "H3KIT_GROUP"            # the JSON GroupSpec of this service (set by h3kit start)
 KEY_ENV = "H3KIT_GROUP_KEY"          # hex key authenticating every control message
 RANK_ENV = "H3KIT_RANK"
@@ -42,7 +44,9 @@ HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
 PROGRESS_ENV = "H3KIT_PROGRESS_TIMEOUT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-LAUNCHERS = ("h3kit", "torchrun")    # who starts and restarts a host's workers: LocalWorkers or TorchrunWorkers
+LAUNCHERS = ("torchrun", "h3kit")    # who starts and restarts a host's workers: TorchrunWorkers or LocalWorkers
+DEFAULT_LAUNCHER = "torchrun"        # h3kit start's default (docs/multinpu.md, "Launchers": why h3kit's stays)
+DEFAULT_JOIN_TIMEOUT = 300.0         # seconds for every rank to join a generation
 RDZV_READ_TIMEOUT = 15              # seconds: torchrun's c10d rendezvous store reads (its default is 60)
 TORCHRUN_MAX_RESTARTS = 1000         # torchrun's restart limit; the driver restarts torchrun itself past it
 TORCHRUN_RETRY = 30.0                # after torchrun ended more than CRASH_LIMIT times in CRASH_WINDOW, the pause
@@ -113,8 +117,8 @@ class GroupSpec:
 
     def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
                  master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
-                 join_timeout=300.0, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE, launcher="h3kit",
-                 channel=None):
+                 join_timeout=DEFAULT_JOIN_TIMEOUT, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE,
+                 launcher=DEFAULT_LAUNCHER, channel=None):
         if launcher not in LAUNCHERS:
             raise ValueError(f"MultiNPU: launcher {launcher!r} is not one of {LAUNCHERS}")
         if device_type not in BACKENDS:

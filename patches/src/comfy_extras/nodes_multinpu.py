@@ -35,14 +35,14 @@ def check_npu_count(npu_count) -> str | None:
 
 
 def _spread(what, apply, obj, primary, npu_count):
-    """apply(obj, devices, runtime=...) over the server's process group, or with none over threads of this process
-    on npu_count devices, rank 0 on obj's own device; obj unchanged (logged) where it cannot be split."""
+    """apply(obj, devices) on the ranks of this server's runtime (comfy.multinpu_process.runtime_for: its process
+    group, or threads of this process on npu_count devices, rank 0 on obj's own device); obj unchanged (logged)
+    where it cannot be split."""
     if primary.type == "cpu" and comfy.multidevice.device_kind() != "cpu":
         logging.warning(f"MultiNPU Parallel Config: the {what} is set to run on the CPU; it stays there.")
         return obj
     try:
-        return apply(obj, comfy.multidevice.devices_for(primary, npu_count),
-                     runtime=comfy.multinpu_process.get_runtime())
+        return apply(obj, comfy.multidevice.devices_for(primary, npu_count))
     except ValueError as e:
         logging.warning(f"MultiNPU Parallel Config: {str(e).removeprefix('MultiNPU: ')}; the {what} runs on one device.")
         return obj
@@ -116,10 +116,9 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
         if problem is not None:
             raise ValueError(problem)
         if npu_count > 1:
-            # the server's process group when it runs one, else threads of this process on npu_count devices
+            # on the ranks of this server's runtime (comfy.multinpu_process.runtime_for)
             model = comfy.multinpu_dit.apply_sequence_parallel(
-                model, comfy.multidevice.devices_for(model.load_device, npu_count),
-                runtime=comfy.multinpu_process.get_runtime(), weights=weights)
+                model, comfy.multidevice.devices_for(model.load_device, npu_count), weights=weights)
             if clip is not None:
                 clip = _spread("text encoder", comfy.multinpu_te.apply_tensor_parallel, clip, clip.patcher.load_device, npu_count)
             if vae is not None:

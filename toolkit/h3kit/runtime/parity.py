@@ -47,7 +47,7 @@ WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block l
 PROCESS_FILES = ("comfy/multinpu_process.py", "comfy/multinpu_group.py", "comfy/multinpu_worker.py",
                  "comfy/multinpu_models.py", "comfy/multinpu_wire.py", "comfy/multinpu_channel.py",
                  "comfy/multinpu_launch.py", "comfy/multinpu_progress.py", "comfy/multinpu_members.py",
-                 "comfy/multinpu_commands.py", "comfy/multinpu_installs.py")
+                 "comfy/multinpu_commands.py", "comfy/multinpu_installs.py", "comfy/multinpu_runtime_base.py")
 TRANSPORTS = ("threads", "process")
 # with processes a LoRA that differs on a worker stops the run at the handshake (ConfigMismatch, before any
 # forward): the parity worker holds no device copy a rank computes with, so there is none to break

@@ -690,8 +690,8 @@ def _parallel_run(node, variant, layout, attention, sharding, args, hook=None, f
     t0 = time.perf_counter()
     outputs = _run(m, capture, inputs, args.steps, args.seed)
     seconds = time.perf_counter() - t0
-    if w is not None and hasattr(w.runtime, "contexts"):
-        w.runtime.shutdown()  # a thread runtime is the row's own (the process group serves every row)
+    if w is not None:
+        w.runtime.release()  # a thread runtime is the row's own; the process group serves every row
     heads = TINY["num_attention_heads"]
     row = {"attention": "ulysses" if attention == "auto" and heads % args.npu_count == 0 else "kv_gather",
            "sharding": w.weights if w else None,

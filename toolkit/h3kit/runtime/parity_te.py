@@ -136,18 +136,16 @@ def run_te(args):
         variants = [node.execute(model=loaded["dit"], npu_count=args.npu_count, clip=clip).args[1]]
         if dtype == "float32":  # the layer split runs each layer unchanged, whatever the dtype: once is enough
             devices = comfy.multidevice.devices_for(clip.patcher.load_device, args.npu_count)
-            variants.append(comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers", runtime=runtime))
+            variants.append(comfy.multinpu_te.apply_tensor_parallel(clip, devices, mode="layers"))
         for par in variants:
             runner = comfy.multinpu_te.get_runner(par)
-            threads = runner is not None and hasattr(runner.runtime, "contexts")  # a thread runtime: the row's own
             if runner is not None:
                 runner.keep_rank_outputs = True
-            if threads:
-                runner.runtime.timeout = args.timeout
+                runner.runtime.timeout = args.timeout  # the process group's: the one it started with
             rows.extend(_te_row(args, par, runner, layout, dtype, single[(dtype, layout)], reads[paths[component]])
                         for layout in layouts_of(dtype))
-            if threads:
-                runner.runtime.shutdown()  # the process group serves every row
+            if runner is not None:
+                runner.runtime.release()  # a thread runtime is the row's own; the process group serves every row
     if args.lora:
         rows.append(_te_lora_row(args, node, loaded, layouts[0], single[("float32", layouts[0])][0],
                                  lambda: reads[paths["te"]]))

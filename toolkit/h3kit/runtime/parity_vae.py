@@ -53,16 +53,16 @@ def run_vae(args):
     out = node.execute(model=loaded["dit"], npu_count=args.npu_count, vae=vae, audio_vae=audio_vae).args
     par_vae, par_audio = out[2], out[3]
     runner = comfy.multinpu_vae.get_runner(par_vae)
-    if runner is not None and hasattr(runner.runtime, "contexts"):
-        runner.runtime.timeout = args.timeout  # a thread runtime is this run's own (the process group serves all)
+    if runner is not None:
+        runner.runtime.timeout = args.timeout  # the process group's: the one it started with
     g = torch.Generator().manual_seed(args.seed)
     layouts = [x for x in args.layouts if x in VAE_LAYOUTS] or list(VAE_LAYOUTS)
     rows = [_video_row(args, layout, torch.randn(1, 24, *VAE_LAYOUTS[layout], generator=g), vae, par_vae, runner,
                        reads[paths["video_vae"]]) for layout in layouts]
     rows.append(_audio_row(args, torch.randn(1, 32, 2, AUDIO_LATENT_T, generator=g), audio_vae, par_audio,
                            reads[paths["audio_vae"]]))
-    if runner is not None and hasattr(runner.runtime, "contexts"):
-        runner.runtime.shutdown()
+    if runner is not None:
+        runner.runtime.release()  # a thread runtime is this run's own; the process group serves all
     config = common.config(args, tiny, {"video_vae": dict(tiny.TINY_VIDEO_VAE, **VAE_TILES),
                                         "gate": "max_abs == 0, weight_reads == 1",
                                         "reads": {c: reads[p] for c, p in paths.items()},

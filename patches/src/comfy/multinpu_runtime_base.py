@@ -1,0 +1,171 @@
+"""What every runtime of the parallel components shares, whatever moves the data between its ranks.
+
+A runtime runs the worker programs (registered with comfy.multinpu_group.program) on its ranks and hands rank
+0's result back. Two transports sit behind it: the server's process group (comfy.multinpu_process.GroupRuntime,
+one worker process per device, rank 0 included) and threads of this process (comfy.multinpu_threads.ThreadRuntime,
+the CPU twin the parity tests check the process group against). The DiT, the text encoder and the VAE never
+choose one: they ask comfy.multinpu_process.runtime_for() for the runtime of this server, and
+comfy.multinpu_process.transport() is the one place that knows which transport that is.
+
+Written once here for both:
+- Runtime.run(): the group ready, the pending frees and drops, the configurations every rank must hold, then the
+  command, one command at a time;
+- the housekeeping of configurations: a RemoteConfig the server let go of is dropped by the ranks, ComfyUI's
+  free (POST /free, the OOM handler: comfy.model_cache's clear listener) reaches every live runtime before its
+  next command, and a rank's digest that differs from the server's is named (config_mismatch);
+- MODEL_LOCK and unload(): ComfyUI's model management is one per process and not thread-safe; what a rank held
+  is taken out of it deterministically, under the lock (uncontended in a worker process).
+The built-in commands (install, drop, free) that run on the ranks are comfy.multinpu_group's, the same functions
+for both transports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import comfy.model_cache
+import comfy.multinpu_wire as wire
+
+# Serialises what the ranks' programs do with ComfyUI's model management (load_models_gpu, unloads, the model
+# cache, a configuration's load): it keeps module-level lists that two threads must not change at once.
+MODEL_LOCK = threading.RLock()
+
+_LIVE = weakref.WeakSet()  # every runtime of this process, asked to free when ComfyUI frees its models
+
+
+class Runtime:
+    """The ranks of one group and the commands they run, one at a time.
+
+    A transport provides _execute(name, payload) (the command on every rank, rank 0's result back), _install(cfg)
+    (a configuration set up and checked where missing; _track and config_mismatch help) and describe(); it may
+    provide _ensure_ready(name) (the group formed before a command).
+    """
+
+    def __init__(self, spec: wire.GroupSpec):
+        self.spec = spec
+        self.world_size = spec.world_size
+        self.commands = 0
+        self.configs = weakref.WeakSet()  # RemoteConfigs the ranks were asked to hold
+        self._drops = []
+        self._free_pending = False
+        self._lock = threading.RLock()
+        _LIVE.add(self)
+
+    @property
+    def timeout(self) -> float:
+        """The bound of a collective on these ranks."""
+        return self.spec.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float):
+        self._set_timeout(float(seconds))
+
+    def _set_timeout(self, seconds: float):
+        # a process group's bound is fixed when its workers start
+        if seconds != self.spec.timeout:
+            logging.warning(f"MultiNPU: the ranks' timeout stays {self.spec.timeout:g} s, set when the group started "
+                            f"(asked for {seconds:g} s)")
+
+    def describe(self) -> str:
+        """Who the ranks are, for logs."""
+        return f"{self.world_size} ranks ({self.spec.backend})"
+
+    def runtime_for(self, devices, primary, what: str, timeout: float):
+        """A running group serves every component of this server (the node checked npu_count against it)."""
+        return self
+
+    def release(self):
+        """Done with this runtime: one a component set up for itself stops and lets go of what its ranks hold; the
+        server's process group serves every component and stays (comfy.multinpu_process.stop_runtime ends it)."""
+
+    def run(self, name: str, payload, configs=()):
+        """Run command `name` on every rank (PROGRAMS[name](context, comm, payload)) and return what rank 0's
+        program returned.
+
+        configs: RemoteConfigs every rank must hold first (installed and checked where missing). A rank's failure
+        is raised here naming the rank (wire.GroupError subclasses, or torch.OutOfMemoryError for one that ran out
+        of memory, so ComfyUI's unload-and-retry path runs); wire.ConfigMismatch when a rank holds something else
+        than the server.
+        """
+        with self._lock:
+            self._ensure_ready(name)
+            self._housekeeping()
+            for cfg in configs:
+                self._install(cfg)
+            return self._execute(name, payload)
+
+    def _ensure_ready(self, name: str):
+        pass
+
+    def _execute(self, name: str, payload):
+        raise NotImplementedError
+
+    def _install(self, cfg):
+        raise NotImplementedError
+
+    def _track(self, cfg):
+        """The ranks let go of `cfg` with the server (a drop before the next command once it is collected)."""
+        if cfg not in self.configs:
+            self.configs.add(cfg)
+            weakref.finalize(cfg, self._drops.append, cfg.id)
+
+    def _housekeeping(self):
+        if self._free_pending:
+            self._free_pending = False
+            self._execute("free", None)
+            logging.info(f"MultiNPU: the ranks on {self.describe()} let go of their models (POST /free or "
+                         "ComfyUI's OOM handler)")
+            for cfg in self.configs:
+                cfg.installed = {}
+        if self._drops:
+            ids, self._drops = self._drops, []
+            self._execute("drop", ids)
+
+    def request_free(self):
+        """The ranks let go of their configurations (POST /free, the OOM handler); done before the next command."""
+        self._free_pending = True
+
+
+def config_mismatch(spec: wire.GroupSpec, cfg, digests: dict):
+    """wire.ConfigMismatch naming every rank whose digest differs from the server's, or None."""
+    bad = {}
+    for r, digest in digests.items():
+        diff = [k for k in sorted(set(cfg.digest) | set(digest)) if cfg.digest.get(k) != digest.get(k)]
+        if diff:
+            bad[r] = diff
+    if not bad:
+        return None
+    lines = [f"{spec.describe_rank(r)} differs in {', '.join(d)} ("
+             + "; ".join(f"{k}: the server {cfg.digest.get(k)!s:.40}, rank {r} {digests[r].get(k)!s:.40}" for k in d)
+             + ")" for r, d in sorted(bad.items())]
+    return wire.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
+                                + ". Fix: the same model files at the same paths on every host")
+
+
+def unload(held):
+    """Take a rank's model (held.patcher) out of ComfyUI's model management, under MODEL_LOCK."""
+    patcher = getattr(held, "patcher", None)
+    if patcher is None:
+        return
+    import comfy.model_management as mm
+    with MODEL_LOCK:
+        for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+            if mm.current_loaded_models[i].model is patcher:
+                loaded = mm.current_loaded_models.pop(i)
+                if loaded.model_finalizer is not None:
+                    loaded.model_unload()
+
+
+def _free_every_runtime():
+    # comfy.model_management.unload_all_models (POST /free, the OOM handler, --disable-smart-memory) empties the
+    # model cache: every runtime's ranks let go of theirs too, before their next command
+    runtimes = list(_LIVE)
+    if runtimes:
+        logging.info("MultiNPU: ComfyUI freed its models; the ranks free theirs before their next command")
+    for runtime in runtimes:
+        runtime.request_free()
+
+
+comfy.model_cache.add_clear_listener(_free_every_runtime)

@@ -1,0 +1,77 @@
+"""The group contract is written twice, once per interpreter: toolkit/h3kit/group.py (h3kit's, which writes the
+environment a server or agent starts with) and patches/src/comfy/multinpu_wire.py (ComfyUI's, which reads it; it
+imports torch, so h3kit never imports it). This test reads the second without importing it and fails when the two
+differ: environment names, launchers and the default one, the ranks file, the channel's port offset, the join
+timeout, the modules a host runs, and the fields of the JSON h3kit writes."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from h3kit import group
+
+ROOT = Path(__file__).resolve().parents[1]
+WIRE = ROOT / "patches" / "src" / "comfy" / "multinpu_wire.py"
+SAME = ("GROUP_ENV", "KEY_ENV", "RANKS_FILE", "WORKER_MODULE", "CHANNEL_PORT_OFFSET", "DEFAULT_LAUNCHER",
+        "DEFAULT_JOIN_TIMEOUT")
+
+
+def _constants(tree) -> dict:
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return out
+
+
+def _group_spec(tree) -> tuple:
+    """(GroupSpec.FIELDS, {argument: default source} of GroupSpec.__init__)."""
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GroupSpec")
+    fields = next(ast.literal_eval(n.value) for n in cls.body
+                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "FIELDS")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = init.args.args[-len(init.args.defaults):]
+    return fields, {a.arg: ast.unparse(d) for a, d in zip(args, init.args.defaults)}
+
+
+@pytest.fixture(scope="module")
+def wire():
+    tree = ast.parse(WIRE.read_text())
+    fields, defaults = _group_spec(tree)
+    return {"constants": _constants(tree), "fields": fields, "defaults": defaults}
+
+
+@pytest.mark.parametrize("name", SAME)
+def test_both_sides_agree(wire, name):
+    assert wire["constants"][name] == getattr(group, name), f"{name} differs between group.py and multinpu_wire.py"
+
+
+def test_the_launchers_and_the_default_agree(wire):
+    assert set(wire["constants"]["LAUNCHERS"]) == set(group.LAUNCHERS)
+    # a GroupSpec built without a launcher gets the one `h3kit start` defaults to (torchrun, README)
+    assert group.DEFAULT_LAUNCHER == "torchrun"
+    assert wire["defaults"]["launcher"] == "DEFAULT_LAUNCHER"
+    assert wire["defaults"]["join_timeout"] == "DEFAULT_JOIN_TIMEOUT"
+
+
+def test_what_h3kit_writes_is_what_the_runtime_reads(wire, tmp_path):
+    settings = group.resolve("cpu", transport="process", launcher="h3kit")
+    env = group.environment(settings, "cpu", [0, 1], tmp_path, "0" * 64, ["--cpu"])
+    spec = json.loads(env[wire["constants"]["GROUP_ENV"]])
+    assert set(spec) <= set(wire["fields"]), sorted(set(spec) - set(wire["fields"]))
+    assert wire["constants"]["KEY_ENV"] in env
+
+
+def test_the_modules_a_host_runs_exist():
+    src = ROOT / "patches" / "src"
+    assert (src / (group.WORKER_MODULE.replace(".", "/") + ".py")).is_file()
+    agent = ast.parse((src / (group.AGENT_MODULE.replace(".", "/") + ".py")).read_text())
+    main = [n for n in agent.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert main and "agent_main()" in ast.unparse(main[0]), f"{group.AGENT_MODULE} does not run the agent"
