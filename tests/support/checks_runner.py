@@ -71,6 +71,18 @@ def counted_programs(names):
         programs.update(real)
 
 
+@contextlib.contextmanager
+def serving(runtime):
+    """`runtime` as this process's process group while the block runs: what comfy.multinpu_process.runtime_for
+    hands every component, as in a server started with the process transport."""
+    import comfy.multinpu_process as mp
+    before, mp._RUNTIME = mp._RUNTIME, runtime
+    try:
+        yield runtime
+    finally:
+        mp._RUNTIME = before
+
+
 def exit_without_teardown(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()

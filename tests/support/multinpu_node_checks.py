@@ -10,7 +10,6 @@ is a mismatch and 2 is not (npu_count must equal the device count) either: only 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -23,18 +22,6 @@ CHECKS = {}
 def check(fn):
     CHECKS[fn.__name__] = fn
     return fn
-
-
-@contextlib.contextmanager
-def serving(runtime):
-    """`runtime` as this process's process group while the block runs: what comfy.multinpu_process.runtime_for
-    hands every component, as in a server started with the process transport."""
-    import comfy.multinpu_process as mp
-    before, mp._RUNTIME = mp._RUNTIME, runtime
-    try:
-        yield runtime
-    finally:
-        mp._RUNTIME = before
 
 
 def _tiny_patcher():
@@ -82,7 +69,7 @@ def process_transport_server_copy():
     for weights in ("replicated", "sharded"):
         p = patched.clone()
         p.load_device = torch.device("meta")  # where an accelerator's rank 0 would compute
-        with serving(runtime):
+        with checks_runner.serving(runtime):
             m = comfy.multinpu_dit.apply_sequence_parallel(p, None, weights=weights)
         wrapper = comfy.multinpu_dit.get_wrapper(m)
         shards = comfy.multinpu_shard.of(m.model.diffusion_model)

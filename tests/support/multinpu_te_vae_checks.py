@@ -12,7 +12,6 @@ tiny_models (H3KIT_TOOLKIT on sys.path).
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 
 import checks_runner  # tests/support, beside this script (its folder is on sys.path)
@@ -505,18 +504,6 @@ def dit_weights_shared():
     return out
 
 
-@contextlib.contextmanager
-def _serving(runtime):
-    """`runtime` as this process's process group while the block runs: what comfy.multinpu_process.runtime_for
-    hands every component, as in a server started with the process transport."""
-    import comfy.multinpu_process as mp
-    before, mp._RUNTIME = mp._RUNTIME, runtime
-    try:
-        yield runtime
-    finally:
-        mp._RUNTIME = before
-
-
 class _StandInRuntime:
     """The process transport's runtime as apply_tensor_parallel / apply_decode_parallel use it, in this process:
     each command computes what the workers would, on the host from the plain (unsplit) models, as one device does,
@@ -628,7 +615,7 @@ def process_transport_server_copies():
     one_no_image, one_image = _encode(clip, image=False), _encode(clip, image=True)
     mm.unload_model_and_clones(clip.patcher, all_devices=True)
     runtime = _StandInRuntime(clip=clip)
-    with _serving(runtime):
+    with checks_runner.serving(runtime):
         par = te.apply_tensor_parallel(clip, None)
     for image in (False, True):
         with _StandInAccelerator([par.patcher]) as acc:
@@ -649,7 +636,7 @@ def process_transport_server_copies():
     ones = [vae.decode(z), vae.decode(z[:, :, :1]), vae.encode(image), vae.encode(video)]
     mm.unload_model_and_clones(vae.patcher, all_devices=True)
     runtime = _StandInRuntime(vae=vae)
-    with _serving(runtime):
+    with checks_runner.serving(runtime):
         pv = mv.apply_decode_parallel(vae, None)
     for name, run, ref in (("decode", lambda: pv.decode(z), ones[0]),
                            ("decode_1", lambda: pv.decode(z[:, :, :1]), ones[1]),
