@@ -149,13 +149,18 @@ def _alive(pid):
 FAULTS = ("raise_block0", "raise_later_block", "oom_last_rank", "raise_rank0", "kill9", "sigstop")
 
 
-def scenario_faults(rt, args):
-    """Every fault of FAULTS once (run with H3KIT_EMULATE_NO_RELEASE=1 for HCCL/NCCL's semantics)."""
+def _each_fault(rt, args, names, fault):
+    """A command that works, then each fault of `names` (--faults: a subset) through fault(rt, name, args)."""
     out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt))}
-    for name in (args.faults.split(",") if args.faults else FAULTS):
-        out[name] = _fault(rt, name, args)
+    for name in (args.faults.split(",") if args.faults else names):
+        out[name] = fault(rt, name, args)
     out["driver_pid_after"] = os.getpid()
     return out
+
+
+def scenario_faults(rt, args):
+    """Every fault of FAULTS once (run with H3KIT_EMULATE_NO_RELEASE=1 for HCCL/NCCL's semantics)."""
+    return _each_fault(rt, args, FAULTS, _fault)
 
 
 def _hang_fault(rt, name, args):
@@ -201,11 +206,7 @@ HANGS = ("hung_in_kernel", "stuck_collective", "slow_progress", "blocked_send")
 
 def scenario_hangs(rt, args):
     """Every fault of HANGS once (--faults: a subset), with HCCL/NCCL's semantics (H3KIT_EMULATE_NO_RELEASE=1)."""
-    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt))}
-    for name in (args.faults.split(",") if args.faults else HANGS):
-        out[name] = _hang_fault(rt, name, args)
-    out["driver_pid_after"] = os.getpid()
-    return out
+    return _each_fault(rt, args, HANGS, _hang_fault)
 
 
 def scenario_hccl(rt, args):
