@@ -36,6 +36,7 @@ threads only on cpu.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import threading
 import time
@@ -278,10 +279,13 @@ def _load_dit(path, dtype):
 def _seq_len(layout, seed, text=TEXT_LEN):
     import comfy.ldm.minimax.model
     extras = _conditioning(layout, seed, text)[0][0][1]
-    return comfy.ldm.minimax.model.PackedLayout(
-        text, VIDEO_SHAPE[2], VIDEO_SHAPE[3], VIDEO_SHAPE[4], AUDIO_SHAPE[3],
-        keyframes=extras.get("minimax_keyframes"), refs=extras.get("minimax_refs"),
-        frame_count=extras.get("minimax_frame_count")).seq_len
+    layout_cls = comfy.ldm.minimax.model.PackedLayout
+    options = {"keyframes": extras.get("minimax_keyframes"), "refs": extras.get("minimax_refs")}
+    # the pin places a last-frame keyframe by the clip's frame count; upstream 0.33.0 dropped the argument (its
+    # anchors count from the target timeline), so it is passed only where the layout takes it
+    if "frame_count" in inspect.signature(layout_cls.__init__).parameters:
+        options["frame_count"] = extras.get("minimax_frame_count")
+    return layout_cls(text, VIDEO_SHAPE[2], VIDEO_SHAPE[3], VIDEO_SHAPE[4], AUDIO_SHAPE[3], **options).seq_len
 
 
 class _DitFault:
