@@ -5,8 +5,8 @@ is released before the group timeout (H3_FACTS 9). H3KIT_EMULATE_NO_RELEASE=1 ma
 gloo collectives keep those semantics: a failed collective waits out the group timeout (here 60 s) before it
 raises. Under it, on 2 and 4 ranks, each fault below must end its command in the driver well inside 30 s
 naming the rank, the next command must succeed with nobody acting, on a group of fresh processes, with the
-driver's pid unchanged and none of the old workers left running; with h3kit's own launcher and with torchrun's
-elastic agent (`python -m torch.distributed.run`, which restarts every worker when one fails). Before the driver stopped being rank 0,
+driver's pid unchanged and none of the old workers left running; with h3kit's own launcher on 2 ranks and with
+torchrun's elastic agent (`python -m torch.distributed.run`, which restarts every worker when one fails) on 4. Before the driver stopped being rank 0,
 the same exception held the command for the whole group timeout (measured: 20.1 s at a 20 s timeout,
 300.6 s at the default 300 s).
 """
@@ -26,8 +26,10 @@ GROUP_TIMEOUT = 60   # the collective timeout: an error seen only when it expire
 BOUND = 30           # the issue's bound from a fault to the error
 
 
-@pytest.fixture(scope="module", params=[("h3kit", 2), ("h3kit", 4), ("torchrun", 2), ("torchrun", 4)],
-                ids=["2-ranks", "4-ranks", "torchrun-2-ranks", "torchrun-4-ranks"])
+# Each launcher once and each world size once, not every pair (which doubled the file's minutes in a CPU-bound
+# CI): what differs between launchers is who reaps and restarts the workers, what differs between 2 and 4 ranks is
+# which rank is "last" and how many peers wait; the default launcher gets the larger group.
+@pytest.fixture(scope="module", params=[("h3kit", 2), ("torchrun", 4)], ids=["2-ranks", "torchrun-4-ranks"])
 def faults(request, tmp_path_factory):
     launcher, world = request.param
     env = _env(H3KIT_EMULATE_NO_RELEASE="1")
