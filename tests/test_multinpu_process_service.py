@@ -7,10 +7,14 @@ checkpoints, which node 1's workers load by the paths rank 0 names (the same pat
 order: status lists every rank; an out-of-memory error on a worker reaches ComfyUI as an OOM and the next
 prompt runs; the whole H3 pipeline on the 4-rank group (DiT sequence parallel, text encoder tensor parallel,
 VAE decode) matches npu_count 1; a worker SIGKILLed mid-prompt fails that prompt at once naming its rank and
-the whole group is replaced by fresh processes on both hosts; an interrupted prompt is followed by one that runs; stop leaves no process behind.
+the whole group is replaced by fresh processes on both hosts; a rank blocked in a kernel (GIL released, its heartbeat
+beating) fails that prompt once the progress bound (20 s here) has passed, named by the progress detector, and the
+next prompt runs (the default bound, 60 s, on both launchers: benchmarks/multinpu_hangs.py --server); an
+interrupted prompt is followed by one that runs; stop leaves no process behind.
 Node 1's workers start with H3KIT_MULTINPU_FAULT=dit_forward:oom:TRIGGER: while the OOM test holds the file
 TRIGGER, their DiT forwards ask for an impossible allocation (the allocator's own error); node 0's raise in the
-text encoder's and the VAE decode's programs while their own trigger files exist. Both hosts run with
+text encoder's and the VAE decode's programs while their own trigger files exist, and rank 1 blocks at the start of
+its DiT forwards while hang-trigger-1 exists (dit_forward:hang, the path naming the rank). Both hosts run with
 H3KIT_EMULATE_NO_RELEASE=1 (HCCL's and NCCL's semantics: a failed rank releases no peer before the group
 timeout, 300 s here), so every failure below is bounded by the runtime, not by gloo. Every host's workers are
 launched by torchrun (`--launcher torchrun`).
@@ -384,11 +388,11 @@ def test_a_rank_blocked_in_a_kernel_costs_one_prompt_naming_it(group):
         group.hang_trigger.unlink()
     message = err["exception_message"]
     assert err["exception_type"].endswith("RankHung"), err
-    assert f"rank 1 (cpu, node 0), host " in message and f"pid {before[1]}" in message, message
+    assert "rank 1 (cpu, node 0), host " in message and f"pid {before[1]}" in message, message
     assert "hung during dit_forward" in message, message
     # the progress detector fired (not the heartbeat's 15 s, nor the group timeout): rank 1's own beats placed it
     # after a collective it completed while the three others wait in the next one
-    assert f"no progress for" in message and "in command" in message and "(dit_forward)" in message, message
+    assert "no progress for" in message and "in command" in message and "(dit_forward)" in message, message
     assert "it last completed collective #" in message and "while ranks 0, 2, 3 wait in collective #" in message
     assert f"(progress bound {PROGRESS_BOUND} s, H3KIT_PROGRESS_TIMEOUT)" in message, message
     assert PROGRESS_BOUND - 2 <= to_error < PROGRESS_BOUND + 90 < BOOT, f"{to_error:.1f} s from the hang to the error"
