@@ -14,6 +14,16 @@ send bound 10 s) unless given:
     python benchmarks/multinpu_hangs.py [--launcher h3kit --launcher torchrun] [--progress S] [--send S] [--json]
 
 Prints one row per fault and launcher: seconds from the fault to the error, and to the next command's success.
+
+--server does hung_in_kernel through the real server instead: `h3kit start --transport process` on TREE (an
+installed tree; the demo's tiny checkpoints are written into it once), one host, 2 ranks on cpu, each launcher,
+H3KIT_EMULATE_NO_RELEASE=1 and nothing else set (group timeout 300 s, heartbeat 15 s, progress bound 60 s unless
+--progress). A warm prompt; then rank 1 blocks at the start of a prompt's first DiT forward with the GIL released
+(H3KIT_MULTINPU_FAULT=dit_forward:hang, its trigger file present) while rank 0 waits for it; the clock starts at
+rank 1's own log line saying so. Prints, per launcher: seconds from the hang to the prompt's error and to the next
+prompt's success (submitted at once, nobody acting), the error, and the server's pid before and after.
+
+    PYTHONPATH=toolkit python benchmarks/multinpu_hangs.py --server --comfy-home TREE [--launcher L] [--json]
 """
 
 from __future__ import annotations
@@ -21,9 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,14 +62,133 @@ def run(launcher: str, args) -> dict:
         return json.loads(out.read_text())
 
 
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+BOUND = 900.0   # seconds any one wait below may take before the run is called hung
+
+
+def http_json(url: str, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with NO_PROXY.open(req, timeout=10) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def until(predicate, what: str, step: float = 0.05):
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise SystemExit(f"no {what} within {BOUND:g} s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def h3kit(*args, env=None, timeout=BOUND):
+    p = subprocess.run([sys.executable, "-m", "h3kit", *map(str, args), "--json"], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    doc = json.loads(p.stdout) if p.stdout.strip().startswith("{") else {}
+    if p.returncode != 0:
+        raise SystemExit(f"h3kit {args[0]} failed ({p.returncode}): {p.stdout[-2000:]}{p.stderr[-2000:]}")
+    return doc.get("data", doc)
+
+
+def serve_hang(launcher: str, home: Path, args) -> dict:
+    """hung_in_kernel through a real server on `home` under `launcher` (see the module's docstring)."""
+    from h3kit import demo, service
+    with tempfile.TemporaryDirectory(prefix="h3kit-hang-server-") as tmp:
+        trigger = Path(tmp) / "hang-1"
+        env = dict(os.environ, H3KIT_EMULATE_NO_RELEASE="1",
+                   H3KIT_MULTINPU_FAULT=f"dit_forward:hang:{tmp}/hang-{{rank}}")
+        if args.progress is not None:
+            env["H3KIT_PROGRESS_TIMEOUT"] = str(args.progress)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        h3kit("start", "--comfy-home", home, "--devices", "0,1", "--device-type", "cpu", "--transport", "process",
+              "--launcher", launcher, "--port", port, env=env)
+        try:
+            rec = service.read_record(home / ".h3kit" / "run")
+            log = Path(rec.log)
+
+            def prompt(tag: str) -> str:
+                p = demo.demo_prompt(2, tag)
+                for n in p.values():
+                    if n["class_type"] == "RandomNoise":
+                        n["inputs"]["noise_seed"] = random.randint(0, 2 ** 31)  # a new prompt, nothing cached
+                return http_json(f"{url}/prompt", {"prompt": p})["prompt_id"]
+
+            def ended(pid: str) -> dict:
+                def done():
+                    entry = http_json(f"{url}/history/{pid}").get(pid)
+                    return entry if entry and entry["status"].get("completed") is not None else None
+                return until(done, f"end of prompt {pid}")["status"]
+            t0 = time.monotonic()
+            warm = ended(prompt("warm"))["status_str"]
+            warm_s = time.monotonic() - t0
+            server = h3kit("status", "--comfy-home", home)["pid"]
+            offset = log.stat().st_size
+            trigger.touch()
+            try:
+                pid = prompt("hang")
+
+                def hanging():
+                    with open(log, "rb") as f:
+                        f.seek(offset)
+                        return b"rank 1: H3KIT_MULTINPU_FAULT=dit_forward:hang:" in f.read()
+                until(hanging, "log line of rank 1 blocking in its DiT forward", step=0.02)
+                t_hang = time.monotonic()
+                status = ended(pid)
+                to_error = time.monotonic() - t_hang
+            finally:
+                trigger.unlink()
+            errors = [m[1] for m in status["messages"] if m[0] == "execution_error"]
+            nxt = ended(prompt("after_hang"))["status_str"]
+            to_next = time.monotonic() - t_hang
+            return {"launcher": launcher, "warm": warm, "warm_s": round(warm_s, 1), "to_error": round(to_error, 1),
+                    "error": (f"{errors[0]['exception_type']}: {errors[0]['exception_message']}" if errors
+                              else status["status_str"]),
+                    "to_next": round(to_next, 1), "next": nxt, "server_pid": server,
+                    "server_pid_after": h3kit("status", "--comfy-home", home)["pid"]}
+        finally:
+            subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home", str(home), "--json"],
+                           capture_output=True, timeout=120)
+
+
+def main_server(args):
+    from h3kit import demo
+    home = args.comfy_home.resolve()
+    if not (home / "models" / "diffusion_models" / "h3kit_tiny_dit.safetensors").exists():
+        demo.write_tiny_checkpoints(home, sys.executable)
+    rows = [serve_hang(launcher, home, args) for launcher in args.launcher or ["h3kit", "torchrun"]]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'launcher':9} {'to error':>9} {'to next':>8}  {'server pid':17}  error")
+    for r in rows:
+        print(f"{r['launcher']:9} {r['to_error']:8.1f}s {r['to_next']:7.1f}s  "
+              f"{r['server_pid']:>7} -> {r['server_pid_after']:<7}  "
+              f"{'' if r['next'] == 'success' else '(next: ' + r['next'] + ') '}{r['error'][:400].strip()}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--launcher", action="append", choices=("h3kit", "torchrun"))
     ap.add_argument("--timeout", type=float, default=300.0, help="the group timeout (default 300 s, h3kit's)")
     ap.add_argument("--progress", type=float, help="H3KIT_PROGRESS_TIMEOUT (default: the runtime's, 60 s)")
     ap.add_argument("--send", type=float, help="H3KIT_SEND_TIMEOUT (default: the runtime's, 10 s)")
+    ap.add_argument("--server", action="store_true", help="hung_in_kernel through the real server (--comfy-home)")
+    ap.add_argument("--comfy-home", type=Path, help="--server: an installed tree")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.server:
+        if args.comfy_home is None:
+            ap.error("--server needs --comfy-home (an installed tree: h3kit install)")
+        return main_server(args)
     rows = []
     for launcher in args.launcher or ["h3kit", "torchrun"]:
         result = run(launcher, args)

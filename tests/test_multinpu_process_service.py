@@ -7,10 +7,14 @@ checkpoints, which node 1's workers load by the paths rank 0 names (the same pat
 order: status lists every rank; an out-of-memory error on a worker reaches ComfyUI as an OOM and the next
 prompt runs; the whole H3 pipeline on the 4-rank group (DiT sequence parallel, text encoder tensor parallel,
 VAE decode) matches npu_count 1; a worker SIGKILLed mid-prompt fails that prompt at once naming its rank and
-the whole group is replaced by fresh processes on both hosts; an interrupted prompt is followed by one that runs; stop leaves no process behind.
+the whole group is replaced by fresh processes on both hosts; a rank blocked in a kernel (GIL released, its heartbeat
+beating) fails that prompt once the progress bound (20 s here) has passed, named by the progress detector, and the
+next prompt runs (the default bound, 60 s, on both launchers: benchmarks/multinpu_hangs.py --server); an
+interrupted prompt is followed by one that runs; stop leaves no process behind.
 Node 1's workers start with H3KIT_MULTINPU_FAULT=dit_forward:oom:TRIGGER: while the OOM test holds the file
 TRIGGER, their DiT forwards ask for an impossible allocation (the allocator's own error); node 0's raise in the
-text encoder's and the VAE decode's programs while their own trigger files exist. Both hosts run with
+text encoder's and the VAE decode's programs while their own trigger files exist, and rank 1 blocks at the start of
+its DiT forwards while hang-trigger-1 exists (dit_forward:hang, the path naming the rank). Both hosts run with
 H3KIT_EMULATE_NO_RELEASE=1 (HCCL's and NCCL's semantics: a failed rank releases no peer before the group
 timeout, 300 s here), so every failure below is bounded by the runtime, not by gloo. Every host's workers are
 launched by torchrun (`--launcher torchrun`).
@@ -42,6 +46,9 @@ PROMPT = 300
 # bare workers in test_multinpu_process*.py): under it a kill during the text encoder's load once held a prompt
 # for this file's 300 s bound (issue 19; test_a_worker_killed_while_the_text_encoder_loads_costs_one_prompt)
 LAUNCHER = "torchrun"
+# the driver's progress bound here (H3KIT_PROGRESS_TIMEOUT; 60 s by default, which
+# benchmarks/multinpu_hangs.py --server measures on both launchers): short, still far above a step on a busy host
+PROGRESS_BOUND = 20
 
 
 def master_port() -> int:
@@ -70,6 +77,7 @@ class Group:
         self.te_trigger = home1.parent / "te-trigger"
         self.vae_trigger = home1.parent / "vae-trigger"
         self.te_load_trigger = home1.parent / "te-load-trigger"
+        self.hang_trigger = home1.parent / "hang-trigger-1"  # rank 1's: the fault's path names the rank
 
     def node_args(self, node: int):
         args = ["--comfy-home", self.home if node == 0 else self.home1, "--devices", "0,1", "--device-type", "cpu",
@@ -112,8 +120,10 @@ def group(tree, comfy_python):
     shutil.copytree(tree, home1, symlinks=True,  # not the checkpoints: its workers load node 0's by path
                     ignore=lambda d, names: [n for n in names if n == ".git" or (d == str(tree) and n in ("models", "output"))])
     g = Group(tree, comfy_python, free_port(8600, 8619), master_port(), home1)
-    faults0 = f"te_forward:raise:{g.te_trigger},vae_decode:raise:{g.vae_trigger}"
-    nodes = [h3kit("start", *g.node_args(0), env=g.env(H3KIT_MULTINPU_FAULT=faults0)),
+    faults0 = (f"te_forward:raise:{g.te_trigger},vae_decode:raise:{g.vae_trigger},"
+               f"dit_forward:hang:{g.home1.parent}/hang-trigger-{{rank}}")
+    nodes = [h3kit("start", *g.node_args(0), env=g.env(H3KIT_MULTINPU_FAULT=faults0,
+                                                        H3KIT_PROGRESS_TIMEOUT=str(PROGRESS_BOUND))),
              h3kit("start", *g.node_args(1), env=g.env(
                  H3KIT_MULTINPU_FAULT=f"dit_forward:oom:{g.oom_trigger},te_config:hold:{g.te_load_trigger}"))]
     try:
@@ -346,6 +356,53 @@ def test_a_worker_killed_while_the_text_encoder_loads_costs_one_prompt(group):
     assert "rank 3 (cpu, node 1)" in message and f"pid {victim}" in message, message
     status = finished(group, submit(group, prompt(4, "after_kill_in_te_load")))
     assert status["status_str"] == "success", status
+
+
+def test_a_rank_blocked_in_a_kernel_costs_one_prompt_naming_it(group):
+    """Rank 1 blocks at the start of the prompt's first DiT forward with the GIL released, as a device wait does
+    (H3KIT_MULTINPU_FAULT=dit_forward:hang while its trigger exists): its process and heartbeat live on while ranks
+    0, 2 and 3 wait for it in the forward's first collective, and with HCCL/NCCL's semantics nothing releases them
+    before the group timeout (300 s). The progress detector (its beats show rank 1 where it was while its peers
+    wait) kills it once the progress bound has passed: the prompt fails naming rank 1, the command and the
+    collective its peers wait in, well before the group timeout; the next prompt runs on a fresh group with
+    nobody acting; the server lives on. Before the progress bound the prompt failed at the group timeout (304.6 s),
+    blaming rank 1 only as "stopped by its launcher" (issue 28)."""
+    server = group.status(0)["pid"]
+    before = {r["rank"]: r["pid"] for r in group.ranks()}
+    log = Path(group.record().log)
+    offset = log.stat().st_size
+
+    def hanging():
+        with open(log, "rb") as f:
+            f.seek(offset)
+            return b"[rank 1] WARNING MultiNPU: rank 1: H3KIT_MULTINPU_FAULT=dit_forward:hang:" in f.read()
+    group.hang_trigger.touch()
+    try:
+        pid = submit(group, prompt(4, "hang"))
+        wait_for(hanging, PROMPT, "rank 1 to block in its DiT forward", step=0.05)
+        t_hang = time.monotonic()
+        assert http_json(f"http://127.0.0.1:{group.port}/history/{pid}").get(pid) is None, "ended before the hang"
+        err = error_of(finished(group, pid))
+        to_error = time.monotonic() - t_hang
+    finally:
+        group.hang_trigger.unlink()
+    message = err["exception_message"]
+    assert err["exception_type"].endswith("RankHung"), err
+    assert "rank 1 (cpu, node 0), host " in message and f"pid {before[1]}" in message, message
+    assert "hung during dit_forward" in message, message
+    # the progress detector fired (not the heartbeat's 15 s, nor the group timeout): rank 1's own beats placed it
+    # after a collective it completed while the three others wait in the next one
+    assert "no progress for" in message and "in command" in message and "(dit_forward)" in message, message
+    assert "it last completed collective #" in message and "while ranks 0, 2, 3 wait in collective #" in message
+    assert f"(progress bound {PROGRESS_BOUND} s, H3KIT_PROGRESS_TIMEOUT)" in message, message
+    assert PROGRESS_BOUND - 2 <= to_error < PROGRESS_BOUND + 90 < BOOT, f"{to_error:.1f} s from the hang to the error"
+    status = finished(group, submit(group, prompt(4, "after_hang")))
+    assert status["status_str"] == "success", status
+    assert group.status(0)["pid"] == server
+    after = {r["rank"]: r["pid"] for r in group.ranks()}
+    assert not set(before.values()) & set(after.values()), "every rank is a fresh process"
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in before.values() if pid_running(p)], timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
 def test_an_interrupted_prompt_is_followed_by_one_that_runs(group):

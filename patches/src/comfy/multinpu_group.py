@@ -354,6 +354,7 @@ def inject_fault(context: WorkerContext, name: str):
     for fault in os.environ.get(FAULT_ENV, "").split(","):
         program, _, rest = fault.partition(":")
         kind, _, trigger = rest.partition(":")
+        trigger = trigger.replace("{rank}", str(context.rank))  # one rank of a host faulted: its own file
         if program != name or not trigger or not os.path.exists(trigger):
             continue
         if kind == "oom":
@@ -361,9 +362,11 @@ def inject_fault(context: WorkerContext, name: str):
             torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
         if kind == "raise":
             raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
-        if kind == "hold":  # a slow step (a model read from a slow disk): it lasts while the file exists
-            logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: holding {name}")
-            deadline = time.monotonic() + 120.0
+        if kind in ("hold", "hang"):
+            # hold: a slow step (a model read from a slow disk), at most 120 s; hang: a rank blocked in a kernel (the
+            # GIL released, as a device wait does: its heartbeat beats on) for as long as the file exists
+            logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: {kind}ing {name}")
+            deadline = time.monotonic() + (120.0 if kind == "hold" else float("inf"))
             while os.path.exists(trigger) and time.monotonic() < deadline:
                 time.sleep(POLL)
 
