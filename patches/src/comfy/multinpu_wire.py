@@ -394,15 +394,20 @@ def shm_claim(token: str, folder: str = None) -> tuple:
     path = os.path.join(folder, f"{SHM_LOCK_PREFIX}{os.getpid()}-{token}")
     fd = None
     try:
-        fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)  # tmpfs, ext4, xfs, btrfs and zfs take O_TMPFILE
+        fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.link(f"/proc/self/fd/{fd}", path)
-    except OSError as e:
+    except (OSError, AttributeError):
         if fd is not None:
             os.close(fd)
-        logging.warning(f"MultiNPU: cannot hold a lock file in {folder} ({e}): a driver started later may "
-                        "remove this one's hand-off files only when its pid is gone")
-        return None, None
+        try:  # no O_TMPFILE, or no link to it (EXDEV in some sandboxes): the pid check of shm_sweep covers the
+            # moment before the flock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            logging.warning(f"MultiNPU: cannot hold a lock file in {folder} ({e}): a driver started later may "
+                            "remove this one's hand-off files only when its pid is gone")
+            return None, None
     return path, fd
 
 
