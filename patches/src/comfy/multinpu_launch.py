@@ -109,6 +109,7 @@ class _Workers:
     def __init__(self, spec: GroupSpec, key: str):
         self.spec = spec
         self.key = key
+        self.cwd = os.getcwd()         # the ComfyUI tree, as it was at the start: the workers run there
         self.ctl = None                # the store's client (TorchrunWorkers reads the workers' announcements there)
         self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in range(spec.local_size)]
         self.failed = {}               # rank -> why it is not replaced again
@@ -175,7 +176,7 @@ class LocalWorkers(_Workers):
         argv = [sys.executable, "-B", "-m", self.spec.worker_module, *self.spec.worker_args]
         env = self._env(**{RANK_ENV: str(rank), LOCAL_RANK_ENV: str(rank % self.spec.local_size),
                            PARENT_ENV: str(os.getpid())})
-        proc = subprocess.Popen(argv, cwd=os.getcwd(), env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
         self.procs[rank] = proc
         info = self.info[rank]
         info.update(process_identity(proc.pid), alive=True)
@@ -297,7 +298,7 @@ class TorchrunWorkers(_Workers):
     def start(self):
         # torchrun ends with the process that started it (its SIGTERM handler stops the workers): an orphaned
         # elastic agent would restart workers that can never reach the driver again
-        self.proc = subprocess.Popen(self.argv(), cwd=os.getcwd(), env=self._env(), stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=self._env(), stdin=subprocess.DEVNULL,
                                      close_fds=True, preexec_fn=_die_with_parent_signal)
         logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
 
