@@ -96,3 +96,20 @@ def test_on_npu_the_command_prints_the_gate_and_the_floor(tmp_path):
         in proc.stdout
     assert "0.002" in proc.stdout.splitlines()[-1] and "pass" in proc.stdout.splitlines()[-1]
     assert "unmeasured on hardware" in proc.stderr  # the verdict line names the gate of the device type
+
+
+def test_the_thread_transport_needs_the_runtime_modules_too(tmp_path):
+    """The components ask comfy.multinpu_process.runtime_for for their runtime and the thread transport runs the wire
+    code and built-ins of the process runtime: a tree without them is refused for threads, not only for processes;
+    the worker's module alone is the process transport's."""
+    for rel in ("comfy/model_management.py",) + parity_lib.PATCHED_FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    parity_lib.check_tree(tmp_path, "threads")
+    with pytest.raises(Exception, match=r"\(comfy/multinpu_worker.py missing\)"):
+        parity_lib.check_tree(tmp_path, "process")
+    (tmp_path / "comfy" / "multinpu_wire.py").unlink()
+    for transport in ("threads", "process"):
+        with pytest.raises(Exception, match=r"\(comfy/multinpu_wire\.py[ ,]") as e:
+            parity_lib.check_tree(tmp_path, transport)
+        assert e.value.code == "not_patched"

@@ -1,17 +1,10 @@
-"""The process group's control plane: its store and its command channel.
+"""The process group's control plane: its store (StoreHost, Control) and its command channel (ChannelServer, Link).
 
-- The store: one TCPStore for the life of the service, in a small process of its own (StoreHost;
-  `python -B -m comfy.multinpu_channel --store ...`), listening on the master address only, read and written
-  through Control (every value signed for its key). Generation g of the group has its members in "gen/{g}";
-  its process group uses PrefixStore(f"pg{g}"), so re-forming needs no new port. No command is in the store.
-- The command channel (ChannelServer, Link): a Unix socket in a 0700 folder of the runtime root, from the
-  driver to this host's workers: every worker takes its commands there (numbered from 1 per generation, on a
-  connection of its own), worker rank 0 returns each result there, every local worker beats there. With
-  several hosts, the same channel also listens on TCP (master address, master port + 2) for the other hosts'
-  workers and agents, which take their commands and beat there (beat()). Frames are length-prefixed,
-  capped and signed per connection (nonce, direction, sequence), so garbage, replays and foreign frames are
-  dropped with a log line. No beat is in the store: a store client (anyone reaching its port) can delete keys,
-  and a beat it deleted would be a worker taken for hung.
+The store is one TCPStore for the life of the service, in a process of its own; every value is signed for its key,
+and no command and no beat is in it (a store client can delete keys). The command channel is a Unix socket in a
+0700 folder of the runtime root (and with several hosts a TCP listener on the master port + 2): every frame is
+length-prefixed, capped and signed per connection (nonce, direction, sequence). Design: docs/multinpu.md, "The
+process transport" (the command channel, the store's own process).
 """
 
 from __future__ import annotations
@@ -43,12 +36,9 @@ STORE_START_TIMEOUT = 120.0         # seconds for the store's process to answer 
 
 
 class StoreHost:
-    """The group's TCPStore, in a small process of its own (`python -B -m comfy.multinpu_channel --store ...`),
-    not in the ComfyUI server: a client that reaches the port can write keys of any size into a TCPStore, and
-    that memory is the store's process's, never the server's. The driver binds the listening socket on
-    addr:port only (torch's own server would listen on every interface) and keeps it for the life of the
-    service: the store's process gets it as a descriptor, and a store that dies is started again on the same
-    socket (start()). The process ends with the driver (parent-death signal, and the end of its stdin)."""
+    """The group's TCPStore in a process of its own (`python -B -m comfy.multinpu_channel --store`), so a flood of keys
+    grows that process, never the server. The driver binds addr:port only (torch's server would listen on every
+    interface) and keeps the socket: a store that dies is started again on it (start()). It ends with the driver."""
 
     def __init__(self, addr: str, port: int, timeout: float):
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -96,11 +86,9 @@ def _rss() -> int:
 
 
 def store_main(argv) -> int:
-    """The store's process: host the TCPStore on the listening socket the driver handed over, until the
-    driver is gone (its stdin ends). A store that grows by more than H3KIT_STORE_GROWTH_LIMIT MiB (1024; a
-    flood of keys: the group's own keys are small) ends itself: the driver starts a fresh one and replaces the
-    group, rather than the host's OOM killer choosing a process (a worker holding a model is the biggest)."""
-    import select
+    """The store's process: host the TCPStore on the socket the driver handed over until the driver is gone (its
+    stdin ends). Past H3KIT_STORE_GROWTH_LIMIT MiB of growth (a flood of keys) it ends itself and the driver starts a
+    fresh one, rather than the host's OOM killer choosing a process (a worker holding a model is the biggest)."""
     addr, port, fd, timeout = argv
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[store] %(asctime)s %(message)s", stream=sys.stdout)
@@ -133,10 +121,8 @@ def connect_store(addr: str, port: int, timeout: float, deadline: float = None, 
         except (RuntimeError, torch.distributed.DistError) as e:
             if time.monotonic() >= deadline:
                 raise GroupError(f"MultiNPU: cannot reach the group's store at {addr}:{port}: {e}") from None
-            if stop is not None and stop.wait(0.5):
+            if (stop or threading.Event()).wait(0.5):
                 return None
-            if stop is None:
-                time.sleep(0.5)
 
 
 def _store_gone(e: BaseException) -> bool:
@@ -144,17 +130,11 @@ def _store_gone(e: BaseException) -> bool:
 
 
 class Control:
-    """Signed reads and writes of the control keys, under the service's prefix; one call at a time per
-    connection (the driver's threads share them).
-
-    Every value is signed together with its key's name (which holds the generation and the command's
-    number), so a signed value copied into another slot is refused like garbage. A value that does not
-    verify is never unpickled: it is dropped with a log line and reads as absent (peek, wait), so a local
-    user who can reach the store cannot make a rank act on, or die of, what they wrote.
-    """
+    """Signed reads and writes of the control keys, one call at a time per connection. Every value is signed with its
+    key's name, so a value copied into another slot is refused; one that does not verify is never unpickled, it is
+    dropped with a log line and reads as absent (peek, wait)."""
 
     def __init__(self, store, signer: Signer):
-        self.raw = store
         self.store = torch.distributed.PrefixStore(STORE_PREFIX, store)
         self.signer = signer
         self._lock = threading.RLock()
@@ -180,18 +160,6 @@ class Control:
                                 f"{e if isinstance(e, GroupError) else 'not a signed value'}")
             return _BAD
 
-    def get(self, key: str):
-        with self._lock:
-            data = self.store.get(key)
-        obj = self._load(key, data)
-        if obj is _BAD:
-            raise GroupError(f"MultiNPU: store key {key!r} does not hold a value signed by this service")
-        return obj
-
-    def has(self, key: str) -> bool:
-        with self._lock:
-            return self.store.check([key])
-
     def peek(self, key: str, default=None):
         """The signed value of key, else `default` (absent, or dropped as unsigned)."""
         with self._lock:
@@ -204,10 +172,6 @@ class Control:
     def counter(self, key: str, add: int = 0) -> int:
         with self._lock:
             return self.store.add(key, add)
-
-    def delete(self, key: str):
-        with self._lock:
-            self.store.delete_key(key)
 
     def wait(self, key: str, timeout: float):
         """The signed value of key once one is there; values that do not verify are dropped and waited past."""
@@ -325,10 +289,9 @@ def recv_frame(sock, limit: int) -> bytes:
 
 
 class Link:
-    """One authenticated connection of the command channel. Every frame is length-prefixed and carries an
-    HMAC over the connection's nonce (the driver's random challenge), its direction and its sequence number
-    with the message: a frame copied from another connection, replayed, reordered or reflected back does not
-    verify, and is dropped like garbage (never unpickled)."""
+    """One authenticated connection of the command channel: every frame carries an HMAC over the connection's nonce,
+    its direction and sequence number with the message, so a frame copied, replayed, reordered or reflected does not
+    verify and is dropped (never unpickled)."""
 
     def __init__(self, sock, signer: Signer, nonce: bytes, mine: str, theirs: str):
         self.sock = sock
@@ -381,10 +344,8 @@ class Link:
 
 
 def connect_channel(address, signer: Signer, hello: dict, timeout: float = 30.0) -> Link:
-    """A connection to the driver's channel at `address` (the Unix socket's path on the driver's host, a
-    (host, port) pair from another: GroupSpec.channel_address): the driver sends a nonce, the caller answers with
-    a signed hello naming itself ({"role", "rank" or "node", "pid", ...}); on the Unix socket the driver checks
-    the pid against the socket's peer."""
+    """A connection to the driver's channel at `address` (GroupSpec.channel_address): the driver sends a nonce, the
+    caller answers with a signed hello naming itself ({"role", "rank" or "node", "pid", ...})."""
     tcp = not isinstance(address, str)
     if tcp:
         where, fd = f"{address[0]}:{address[1]}", None
@@ -413,10 +374,8 @@ def connect_channel(address, signer: Signer, hello: dict, timeout: float = 30.0)
 
 
 def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None, news=None):
-    """Beat every HEARTBEAT_INTERVAL on an authenticated connection to the driver's channel (connect_channel),
-    until `stop` is set: {"seq": n}, n counting up for the life of this process, so the driver counts only a
-    newer beat, plus what news() returns (a worker's progress). A connection that fails is made again at the next
-    beat (the driver takes silence past its bound for a death, never a closed connection by itself). each():
+    """Beat every HEARTBEAT_INTERVAL on an authenticated channel connection until `stop` is set: {"seq": n, **news()},
+    n counting up for the life of this process. A connection that fails is made again at the next beat. each():
     called after every beat; what it raises ends the beats."""
     link, seq, down = None, 0, None
     while not stop.wait(HEARTBEAT_INTERVAL):
@@ -443,21 +402,11 @@ def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None,
 
 
 class ChannelServer:
-    """The driver's end of the command channel.
-
-    - A Unix socket in a folder only this user can enter (private_dir), so no other local user can connect:
-      this host's workers (their commands, worker rank 0's results, their beats). Its peer must be the process
-      the hello names (SO_PEERCRED: same pid, same uid).
-    - With listen_tcp(), a TCP listener on the master address for the other hosts' workers and agents (their
-      commands and beats); any host that reaches the port can connect, and only a key holder can sign the hello
-      (there is no peer credential over TCP: the hello's pid is taken as signed).
-
-    Both share one handshake: a connection is accepted only when its signed hello answers this connection's
-    nonce; anything else is closed with a log line, its bytes never unpickled, a frame past the size limit
-    never read; each listener checks at most MAX_PENDING connections at a time, a new one closing the oldest (a
-    flood on the TCP port cannot keep this host's workers out, and a client that opens connections and says
-    nothing cannot keep anyone out for long). on_link(link, hello) takes each accepted connection (it runs on the
-    connection's thread; link.remote is the TCP peer's "host:port", None on the Unix socket)."""
+    """The driver's end of the command channel: a Unix socket in a folder only this user can enter, whose peer must
+    be the process its hello names (SO_PEERCRED), and with listen_tcp() a TCP listener for the other hosts (the
+    signed hello's pid is taken as signed). A connection counts once its signed hello answers its nonce; each
+    listener checks at most MAX_PENDING at a time, a new one closing the oldest. on_link(link, hello) takes each
+    accepted connection, on that connection's thread (link.remote: the TCP peer, None on the Unix socket)."""
 
     def __init__(self, folder: str, signer: Signer, on_link):
         self.folder = private_dir(folder)

@@ -1,7 +1,5 @@
-"""The driver's command path: a mixin of comfy.multinpu_process.GroupRuntime, which holds the state.
-
-A command goes to every rank on its own channel connection (each send bounded), its result comes back from worker
-rank 0; meanwhile every rank is watched, and a failure ends the command with its first cause named.
+"""The driver's command path, a mixin of comfy.multinpu_process.GroupRuntime: a command to every rank (each send
+bounded), rank 0's result back, every rank watched meanwhile, and a failure's first cause named.
 """
 
 from __future__ import annotations
@@ -90,7 +88,7 @@ class CommandPath:
                     count = self.ctl.counter(f"failed/{g}")
                     # the counter only says where to look (anyone reaching the store can add to it): a failure
                     # is a signed report from a member
-                    failed = count != hint and bool(self._reports(g, n))
+                    failed = count != hint and bool(self._reports(f"err/{g}/{n}", self.members))
                     hint = count
             except Exception as e:
                 if not self._store_ended_now(e):
@@ -112,14 +110,14 @@ class CommandPath:
         self._watch()
         return True
 
-    def _reports(self, g: int, n: int) -> dict:
-        """{rank: signed error report of command n written by the member itself}."""
-        out = {}
-        for r, pid in self.members.items():
-            rep = self.ctl.peek(f"err/{g}/{n}/{r}")
+    def _reports(self, prefix: str, members: dict, reports: dict = None) -> dict:
+        """{rank: the signed report at prefix/{rank} written by that member itself}, added to `reports`."""
+        reports = {} if reports is None else reports
+        for r, pid in members.items():
+            rep = self.ctl.peek(f"{prefix}/{r}") if r not in reports else None
             if isinstance(rep, dict) and rep.get("pid") == pid:
-                out[r] = rep
-        return out
+                reports[r] = rep
+        return reports
 
     def _failure(self, name: str, g: int, n: int, t0: float) -> BaseException:
         """The first error of a failed command (a rank's own exception before a death, a death before the
@@ -129,11 +127,7 @@ class CommandPath:
         first_seen = time.monotonic()
         deadline = first_seen + ERROR_WAIT
         while True:
-            for r, pid in members.items():
-                if r not in reports:
-                    rep = self.ctl.peek(f"err/{g}/{n}/{r}")
-                    if isinstance(rep, dict) and rep.get("pid") == pid:
-                        reports[r] = rep
+            self._reports(f"err/{g}/{n}", members, reports)
             self._watch()
             if any(not rep.get("collective") for rep in reports.values()) or g in self._store_ended or (
                     g in self._stalled and not self.dead):
@@ -180,6 +174,4 @@ def _rank_exception(spec: wire.GroupSpec, rank: int, report: dict, what: str) ->
     if report.get("oom"):
         # torch's own OOM type, so ComfyUI's handler unloads the models and the user can retry
         return torch.OutOfMemoryError(f"MultiNPU: {where} ran out of memory in {what}: {report.get('message')}")
-    exc = wire.RankFailed(message)
-    exc.remote_traceback = report.get("traceback")
-    return exc
+    return wire.RankFailed(message)

@@ -1,21 +1,11 @@
-"""A worker of the multi-device process group: its life and the programs it runs.
+"""A worker of the process group: its life (serve) and the programs it runs.
 
-comfy.multinpu_process (the driver, in the ComfyUI server) hosts the group's store and drives the group; the
-workers (comfy.multinpu_worker) are ranks 0 .. N-1. The group's settings and wire format are
-comfy.multinpu_wire, its store and command channel comfy.multinpu_channel, its launchers and the agents of
-other hosts comfy.multinpu_launch.
-
-- serve(): a worker's life. It waits for its next command on its own authenticated connection to the driver's
-  command channel (every rank has one; no collective is open while the server is idle, however long, and no
-  command passes through the store), runs the command's program, and closes every command with a barrier. A
-  program that raises posts its error ("err/{g}/{n}/{rank}") and destroys its process group, so the others'
-  collectives fail at once instead of at the timeout; the next command forms a new generation.
-  A thread beats once a second (authenticated: _heartbeat), so the driver can tell a hung worker from a busy one;
-  each beat carries the rank's progress (the command it took last, the collectives it entered, the one it is in:
-  comfy.multinpu.PROGRESS), so the driver can tell a rank blocked in a kernel, its heartbeat beating, from a slow
-  one that keeps reaching its collectives.
-- program(): registers a worker program (PROGRAMS); the built-ins install, drop and free models.
-- `python -B -m comfy.multinpu_group` runs the agent of another host (comfy.multinpu_launch.Agent).
+A worker takes its commands on its own authenticated connection to the driver's command channel (no collective is
+open while the server is idle), runs the command's program and closes it with a barrier; a program that raises
+posts its error and the process leaves (never reused). A thread beats once a second with the rank's progress
+(comfy.multinpu.PROGRESS), so the driver tells a rank blocked in a kernel from a slow one. program() registers a
+worker program; install, drop and free are the built-ins of both transports. `python -B -m comfy.multinpu_group`
+runs the agent of another host. Design: docs/multinpu.md, "The process transport".
 """
 
 from __future__ import annotations
@@ -52,11 +42,8 @@ PROGRAMS = {}                        # name -> fn(context, comm, payload) run by
 
 
 def program(name: str):
-    """Register fn(context, comm, payload) as the worker side of the command `name`.
-
-    It may return a callable, run after the command's closing barrier (work that must not hold the
-    group, such as reading model files).
-    """
+    """Register fn(context, comm, payload) as the worker side of the command `name`; it may return After(fn) for
+    work after the command's closing barrier."""
     def register(fn):
         PROGRAMS[name] = fn
         return fn
@@ -87,7 +74,6 @@ class WorkerContext:
     def __init__(self, spec: GroupSpec, rank: int, device):
         self.spec = spec
         self.rank = rank
-        self.local_rank = rank % spec.local_size
         self.device = torch.device(device)
         self.configs = {}
         self.ctl = None
@@ -103,9 +89,7 @@ class WorkerContext:
 
     def load_failed(self, config_id: str, exc: BaseException):
         """... and of one that failed: reported, then this process leaves (never reused after an error)."""
-        self.ctl.put(f"ready/{config_id}/{self.rank}", {
-            "pid": os.getpid(), "error": {"pid": os.getpid(), "host": socket.gethostname(), "type": type(exc).__name__,
-                                          "message": str(exc)[:2000], "oom": is_oom(exc)}})
+        self.ctl.put(f"ready/{config_id}/{self.rank}", {"pid": os.getpid(), "error": _error(exc)})
         _leave(REPORTED_EXIT)
 
 
@@ -117,23 +101,19 @@ class After:
         self.fn = fn
 
 
-def _heartbeat(spec: GroupSpec, port: int, context: WorkerContext, stop: threading.Event):
-    """Beat once a second; leave at once when the driver aborted this process's generation (it replaces the
-    whole group after a failure: this process may be blocked in a collective that will not return).
-
-    A beat is a frame on this process's own authenticated connection to the driver's command channel (channel
-    beat(): the Unix socket on the driver's host, its TCP listener from another host). Nobody without the key
-    can make a beat the driver counts, replay an old one as new, or take one away (no beat is in the store)."""
+def _heartbeat(spec: GroupSpec, context: WorkerContext, stop: threading.Event):
+    """Beat once a second on this process's own authenticated channel connection (channel.beat: nobody without the
+    key can make, replay or take away a beat); leave at once when the driver aborted this process's generation
+    (this process may be blocked in a collective that will not return)."""
     try:
         signer = Signer(key_from_environment())
-        ctl = Control(connect_store(spec.master_addr, port, spec.timeout), signer)
+        ctl = Control(connect_store(spec.master_addr, spec.master_port, spec.timeout), signer)
 
         def aborted():
             g = context.generation
-            if g is not None and ctl.has(f"abort/{g}") and ctl.peek(f"abort/{g}") is not None:
+            if g is not None and ctl.peek(f"abort/{g}") is not None:
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
-                sys.stdout.flush()
-                os._exit(RECYCLED_EXIT)
+                _leave(RECYCLED_EXIT)
         beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
              aborted, lambda: {"progress": progress(context)})
     except Exception as e:
@@ -147,12 +127,15 @@ def progress(context: WorkerContext) -> dict:
     return {"g": context.generation, "n": context.command, **comfy.multinpu.PROGRESS.snapshot()}
 
 
+def _error(exc: BaseException) -> dict:
+    """A rank's error as the driver names it (comfy.multinpu_commands._rank_exception)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "type": type(exc).__name__, "message": str(exc)[:2000],
+            "oom": is_oom(exc)}
+
+
 def _report(ctl: Control, key: str, exc: BaseException, collective: bool):
-    import traceback
     try:
-        ctl.put(key, {"pid": os.getpid(), "host": socket.gethostname(), "type": type(exc).__name__,
-                      "message": str(exc)[:2000], "oom": is_oom(exc), "collective": collective, "time": time.time(),
-                      "traceback": "".join(traceback.format_exception(exc))[-6000:]})
+        ctl.put(key, {**_error(exc), "collective": collective, "time": time.time()})
     except Exception:
         pass
 
@@ -190,7 +173,7 @@ def serve(context: WorkerContext):
     ctl.put(f"worker/{rank}", {"pid": os.getpid(), "host": socket.gethostname(), "device": str(context.device),
                                **process_identity(os.getpid())})
     stop = threading.Event()
-    threading.Thread(target=_heartbeat, args=(spec, spec.master_port, context, stop), daemon=True,
+    threading.Thread(target=_heartbeat, args=(spec, context, stop), daemon=True,
                      name="multinpu-heartbeat").start()
     logging.info(f"MultiNPU: rank {rank} ({context.device}) pid {os.getpid()} waiting for the group")
     done = 0
@@ -281,23 +264,7 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
             return
         after = None
         try:
-            if comm.rank == 0:
-                buf = shm_read(header["shm"], header["nbytes"]).to(comm.device)
-            else:
-                buf = torch.empty(header["nbytes"], dtype=torch.uint8, device=comm.device)
-            if header["nbytes"]:
-                buf = comm.broadcast(buf, 0)
-            payload = unpack(header["data"], unflatten(buf, header["metas"]))
-            fn = BUILTINS.get(name) or PROGRAMS.get(name)
-            if fn is None:
-                raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
-            inject_fault(context, name)
-            # the workers run in the driver's grad and inference modes (ComfyUI executes prompts in inference mode)
-            with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
-                result = fn(context, comm, payload)
-            if isinstance(result, After):
-                after, result = result.fn, None
-            comm.barrier()
+            result, after = run_command(context, comm, header, lambda: shm_read(header["shm"], header["nbytes"]))
             if comm.rank == 0:
                 _post_result(context, header, g, n, result)
         except BaseException as e:
@@ -318,6 +285,31 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
             with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
                 after()
         n += 1
+
+
+def run_command(context: WorkerContext, comm, header: dict, rank0_bytes):
+    """Command `header` on this rank, as both transports run it: worker rank 0's bytes (rank0_bytes(), on the host)
+    broadcast to the others and unpacked, the program run in the driver's grad and inference modes (ComfyUI executes
+    prompts in inference mode), the closing barrier. Returns (result, the After callable or None)."""
+    name, nbytes = header["name"], header["nbytes"]
+    if comm.rank == 0:
+        buf = rank0_bytes().to(comm.device)
+    else:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=comm.device)
+    if nbytes:
+        buf = comm.broadcast(buf, 0)
+    payload = unpack(header["data"], unflatten(buf, header["metas"]))
+    fn = BUILTINS.get(name) or PROGRAMS.get(name)
+    if fn is None:
+        raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
+    inject_fault(context, name)
+    with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
+        result = fn(context, comm, payload)
+    after = None
+    if isinstance(result, After):
+        after, result = result.fn, None
+    comm.barrier()
+    return result, after
 
 
 def _next_command(context: WorkerContext, g: int, n: int) -> dict:
@@ -363,19 +355,17 @@ def inject_fault(context: WorkerContext, name: str):
         if kind == "raise":
             raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
         if kind in ("hold", "hang"):
-            # hold: a slow step (a model read from a slow disk), at most 120 s; hang: a rank blocked in a kernel (the
-            # GIL released, as a device wait does: its heartbeat beats on) for as long as the file exists
+            # a slow step (hold: a model read from a slow disk) or a rank blocked in a kernel (hang: the GIL released
+            # as a device wait does, its heartbeat beating on), for as long as the file exists
             logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: {kind}ing {name}")
-            deadline = time.monotonic() + (120.0 if kind == "hold" else float("inf"))
-            while os.path.exists(trigger) and time.monotonic() < deadline:
+            while os.path.exists(trigger):
                 time.sleep(POLL)
 
 
 def _free_memory(context: WorkerContext):
-    free = getattr(context, "free", None)
-    if free is not None:
+    if context.free is not None:
         try:
-            free()
+            context.free()
         except Exception as e:
             logging.warning(f"MultiNPU: rank {context.rank}: freeing memory failed: {e}")
 

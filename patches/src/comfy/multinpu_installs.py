@@ -1,8 +1,5 @@
-"""The driver's installs: a mixin of comfy.multinpu_process.GroupRuntime, which holds the state.
-
-What every worker must hold before a command uses it (a RemoteConfig: a model loaded from the same files with the
-same weight patches) is installed where missing and checked against rank 0's digest (config_mismatch). The frees
-and drops that reach the workers before the next command are comfy.multinpu_runtime_base.Runtime's.
+"""The driver's installs, a mixin of comfy.multinpu_process.GroupRuntime: what every worker must hold before a
+command uses it (a RemoteConfig), set up where missing and checked against the server's digest.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from comfy.multinpu_members import WAITING_LOG
 class Installs:
     """Installs of what the workers hold, checked."""
 
-    def _install(self, cfg: RemoteConfig):
+    def _install(self, cfg):
         todo = [r for r in range(self.world_size) if cfg.installed.get(r) != self.members.get(r)]
         if not todo:
             return
@@ -54,11 +51,7 @@ class Installs:
                 logging.warning(f"MultiNPU: {what}: waiting for {prefix} of "
                                 f"{', '.join(str(r) for r in ranks if r not in reports)} (members {members}, "
                                 f"dead {self.dead}); {self._launcher_state()}")
-            for r in ranks:
-                if r not in reports:
-                    rep = self.ctl.peek(f"{prefix}/{r}")
-                    if isinstance(rep, dict) and rep.get("pid") == members.get(r):
-                        reports[r] = rep
+            self._reports(prefix, {r: members.get(r) for r in ranks}, reports)
             if len(reports) == len(ranks) or any("error" in rep for rep in reports.values()):
                 return reports
             self._watch()

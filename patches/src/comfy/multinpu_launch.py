@@ -1,12 +1,7 @@
-"""Who starts, watches and replaces the process group's workers, and how a worker's end is told.
-
-- LocalWorkers: a host's worker processes (`python -B -m comfy.multinpu_worker`), started, watched and
-  replaced by the driver's monitor or by an agent; they die with the process that started them.
-- TorchrunWorkers: the same, with torch's elastic agent (torchrun) starting and restarting them.
-- watch_termination / termination_note: a worker notes who ended it, so the rank that failed first is told
-  from the siblings its launcher stopped after it.
-- Agent: a host other than node 0 (`python -B -m comfy.multinpu_group`, no ComfyUI) starts and replaces
-  its workers, reports their deaths, and follows the driver through restarts of the master.
+"""Who starts, watches and replaces the process group's workers: LocalWorkers (h3kit's own launcher) or
+TorchrunWorkers (torch's elastic agent), on node 0 for the driver and on other hosts for their Agent
+(`python -B -m comfy.multinpu_group`); and how a worker's end is told (watch_termination), so the rank that failed
+first is told from the siblings its launcher stopped after it. Why two launchers: docs/multinpu.md, "Launchers".
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupErro
                                  KEEP_ALIVE_ATTEMPTS, KEY_ENV, LOCAL_RANK_ENV, PARENT_ENV, RANKS_FILE, RANK_ENV,
                                  RDZV_READ_TIMEOUT, RECYCLED_EXIT, REPORTED_EXIT, SECONDARY, Signer, TERM_EXIT,
                                  TORCHRUN_MAX_RESTARTS, TORCHRUN_RETRY, _die_with_parent_signal, cpu_threads,
-                                 key_from_environment, set_hccl_timeout)
+                                 key_from_environment)
 from comfy.multinpu_channel import Control, _store_gone, beat, connect_store
 
 
@@ -48,12 +43,10 @@ def recycled(reason) -> bool:
 
 
 def watch_termination(spec: GroupSpec, rank: int):
-    """In a worker: one thread takes SIGTERM, notes who ended this process in the store (signed "term/{rank}",
-    written before it exits) and exits with TERM_EXIT, even while the main thread is blocked inside a collective.
-    torchrun ends every worker of its host with SIGTERM as soon as one fails, and reaps them itself: the note is
-    how the driver tells the rank that failed first from the siblings torchrun stopped after it. Needs SIGTERM
-    blocked in every thread, from the worker's first line (comfy.multinpu_worker does it before importing torch);
-    otherwise SIGTERM keeps its default action and nothing is noted."""
+    """In a worker: one thread takes SIGTERM, notes who ended this process (signed "term/{rank}" in the store) and
+    exits with TERM_EXIT, even while the main thread is blocked in a collective: how the driver tells the rank that
+    failed first from the siblings torchrun stopped after it. Needs SIGTERM blocked in every thread from the
+    worker's first line (comfy.multinpu_worker), else nothing is noted."""
     if signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
         return
     parent = os.getppid()
@@ -106,60 +99,89 @@ def _exit_reason(code: int) -> str:
     return f"exited with code {code}"
 
 
-# ---- local worker processes ------------------------------------------------------------------------
+# ---- this host's workers: two launchers ------------------------------------------------------------
 
-class LocalWorkers:
-    """This host's worker processes: started, watched and replaced (by rank 0's monitor or an agent).
+class _Workers:
+    """What both launchers share: this host's ranks, what status shows of each, the workers' environment. The
+    driver's monitor or an agent polls them: poll() -> [(rank, pid, reason)] of the workers that ended, pid(rank),
+    kill(rank, why, recycle), recycle(why), stop(grace)."""
 
-    Workers are children of the process that owns this object and die with it (PR_SET_PDEATHSIG, and
-    their store connection); they stay in its process group, so `h3kit stop` reaches them with the
-    server. A rank that dies more than CRASH_LIMIT times within CRASH_WINDOW is not replaced again.
-    """
-
-    def __init__(self, spec: GroupSpec, key: str, local_ranks, cwd=None, python=None):
+    def __init__(self, spec: GroupSpec, key: str):
         self.spec = spec
         self.key = key
-        self.cwd = cwd or os.getcwd()
-        self.python = python or sys.executable
-        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
-        self.procs = {}
-        self.info = {}
-        self.deaths = collections.defaultdict(collections.deque)
-        self.failed = {}
-        self.killed = {}               # rank -> why this object killed it
+        self.cwd = os.getcwd()         # the ComfyUI tree, as it was at the start: the workers run there
+        self.ctl = None                # the store's client (TorchrunWorkers reads the workers' announcements there)
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in range(spec.local_size)]
+        self.failed = {}               # rank -> why it is not replaced again
         self.recycled = set()          # ranks killed to replace the whole group: not crashes
-        self.respawn_at = {}           # rank -> monotonic time its replacement starts
         self.stopping = False
-        for rank in self.ranks:
-            self.info[rank] = {"rank": rank, "node": spec.node_rank, "local_rank": rank % spec.local_size,
-                               "host": socket.gethostname(), "device": spec.device_name(rank), "pid": None,
-                               "create_time": None, "cmdline": [], "alive": False, "restarts": 0,
-                               "last_exit": None, "incarnation": 0}
+        self.info = {r: {"rank": r, "node": spec.node_rank, "local_rank": r % spec.local_size,
+                         "host": socket.gethostname(), "device": spec.device_name(r), "pid": None,
+                         "create_time": None, "cmdline": [], "alive": False, "restarts": 0, "last_exit": None}
+                     for r in self.ranks}
 
-    def _env(self, rank: int) -> dict:
-        env = dict(os.environ)
-        env[GROUP_ENV] = self.spec.to_json()
-        env[KEY_ENV] = self.key
-        env[RANK_ENV] = str(rank)
-        env[LOCAL_RANK_ENV] = str(rank % self.spec.local_size)
-        env[PARENT_ENV] = str(os.getpid())
-        env["PYTHONUNBUFFERED"] = "1"
-        env.pop("H3KIT_SIM_DEVICES", None)  # a worker is one device, whatever the server simulates
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # see TorchrunWorkers.start
+    def _env(self, **ranks) -> dict:
+        """The workers' environment; ranks: H3KIT_RANK and the like (LocalWorkers'; torchrun numbers its own)."""
+        # H3KIT_SIM_DEVICES: a worker is one device, whatever the server simulates
+        env = {k: v for k, v in os.environ.items()
+               if k not in (RANK_ENV, LOCAL_RANK_ENV, PARENT_ENV, "H3KIT_SIM_DEVICES")}
+        env.update(ranks, **{GROUP_ENV: self.spec.to_json(), KEY_ENV: self.key, "PYTHONUNBUFFERED": "1"})
+        # NCCL's watchdog ends a worker whose collective passes the group timeout: a death like any other (never the
+        # server's, which is in no collective); with 0 a collective stuck on every rank would hang while ranks beat
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         threads = cpu_threads(self.spec)
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         return env
 
+
+def workers(spec: GroupSpec, key: str, ctl: Control):
+    """This host's workers under the group's launcher (GroupSpec.launcher)."""
+    local = TorchrunWorkers(spec, key) if spec.launcher == "torchrun" else LocalWorkers(spec, key)
+    local.ctl = ctl
+    return local
+
+
+def _recent(times: collections.deque, now: float) -> int:
+    """How many of `times`, now added, fall within CRASH_WINDOW."""
+    times.append(now)
+    while now - times[0] > CRASH_WINDOW:
+        times.popleft()
+    return len(times)
+
+
+def wait_or_kill(proc, seconds: float):
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5.0)
+
+
+class LocalWorkers(_Workers):
+    """h3kit's own launcher: this host's worker processes (`python -B -m comfy.multinpu_worker`), started, watched and
+    replaced one by one. Workers are children of the process that owns this object and die with it
+    (PR_SET_PDEATHSIG, and their store connection); they stay in its process group, so `h3kit stop` reaches them
+    with the server. A rank that dies more than CRASH_LIMIT times within CRASH_WINDOW is not replaced again.
+    """
+
+    def __init__(self, spec: GroupSpec, key: str):
+        super().__init__(spec, key)
+        self.procs = {}
+        self.deaths = collections.defaultdict(collections.deque)
+        self.killed = {}               # rank -> why this object killed it
+        self.respawn_at = {}           # rank -> monotonic time its replacement starts
+
     def spawn(self, rank: int):
-        argv = [self.python, "-B", "-m", self.spec.worker_module, *self.spec.worker_args]
-        proc = subprocess.Popen(argv, cwd=self.cwd, env=self._env(rank), stdin=subprocess.DEVNULL, close_fds=True)
+        argv = [sys.executable, "-B", "-m", self.spec.worker_module, *self.spec.worker_args]
+        env = self._env(**{RANK_ENV: str(rank), LOCAL_RANK_ENV: str(rank % self.spec.local_size),
+                           PARENT_ENV: str(os.getpid())})
+        proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
         self.procs[rank] = proc
         info = self.info[rank]
         info.update(process_identity(proc.pid), alive=True)
         # read at once, /proc can show an empty command line while the new image starts; it is argv
         info["cmdline"] = info["cmdline"] or list(argv)
-        info["incarnation"] += 1
         logging.info(f"MultiNPU: started {self.spec.describe_rank(rank)} as pid {proc.pid}")
         return proc
 
@@ -191,17 +213,14 @@ class LocalWorkers:
                 self.recycled.discard(rank)
                 self.respawn_at[rank] = now
                 continue
-            deaths = self.deaths[rank]
-            deaths.append(now)
-            while deaths and now - deaths[0] > CRASH_WINDOW:
-                deaths.popleft()
-            if len(deaths) > CRASH_LIMIT:
-                self.failed[rank] = (f"{self.spec.describe_rank(rank)} died {len(deaths)} times within "
+            deaths = _recent(self.deaths[rank], now)
+            if deaths > CRASH_LIMIT:
+                self.failed[rank] = (f"{self.spec.describe_rank(rank)} died {deaths} times within "
                                      f"{CRASH_WINDOW:g} s (last: {reason}); not replaced again")
                 logging.error(f"MultiNPU: {self.failed[rank]}")
                 continue
             # the first replacement starts at once, repeated deaths wait longer (0.5 s, 1 s, ... up to 8 s)
-            delay = 0.0 if len(deaths) == 1 else min(8.0, 0.25 * 2 ** (len(deaths) - 1))
+            delay = 0.0 if deaths == 1 else min(8.0, 0.25 * 2 ** (deaths - 1))
             logging.warning(f"MultiNPU: {self.spec.describe_rank(rank)} (pid {proc.pid}) {reason}; replacing it"
                             + (f" in {delay:g} s" if delay else ""))
             self.respawn_at[rank] = now + delay
@@ -242,47 +261,28 @@ class LocalWorkers:
             p.terminate()
         deadline = time.monotonic() + grace
         for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5.0)
+            wait_or_kill(p, max(0.0, deadline - time.monotonic()))
         for rank, p in self.procs.items():
             if p.poll() is not None:
                 self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
 
 
-class TorchrunWorkers:
-    """This host's workers, launched and restarted by torchrun (`python -m torch.distributed.run`, the elastic
-    agent): c10d rendezvous at the master address on master_port + 1 (the control store holds master_port),
-    --max-restarts, --monitor-interval 0.5. On any worker's failure torchrun restarts every worker of the group,
-    on every host; h3kit kills workers (SIGKILL, a stopped one too) to make it do so. The same interface as
-    LocalWorkers; the workers' pids come from their signed announcements in the store. The driver runs one for
-    node 0, each other host's agent one for its node (`h3kit start --launcher torchrun`, the default: GroupSpec.launcher)."""
 
-    def __init__(self, spec: GroupSpec, key: str, local_ranks, ctl, cwd=None, python=None):
-        self.spec = spec
-        self.key = key
-        self.ctl = ctl
-        self.cwd = cwd or os.getcwd()
-        self.python = python or sys.executable
-        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in local_ranks]
+class TorchrunWorkers(_Workers):
+    """torchrun's elastic agent as the launcher (its command line: argv(); docs/multinpu.md, "Launchers"): on any
+    worker's failure it restarts every worker of the group, on every host, and h3kit kills workers (SIGKILL) to make
+    it do so. The workers' pids come from their signed announcements in the store."""
+
+    def __init__(self, spec: GroupSpec, key: str):
+        super().__init__(spec, key)
         self.proc = None
-        self.failed = {}
-        self.recycled = set()
         self.seen = {}       # rank -> (pid, create_time) of the announced worker last looked at
-        self.info = {r: {"rank": r, "node": spec.node_rank, "local_rank": r % spec.local_size,
-                         "host": socket.gethostname(), "device": spec.device_name(r), "pid": None,
-                         "create_time": None, "cmdline": [], "alive": False, "restarts": 0, "last_exit": None,
-                         "incarnation": 0} for r in self.ranks}
-        self.starts = 0
         self.exits = collections.deque()
         self.retry_at = None  # monotonic time torchrun is tried again after it kept ending
-        self.stopping = False
 
     def argv(self) -> list:
         s = self.spec
-        return [self.python, "-B", "-m", "torch.distributed.run", "--nnodes", str(s.nnodes), "--node-rank",
+        return [sys.executable, "-B", "-m", "torch.distributed.run", "--nnodes", str(s.nnodes), "--node-rank",
                 str(s.node_rank), "--nproc-per-node", str(s.local_size), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{s.master_addr}:{s.master_port + 1}", "--rdzv-id", "h3kit",
                 # node 0 hosts the rendezvous store (on one machine every node's address would match)
@@ -296,25 +296,10 @@ class TorchrunWorkers:
                 "-m", s.worker_module, *s.worker_args]
 
     def start(self):
-        env = dict(os.environ)
-        env[GROUP_ENV] = self.spec.to_json()
-        env[KEY_ENV] = self.key
-        for k in (RANK_ENV, LOCAL_RANK_ENV, PARENT_ENV, "H3KIT_SIM_DEVICES"):
-            env.pop(k, None)
-        env["PYTHONUNBUFFERED"] = "1"
-        threads = cpu_threads(self.spec)
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
-        # NCCL's watchdog tears a worker down when a collective passes the group timeout (3, torch's default,
-        # chosen explicitly): its death is a failure the driver handles like any other, replacing the group. The
-        # server is never in a collective, so the watchdog can never take the server and its queue down; with 0
-        # a collective stuck on every rank would hang while each rank's heartbeat still beats
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         # torchrun ends with the process that started it (its SIGTERM handler stops the workers): an orphaned
         # elastic agent would restart workers that can never reach the driver again
-        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True,
-                                     preexec_fn=_die_with_parent_signal)
-        self.starts += 1
+        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=self._env(), stdin=subprocess.DEVNULL,
+                                     close_fds=True, preexec_fn=_die_with_parent_signal)
         logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
 
     def _announced(self, rank: int):
@@ -344,19 +329,15 @@ class TorchrunWorkers:
                 self.seen.pop(rank)
             if info is not None and self.seen.get(rank) != (info["pid"], info.get("create_time")):
                 self.seen[rank] = (info["pid"], info.get("create_time"))
+                self.info[rank]["restarts"] += self.info[rank]["pid"] is not None  # not the first one announced
                 self.info[rank].update({k: info.get(k) for k in ("pid", "create_time", "cmdline", "host")},
                                        alive=True)
-                self.info[rank]["restarts"] = self.info[rank]["incarnation"]
-                self.info[rank]["incarnation"] += 1
         if self.proc is not None and self.proc.poll() is not None and not self.failed and not self.stopping:
             # torchrun itself ended (killed, past --max-restarts, its rendezvous failed): start it again, unless
             # it keeps ending
             reason = _exit_reason(self.proc.returncode)
             now = time.monotonic()
-            self.exits.append(now)
-            while self.exits and now - self.exits[0] > CRASH_WINDOW:
-                self.exits.popleft()
-            if len(self.exits) > CRASH_LIMIT:
+            if _recent(self.exits, now) > CRASH_LIMIT:
                 # the group fails now (named, instead of waiting out the join timeout) and comes back by itself:
                 # torchrun is tried again after a pause (its rendezvous port was taken, its peer host was away)
                 self.retry_at = now + TORCHRUN_RETRY
@@ -399,11 +380,7 @@ class TorchrunWorkers:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()  # torchrun stops its workers
-        try:
-            self.proc.wait(grace + 10.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5.0)
+        wait_or_kill(self.proc, grace + 10.0)
 
 
 def _alive(pid, create_time) -> bool:
@@ -417,13 +394,18 @@ def _alive(pid, create_time) -> bool:
         return False
 
 
-def write_ranks_file(root, data: dict):
-    if not root:
+def write_ranks_file(spec: GroupSpec, role: str, state, error, generation, ranks: list, **more):
+    """What `h3kit status` reads of this host's ranks (toolkit/h3kit/group.py, ranks_view), in the runtime root."""
+    if not spec.runtime_root:
         return
-    path = os.path.join(root, RANKS_FILE)
+    updated = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    data = {"role": role, "pid": os.getpid(), "updated": updated, "state": state, "error": error,
+            "generation": generation, "world_size": spec.world_size, "backend": spec.backend, "master": f"{spec.master_addr}:{spec.master_port}", "nnodes": spec.nnodes,
+            "launcher": spec.launcher, **more, "ranks": ranks}
+    path = os.path.join(spec.runtime_root, RANKS_FILE)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(spec.runtime_root, exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2)
         os.replace(tmp, path)
@@ -431,23 +413,16 @@ def write_ranks_file(root, data: dict):
         logging.warning(f"MultiNPU: cannot write {path}: {e}")
 
 
-def now() -> str:
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def is_loopback(addr: str) -> bool:
+def gloo_on_loopback(spec: GroupSpec):
+    """A CPU group whose master is on the loopback: gloo's sockets on the loopback interface (unless set)."""
     import ipaddress
     try:
-        return ipaddress.ip_address(addr).is_loopback
+        loopback = ipaddress.ip_address(spec.master_addr).is_loopback
     except ValueError:
-        return addr == "localhost"
-
-
-def loopback_interface() -> str:
-    for _, name in socket.if_nameindex():
-        if name == "lo" or name.startswith("lo"):
-            return name
-    return "lo"
+        loopback = spec.master_addr == "localhost"
+    if spec.device_type == "cpu" and loopback:
+        name = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
 
 
 # ---- the agent of another node -------------------------------------------------------------------
@@ -464,9 +439,7 @@ class Agent:
         self.stop = threading.Event()
 
     def run(self):
-        if self.spec.device_type == "cpu" and is_loopback(self.spec.master_addr):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        set_hccl_timeout(self.spec)
+        gloo_on_loopback(self.spec)
         # the driver tells a lost host by its agent's silence, which nobody without the key can fill or make; one
         # beat for the agent's life (its numbers only grow), also while it waits for the master to come back
         threading.Thread(target=beat, args=(self.spec.channel_address(), self.signer,
@@ -498,10 +471,7 @@ class Agent:
         spec = self.spec
         ctl.put(f"node/{spec.node_rank}", {"pid": os.getpid(), "host": socket.gethostname(),
                                            "local_size": spec.local_size})
-        if spec.launcher == "torchrun":
-            local = TorchrunWorkers(spec, self.key, range(spec.local_size), ctl)
-        else:
-            local = LocalWorkers(spec, self.key, range(spec.local_size))
+        local = workers(spec, self.key, ctl)
         local.start()
         logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
         last_write = 0.0
@@ -540,12 +510,8 @@ class Agent:
                 info = dict(local.info[rank])
                 info["joined"] = state == "ready" and members.get(rank) == info.get("pid") is not None
                 ranks.append(info)
-        write_ranks_file(self.spec.runtime_root, {
-            "role": "agent", "pid": os.getpid(), "updated": now(), "node_rank": self.spec.node_rank,
-            "state": state, "error": error, "generation": (group or {}).get("generation"),
-            "world_size": self.spec.world_size, "backend": self.spec.backend,
-            "master": f"{self.spec.master_addr}:{self.spec.master_port}", "nnodes": self.spec.nnodes,
-            "launcher": self.spec.launcher, "ranks": ranks})
+        write_ranks_file(self.spec, "agent", state, error, (group or {}).get("generation"), ranks,
+                         node_rank=self.spec.node_rank)
 
 
 def agent_main():

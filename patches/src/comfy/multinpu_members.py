@@ -1,16 +1,12 @@
-"""The driver's membership and monitoring: mixins of comfy.multinpu_process.GroupRuntime, which holds the state.
-
-- GroupMonitor: the monitor thread and what it watches: deaths (local workers by their process, remote ones by their
-  agent's reports), heartbeats, progress (comfy.multinpu_progress), lost hosts; the ranks file.
-- Generations: forming numbered generations of the group over the control store, handing each its command
-  connections, aborting one (every rank replaced by a fresh process).
+"""The driver's membership and monitoring, mixins of comfy.multinpu_process.GroupRuntime (which holds the state):
+GroupMonitor (deaths, heartbeats, progress, lost hosts, the ranks file) and Generations (forming and aborting the
+numbered generations of the group).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import socket
 import time
 
@@ -87,8 +83,10 @@ class GroupMonitor:
         if last is None or last[0] != pid:
             self._hb[rank] = (pid, 0, now)
             return
-        count = self._beat(rank, pid, last[1])
-        if count > last[1]:  # only a newer beat counts: an old signed one copied back is no sign of life
+        # every worker beats on its own authenticated channel connection (this host's on the Unix socket, another
+        # host's over TCP): only the worker itself can make, or stop, its beats; only a newer one counts
+        count = max(last[1], self._beats.get((rank, pid), last[1]))
+        if count > last[1]:
             self._hb[rank] = (pid, count, now)
             return
         if now - last[2] <= wire.HEARTBEAT_STALE:
@@ -126,12 +124,6 @@ class GroupMonitor:
                 except Exception as e:
                     logging.warning(f"MultiNPU: could not ask node {self.spec.node_of(rank)} to kill rank {rank}: {e}")
             self._note_death(rank, pid, why)
-
-    def _beat(self, rank: int, pid: int, known: int) -> int:
-        """The newest heartbeat seq of rank's worker `pid` (known: the newest seen before): every worker beats on
-        its own authenticated connection to the command channel (this host's on the Unix socket, another host's
-        over TCP), so only the worker itself can make, or stop, its beats."""
-        return max(known, self._beats.get((rank, pid), known))
 
     def _check_hosts(self):
         """Another host's members that are gone although no exit report came (its agent or torchrun was killed):
@@ -264,11 +256,8 @@ class GroupMonitor:
         except Exception as e:
             logging.debug(f"MultiNPU: ranks not readable now: {e}")
             return
-        launch.write_ranks_file(self.spec.runtime_root, {
-            "role": "driver", "pid": os.getpid(), "updated": launch.now(), "state": self.state, "error": self.error,
-            "generation": self.generation, "world_size": self.world_size, "backend": self.spec.backend,
-            "master": f"{self.spec.master_addr}:{self.port}", "nnodes": self.spec.nnodes,
-            "launcher": self.spec.launcher, "commands": self.commands, "last_failure": self.last_failure, "ranks": ranks})
+        launch.write_ranks_file(self.spec, "driver", self.state, self.error, self.generation, ranks,
+                                commands=self.commands, last_failure=self.last_failure)
 
 
 class Generations:
@@ -281,7 +270,7 @@ class Generations:
         for r in sorted(ranks):
             by_node[self.spec.node_of(r)].append(r)
         for node, rs in sorted(by_node.items()):
-            if node != 0 and not self._mon.has(f"node/{node}"):
+            if node != 0 and self._mon.peek(f"node/{node}") is None:
                 parts.append(f"node {node} (ranks {', '.join(map(str, rs))}) never arrived: no agent connected "
                              f"to {self.spec.master_addr}:{self.port} (start it there with h3kit start "
                              f"--nnodes {self.spec.nnodes} --node-rank {node} ...)")

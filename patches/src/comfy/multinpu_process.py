@@ -1,37 +1,12 @@
-"""The driver of the multi-device process group: the ComfyUI server, which is never a rank.
+"""The driver of the process transport: the ComfyUI server, which starts one worker process per device of its host
+(rank 0 included) and drives their group without being a rank: on HCCL and NCCL a collective whose peer failed
+releases nobody before the group timeout (H3_FACTS 9), and the server's queue must never wait inside one.
 
-With `h3kit start --transport process` (the default on NPU and CUDA) every rank of the parallel components
-(DiT, text encoder, video VAE decode) is a worker process, rank 0 included (on device 0, beside the server);
-the ranks of one service form one torch.distributed group: hccl on Ascend, nccl on CUDA, gloo on CPU. The
-server drives them (GroupRuntime): it starts the group's control store in a process of its own on the port
-h3kit recorded (a flood of keys grows that process, never the server), opens the command channel (a Unix
-socket in the runtime root's 0700 channel folder; with several hosts also a TCP listener on the master port + 2,
-where the other hosts' workers and agents connect), starts one worker per device of its host, forms numbered
-generations of the group and hands each command to every rank (run()). It never enters a collective: on
-HCCL and NCCL a collective whose peer failed, was destroyed or died releases nobody before the group timeout
-(H3_FACTS 9), and the server's queue must not wait inside one. GroupRuntime's concerns are mixins of their own:
-comfy.multinpu_members (membership and monitoring: the monitor, generations), comfy.multinpu_commands (the command
-path), comfy.multinpu_installs (what the workers must hold); comfy.multinpu_progress judges the ranks' progress.
-The members' side is comfy.multinpu_wire (settings, wire format), comfy.multinpu_channel (the store's process,
-the channel), comfy.multinpu_launch (launchers, agents) and comfy.multinpu_group (the worker loop).
-
-A command: the driver writes its inputs' tensors into one file in /dev/shm (memory; only this host's worker
-rank 0 reads it) and sends a signed header to every rank on that rank's own command connection (no command
-passes through the store, where any client could delete it); worker rank 0 broadcasts the tensors to the
-others, every rank runs the command's program, and rank 0 writes the program's result into another /dev/shm
-file, announced by a signed result header on its connection.
-The driver waits for it with a bound, watching every rank meanwhile: error reports, deaths (local workers by
-their process, remote ones by their agent's reports), heartbeats.
-
-A failure costs one prompt. Any rank's exception, out-of-memory error, death or hang ends the command in
-the driver as soon as it is seen (a hang: HEARTBEAT_STALE seconds without a heartbeat), with the first error
-named (rank, host, pid, exception type and message; an out-of-memory error as torch.OutOfMemoryError, so
-ComfyUI's unload-and-retry path runs). The whole generation is then aborted and every worker replaced by a
-fresh process: a worker that saw an error exits by itself, the driver SIGKILLs this host's workers (one that
-is stopped or blocked in a collective too) and asks the other hosts' agents to do the same. The next command
-forms a new generation; nothing that saw the error is reused (on Ascend a process whose stream held a failed
-task usually needs a restart). gloo's early release of peers is not relied on: H3KIT_EMULATE_NO_RELEASE=1
-gives the CPU tests HCCL/NCCL's semantics.
+GroupRuntime owns the store's process, the command channel, this host's workers and each command's /dev/shm
+hand-off (_execute); membership and monitoring (comfy.multinpu_members), the command path (comfy.multinpu_commands)
+and installs (comfy.multinpu_installs) are mixins sharing its state. A failure costs one prompt: the first cause is
+named and every rank is replaced by a fresh process. transport() and runtime_for() are the one place a component's
+runtime is chosen. Design: docs/multinpu.md, "The process transport".
 """
 
 from __future__ import annotations
@@ -64,12 +39,9 @@ REFUSED_ARGS = ("--cuda-device", "--default-device")  # in the server's argument
 
 
 class RemoteConfig:
-    """Something every worker must hold before a command uses it: a model loaded from the same files
-    with the same weight patches (comfy.multinpu_models builds these).
-
-    program: the worker-side builder (registered with @program); payload: what it needs (tensors go over
-    the group); digest: rank 0's own {component: hex} digest, which every worker's must equal.
-    """
+    """Something every worker must hold before a command uses it: a model loaded from the same files with the same
+    weight patches (comfy.multinpu_models builds these). program: the worker-side builder (@program); payload: what
+    it needs; digest: the server's own {component: hex} digest, which every worker's must equal."""
 
     def __init__(self, program_name: str, payload, digest: dict, what: str):
         self.id = uuid.uuid4().hex
@@ -81,16 +53,8 @@ class RemoteConfig:
 
 
 class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtime):
-    """The driver of the process group: owns the store's process, the command channel, this host's workers, the
-    generations and every command. What every runtime shares (run(), the frees and drops, the digest check) is
-    comfy.multinpu_runtime_base.Runtime's; its own concerns live in mixins that share this object's state:
-    membership and monitoring (comfy.multinpu_members: GroupMonitor, Generations), the command path
-    (comfy.multinpu_commands: CommandPath; _execute is here), installs (comfy.multinpu_installs: Installs).
-
-    One command runs at a time (`run`); the monitor thread forms the group, watches every rank, replaces
-    the whole group after a failure and re-forms it while the server is idle, so `h3kit status` shows every
-    rank joined without waiting for the next prompt.
-    """
+    """The driver of the process group. One command runs at a time (run); the monitor thread forms the group,
+    watches every rank, and replaces the whole group after a failure, re-forming it while the server is idle."""
 
     def __init__(self, spec: wire.GroupSpec, key: str, device=None):
         if spec.node_rank != 0:
@@ -143,9 +107,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         spec = self.spec
         wire.check_timeouts(spec)
         self._shm_claim = wire.shm_claim(self._token)  # first, what killed drivers left in /dev/shm is removed
-        if spec.device_type == "cpu" and launch.is_loopback(spec.master_addr):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", launch.loopback_interface())
-        wire.set_hccl_timeout(spec)
+        launch.gloo_on_loopback(spec)
         # the command channel first: a folder other users could enter is refused before anything starts
         self._channel = channel.ChannelServer(self._channel_folder(), self.signer, self._on_link)
         spec.channel = self._channel.path
@@ -162,10 +124,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
                 raise
         self._store.start()
         self._connect_store()
-        if spec.launcher == "torchrun":
-            self._local = launch.TorchrunWorkers(spec, self.key, range(spec.local_size), self._mon)
-        else:
-            self._local = launch.LocalWorkers(spec, self.key, range(spec.local_size))
+        self._local = launch.workers(spec, self.key, self._mon)
         self._thread = threading.Thread(target=self._monitor, name="multinpu-monitor", daemon=True)
         self._thread.start()
         logging.info(f"MultiNPU: process group of {self.world_size} worker ranks ({spec.backend}) driven from "
@@ -187,7 +146,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         self.ctl = channel.Control(channel.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
         self.ctl.put("layout", spec.layout())
         self._mon = channel.Control(channel.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
-        if self._local is not None and hasattr(self._local, "ctl"):
+        if self._local is not None:
             self._local.ctl = self._mon  # TorchrunWorkers reads the workers' announcements through it
 
     def _restart_store(self):
@@ -223,10 +182,8 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
     # -- the command channel --
 
     def _on_link(self, link, hello: dict):
-        """An authenticated connection (on its own thread): a worker's or an agent's heartbeats (from any host), or
-        a worker's command connection (this host's ranks on the Unix socket, the other hosts' over TCP; rank 0's
-        brings the results back). A beat connection that ends is no death by itself: the silence that follows is
-        (_check_heartbeat, _agent_gone)."""
+        """An authenticated channel connection, on its own thread: a worker's or an agent's beats, or a worker's command
+        connection (rank 0's brings the results back). A beat connection that ends is no death by itself."""
         pid = hello["pid"]
         role = hello.get("role")
         if role in ("beat", "agent") and isinstance(hello.get("rank" if role == "beat" else "node"), int):
@@ -306,9 +263,8 @@ def transport():
 
 def runtime_for(devices, primary, what: str, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> base.Runtime:
     """The runtime a parallel component (the DiT, the text encoder, the VAE) runs its programs on: this server's
-    process group, which serves every component, or ranks that are threads of this process on `devices` (a runtime
-    of the component's own, whose collectives are bounded by `timeout`). Rank 0 must be on `primary`, the device
-    of `what` (ValueError otherwise, with threads; a process group's rank 0 is device 0 by construction)."""
+    process group, or threads of this process on `devices` (a runtime of the component's own, bounded by `timeout`,
+    whose rank 0 must be on `primary`, the device of `what`)."""
     return transport().runtime_for(devices, primary, what, timeout)
 
 

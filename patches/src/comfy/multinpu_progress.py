@@ -1,18 +1,9 @@
-"""Which rank holds a command: the progress every worker reports with its heartbeat, read by the driver.
+"""Which rank holds a command, from the progress every worker sends with its heartbeat (comfy.multinpu_group.progress).
 
-A rank blocked in a kernel, in an HCCL wait on a broken link, or in another collective than its peers keeps its
-process and its heartbeat thread alive (a kernel or driver wait releases the GIL), so its beats alone do not tell
-it from a busy one. Every beat also carries the rank's progress (comfy.multinpu_group.progress): the command it
-took last, how many collectives it entered (comfy.multinpu.PROGRESS; every rank enters the same ones in the same
-order) and whether it is inside one. While a command runs, ProgressWatch.check() compares the members:
-
-- peers inside collective #k of the command and a rank that has not reached it (it has not taken the command, or
-  entered fewer collectives) whose own beats keep saying so for the progress bound: that rank is hung;
-- every rank inside the same collective, none moving, for the bound: that collective made no progress.
-
-The evidence is the rank's own beat: a rank whose beats stop (stopped, dead) is left to the heartbeat detector,
-and a rank that is slow but reaches its collectives changes its position with each one, so it is never taken for
-hung. Like NCCL's flight recorder (per-collective sequence numbers), not a timer on the whole command.
+A rank blocked in a kernel keeps beating (a device wait releases the GIL), so beats alone cannot tell it from a busy
+one. Every rank enters the same collectives in the same order; while a command runs, a rank whose own beats show it
+short of the collective its peers wait in for the progress bound is hung, and a collective every rank has sat in
+that long made no progress. A slow rank that reaches its collectives moves with each one and is never taken for hung.
 """
 
 from __future__ import annotations

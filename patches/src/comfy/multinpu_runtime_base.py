@@ -1,22 +1,10 @@
 """What every runtime of the parallel components shares, whatever moves the data between its ranks.
 
-A runtime runs the worker programs (registered with comfy.multinpu_group.program) on its ranks and hands rank
-0's result back. Two transports sit behind it: the server's process group (comfy.multinpu_process.GroupRuntime,
-one worker process per device, rank 0 included) and threads of this process (comfy.multinpu_threads.ThreadRuntime,
-the CPU twin the parity tests check the process group against). The DiT, the text encoder and the VAE never
-choose one: they ask comfy.multinpu_process.runtime_for() for the runtime of this server, and
-comfy.multinpu_process.transport() is the one place that knows which transport that is.
-
-Written once here for both:
-- Runtime.run(): the group ready, the pending frees and drops, the configurations every rank must hold, then the
-  command, one command at a time;
-- the housekeeping of configurations: a RemoteConfig the server let go of is dropped by the ranks, ComfyUI's
-  free (POST /free, the OOM handler: comfy.model_cache's clear listener) reaches every live runtime before its
-  next command, and a rank's digest that differs from the server's is named (config_mismatch);
-- MODEL_LOCK and unload(): ComfyUI's model management is one per process and not thread-safe; what a rank held
-  is taken out of it deterministically, under the lock (uncontended in a worker process).
-The built-in commands (install, drop, free) that run on the ranks are comfy.multinpu_group's, the same functions
-for both transports.
+Runtime.run() (the group ready, pending frees and drops, the configurations every rank must hold, then the command),
+the digest check (config_mismatch), and MODEL_LOCK with unload(): ComfyUI's model management is one per process and
+not thread-safe. ComfyUI's free (POST /free, the OOM handler) reaches every live runtime before its next command.
+The transports: comfy.multinpu_process.GroupRuntime and comfy.multinpu_threads.ThreadRuntime, chosen only by
+comfy.multinpu_process.transport().
 """
 
 from __future__ import annotations
@@ -36,12 +24,8 @@ _LIVE = weakref.WeakSet()  # every runtime of this process, asked to free when C
 
 
 class Runtime:
-    """The ranks of one group and the commands they run, one at a time.
-
-    A transport provides _execute(name, payload) (the command on every rank, rank 0's result back), _install(cfg)
-    (a configuration set up and checked where missing; _track and config_mismatch help) and describe(); it may
-    provide _ensure_ready(name) (the group formed before a command).
-    """
+    """The ranks of one group and the commands they run, one at a time. A transport provides _execute(name, payload),
+    _install(cfg) and describe(), and may provide _ensure_ready(name) (the group formed before a command)."""
 
     def __init__(self, spec: wire.GroupSpec):
         self.spec = spec
@@ -81,14 +65,9 @@ class Runtime:
         server's process group serves every component and stays (comfy.multinpu_process.stop_runtime ends it)."""
 
     def run(self, name: str, payload, configs=()):
-        """Run command `name` on every rank (PROGRAMS[name](context, comm, payload)) and return what rank 0's
-        program returned.
-
-        configs: RemoteConfigs every rank must hold first (installed and checked where missing). A rank's failure
-        is raised here naming the rank (wire.GroupError subclasses, or torch.OutOfMemoryError for one that ran out
-        of memory, so ComfyUI's unload-and-retry path runs); wire.ConfigMismatch when a rank holds something else
-        than the server.
-        """
+        """Run command `name` on every rank (PROGRAMS[name](context, comm, payload)) and return rank 0's result, once
+        every rank holds `configs` (RemoteConfigs, installed and checked where missing). A rank's failure is raised
+        naming the rank: a wire.GroupError, or torch.OutOfMemoryError so that ComfyUI's unload-and-retry path runs."""
         with self._lock:
             self._ensure_ready(name)
             self._housekeeping()
@@ -98,12 +77,6 @@ class Runtime:
 
     def _ensure_ready(self, name: str):
         pass
-
-    def _execute(self, name: str, payload):
-        raise NotImplementedError
-
-    def _install(self, cfg):
-        raise NotImplementedError
 
     def _track(self, cfg):
         """The ranks let go of `cfg` with the server (a drop before the next command once it is collected)."""

@@ -1,29 +1,13 @@
-"""The thread transport as a runtime: the ranks are threads of this process, driven like the process group.
+"""The thread transport: the ranks are threads of this process, driven as the process group is.
 
-ThreadRuntime is a comfy.multinpu_runtime_base.Runtime, as the process group's GroupRuntime is: run(), the
-housekeeping of frees and drops and the digest check are theirs, written once. It runs the same worker programs
-(the functions registered with @comfy.multinpu_group.program, and comfy.multinpu_group's built-in install, drop and
-free) through the same command path: the payload is packed with the wire code (comfy.multinpu_wire.pack/flatten:
-tensors out of the pickle, into one host buffer, the twin of the /dev/shm file), worker rank 0 broadcasts the
-buffer to the other ranks and every rank unpacks it (unflatten/unpack), runs PROGRAMS[name](context, comm,
-payload) with its own context and device, closes with a barrier, runs the program's After callable, and rank 0's
-result comes back packed the same way. Configurations (RemoteConfig) are installed on every rank first and their
-digests checked against the server's. The workers run in the caller's grad and inference modes, as the process
-workers run in the driver's.
+ThreadRuntime is a comfy.multinpu_runtime_base.Runtime like the process group's GroupRuntime and runs the same
+worker programs and built-ins (comfy.multinpu_group) through the same wire code (comfy.multinpu_wire pack/flatten:
+one host buffer where the process driver writes /dev/shm; worker rank 0 broadcasts it); only the communicator
+differs (a ThreadComm instead of a ProcessComm). It is the one-interpreter twin the parity tests check the process
+group against (docs/multinpu.md, "Which transport runs where, and why").
 
-So the CPU tests (threads) run the code the NPU workers run; only the transport under the programs differs (a
-ThreadComm over a ThreadGroup instead of a ProcessComm over torch.distributed). It is the cheap twin: one
-interpreter, ranks up in milliseconds, bit-identical to one device, the reference the parity tests check the
-process group against, and the fallback where no group can be formed (`h3kit start --transport threads`).
-Rank 0 runs in the calling thread, ranks 1..P-1 on persistent threads (comfy.multinpu.RankThreads), each having
-set its device. A failure on any rank raises the rank's own exception in the caller (an OOM stays an OOM for
-ComfyUI's handler), with a note naming the rank; a rank that stalls is abandoned after the timeout and the next
-command starts fresh threads.
-
-What the ranks hold is let go of deterministically: a configuration dropped or freed, or every configuration of a
-runtime shut down or gone, is unloaded from model management under comfy.multinpu_runtime_base.MODEL_LOCK at a
-command's start (never by the garbage collector in the middle of another thread's walk over ComfyUI's list of
-loaded models, which upstream's finalizers would change under it).
+What the ranks hold is unloaded at a command's start under MODEL_LOCK (release_retired), never by the garbage
+collector while another thread walks ComfyUI's list of loaded models.
 """
 
 from __future__ import annotations
@@ -119,38 +103,24 @@ class ThreadRuntime(base.Runtime):
         _retire(self.contexts)
         release_retired()
 
-    def release(self):
-        # a component's own runtime: nobody else uses it
-        self.shutdown()
+    release = shutdown  # a component's own runtime: nobody else uses it
 
     def _ensure_ready(self, name: str):
         release_retired()
 
     def _execute(self, name: str, payload, timeout: float = None):
-        fn = group.BUILTINS.get(name) or group.PROGRAMS.get(name)
-        if fn is None:
+        if name not in group.BUILTINS and name not in group.PROGRAMS:
             raise wire.GroupError(f"MultiNPU: no program {name!r}")
         self.commands += 1
         # the driver's side of the wire: a header and one host buffer (what the process driver writes into /dev/shm)
         data, tensors = wire.pack(payload)
         host, metas = wire.flatten(tensors, "cpu")
-        nbytes = host.numel()
+        header = {"name": name, "data": data, "metas": metas, "nbytes": host.numel(), "grad": torch.is_grad_enabled(),
+                  "inference": torch.is_inference_mode_enabled()}
 
         def rank_main(comm):
-            context = self.contexts[comm.rank]
-            # worker rank 0 reads the buffer, the others receive it over the group, every rank unpacks its own copy
-            buf = host.to(comm.device) if comm.rank == 0 else torch.empty(nbytes, dtype=torch.uint8, device=comm.device)
-            if nbytes:
-                buf = comm.broadcast(buf, 0)
-            args = wire.unpack(data, wire.unflatten(buf, metas))
-            group.inject_fault(context, name)
-            result = fn(context, comm, args)
-            after = None
-            if isinstance(result, group.After):
-                after, result = result.fn, None
-            comm.barrier()
-            if comm.rank == 0:
-                # the result header and buffer, as worker rank 0 posts them
+            result, after = group.run_command(self.contexts[comm.rank], comm, header, lambda: host)
+            if comm.rank == 0:  # the result header and buffer, as worker rank 0 posts them
                 rdata, rtensors = wire.pack(result)
                 result = (rdata,) + wire.flatten(rtensors, "cpu")
             if after is not None:

@@ -213,29 +213,6 @@ def select_rows(param: torch.Tensor, rows) -> torch.nn.Parameter:
     return torch.nn.Parameter(param.detach()[rows].clone(), requires_grad=False)
 
 
-class DeviceModels:
-    """A transformer_options["patches"] entry whose models() load_models_gpu loads with the model it is on,
-    so CLIP.load_model and VAE.decode put every rank's copy on its device with the rank 0 model, through
-    upstream's memory management (free memory on each device, partial loading when one is short)."""
-
-    def __init__(self, patchers):
-        self.patchers = list(patchers)
-
-    def models(self):
-        return list(self.patchers)
-
-
-def attach_device_models(patcher, key: str, patchers):
-    patches = patcher.model_options.setdefault("transformer_options", {}).setdefault("patches", {})
-    patches[key] = [DeviceModels(patchers)]
-
-
-def device_models(patcher, key: str) -> list:
-    """The patchers attach_device_models put on `patcher` under `key` ([] when none)."""
-    entry = patcher.model_options.get("transformer_options", {}).get("patches", {}).get(key)
-    return entry[0].models() if entry else []
-
-
 def device_patcher(patcher, model, device):
     """A ModelPatcher like `patcher` (its class, cast options, hooks) over `model`, loading onto `device`."""
     p = patcher.clone(model_override=(model, ({}, {}, {}, set())))
@@ -243,8 +220,5 @@ def device_patcher(patcher, model, device):
     p.load_device = device
     if hasattr(p, "register_load_device"):
         p.register_load_device(device)
-    patches = p.model_options.get("transformer_options", {}).get("patches", {})
-    for key in [k for k, v in patches.items() if v and isinstance(v[0], DeviceModels)]:
-        patches.pop(key)  # the source's device copies are not this copy's
     p.is_multigpu_base_clone = False
     return p

@@ -1,13 +1,10 @@
-"""The process group's settings and wire format: what every process of the group shares.
+"""What every process of the group shares: its settings (GroupSpec, the environment names, timings and exit codes),
+the wire format and the /dev/shm hand-off.
 
-- GroupSpec: where and how big the group is (h3kit start writes it into H3KIT_GROUP), with the environment
-  names, timings and exit codes every rank reads the same way.
-- The wire: a command is a small header, pickled. Pickle runs code when it loads, so every value written to
-  the store or sent on the command channel carries an HMAC-SHA256 under a key only the ranks of this service
-  hold (H3KIT_GROUP_KEY; Signer), and nothing unauthenticated is unpickled: pickle is the trusted transport
-  between the ranks of one service, nothing more. Tensors never travel through the store or the channel
-  (pack/unpack take them out of the pickle): the driver writes a command's tensors into /dev/shm (shm_write),
-  worker rank 0 broadcasts them over the group (flatten/unflatten: one buffer).
+Pickle runs code when it loads: every value in the store or on the command channel carries an HMAC-SHA256 under
+the service's key (Signer), and nothing unauthenticated is unpickled. Tensors never travel in the pickle (pack):
+the driver writes a command's tensors into /dev/shm (shm_write), worker rank 0 broadcasts them (flatten).
+Design: docs/multinpu.md, "The process transport".
 """
 
 from __future__ import annotations
@@ -106,11 +103,8 @@ class ConfigMismatch(GroupError):
 # ---- the group's settings -----------------------------------------------------------------------
 
 class GroupSpec:
-    """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP.
-
-    Ranks are numbered node by node: rank = node_rank * local_size + local_rank; rank 0 is local rank 0
-    of node 0 (the ComfyUI server). Every node runs local_size ranks, one per device in `devices`.
-    """
+    """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP. Ranks are numbered node by node
+    (rank = node_rank * local_size + local_rank), one per device in `devices`."""
 
     FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
               "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher", "channel")
@@ -262,11 +256,14 @@ _ALIGN = 64
 def flatten(tensors, device) -> tuple:
     """One uint8 buffer on `device` holding every tensor, and the layout [(offset, nbytes, shape, dtype, on_cpu)]."""
     metas, offset = shm_layout(tensors)
-    buf = torch.empty(offset, dtype=torch.uint8, device=device)
+    return _fill(torch.empty(offset, dtype=torch.uint8, device=device), tensors, metas), metas
+
+
+def _fill(buf: torch.Tensor, tensors, metas) -> torch.Tensor:
     for t, (start, nbytes, _, _, _) in zip(tensors, metas):
         if nbytes:
             buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-    return buf, metas
+    return buf
 
 
 def unflatten(buf: torch.Tensor, metas) -> list:
@@ -294,7 +291,6 @@ def td(seconds: float) -> datetime.timedelta:
 # never those of a live one, whatever its pid namespace (shm_sweep).
 
 SHM_DIR_ENV = "H3KIT_SHM_DIR"        # where the hand-off files live (default /dev/shm; tests put a small tmpfs here)
-SHM_PREFIX = "h3kit-"
 SHM_LOCK_PREFIX = "h3kit-lock-"
 _SHM_NAME = re.compile(r"h3kit-(?:lock-)?(\d+)-([0-9a-f]+)(?:-\d+-\d+-(?:in|out))?")
 
@@ -368,10 +364,7 @@ def shm_write(path: str, tensors, what: str = "a command's tensors") -> tuple:
         shm_remove(path)
         raise
     os.close(fd)
-    buf = torch.from_file(path, shared=True, size=offset, dtype=torch.uint8)
-    for t, (start, nbytes, _, _, _) in zip(tensors, metas):
-        if nbytes:
-            buf[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    _fill(torch.from_file(path, shared=True, size=offset, dtype=torch.uint8), tensors, metas)
     return metas, offset
 
 
@@ -407,7 +400,8 @@ def shm_claim(token: str, folder: str = None) -> tuple:
     except (OSError, AttributeError):
         if fd is not None:
             os.close(fd)
-        try:  # no O_TMPFILE: the pid check of shm_sweep covers the moment before the flock
+        try:  # no O_TMPFILE, or no link to it (EXDEV in some sandboxes): the pid check of shm_sweep covers the
+            # moment before the flock
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
@@ -508,19 +502,17 @@ def shm_sweep(folder: str = None) -> list:
 
 # ---- what every process of the group does -------------------------------------------------------
 
-def die_with_parent():
-    """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
-    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if parent and os.getppid() != parent:
-        os._exit(0)
-
-
 def _die_with_parent_signal():
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def die_with_parent():
+    """In a worker: get SIGTERM when the process that started it ends, and end now if it already has."""
+    _die_with_parent_signal()
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if parent and os.getppid() != parent:
+        os._exit(0)
 
 
 def cpu_threads(spec: GroupSpec):
@@ -553,6 +545,10 @@ def check_timeouts(spec: GroupSpec):
                          f"({seconds:g} s): a failed rank would be reported as a peer's collective timing out. "
                          f"Fix: a longer group timeout, or a shorter "
                          f"{PROGRESS_ENV if 'progress' in what else HEARTBEAT_ENV}")
+    chosen = os.environ.get("HCCL_EXEC_TIMEOUT")  # else the workers take hccl_exec_timeout's (hccl_environment)
+    if spec.device_type == "npu" and not chosen and hccl_exec_timeout(spec.timeout) >= spec.timeout:
+        logging.warning(f"MultiNPU: HCCL_EXEC_TIMEOUT cannot be below a group timeout of {spec.timeout:g} s (HCCL "
+                        "takes 68 s at least): HCCL may not write its own diagnostics of a stuck collective")
 
 
 def progress_timeout(spec: GroupSpec) -> float:
@@ -575,10 +571,8 @@ def hccl_exec_timeout(timeout: float) -> int:
 
 
 def hccl_base_port(generation: int) -> int:
-    """HCCL_IF_BASE_PORT of a generation: the band from H3KIT_HCCL_BASE_PORT (60000) in slots of HCCL_PORTS, one
-    slot per generation, round and round. A replacement generation forms as soon as the old processes are reaped,
-    while the ports their listeners held may linger (EJ0003 "host nic listen start failed", vllm-ascend #405):
-    HCCL_PORT_SLOTS - 1 generations later, which takes as many failures, they are long free."""
+    """HCCL_IF_BASE_PORT of a generation: one slot of HCCL_PORTS per generation in the band from H3KIT_HCCL_BASE_PORT,
+    round and round, so a replacement generation never meets the lingering listeners of the last ones (EJ0003)."""
     start = int(os.environ.get(HCCL_PORT_ENV) or HCCL_PORT_START)
     if not 1024 <= start <= 65535 - HCCL_PORTS * HCCL_PORT_SLOTS:
         raise GroupError(f"MultiNPU: {HCCL_PORT_ENV}={start} leaves no band of {HCCL_PORTS * HCCL_PORT_SLOTS} ports. "
@@ -592,11 +586,3 @@ def hccl_environment(spec: GroupSpec, generation: int) -> dict:
     unless the operator chose one. Unmeasured on hardware."""
     return {"HCCL_IF_BASE_PORT": str(hccl_base_port(generation)),
             "HCCL_EXEC_TIMEOUT": os.environ.get("HCCL_EXEC_TIMEOUT") or str(hccl_exec_timeout(spec.timeout))}
-
-
-def set_hccl_timeout(spec: GroupSpec):
-    if spec.device_type == "npu" and "HCCL_EXEC_TIMEOUT" not in os.environ:
-        os.environ["HCCL_EXEC_TIMEOUT"] = str(hccl_exec_timeout(spec.timeout))
-        if hccl_exec_timeout(spec.timeout) >= spec.timeout:
-            logging.warning(f"MultiNPU: HCCL_EXEC_TIMEOUT cannot be below a group timeout of {spec.timeout:g} s (HCCL "
-                            "takes 68 s at least): HCCL may not write its own diagnostics of a stuck collective")

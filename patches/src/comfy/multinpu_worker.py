@@ -1,13 +1,9 @@
-"""A worker of the multi-device process group: one device, the same models as rank 0, rank 0's commands.
+"""A worker process of the group: one device, the same models as the server, the driver's commands.
 
     python -B -m comfy.multinpu_worker [the server's ComfyUI arguments]
 
-Started from the ComfyUI tree with the server's interpreter by rank 0 (comfy.multinpu_process) or by the
-agent of another host, with H3KIT_GROUP, H3KIT_GROUP_KEY and H3KIT_RANK set. It binds its device before
-comfy.model_management picks one (the logical index of its local rank: ASCEND_RT_VISIBLE_DEVICES /
-CUDA_VISIBLE_DEVICES list the host's devices, rank 0 takes the first), parses the server's ComfyUI
-arguments so comfy.cli_args.args are the server's (--cpu on the CPU simulation), loads the runners'
-worker programs and serves the group until rank 0 goes away.
+Started by a launcher (comfy.multinpu_launch) with H3KIT_GROUP and H3KIT_GROUP_KEY set. It binds its device before
+comfy.model_management picks one and parses the server's ComfyUI arguments, so comfy.cli_args.args are the server's.
 """
 
 from __future__ import annotations
