@@ -6,8 +6,10 @@
 #
 #   tools/run-tests.sh MAIN_PYTHON [PYTEST_ARGS...]
 #   H3KIT_TEST_PYTHONS   the other Pythons (default "3.10 3.13"; empty: the main run only)
-#   H3KIT_TEST_WORKERS   pytest-xdist workers of the main run (default 2, one test file per worker at a time:
-#                        a file's server and fixtures stay on one worker; 0: no xdist, for -s or --pdb)
+#   H3KIT_TEST_WORKERS   pytest-xdist workers of the main run (default 3 on 2 cores: the process-group, fault
+#                        and service files spend most of their time waiting on timeouts and heartbeats; one test
+#                        file per worker at a time: a file's server and fixtures stay on one worker; 0: no xdist,
+#                        for -s or --pdb)
 set -uo pipefail
 main_py=${1:?usage: tools/run-tests.sh MAIN_PYTHON [PYTEST_ARGS...]}
 shift
@@ -51,7 +53,7 @@ done
 
 start=$(date +%s)
 # files in tests/conftest.py's order (the longest first), not xdist's default of the most tests first
-"$main_py" -m pytest -n "${H3KIT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+"$main_py" -m pytest -n "${H3KIT_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 echo "tests: main run (python $("$main_py" -c 'import platform; print(platform.python_version())')) took $(( $(date +%s) - start )) s"
 wait
