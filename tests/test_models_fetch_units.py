@@ -159,3 +159,21 @@ def test_a_download_resumes_from_the_part_file_and_restarts_one_longer_than_the_
     said.clear()
     assert fetch._download_http(job, said.append, False) == job.part
     assert calls[-1][1] == 0 and job.downloaded == 10 and said == ["sub/m.safetensors: downloading 10 bytes"]
+
+
+def test_a_file_found_in_the_other_folder_of_its_kind_is_reported_where_it_is(tmp_path):
+    """A diffusion model ComfyUI finds under models/unet/ (its older folder) is present there: not reported at
+    models/diffusion_models/, where fetch would put it, and nothing is asked of a server."""
+    import json
+    home = tmp_path / "ComfyUI"
+    (home / "models" / "unet").mkdir(parents=True)
+    (home / "main.py").write_text("")
+    (home / "models" / "unet" / "m.safetensors").write_bytes(b"w" * 7)
+    wf = tmp_path / "api.json"
+    wf.write_text(json.dumps({"1": {"class_type": "UNETLoader",
+                                    "inputs": {"unet_name": "m.safetensors", "weight_dtype": "default"}}}))
+    doc = fetch.fetch([str(wf)], str(home))
+    [row] = doc["files"]
+    assert row["status"] == "present" and row["size"] == 7, row
+    assert row["path"] == str(home / "models" / "unet" / "m.safetensors")
+    assert not (home / "models" / "diffusion_models").exists()
