@@ -59,3 +59,21 @@ def test_a_new_file_section_as_written():
         "\\ No newline at end of file\n")
     with pytest.raises(patchfile.PatchFormatError, match="empty source file"):
         patchfile.render_new_file_section("e.py", b"")
+
+
+def test_the_index_line_is_read_where_git_writes_it_and_nowhere_else(tmp_path):
+    """git diff writes a section's `index` line right after its header (a modified file), after `new file mode`
+    (a new file: its mode is the new file's) or after `old mode` / `new mode` (a mode change): each is read; a line further down is a
+    file's content, not the index."""
+    a, b, z = "1" * 40, "2" * 40, "0" * 40
+    pf = parsed(tmp_path, f"diff --git a/m.py b/m.py\nindex {a}..{b} 100644\n--- a/m.py\n+++ b/m.py\n"
+                          "@@ -1 +1 @@\n-a\n+b\n"
+                          f"diff --git a/n.py b/n.py\nnew file mode 100755\nindex {z}..{b}\n--- /dev/null\n+++ b/n.py\n"
+                          "@@ -0,0 +1 @@\n+x\n"
+                          f"diff --git a/x.sh b/x.sh\nold mode 100644\nnew mode 100755\nindex {a}..{b}\n--- a/x.sh\n"
+                          "+++ b/x.sh\n@@ -1 +1 @@\n-a\n+b\n"
+                          f"diff --git a/p.py b/p.py\n--- a/p.py\n+++ b/p.py\n@@ -1 +1 @@\n-a\n+index {a}..{b}\n")
+    assert [(s.path, s.index_old, s.index_new, s.mode) for s in pf.sections] == [
+        ("m.py", a, b, "100644"), ("n.py", z, b, "100755"), ("x.sh", a, b, None), ("p.py", None, None, None)]
+    with pytest.raises(patchfile.PatchFormatError, match="m.py: malformed line 'index 12..34'"):
+        parsed(tmp_path, "diff --git a/m.py b/m.py\nindex 12..34\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-a\n+b\n")
