@@ -1,0 +1,95 @@
+"""comfy/multinpu_launch.py's failure naming, unit by unit (the process group around it is
+test_multinpu_process.py): how a worker's end is worded and classified, what a worker's environment holds, its
+incarnations, and the SIGTERM watcher of a worker. Written for the survivors of tools/mutate.py --module naming."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.support import requires
+
+torch = requires.module("torch", requires.NO_TORCH_REASON, allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "patches" / "src"))
+import comfy.multinpu_launch as launch  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_wire as wire  # noqa: E402
+
+
+def test_how_a_worker_ended_is_worded_and_which_ends_h3kit_caused():
+    assert launch._exit_reason(3) == "exited with code 3"
+    assert launch._exit_reason(-9) == "killed by SIGKILL" and launch._exit_reason(-999) == "killed by signal 999"
+    assert launch._exit_reason(wire.REPORTED_EXIT) == f"exited after reporting its error (code {wire.REPORTED_EXIT})"
+    aborted = launch._exit_reason(wire.RECYCLED_EXIT)
+    assert aborted == f"left its aborted generation (code {wire.RECYCLED_EXIT})"
+    # recycled: h3kit replaced the group (it killed the rank, or the rank left its aborted generation)
+    assert launch.recycled(aborted) is True
+    assert launch.recycled("killed by h3kit (replacing the group): killed by SIGKILL") is True
+    assert launch.recycled(launch._exit_reason(-9)) is False and launch.recycled(launch._exit_reason(3)) is False
+
+
+def test_a_worker_is_one_device_with_its_rank_whatever_the_server_simulates(monkeypatch):
+    monkeypatch.setenv("H3KIT_SIM_DEVICES", "2")
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=2), "the-key", [0, 1])
+    env = workers._env(1)
+    assert "H3KIT_SIM_DEVICES" not in env and os.environ["H3KIT_SIM_DEVICES"] == "2"
+    assert (env[wire.RANK_ENV], env[wire.LOCAL_RANK_ENV], env[wire.KEY_ENV]) == ("1", "1", "the-key")
+    assert env["PYTHONUNBUFFERED"] == "1" and env[wire.PARENT_ENV] == str(os.getpid())
+
+
+def test_each_start_of_a_rank_is_its_next_incarnation(tmp_path):
+    (tmp_path / "quick_worker.py").write_text("")  # a worker that ends at once
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=1, worker_module="quick_worker"), "k", [0], cwd=tmp_path)
+    for n in (1, 2):
+        proc = workers.spawn(0)
+        assert proc.wait(timeout=60) == 0
+        info = workers.info[0]
+        assert info["incarnation"] == n and info["pid"] == proc.pid, info
+        assert info["cmdline"][-1] == "quick_worker"
+
+
+WATCHED = textwrap.dedent("""
+    import signal, sys, threading
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as comfy.multinpu_worker does first
+    import comfy.multinpu_launch as launch, comfy.multinpu_wire as wire
+    launch.watch_termination(wire.GroupSpec(master_port=int(sys.argv[1])), 1)
+    print("ready", flush=True)
+    print("written before SIGTERM")  # stdout is a pipe: buffered until the watcher flushes it
+    threading.Event().wait(120)
+""")
+
+
+def test_sigterm_ends_a_worker_with_term_exit_its_note_in_the_store_and_its_output_kept(tmp_path):
+    from datetime import timedelta
+
+    from comfy.multinpu_channel import Control
+    from tests.support.service_helpers import free_port
+    port = free_port(29800, 29899)
+    store = torch.distributed.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=30))  # the group's store, for the note
+    key = wire.new_key()
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "patches" / "src"), **{wire.KEY_ENV: key})
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.Popen([sys.executable, "-c", WATCHED, str(port)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)  # this test's own child
+        out, err = proc.communicate(timeout=60)  # bounds a worker that ignores SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    why = f"{wire.SECONDARY} (SIGTERM from pid {os.getpid()})"
+    assert proc.returncode == wire.TERM_EXIT, err
+    assert out == "written before SIGTERM\n"
+    assert f"MultiNPU: rank 1: {why}; exiting" in err
+    # the driver tells the sibling its launcher stopped from the rank that failed first by this note
+    ctl = Control(store, wire.Signer(key.encode()))
+    assert launch.termination_note(ctl, 1, proc.pid) == why
+    assert launch.termination_note(ctl, 1, proc.pid + 1) is None and launch.termination_note(ctl, 0, proc.pid) is None
