@@ -51,10 +51,11 @@ MODULES = {
               "models fetch: download, resume, hash verification"),
     "patchfile": ("toolkit/h3kit/patchfile.py", ["tests/test_patchfile_units.py", "tests/test_patch_engine.py"], None,
                   "the patch engine: parsing and applying the series' sections"),
-    "shard": ("patches/src/comfy/multinpu_shard.py", ["tests/test_multinpu_shard.py"], None,
+    "shard": ("patches/src/comfy/multinpu_shard.py", ["tests/test_multinpu_shard_units.py",
+                                                      "tests/test_multinpu_shard.py"], None,
               "sharded slices of the DiT's weights (needs torch and the pin: its tests run an installed tree)"),
     "naming": ("patches/src/comfy/multinpu_launch.py",
-               [f"tests/test_multinpu_process.py::{t}" for t in (
+               ["tests/test_multinpu_launch_units.py"] + [f"tests/test_multinpu_process.py::{t}" for t in (
                    "test_a_death_its_launcher_caused_is_not_named_first",
                    "test_a_failing_rank_is_named_and_the_next_command_runs",
                    "test_a_killed_worker_fails_the_command_at_once_and_the_group_is_replaced",
