@@ -93,3 +93,46 @@ def test_sigterm_ends_a_worker_with_term_exit_its_note_in_the_store_and_its_outp
     ctl = Control(store, wire.Signer(key.encode()))
     assert launch.termination_note(ctl, 1, proc.pid) == why
     assert launch.termination_note(ctl, 1, proc.pid + 1) is None and launch.termination_note(ctl, 0, proc.pid) is None
+
+
+class Ended:
+    """A worker process that has ended with `code` (what LocalWorkers.poll reads of a Popen)."""
+
+    def __init__(self, pid, code):
+        self.pid, self.code = pid, code
+
+    def poll(self):
+        return self.code
+
+
+def test_a_dying_rank_is_replaced_at_once_then_later_each_time_then_not_at_all(monkeypatch):
+    import time
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=1), "k", [0])
+    pids = iter(range(1000, 2000))
+    started = []
+
+    def spawn(rank):  # a replacement that dies at once with code 1
+        started.append(rank)
+        workers.procs[rank] = Ended(next(pids), 1)
+    monkeypatch.setattr(workers, "spawn", spawn)
+    spawn(0)
+    started.clear()
+    assert workers.poll() == [(0, 1000, "exited with code 1")]
+    assert started == [0] and workers.info[0]["restarts"] == 1  # the first death: replaced at once
+    before = time.monotonic()
+    assert workers.poll() == [(0, 1001, "exited with code 1")]
+    assert started == [0] and 0 not in workers.procs  # the second: replaced after 0.5 s, not now
+    assert before + 0.5 <= workers.respawn_at[0] <= time.monotonic() + 0.5
+    for _ in range(4 * wire.CRASH_LIMIT):  # each backoff has passed: replaced, and dead again
+        if 0 in workers.failed:
+            break
+        if 0 in workers.respawn_at:
+            workers.respawn_at[0] = 0.0
+        workers.poll()
+    assert workers.info[0]["restarts"] == wire.CRASH_LIMIT and 0 not in workers.respawn_at
+    assert workers.failed[0].startswith(f"rank 0 (cpu) died {wire.CRASH_LIMIT + 1} times within")
+    # a rank h3kit recycled with the group is replaced at once and is no crash
+    workers.procs[0] = Ended(5, -9)
+    workers.recycled.add(0)
+    workers.killed[0] = "replacing the group"
+    assert workers.poll() == [(0, 5, "replacing the group: killed by SIGKILL")]
