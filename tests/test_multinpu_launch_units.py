@@ -136,3 +136,32 @@ def test_a_dying_rank_is_replaced_at_once_then_later_each_time_then_not_at_all(m
     workers.recycled.add(0)
     workers.killed[0] = "replacing the group"
     assert workers.poll() == [(0, 5, "replacing the group: killed by SIGKILL")]
+
+
+class Running:
+    """A worker process still running until killed."""
+
+    def __init__(self, pid):
+        self.pid, self.code = pid, None
+
+    def poll(self):
+        return self.code
+
+    def kill(self):
+        self.code = -9
+
+
+def test_killing_one_worker_or_recycling_all_says_why_and_recycled_ones_are_no_crash():
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=3), "k", [0, 1, 2])
+    workers.procs = {0: Running(10), 1: Running(11), 2: Ended(12, 1)}
+    assert [workers.pid(r) for r in range(3)] == [10, 11, None]  # an ended worker has no pid to signal
+    workers.kill(1, "its heartbeat stopped")
+    assert workers.procs[1].code == -9 and workers.killed == {1: "its heartbeat stopped"} and not workers.recycled
+    assert workers.pid(1) is None
+    workers.kill(2, "already gone")  # an ended worker is not killed again nor named as killed
+    assert 2 not in workers.killed
+    workers.procs = {0: Running(20), 1: Running(21)}
+    workers.killed.clear()
+    workers.recycle("rank 1 failed: replacing the group")
+    assert [p.code for p in workers.procs.values()] == [-9, -9] and workers.recycled == {0, 1}
+    assert workers.killed == {0: "rank 1 failed: replacing the group", 1: "rank 1 failed: replacing the group"}
