@@ -228,3 +228,31 @@ def test_the_tcp_listener_takes_the_port_asked_for_again_after_a_closed_server(t
             settled(lambda: server.dropped == before + 1)
         finally:
             server.close()
+
+
+def test_a_socket_left_by_a_killed_server_is_replaced_one_that_answers_is_refused(tmp_path):
+    folder = str(tmp_path / channel.CHANNEL_DIR)
+    signer = wire.Signer(b"k" * 64)
+    first = channel.ChannelServer(folder, signer, lambda link, h: None)
+    try:
+        with pytest.raises(wire.GroupError, match="another server's command channel answers at .*Fix: stop that"):
+            channel.ChannelServer(folder, signer, lambda link, h: None)
+        assert os.path.exists(first.path)  # the live server's socket stays
+    finally:
+        first.close()
+    # a server killed without closing leaves its socket file behind, with nobody listening
+    address, fd = channel._address(first.path)  # a long tmp path is reached through its folder's descriptor
+    try:
+        if not os.path.exists(first.path):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+                stale.bind(address)
+        assert os.path.exists(first.path)
+        second = channel.ChannelServer(folder, signer, lambda link, h: None)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(address)  # the new server listens there
+        finally:
+            second.close()
+    finally:
+        if fd is not None:
+            os.close(fd)
