@@ -176,6 +176,8 @@ def test_the_unix_socket_is_private_and_takes_only_the_process_its_hello_names(t
         link.close()
         for hello, key, why in (({"role": "beat", "rank": 1, "pid": os.getpid() + 1}, signer,
                                  f"its hello names pid {os.getpid() + 1}"),
+                                ({"role": "beat", "rank": 1, "pid": str(os.getpid())}, signer,
+                                 "its hello names no pid"),
                                 (me, wire.Signer(wire.new_key().encode()), "is not signed with this service's key")):
             before = server.dropped
             other = channel.connect_channel(server.path, key, hello, timeout=30)
