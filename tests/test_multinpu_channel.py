@@ -194,6 +194,8 @@ def test_the_unix_socket_is_private_and_takes_only_the_process_its_hello_names(t
         assert arrived.wait(30)
         settled(lambda: any(f"the connection of pid {os.getpid()} ended: boom" in r.getMessage()
                             for r in caplog.records))
+        link.sock.settimeout(30)
+        assert link.sock.recv(1) == b"", "the server closes a connection whose on_link ended"
         link.close()
     finally:
         server.close()
