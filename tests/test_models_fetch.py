@@ -333,6 +333,7 @@ def test_models_dir_on_an_h3kit_tree_lands_there_and_is_named_in_extra_model_pat
     rc, doc, err = fetch(runner, SHIPPED, "--comfy-home", home, "--models-dir", shared)
     assert rc == 0, (doc, err)
     assert doc["data"]["extra_model_paths"] == {"added": True, "named": True}
+    assert f"adding {shared} to {modelpaths.CONFIG} (h3kit install --models-dir) ..." in err  # the operator is told
     for name, (directory, _repo, _path) in shipped_sources(SHIPPED).items():
         assert (shared / directory / name).read_bytes() == content(name)
     assert not (home / "models").exists() or model_files(home / "models") == []
@@ -346,8 +347,9 @@ def test_models_dir_on_an_h3kit_tree_lands_there_and_is_named_in_extra_model_pat
     assert listed["missing"] == 0 and {f["via"] for f in listed["files"]} == {"extra_model_paths.yaml"}
     # again: nothing downloaded, nothing added
     hub.requests.clear()
-    rc, doc, _ = fetch(runner, SHIPPED, "--comfy-home", home, "--models-dir", shared)
+    rc, doc, err = fetch(runner, SHIPPED, "--comfy-home", home, "--models-dir", shared)
     assert rc == 0 and doc["data"]["extra_model_paths"] == {"added": False, "named": True}
+    assert "adding" not in err
     assert resolve_gets(hub) == []
 
 

@@ -126,6 +126,7 @@ def test_every_source_that_failed_is_named_in_the_reason(tmp_path, monkeypatch):
     job.sources = [sources.Source(origin="test", url="http://127.0.0.1:1/a.safetensors"),
                    sources.Source(origin="test", url="http://127.0.0.1:2/a.safetensors")]
     fetch._metadata([job], lambda m: None)
+    assert job.retry_helps is True  # no server answered: a re-run may reach one
     assert job.status == "failed" and job.reason.startswith(
         "no source answered: http://127.0.0.1:1/a.safetensors: ConnectionError: refused: http://127.0.0.1:1/a.safetensors; "
         "http://127.0.0.1:2/a.safetensors: ConnectionError: refused: http://127.0.0.1:2/a.safetensors ("), job.reason
@@ -159,3 +160,104 @@ def test_a_download_resumes_from_the_part_file_and_restarts_one_longer_than_the_
     said.clear()
     assert fetch._download_http(job, said.append, False) == job.part
     assert calls[-1][1] == 0 and job.downloaded == 10 and said == ["sub/m.safetensors: downloading 10 bytes"]
+
+
+def test_a_file_found_in_the_other_folder_of_its_kind_is_reported_where_it_is(tmp_path):
+    """A diffusion model ComfyUI finds under models/unet/ (its older folder) is present there: not reported at
+    models/diffusion_models/, where fetch would put it, and nothing is asked of a server."""
+    import json
+    home = tmp_path / "ComfyUI"
+    (home / "models" / "unet").mkdir(parents=True)
+    (home / "main.py").write_text("")
+    (home / "models" / "unet" / "m.safetensors").write_bytes(b"w" * 7)
+    wf = tmp_path / "api.json"
+    wf.write_text(json.dumps({"1": {"class_type": "UNETLoader",
+                                    "inputs": {"unet_name": "m.safetensors", "weight_dtype": "default"}}}))
+    doc = fetch.fetch([str(wf)], str(home))
+    [row] = doc["files"]
+    assert row["status"] == "present" and row["size"] == 7, row
+    assert row["path"] == str(home / "models" / "unet" / "m.safetensors")
+    assert not (home / "models" / "diffusion_models").exists()
+
+
+def test_a_failure_the_server_answered_is_not_retried_one_it_did_not_answer_is(tmp_path):
+    from h3kit.weights import sources
+    source = sources.Source(origin="test", url="http://127.0.0.1:1/a.safetensors")
+
+    def answered(status):
+        e = RuntimeError(f"status {status}")
+        e.response = types.SimpleNamespace(status_code=status)
+        return e
+    assert fetch.classify(answered(400), source) == ("RuntimeError: status 400", False)
+    assert fetch.classify(answered(404), source) == ("not found on the server: RuntimeError: status 404", False)
+    assert fetch.classify(answered(429), source) == ("RuntimeError: status 429", True)
+    assert fetch.classify(answered(503), source) == ("RuntimeError: status 503", True)
+    assert fetch.classify(TimeoutError("slow"), source) == ("TimeoutError: slow", True)
+
+
+def test_the_disk_keeps_its_reserve_free(tmp_path, monkeypatch):
+    job, _ = job_for(tmp_path, b"")
+    job.size = 1000
+    job.meta = types.SimpleNamespace(etag=None)
+    for free, enough in ((1000 + fetch.RESERVE_BYTES, True), (1000 + fetch.RESERVE_BYTES - 1, False)):
+        monkeypatch.setattr(fetch.shutil, "disk_usage", lambda path, free=free: types.SimpleNamespace(free=free))
+        [disk] = fetch._space([job], report=True)
+        assert disk["needed"] == 1000 and disk["free"] == free and disk["enough"] is enough, disk
+        assert (fetch._space([job]) == []) is enough
+
+
+def test_a_hub_file_in_the_hf_cache_is_checked_against_its_blob_name_and_placed(tmp_path, monkeypatch):
+    import huggingface_hub
+    from h3kit.weights import sources
+    data = b"cached" * 10
+    blob = tmp_path / "hf" / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(data)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **kw: str(blob))
+    job, part = job_for(tmp_path, b"")
+    os.remove(part)  # the staging folder holds nothing but what the placement puts there
+    job.sources = [sources.Source(origin="test", repo="o/r", path="m.safetensors")]  # no published sha256
+    fetch._from_hf_cache(job)
+    assert job.cached == str(blob) and job.size == len(data) and job.sha256 == hashlib.sha256(data).hexdigest()
+    fetch._place_from_cache(job, lambda m: None)
+    assert job.status in ("linked", "copied") and open(job.target, "rb").read() == data
+    assert not os.path.exists(job.staging) and blob.read_bytes() == data
+    # a cache blob whose bytes are not the sha256 it is named by: refused, and nothing left behind
+    blob.write_bytes(b"rotten" * 10)
+    job, part = job_for(tmp_path / "again", b"")
+    os.remove(part)
+    job.sources = [sources.Source(origin="test", repo="o/r", path="m.safetensors")]
+    fetch._from_hf_cache(job)
+    fetch._place_from_cache(job, lambda m: None)
+    assert job.status == "mismatch" and job.reason.startswith("sha256 "), job.reason
+    assert not os.path.exists(job.target) and not os.path.exists(job.staging)
+
+
+def test_the_progress_bar_shows_only_when_asked():
+    import io
+    for progress in (False, True):
+        out = io.StringIO()
+        with fetch._bar(progress)(total=10, file=out, mininterval=0) as bar:
+            bar.update(10)
+        assert bool(out.getvalue()) is progress, out.getvalue()
+
+
+def test_a_transfer_that_keeps_failing_without_progress_gives_up_after_the_retries(monkeypatch):
+    import contextlib
+    import time
+
+    import huggingface_hub.utils
+    calls = []
+
+    @contextlib.contextmanager
+    def dropped(method, url, **kw):
+        calls.append(kw["headers"].get("Range"))
+        if len(calls) > 3 * fetch.RETRIES:
+            raise RuntimeError("still retrying")  # bounds the loop of a get_range that never gives up
+        raise OSError("connection dropped")
+        yield
+    monkeypatch.setattr(huggingface_hub.utils, "http_stream_backoff", dropped)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    with pytest.raises(OSError, match="connection dropped"):
+        fetch.get_range("http://127.0.0.1:1/m", None, 5, {}, 10, lambda n: None)
+    assert calls == ["bytes=5-"] * fetch.RETRIES

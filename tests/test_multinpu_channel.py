@@ -176,6 +176,8 @@ def test_the_unix_socket_is_private_and_takes_only_the_process_its_hello_names(t
         link.close()
         for hello, key, why in (({"role": "beat", "rank": 1, "pid": os.getpid() + 1}, signer,
                                  f"its hello names pid {os.getpid() + 1}"),
+                                ({"role": "beat", "rank": 1, "pid": str(os.getpid())}, signer,
+                                 "its hello names no pid"),
                                 (me, wire.Signer(wire.new_key().encode()), "is not signed with this service's key")):
             before = server.dropped
             other = channel.connect_channel(server.path, key, hello, timeout=30)
@@ -192,6 +194,8 @@ def test_the_unix_socket_is_private_and_takes_only_the_process_its_hello_names(t
         assert arrived.wait(30)
         settled(lambda: any(f"the connection of pid {os.getpid()} ended: boom" in r.getMessage()
                             for r in caplog.records))
+        link.sock.settimeout(30)
+        assert link.sock.recv(1) == b"", "the server closes a connection whose on_link ended"
         link.close()
     finally:
         server.close()
@@ -228,3 +232,31 @@ def test_the_tcp_listener_takes_the_port_asked_for_again_after_a_closed_server(t
             settled(lambda: server.dropped == before + 1)
         finally:
             server.close()
+
+
+def test_a_socket_left_by_a_killed_server_is_replaced_one_that_answers_is_refused(tmp_path):
+    folder = str(tmp_path / channel.CHANNEL_DIR)
+    signer = wire.Signer(b"k" * 64)
+    first = channel.ChannelServer(folder, signer, lambda link, h: None)
+    try:
+        with pytest.raises(wire.GroupError, match="another server's command channel answers at .*Fix: stop that"):
+            channel.ChannelServer(folder, signer, lambda link, h: None)
+        assert os.path.exists(first.path)  # the live server's socket stays
+    finally:
+        first.close()
+    # a server killed without closing leaves its socket file behind, with nobody listening
+    address, fd = channel._address(first.path)  # a long tmp path is reached through its folder's descriptor
+    try:
+        if not os.path.exists(first.path):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+                stale.bind(address)
+        assert os.path.exists(first.path)
+        second = channel.ChannelServer(folder, signer, lambda link, h: None)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(address)  # the new server listens there
+        finally:
+            second.close()
+    finally:
+        if fd is not None:
+            os.close(fd)

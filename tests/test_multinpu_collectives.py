@@ -68,7 +68,12 @@ def test_world_size_one_moves_nothing():
     comm = group.comm(0)
     x = torch.randn(3, 4)
     assert mn.all_gather_v(x, comm) is x
-    assert mn.all_to_all_scatter_heads(x[None], comm, [4]) is not None
+    # the Ulysses exchange hands back its inputs themselves: no send or receive buffer at P = 1
+    q, k, out = torch.randn(1, 4, 3, 2), torch.randn(1, 4, 3, 2), torch.randn(1, 3, 4, 2)
+    assert mn.all_to_all_scatter_heads(q, comm, [3]) is q
+    got = mn.all_to_all_scatter_heads((q, k), comm, [3])
+    assert len(got) == 2 and got[0] is q and got[1] is k
+    assert mn.all_to_all_gather_heads(out, comm, [3]) is out
     assert mn.all_reduce(x, comm) is x
     assert group.bytes_moved == 0
 

@@ -59,3 +59,58 @@ def test_a_new_file_section_as_written():
         "\\ No newline at end of file\n")
     with pytest.raises(patchfile.PatchFormatError, match="empty source file"):
         patchfile.render_new_file_section("e.py", b"")
+
+
+def test_the_index_line_is_read_where_git_writes_it_and_nowhere_else(tmp_path):
+    """git diff writes a section's `index` line right after its header (a modified file), after `new file mode`
+    (a new file: its mode is the new file's) or after `old mode` / `new mode` (a mode change): each is read; a line further down is a
+    file's content, not the index."""
+    a, b, z = "1" * 40, "2" * 40, "0" * 40
+    pf = parsed(tmp_path, f"diff --git a/m.py b/m.py\nindex {a}..{b} 100644\n--- a/m.py\n+++ b/m.py\n"
+                          "@@ -1 +1 @@\n-a\n+b\n"
+                          f"diff --git a/n.py b/n.py\nnew file mode 100755\nindex {z}..{b}\n--- /dev/null\n+++ b/n.py\n"
+                          "@@ -0,0 +1 @@\n+x\n"
+                          f"diff --git a/x.sh b/x.sh\nold mode 100644\nnew mode 100755\nindex {a}..{b}\n--- a/x.sh\n"
+                          "+++ b/x.sh\n@@ -1 +1 @@\n-a\n+b\n"
+                          f"diff --git a/p.py b/p.py\n--- a/p.py\n+++ b/p.py\n@@ -1 +1 @@\n-a\n+index {a}..{b}\n")
+    assert [(s.path, s.index_old, s.index_new, s.mode) for s in pf.sections] == [
+        ("m.py", a, b, "100644"), ("n.py", z, b, "100755"), ("x.sh", a, b, None), ("p.py", None, None, None)]
+    with pytest.raises(patchfile.PatchFormatError, match="m.py: malformed line 'index 12..34'"):
+        parsed(tmp_path, "diff --git a/m.py b/m.py\nindex 12..34\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-a\n+b\n")
+
+
+def test_a_no_newline_marker_after_the_last_line_of_a_hunk_belongs_to_it(tmp_path):
+    import threading
+    body = ("diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n"
+            "+b\n\\ No newline at end of file\n"
+            "diff --git a/y.py b/y.py\n--- a/y.py\n+++ b/y.py\n@@ -1 +1 @@\n-c\n+d\n")
+    got = []
+    t = threading.Thread(target=lambda: got.append(parsed(tmp_path, body)), daemon=True)
+    t.start()
+    t.join(timeout=10)  # bounds a parser that never leaves the marker
+    assert got, "parse_patch did not return"
+    x, y = got[0].sections
+    assert x.hunks[0].lines == ["-a", "\\ No newline at end of file", "+b", "\\ No newline at end of file"]
+    assert y.path == "y.py" and y.hunks[0].lines == ["-c", "+d"]
+
+
+def test_an_empty_line_in_a_hunk_and_a_hunk_cut_short_are_told_apart(tmp_path):
+    with pytest.raises(patchfile.PatchFormatError, match=r"x.py: empty line inside a hunk \(line 6 of the section\)"):
+        parsed(tmp_path, "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,3 @@\n a\n\n-b\n+c\n")
+    with pytest.raises(patchfile.PatchFormatError, match="x.py: hunk '@@ -1,3 [+]1,3 @@' ends early"):
+        parsed(tmp_path, "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,3 @@\n a\n-b\n+c\n"
+                         "@@ -9 +9 @@\n-c\n+d\n")
+
+
+def test_a_rename_section_is_refused(tmp_path):
+    with pytest.raises(patchfile.PatchFormatError, match="unsupported section header 'diff --git a/x.py b/y.py'"):
+        parsed(tmp_path, "diff --git a/x.py b/y.py\n--- a/x.py\n+++ b/y.py\n@@ -1 +1 @@\n-a\n+b\n")
+
+
+def test_a_section_without_a_hunk_is_refused_unless_it_deletes_a_file(tmp_path):
+    with pytest.raises(patchfile.PatchFormatError, match="x.py: section has no hunk"):
+        parsed(tmp_path, "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n")
+    # git deletes an empty file with no hunk at all
+    (gone,) = parsed(tmp_path, "diff --git a/e.py b/e.py\ndeleted file mode 100644\nindex " + "1" * 40 + ".."
+                               + "0" * 40 + "\n").sections
+    assert gone.deleted_file and gone.hunks == []

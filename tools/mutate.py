@@ -46,17 +46,37 @@ MODULES = {
     "channel": ("patches/src/comfy/multinpu_channel.py", ["tests/test_multinpu_channel.py"],
                 ["_recv_exact", "recv_frame", "Link", "ChannelServer"],
                 "the command channel: framing, signature checks, handshake, MAX_PENDING"),
-    "fetch": ("toolkit/h3kit/weights/fetch.py", ["tests/test_models_fetch_units.py", "tests/test_models_fetch.py"], None,
+    "fetch": ("toolkit/h3kit/weights/fetch.py", ["tests/test_models_fetch_units.py", "tests/test_models_fetch.py",
+                                                  "tests/test_models_first_hour.py"], None,
               "models fetch: download, resume, hash verification"),
     "patchfile": ("toolkit/h3kit/patchfile.py", ["tests/test_patchfile_units.py", "tests/test_patch_engine.py"], None,
                   "the patch engine: parsing and applying the series' sections"),
-    "shard": ("patches/src/comfy/multinpu_shard.py", ["tests/test_multinpu_shard.py"], None,
-              "sharded slices of the DiT's and TE's weights (needs torch and the pin)"),
-    "naming": ("patches/src/comfy/multinpu_launch.py", ["tests/test_multinpu_process.py"], None,
-               "failure naming of the process group (slow: a group per run)"),
-    "ulysses": ("patches/src/comfy/multinpu_dit.py", ["tests/test_multinpu_collectives.py"], None,
+    "shard": ("patches/src/comfy/multinpu_shard.py", ["tests/test_multinpu_shard_units.py",
+                                                      "tests/test_multinpu_shard.py"], None,
+              "sharded slices of the DiT's weights (needs torch and the pin: its tests run an installed tree)"),
+    "naming": ("patches/src/comfy/multinpu_launch.py",
+               ["tests/test_multinpu_launch_units.py"] + [f"tests/test_multinpu_process.py::{t}" for t in (
+                   "test_a_death_its_launcher_caused_is_not_named_first",
+                   "test_a_failing_rank_is_named_and_the_next_command_runs",
+                   "test_a_killed_worker_fails_the_command_at_once_and_the_group_is_replaced",
+                   "test_a_hung_worker_is_noticed_by_its_heartbeat")],
+               ["secondary", "recycled", "watch_termination", "termination_note", "process_identity",
+                "_exit_reason", "LocalWorkers"],
+               "failure naming of the process group with h3kit's launcher (slow: one 3-rank group per run, "
+               "about a minute)"),
+    "ulysses": ("patches/src/comfy/multinpu.py",
+                [f"tests/test_multinpu_collectives.py::{t}" for t in (
+                    "test_collectives_threads", "test_world_size_one_moves_nothing",
+                    "test_heads_not_divisible_names_the_shapes",
+                    "test_ulysses_makes_at_most_two_copies_per_direction_threads",
+                    "test_ulysses_makes_at_most_two_copies_per_direction_gloo")],
+                ["all_to_all_scatter_heads", "all_to_all_gather_heads"],
                 "the Ulysses all-to-all exchange (needs torch)"),
 }
+# modules whose tests run a tree that `h3kit install` patched: the patches/src file reaches them only through
+# its patch, so each mutant (and the baseline) is written into the patches by `h3kit patches refresh`
+# (needs H3KIT_COMFY_SOURCE); the other patches/src modules are imported from patches/src by their tests
+INSTALLED = {"shard"}
 
 COMPARE_SWAPS = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE,
                  ast.GtE: ast.Gt, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
@@ -231,6 +251,22 @@ def run_tests(python: str, tree: Path, tests: list[str], timeout: float) -> tupl
     return ("passed" if p.returncode == 0 else "failed"), time.monotonic() - t0, out
 
 
+def write_module(name: str, args, tree: Path, path: Path, text: str) -> None:
+    """The module's text in the tree's copy; for an INSTALLED module, in its patch too."""
+    path.write_text(text)
+    if name not in INSTALLED:
+        return
+    source = os.environ.get("H3KIT_COMFY_SOURCE")
+    if not source:
+        raise SystemExit(f"mutate: {name}: set H3KIT_COMFY_SOURCE (its tests run a patched tree; the patch is "
+                         "refreshed from the mutant)")
+    env = dict(os.environ, PYTHONPATH=str(tree / "toolkit"), PYTHONDONTWRITEBYTECODE="1")
+    p = subprocess.run([args.python, "-B", "-m", "h3kit", "patches", "refresh", "--source", source], cwd=tree,
+                       env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"mutate: {name}: h3kit patches refresh failed: {(p.stdout + p.stderr)[-2000:]}")
+
+
 def check_module(name: str, args, tree: Path) -> dict:
     rel, tests, scope, note = MODULES[name]
     tests = args.tests or tests
@@ -243,7 +279,7 @@ def check_module(name: str, args, tree: Path) -> dict:
     row = {"module": name, "source": rel, "tests": tests, "sites": len(all_sites), "mutants": 0, "killed": 0,
            "survived": 0, "timeouts": 0, "survivors": [], "note": note}
     # the baseline: the tests pass on the unmutated module as ast.unparse writes it (the mutants' form)
-    path.write_text(ast.unparse(ast.parse(source)) + "\n")
+    write_module(name, args, tree, path, ast.unparse(ast.parse(source)) + "\n")
     try:
         verdict, secs, out = run_tests(args.python, tree, tests, args.baseline_timeout)
         if verdict != "passed":
@@ -258,7 +294,7 @@ def check_module(name: str, args, tree: Path) -> dict:
             text = mutant_source(source, site)
             if text is None:
                 continue
-            path.write_text(text)
+            write_module(name, args, tree, path, text)
             verdict, secs, out = run_tests(args.python, tree, tests, limit)
             row["mutants"] += 1
             if verdict == "passed":
@@ -270,7 +306,7 @@ def check_module(name: str, args, tree: Path) -> dict:
             print(f"mutate: {name} {i}/{len(drawn)} {'SURVIVED' if verdict == 'passed' else 'killed  '} "
                   f"({secs:.1f} s) {site.what}", file=sys.stderr, flush=True)
     finally:
-        path.write_text(source)
+        write_module(name, args, tree, path, source)
     return row
 
 
