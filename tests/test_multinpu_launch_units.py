@@ -35,22 +35,35 @@ def test_how_a_worker_ended_is_worded_and_which_ends_h3kit_caused():
 
 def test_a_worker_is_one_device_with_its_rank_whatever_the_server_simulates(monkeypatch):
     monkeypatch.setenv("H3KIT_SIM_DEVICES", "2")
-    workers = launch.LocalWorkers(wire.GroupSpec(local_size=2), "the-key", [0, 1])
-    env = workers._env(1)
-    assert "H3KIT_SIM_DEVICES" not in env and os.environ["H3KIT_SIM_DEVICES"] == "2"
-    assert (env[wire.RANK_ENV], env[wire.LOCAL_RANK_ENV], env[wire.KEY_ENV]) == ("1", "1", "the-key")
-    assert env["PYTHONUNBUFFERED"] == "1" and env[wire.PARENT_ENV] == str(os.getpid())
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=2), "the-key")
+    seen = {}
+
+    class Started:  # what spawn reads of a Popen: this process stands in for the worker
+        pid = os.getpid()
+
+    def popen(argv, env, **kw):
+        seen.update(env)
+        return Started()
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    workers.spawn(1)
+    assert "H3KIT_SIM_DEVICES" not in seen and os.environ["H3KIT_SIM_DEVICES"] == "2"
+    assert (seen[wire.RANK_ENV], seen[wire.LOCAL_RANK_ENV], seen[wire.KEY_ENV]) == ("1", "1", "the-key")
+    assert seen["PYTHONUNBUFFERED"] == "1" and seen[wire.PARENT_ENV] == str(os.getpid())
 
 
-def test_each_start_of_a_rank_is_its_next_incarnation(tmp_path):
+def test_each_start_of_a_rank_records_its_process(tmp_path):
     (tmp_path / "quick_worker.py").write_text("")  # a worker that ends at once
-    workers = launch.LocalWorkers(wire.GroupSpec(local_size=1, worker_module="quick_worker"), "k", [0], cwd=tmp_path)
-    for n in (1, 2):
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=1, worker_module="quick_worker"), "k")
+    workers.cwd = tmp_path  # the folder the workers run in (the ComfyUI tree in a server)
+    pids = set()
+    for _ in (1, 2):
         proc = workers.spawn(0)
         assert proc.wait(timeout=60) == 0
         info = workers.info[0]
-        assert info["incarnation"] == n and info["pid"] == proc.pid, info
+        assert info["pid"] == proc.pid and info["alive"] and info["create_time"], info
         assert info["cmdline"][-1] == "quick_worker"
+        pids.add(proc.pid)
+    assert len(pids) == 2
 
 
 WATCHED = textwrap.dedent("""
@@ -107,7 +120,7 @@ class Ended:
 
 def test_a_dying_rank_is_replaced_at_once_then_later_each_time_then_not_at_all(monkeypatch):
     import time
-    workers = launch.LocalWorkers(wire.GroupSpec(local_size=1), "k", [0])
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=1), "k")
     pids = iter(range(1000, 2000))
     started = []
 
@@ -152,7 +165,7 @@ class Running:
 
 
 def test_killing_one_worker_or_recycling_all_says_why_and_recycled_ones_are_no_crash():
-    workers = launch.LocalWorkers(wire.GroupSpec(local_size=3), "k", [0, 1, 2])
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=3), "k")
     workers.procs = {0: Running(10), 1: Running(11), 2: Ended(12, 1)}
     assert [workers.pid(r) for r in range(3)] == [10, 11, None]  # an ended worker has no pid to signal
     workers.kill(1, "its heartbeat stopped")

@@ -213,11 +213,6 @@ def with_index(section_text: str, old: str, new: str, mode: str = DEFAULT_MODE) 
     return "\n".join(lines)
 
 
-def without_index(section_text: str) -> str:
-    lines = section_text.split("\n")
-    return "\n".join([lines[0]] + [ln for ln in lines[1:4] if not ln.startswith("index ")] + lines[4:])
-
-
 def render_new_file_section(rel_path: str, content: bytes) -> str:
     """The diff section that adds `rel_path` with `content` (text, UTF-8), as `git diff --full-index` writes it."""
     text = content.decode("utf-8")
