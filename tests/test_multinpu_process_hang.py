@@ -8,7 +8,7 @@
   or last completed) once the progress bound passes; the next command runs on a fresh group, the driver's pid
   unchanged. A rank that is slow but keeps completing collectives is never killed.
 Under H3KIT_EMULATE_NO_RELEASE=1 (HCCL/NCCL's semantics: nobody is released before the group timeout), with h3kit's
-launcher and with torchrun.
+launcher (torchrun's: the same hang through the real server, test_multinpu_process_service.py).
 """
 
 from __future__ import annotations
@@ -237,7 +237,11 @@ def test_every_collective_of_the_process_comm_is_counted(tmp_path):
 
 # ---- with real processes ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["h3kit", "torchrun"])
+# h3kit's launcher here; torchrun's (the default) meets the same hang through the real server in
+# test_multinpu_process_service.py::test_a_rank_blocked_in_a_kernel_costs_one_prompt_naming_it, and both launchers at the
+# default bound in benchmarks/multinpu_hangs.py --server: the CI is CPU-bound and the progress detector is the driver's,
+# the same whoever launched the workers
+@pytest.fixture(scope="module", params=["h3kit"])
 def hangs(request, tmp_path_factory):
     launcher = request.param
     env = _env(H3KIT_EMULATE_NO_RELEASE="1", H3KIT_PROGRESS_TIMEOUT=str(PROGRESS), H3KIT_SEND_TIMEOUT=str(SEND))
