@@ -240,6 +240,18 @@ def test_an_oom_on_a_worker_reaches_comfyui_as_an_oom(group):
     assert status["status_str"] == "success", status
 
 
+def _next_prompt_runs_on_a_fresh_group(group, name, server, before):
+    """After a failed prompt: the next one succeeds with nobody acting, the server the same process, every rank a fresh
+    one, none of `before` ({rank: pid}) left running."""
+    status = finished(group, submit(group, prompt(4, name)))
+    assert status["status_str"] == "success", status
+    assert group.status(0)["pid"] == server
+    after = {r["rank"]: r["pid"] for r in group.ranks()}
+    assert not set(before.values()) & set(after.values()), "every rank is a fresh process"
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in before.values() if pid_running(p)], timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
 def _costs_one_prompt(group, trigger, program, p):
     """A prompt whose `program` raises on node 0's ranks fails, naming the rank, well before the group timeout;
     the next prompt runs with nobody acting, on fresh workers; the server lives on."""
@@ -258,13 +270,7 @@ def _costs_one_prompt(group, trigger, program, p):
     assert ("rank 0 (cpu, node 0), host " in message or "rank 1 (cpu, node 0), host " in message), message
     assert f"injected failure in {program}" in message, message
     assert seconds < 60, f"{seconds:.1f} s: bounded by the runtime, not the 300 s group timeout"
-    status = finished(group, submit(group, prompt(4, f"after_{program}")))
-    assert status["status_str"] == "success", status
-    assert group.status(0)["pid"] == server
-    after = {r["rank"]: r["pid"] for r in group.ranks()}
-    assert not set(before.values()) & set(after.values()), "every rank is a fresh process"
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in before.values() if pid_running(p)], timeout=10)
-    assert not alive, f"left behind: {[p.pid for p in alive]}"
+    _next_prompt_runs_on_a_fresh_group(group, f"after_{program}", server, before)
 
 
 def test_an_exception_in_the_text_encoder_costs_one_prompt(group):
@@ -396,13 +402,7 @@ def test_a_rank_blocked_in_a_kernel_costs_one_prompt_naming_it(group):
     assert "it last completed collective #" in message and "while ranks 0, 2, 3 wait in collective #" in message
     assert f"(progress bound {PROGRESS_BOUND} s, H3KIT_PROGRESS_TIMEOUT)" in message, message
     assert PROGRESS_BOUND - 2 <= to_error < PROGRESS_BOUND + 90 < BOOT, f"{to_error:.1f} s from the hang to the error"
-    status = finished(group, submit(group, prompt(4, "after_hang")))
-    assert status["status_str"] == "success", status
-    assert group.status(0)["pid"] == server
-    after = {r["rank"]: r["pid"] for r in group.ranks()}
-    assert not set(before.values()) & set(after.values()), "every rank is a fresh process"
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in before.values() if pid_running(p)], timeout=10)
-    assert not alive, f"left behind: {[p.pid for p in alive]}"
+    _next_prompt_runs_on_a_fresh_group(group, "after_hang", server, before)
 
 
 def test_an_interrupted_prompt_is_followed_by_one_that_runs(group):
