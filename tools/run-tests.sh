@@ -40,15 +40,21 @@ fi
 
 # ports: every run takes them from the one allocator (tests/support/service_helpers.py free_port: reserved by a
 # lock all runs share, checked by binding), so the parallel runs need no bands of their own
+# Each torch-free environment is built (first time on a machine: ~25 s each) inside its run's background job, so the
+# main run does not wait for it.
 for v in $pythons; do
-  py=$("$root/tools/ensure-toolkit-venv.sh" "$v") || exit 1
   ( start=$(date +%s)
-    # below the main run's priority: when both want the two cores, the main run's bounded tests (a fault named
-    # within its bound) get them first
-    H3KIT_TORCH_FREE_RUN=1 nice -n 5 "$py" -m pytest -p no:cacheprovider \
-      "${torch_free_skip[@]}" "$@" \
-      >"$logs/$v.log" 2>&1
-    echo "$? $(( $(date +%s) - start ))" >"$logs/$v.rc" ) &
+    if py=$("$root/tools/ensure-toolkit-venv.sh" "$v" 2>"$logs/$v.log"); then
+      # below the main run's priority: when both want the two cores, the main run's bounded tests (a fault named
+      # within its bound) get them first
+      H3KIT_TORCH_FREE_RUN=1 nice -n 5 "$py" -m pytest -p no:cacheprovider \
+        "${torch_free_skip[@]}" "$@" \
+        >>"$logs/$v.log" 2>&1
+      echo "$? $(( $(date +%s) - start ))" >"$logs/$v.rc"
+    else
+      echo "ensure-toolkit-venv.sh $v failed" >>"$logs/$v.log"
+      echo "1 $(( $(date +%s) - start ))" >"$logs/$v.rc"
+    fi ) &
 done
 
 start=$(date +%s)
