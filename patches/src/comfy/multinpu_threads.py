@@ -1,10 +1,5 @@
-"""The thread transport: the ranks are threads of this process, driven as the process group is.
-
-ThreadRuntime is a comfy.multinpu_runtime_base.Runtime like the process group's GroupRuntime and runs the same
-worker programs and built-ins (comfy.multinpu_group) through the same wire code (comfy.multinpu_wire pack/flatten:
-one host buffer where the process driver writes /dev/shm; worker rank 0 broadcasts it); only the communicator
-differs (a ThreadComm instead of a ProcessComm). It is the one-interpreter twin the parity tests check the process
-group against (docs/multinpu.md, "Which transport runs where, and why").
+"""The thread transport: the ranks are threads of this process running the process workers' programs through the
+same wire code, on a ThreadComm (docs/multinpu.md, "Which transport runs where, and why").
 
 What the ranks hold is unloaded at a command's start under MODEL_LOCK (release_retired), never by the garbage
 collector while another thread walks ComfyUI's list of loaded models.
@@ -42,8 +37,7 @@ class ThreadSpec(wire.GroupSpec):
 
 
 class ThreadContext(group.WorkerContext):
-    """A rank thread's context: its load reports stay in this process (a worker process posts its own to the
-    store), read by ThreadRuntime._install."""
+    """A rank thread's context: its load reports stay in this process, read by ThreadRuntime._install."""
 
     def __init__(self, spec, rank: int, device):
         super().__init__(spec, rank, device)
@@ -64,8 +58,6 @@ class ThreadRuntime(base.Runtime):
             raise ValueError("MultiNPU: a thread runtime needs at least one device")
         super().__init__(ThreadSpec(devices, timeout))
         self.devices = list(self.spec.rank_devices)
-        self.device = self.devices[0]
-        self.state = "ready"
         self.contexts = [ThreadContext(self.spec, r, d) for r, d in enumerate(self.devices)]
         self._threads = None
         # when the runtime goes away, what its ranks hold is unloaded at the next command, not in the collector
@@ -73,8 +65,7 @@ class ThreadRuntime(base.Runtime):
 
     @classmethod
     def on(cls, devices, primary, what: str, timeout: float):
-        """The ranks as threads of this process on `devices`; rank 0 must be `primary`, the device of `what`
-        (the model, text encoder or VAE whose copy rank 0 works with)."""
+        """The ranks as threads of this process on `devices`; rank 0 must be `primary`, the device of `what`."""
         devices = [torch.device(d) for d in devices or ()]
         if not devices or devices[0] != torch.device(primary):
             raise ValueError(f"MultiNPU: rank 0 must be the {what}'s device {primary}, got "
@@ -149,9 +140,7 @@ class ThreadRuntime(base.Runtime):
                 raise exc
             raise wire.RankFailed(f"MultiNPU: {self.spec.describe_rank(r)} failed in loading {cfg.what}: "
                                    f"{type(exc).__name__}: {exc}") from exc
-        mismatch = base.config_mismatch(self.spec, cfg, {r: reports[r]["digest"] for r in todo})
-        if mismatch is not None:
-            raise mismatch
+        base.check_digests(self.spec, cfg, {r: reports[r]["digest"] for r in todo})
         for r in todo:
             cfg.installed[r] = "thread"
         logging.info(f"MultiNPU: {cfg.what} set up and checked on {len(todo)} rank thread(s)")
@@ -170,8 +159,7 @@ def release_retired():
 
 
 class ThreadTransport:
-    """The thread transport as a whole, before any component makes its ThreadRuntime: its ranks are the devices
-    this process sees."""
+    """The thread transport as a whole, before any component makes its ThreadRuntime."""
 
     def runtime_for(self, devices, primary, what: str, timeout: float) -> ThreadRuntime:
         """A runtime of its own for one component: threads on `devices`, rank 0 on `primary`."""
