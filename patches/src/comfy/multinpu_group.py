@@ -332,9 +332,7 @@ def inject_fault(context: WorkerContext, name: str):
             torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
         if kind == "raise":
             raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
-        if kind in ("hold", "hang"):
-            # a slow step (hold: a model read from a slow disk) or a rank blocked in a kernel (hang: the GIL released
-            # as a device wait does, its heartbeat beating on), for as long as the file exists
+        if kind in ("hold", "hang"):  # a slow disk, or a rank blocked in a kernel (the GIL released, beating on)
             logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: {kind}ing {name}")
             while os.path.exists(trigger):
                 time.sleep(POLL)

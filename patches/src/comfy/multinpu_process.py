@@ -103,8 +103,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         self._store = channel.StoreHost(spec.master_addr, spec.master_port, spec.timeout)
         self.port = spec.master_port = self._store.port  # the workers connect to the port the store got (0: any)
         if spec.nnodes > 1:
-            # the other hosts' workers and agents beat on the channel too, over TCP (an authenticated connection
-            # nobody without the key can make or take away; a store client can delete any key)
+            # the other hosts' workers and agents reach the channel (their commands and beats) over TCP
             try:
                 self._channel.listen_tcp(spec.master_addr, self.port + wire.CHANNEL_PORT_OFFSET)
             except wire.GroupError:

@@ -1,9 +1,8 @@
 """Which rank holds a command, from the progress every worker sends with its heartbeat (comfy.multinpu_group).
 
-A rank blocked in a kernel keeps beating (a device wait releases the GIL), so beats alone cannot tell it from a busy
-one. Every rank enters the same collectives in the same order; while a command runs, a rank whose own beats show it
-short of the collective its peers wait in for the progress bound is hung, and a collective every rank has sat in
-that long made no progress. A slow rank that reaches its collectives moves with each one and is never taken for hung.
+A rank blocked in a kernel keeps beating (a device wait releases the GIL). Every rank enters the same collectives in
+the same order: one whose own beats show it short of the collective its peers wait in for the progress bound is hung;
+a slow rank moves with each collective it reaches and never is.
 """
 
 from __future__ import annotations

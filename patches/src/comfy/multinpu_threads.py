@@ -1,8 +1,6 @@
 """The thread transport: the ranks are threads of this process running the process workers' programs through the
-same wire code, on a ThreadComm (docs/multinpu.md, "Which transport runs where, and why").
-
-What the ranks hold is unloaded at a command's start under MODEL_LOCK (release_retired), never by the garbage
-collector while another thread walks ComfyUI's list of loaded models.
+same wire code, on a ThreadComm (docs/multinpu.md, "Which transport runs where, and why"). What they hold is unloaded
+at a command's start under MODEL_LOCK (release_retired), never by the garbage collector mid-walk of ComfyUI's list.
 """
 
 from __future__ import annotations
@@ -62,15 +60,6 @@ class ThreadRuntime(base.Runtime):
         self._threads = None
         # when the runtime goes away, what its ranks hold is unloaded at the next command, not in the collector
         weakref.finalize(self, _retire, self.contexts)
-
-    @classmethod
-    def on(cls, devices, primary, what: str, timeout: float):
-        """The ranks as threads of this process on `devices`; rank 0 must be `primary`, the device of `what`."""
-        devices = [torch.device(d) for d in devices or ()]
-        if not devices or devices[0] != torch.device(primary):
-            raise ValueError(f"MultiNPU: rank 0 must be the {what}'s device {primary}, got "
-                             f"{devices[0] if devices else 'no device'}")
-        return cls(devices, timeout)
 
     def describe(self) -> str:
         return comfy.multidevice.describe_devices(self.devices)
@@ -162,8 +151,13 @@ class ThreadTransport:
     """The thread transport as a whole, before any component makes its ThreadRuntime."""
 
     def runtime_for(self, devices, primary, what: str, timeout: float) -> ThreadRuntime:
-        """A runtime of its own for one component: threads on `devices`, rank 0 on `primary`."""
-        return ThreadRuntime.on(devices, primary, what, timeout)
+        """A runtime of its own for one component: threads on `devices`; rank 0 must be `primary`, the device of
+        `what`."""
+        devices = [torch.device(d) for d in devices or ()]
+        if not devices or devices[0] != torch.device(primary):
+            raise ValueError(f"MultiNPU: rank 0 must be the {what}'s device {primary}, got "
+                             f"{devices[0] if devices else 'no device'}")
+        return ThreadRuntime(devices, timeout)
 
     def npu_count_error(self, npu_count: int):
         """None when a workflow's npu_count runs here (1, or the devices this process sees), else what to change."""
