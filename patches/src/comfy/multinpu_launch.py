@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import psutil
 import torch
 import torch.distributed
 
@@ -73,11 +74,10 @@ def termination_note(ctl, rank: int, pid) -> str | None:
 
 def process_identity(pid: int) -> dict:
     try:
-        import psutil
         p = psutil.Process(pid)
         with p.oneshot():
             return {"pid": pid, "create_time": p.create_time(), "cmdline": p.cmdline()}
-    except Exception:  # psutil missing or the process already gone: the pid alone is still worth showing
+    except Exception:  # the process already gone: the pid alone is still worth showing
         return {"pid": pid, "create_time": None, "cmdline": []}
 
 
@@ -361,7 +361,6 @@ def _alive(pid, create_time) -> bool:
     if not isinstance(pid, int):
         return False
     try:
-        import psutil
         p = psutil.Process(pid)
         return p.status() != psutil.STATUS_ZOMBIE and (create_time is None or abs(p.create_time() - create_time) < 0.01)
     except Exception:

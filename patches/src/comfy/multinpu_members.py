@@ -208,17 +208,9 @@ class GroupMonitor:
     def _agent_gone(self, node: int):
         """Seconds since node's agent last beat, when it beat once and has been silent for HOST_STALE
         (the host or its agent is lost); else None."""
-        now = time.monotonic()
-        seen, since = self._agent_hb.setdefault(node, ({}, now))  # (newest seq of each agent pid, last news)
-        news = False
-        for (n, pid), seq in list(self._agent_beats.items()):  # the agents' channel connections (_on_link)
-            if n == node and seq > seen.get(pid, 0):
-                seen[pid], news = seq, True
-        if news:
-            self._agent_hb[node] = (seen, now)
-            return None
-        silent = now - since
-        return silent if any(seen.values()) and silent > wire.HOST_STALE else None
+        heard = self._agent_heard.get(node)  # its newest beat (_on_link)
+        silent = time.monotonic() - heard if heard is not None else 0.0
+        return silent if silent > wire.HOST_STALE else None
 
     def ranks(self) -> list:
         out = []

@@ -65,7 +65,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
         self._remote_seen = {}         # rank -> the newest announcement of another host's worker (_worker)
-        self._agent_hb = {}            # node -> ({agent pid: newest beat}, monotonic time of the last new one)
+        self._agent_heard = {}         # node -> monotonic time of its agent's newest beat
         self._agent_beats = {}         # (node, agent pid) -> the newest heartbeat seq on its channel connection
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
@@ -180,6 +180,8 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
                         beats[who] = beat["seq"]
                         if role == "beat":
                             self._progress.beat(hello["rank"], pid, beat.get("progress"), time.monotonic())
+                        else:
+                            self._agent_heard[hello["node"]] = time.monotonic()
             finally:
                 beats.pop(who, None)
                 if role == "beat":

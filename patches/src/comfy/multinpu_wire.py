@@ -338,14 +338,13 @@ def shm_read(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def shm_remove(path):
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logging.warning(f"MultiNPU: cannot remove {path}: {e}")
+def shm_remove(path: str):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logging.warning(f"MultiNPU: cannot remove {path}: {e}")
 
 
 def shm_claim(token: str, folder: str = None) -> tuple:
