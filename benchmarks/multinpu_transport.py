@@ -57,13 +57,12 @@ def _setup(comfy_home, device_type):
 
 
 def _start_group(n, device_type, timeout=600.0):
-    import comfy.model_management
     import comfy.multinpu_wire as wire
     import comfy.multinpu_process as mp
     key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     spec = wire.GroupSpec(local_size=n, device_type=device_type, join_timeout=timeout,
                           worker_args=["--cpu"] if device_type == "cpu" else [], launcher="h3kit")
-    runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
+    runtime = mp.start_runtime(spec, key)
     mp.wait_ready(runtime, timeout)
     return runtime
 

@@ -388,7 +388,7 @@ def thread_runtime():
     wrong_rank0 = []  # rank 0 works with the component's own copy: it must be on that copy's device
     for devices in (["meta", "cpu"], []):
         try:
-            comfy.multinpu_threads.ThreadRuntime.on(devices, torch.device("cpu"), "VAE", 5.0)
+            comfy.multinpu_threads.THREADS.runtime_for(devices, torch.device("cpu"), "VAE", 5.0)
         except ValueError as e:
             wrong_rank0.append(str(e))
     return {"result": {"sum": out["sum"].tolist()}, "seen": {str(k): v for k, v in seen.items()},

@@ -1,10 +1,5 @@
 """The process group's control plane: its store (StoreHost, Control) and its command channel (ChannelServer, Link).
-
-The store is one TCPStore for the life of the service, in a process of its own; every value is signed for its key,
-and no command and no beat is in it (a store client can delete keys). The command channel is a Unix socket in a
-0700 folder of the runtime root (and with several hosts a TCP listener on the master port + 2): every frame is
-length-prefixed, capped and signed per connection (nonce, direction, sequence). Design: docs/multinpu.md, "The
-process transport" (the command channel, the store's own process).
+Design: docs/multinpu.md, "The process transport" (signed values, the command channel, the store's own process).
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import torch
 import torch.distributed
 
 from comfy.multinpu_wire import (GroupError, HEARTBEAT_INTERVAL, PARENT_ENV, POLL, Signer, _die_with_parent_signal,
-                                 die_with_parent, td)
+                                 die_with_parent, td, wait_or_kill)
 
 
 # ---- the store -----------------------------------------------------------------------------------
@@ -36,9 +31,8 @@ STORE_START_TIMEOUT = 120.0         # seconds for the store's process to answer 
 
 
 class StoreHost:
-    """The group's TCPStore in a process of its own (`python -B -m comfy.multinpu_channel --store`), so a flood of keys
-    grows that process, never the server. The driver binds addr:port only (torch's server would listen on every
-    interface) and keeps the socket: a store that dies is started again on it (start()). It ends with the driver."""
+    """The group's TCPStore in a process of its own (`python -B -m comfy.multinpu_channel --store`) on a socket the
+    driver binds to addr:port only and keeps: a store that dies is started again on it (start())."""
 
     def __init__(self, addr: str, port: int, timeout: float):
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -68,11 +62,7 @@ class StoreHost:
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(10.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5.0)
+            wait_or_kill(self.proc, 10.0)
         self.sock.close()
 
 
@@ -87,8 +77,7 @@ def _rss() -> int:
 
 def store_main(argv) -> int:
     """The store's process: host the TCPStore on the socket the driver handed over until the driver is gone (its
-    stdin ends). Past H3KIT_STORE_GROWTH_LIMIT MiB of growth (a flood of keys) it ends itself and the driver starts a
-    fresh one, rather than the host's OOM killer choosing a process (a worker holding a model is the biggest)."""
+    stdin ends), or it grew past H3KIT_STORE_GROWTH_LIMIT MiB (rather than the host's OOM killer choosing a worker)."""
     addr, port, fd, timeout = argv
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[store] %(asctime)s %(message)s", stream=sys.stdout)
@@ -130,9 +119,8 @@ def _store_gone(e: BaseException) -> bool:
 
 
 class Control:
-    """Signed reads and writes of the control keys, one call at a time per connection. Every value is signed with its
-    key's name, so a value copied into another slot is refused; one that does not verify is never unpickled, it is
-    dropped with a log line and reads as absent (peek, wait)."""
+    """Signed reads and writes of the control keys (signed with the key's name), one call at a time per connection;
+    a value that does not verify is dropped with a log line and reads as absent (peek, wait)."""
 
     def __init__(self, store, signer: Signer):
         self.store = torch.distributed.PrefixStore(STORE_PREFIX, store)
@@ -198,10 +186,7 @@ HELLO_LIMIT = 4096                   # bytes of a connection's first frame (who 
 FRAME_LIMIT = 256 << 20              # bytes of any frame (a command's header: its tensors go through /dev/shm)
 HANDSHAKE_TIMEOUT = 5.0
 SEND_ENV = "H3KIT_SEND_TIMEOUT"
-# A send on a channel connection that moves no byte for this long fails (SendTimeout) and closes the connection:
-# a peer that stopped reading (stopped, hung with its heartbeat still beating, its host cut off) and whose socket
-# buffer is full cannot hold the sender, the driver holding its run lock least of all
-SEND_TIMEOUT = float(os.environ.get(SEND_ENV, "10"))
+SEND_TIMEOUT = float(os.environ.get(SEND_ENV, "10"))  # docs/multinpu.md, "Bounded sends"
 MAX_PENDING = 16                     # connections not yet authenticated per listener; a new one closes the oldest
 
 
@@ -210,8 +195,7 @@ class ChannelClosed(GroupError):
 
 
 class SendTimeout(ChannelClosed):
-    """A send on a channel connection moved no byte for SEND_TIMEOUT seconds: its peer stopped reading. The
-    connection is closed (part of a frame may have gone out)."""
+    """A send moved no byte for SEND_TIMEOUT seconds: its peer stopped reading. The connection is closed."""
 
 
 def send_bounded(sock, data: bytes, timeout: float):
@@ -238,8 +222,7 @@ def send_bounded(sock, data: bytes, timeout: float):
 
 
 def private_dir(path: str) -> str:
-    """`path` as a folder only this user can enter: made 0700 when absent; GroupError when it is a link, another
-    user's or open to the group or others (the command channel's socket lives there)."""
+    """`path` as a folder only this user can enter (made 0700 when absent), else GroupError naming the fix."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -289,9 +272,7 @@ def recv_frame(sock, limit: int) -> bytes:
 
 
 class Link:
-    """One authenticated connection of the command channel: every frame carries an HMAC over the connection's nonce,
-    its direction and sequence number with the message, so a frame copied, replayed, reordered or reflected does not
-    verify and is dropped (never unpickled)."""
+    """One authenticated connection of the command channel (docs/multinpu.md, "Frames")."""
 
     def __init__(self, sock, signer: Signer, nonce: bytes, mine: str, theirs: str):
         self.sock = sock
@@ -303,8 +284,7 @@ class Link:
         self._send_lock = threading.Lock()
 
     def send(self, obj, timeout: float = None):
-        """Send one message; SendTimeout (the connection closed) when the peer takes no byte for `timeout` seconds
-        (default SEND_TIMEOUT)."""
+        """Send one message; SendTimeout when the peer takes no byte for `timeout` (SEND_TIMEOUT) seconds."""
         with self._send_lock:
             self.sent += 1
             body = self.signer.dumps((self.nonce, self.mine, self.sent, obj))
@@ -344,8 +324,7 @@ class Link:
 
 
 def connect_channel(address, signer: Signer, hello: dict, timeout: float = 30.0) -> Link:
-    """A connection to the driver's channel at `address` (GroupSpec.channel_address): the driver sends a nonce, the
-    caller answers with a signed hello naming itself ({"role", "rank" or "node", "pid", ...})."""
+    """A connection to the driver's channel at `address` (GroupSpec.channel_address) whose hello names the caller."""
     tcp = not isinstance(address, str)
     if tcp:
         where, fd = f"{address[0]}:{address[1]}", None
@@ -374,9 +353,8 @@ def connect_channel(address, signer: Signer, hello: dict, timeout: float = 30.0)
 
 
 def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None, news=None):
-    """Beat every HEARTBEAT_INTERVAL on an authenticated channel connection until `stop` is set: {"seq": n, **news()},
-    n counting up for the life of this process. A connection that fails is made again at the next beat. each():
-    called after every beat; what it raises ends the beats."""
+    """Beat {"seq": n, **news()} every HEARTBEAT_INTERVAL on a channel connection (made again after a failure) until
+    `stop` is set, n counting up for the life of this process; each() after every beat."""
     link, seq, down = None, 0, None
     while not stop.wait(HEARTBEAT_INTERVAL):
         seq += 1
@@ -402,11 +380,8 @@ def beat(address, signer: Signer, hello: dict, stop: threading.Event, each=None,
 
 
 class ChannelServer:
-    """The driver's end of the command channel: a Unix socket in a folder only this user can enter, whose peer must
-    be the process its hello names (SO_PEERCRED), and with listen_tcp() a TCP listener for the other hosts (the
-    signed hello's pid is taken as signed). A connection counts once its signed hello answers its nonce; each
-    listener checks at most MAX_PENDING at a time, a new one closing the oldest. on_link(link, hello) takes each
-    accepted connection, on that connection's thread (link.remote: the TCP peer, None on the Unix socket)."""
+    """The driver's end of the command channel (docs/multinpu.md, "Handshake"): a Unix socket, and with listen_tcp()
+    a TCP listener. on_link(link, hello) takes each accepted connection on its own thread."""
 
     def __init__(self, folder: str, signer: Signer, on_link):
         self.folder = private_dir(folder)
@@ -438,8 +413,7 @@ class ChannelServer:
         self._listen(self.sock, tcp=False)
 
     def listen_tcp(self, addr: str, port: int) -> int:
-        """Also take connections on addr:port over TCP (the other hosts'); the port it got. GroupError naming the
-        fix when the port is taken."""
+        """Also take connections on addr:port over TCP (the other hosts'); the port it got."""
         sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -492,8 +466,7 @@ class ChannelServer:
             pass
 
     def _handshake(self, conn, pending, remote):
-        """Check one connection's hello (remote: the TCP peer's address; None on the Unix socket, whose peer
-        process must be the one the hello names); on_link gets it when it passes."""
+        """Check one connection's hello (remote: the TCP peer; None on the Unix socket); on_link gets it if it passes."""
         peer = remote
         try:
             try:

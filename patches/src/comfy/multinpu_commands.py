@@ -1,5 +1,5 @@
-"""The driver's command path, a mixin of comfy.multinpu_process.GroupRuntime: a command to every rank (each send
-bounded), rank 0's result back, every rank watched meanwhile, and a failure's first cause named.
+"""The driver's command path (CommandPath), a mixin of comfy.multinpu_process.GroupRuntime: docs/multinpu.md, "A
+failure costs one prompt".
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import comfy.multinpu_wire as wire
 
 ERROR_WAIT = 3.0                     # after a failure, for the other ranks' reports and deaths to arrive
 DEATH_WAIT = 0.5                     # ... once a dead rank is known
-
-
 
 
 class CommandPath:

@@ -1,11 +1,6 @@
-"""A worker of the process group: its life (serve) and the programs it runs.
-
-A worker takes its commands on its own authenticated connection to the driver's command channel (no collective is
-open while the server is idle), runs the command's program and closes it with a barrier; a program that raises
-posts its error and the process leaves (never reused). A thread beats once a second with the rank's progress
-(comfy.multinpu.PROGRESS), so the driver tells a rank blocked in a kernel from a slow one. program() registers a
-worker program; install, drop and free are the built-ins of both transports. `python -B -m comfy.multinpu_group`
-runs the agent of another host. Design: docs/multinpu.md, "The process transport".
+"""A worker of the process group: its life (serve), its heartbeat, and the programs it runs (program(); install, drop
+and free are the built-ins of both transports). `python -B -m comfy.multinpu_group` runs the agent of another host.
+Design: docs/multinpu.md, "The process transport".
 """
 
 from __future__ import annotations
@@ -21,21 +16,14 @@ import torch
 import torch.distributed
 
 import comfy.multinpu
-from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, RECYCLED_EXIT,
-                                 REPORTED_EXIT, Signer, hccl_environment, key_from_environment, pack, shm_read,
+from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, RECYCLED_EXIT, REPORTED_EXIT,
+                                 SharedMemoryFull, Signer, hccl_environment, key_from_environment, pack, shm_read,
                                  shm_write, td, unflatten, unpack)
-from comfy.multinpu_wire import SharedMemoryFull
 from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
 from comfy.multinpu_runtime_base import MODEL_LOCK, unload
 
-
-
-# Fault injection, for tests and acceptance runs, a comma-separated list: "PROGRAM:oom:PATH" makes a worker's run
-# of PROGRAM ask for an impossible allocation (the CPU or device allocator's own out-of-memory error) while the
-# file PATH exists; "PROGRAM:raise:PATH" makes it raise a RuntimeError; "PROGRAM:hold:PATH" holds it while PATH
-# exists (at most 120 s). PROGRAM may be a model's loader ("te_config", "dit_config", "vae_config").
-FAULT_ENV = "H3KIT_MULTINPU_FAULT"
+FAULT_ENV = "H3KIT_MULTINPU_FAULT"  # fault injection for tests: docs/multinpu.md, "Fault injection"
 
 
 PROGRAMS = {}                        # name -> fn(context, comm, payload) run by the workers
@@ -53,19 +41,10 @@ def program(name: str):
 # ---- workers -----------------------------------------------------------------------------------------
 
 def rank_from_environment(spec: GroupSpec) -> int:
-    """This worker's rank: H3KIT_RANK (LocalWorkers), else the host's node rank and torchrun's LOCAL_RANK (h3kit
-    numbers ranks host by host; torchrun's own RANK follows its rendezvous order, which may differ)."""
+    """H3KIT_RANK (LocalWorkers), else from the node rank and LOCAL_RANK (never torchrun's RANK: docs, "Launchers")."""
     if os.environ.get(RANK_ENV):
         return int(os.environ[RANK_ENV])
     return spec.rank_of(spec.node_rank, int(os.environ["LOCAL_RANK"]))
-
-
-def destroy_group():
-    if torch.distributed.is_initialized():
-        try:
-            torch.distributed.destroy_process_group()
-        except Exception as e:
-            logging.debug(f"MultiNPU: destroy_process_group: {e}")
 
 
 class WorkerContext:
@@ -102,9 +81,8 @@ class After:
 
 
 def _heartbeat(spec: GroupSpec, context: WorkerContext, stop: threading.Event):
-    """Beat once a second on this process's own authenticated channel connection (channel.beat: nobody without the
-    key can make, replay or take away a beat); leave at once when the driver aborted this process's generation
-    (this process may be blocked in a collective that will not return)."""
+    """Beat on this process's own channel connection (channel.beat); leave at once when the driver aborted this
+    process's generation (it may be blocked in a collective that will not return)."""
     try:
         signer = Signer(key_from_environment())
         ctl = Control(connect_store(spec.master_addr, spec.master_port, spec.timeout), signer)
@@ -114,17 +92,14 @@ def _heartbeat(spec: GroupSpec, context: WorkerContext, stop: threading.Event):
             if g is not None and ctl.peek(f"abort/{g}") is not None:
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
                 _leave(RECYCLED_EXIT)
+        # the rank's progress: its generation, the last command it took, and its collectives (how many it entered,
+        # the last one's op, whether it is inside it), which tells a rank blocked in a kernel from a slow one
         beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
-             aborted, lambda: {"progress": progress(context)})
+             aborted, lambda: {"progress": {"g": context.generation, "n": context.command,
+                                            **comfy.multinpu.PROGRESS.snapshot()}})
     except Exception as e:
         # the store or the driver is gone: the main loop notices and exits
         logging.warning(f"MultiNPU: rank {context.rank}: the heartbeat stopped: {e}")
-
-
-def progress(context: WorkerContext) -> dict:
-    """What the heartbeat tells of this rank's progress: its generation, the last command it took, and its
-    collectives (comfy.multinpu.PROGRESS: how many it entered, the last one's op, whether it is inside it)."""
-    return {"g": context.generation, "n": context.command, **comfy.multinpu.PROGRESS.snapshot()}
 
 
 def _error(exc: BaseException) -> dict:
@@ -158,8 +133,8 @@ def _leave(code: int):
 
 
 def serve(context: WorkerContext):
-    """A worker's life: join the next generation that lists it and run its commands, until the driver ends
-    the generation (END) or is gone. A worker whose command or join fails reports it and exits."""
+    """A worker's life: join the next generation that lists it and run its commands until the driver ends it (END)
+    or is gone. A worker whose command or join fails reports it and exits."""
     spec, rank = context.spec, context.rank
     watch_termination(spec, rank)
     signer = Signer(key_from_environment())
@@ -260,7 +235,10 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
         context.command = n
         name = header["name"]
         if name == END:
-            destroy_group()
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception as e:
+                logging.debug(f"MultiNPU: destroy_process_group: {e}")
             return
         after = None
         try:
@@ -354,20 +332,10 @@ def inject_fault(context: WorkerContext, name: str):
             torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
         if kind == "raise":
             raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
-        if kind in ("hold", "hang"):
-            # a slow step (hold: a model read from a slow disk) or a rank blocked in a kernel (hang: the GIL released
-            # as a device wait does, its heartbeat beating on), for as long as the file exists
+        if kind in ("hold", "hang"):  # a slow disk, or a rank blocked in a kernel (the GIL released, beating on)
             logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: {kind}ing {name}")
             while os.path.exists(trigger):
                 time.sleep(POLL)
-
-
-def _free_memory(context: WorkerContext):
-    if context.free is not None:
-        try:
-            context.free()
-        except Exception as e:
-            logging.warning(f"MultiNPU: rank {context.rank}: freeing memory failed: {e}")
 
 
 # The built-in commands, the same functions for every runtime (comfy.multinpu_runtime_base): what differs between a
@@ -402,7 +370,11 @@ def _free(context: WorkerContext, comm, payload):
     context.configs.clear()
     for h in held:
         unload(h)
-    _free_memory(context)
+    if context.free is not None:
+        try:
+            context.free()
+        except Exception as e:
+            logging.warning(f"MultiNPU: rank {context.rank}: freeing memory failed: {e}")
 
 
 BUILTINS = {"install": _install, "drop": _drop, "free": _free}

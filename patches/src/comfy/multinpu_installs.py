@@ -31,9 +31,7 @@ class Installs:
             exc = _rank_exception(self.spec, r, failed[r]["error"], f"loading {cfg.what}")
             self._abort_generation(str(exc)[:300])
             raise exc
-        mismatch = base.config_mismatch(self.spec, cfg, {r: rep["digest"] for r, rep in reports.items()})
-        if mismatch is not None:
-            raise mismatch
+        base.check_digests(self.spec, cfg, {r: rep["digest"] for r, rep in reports.items()})
         for r in todo:
             cfg.installed[r] = self.members[r]
         logging.info(f"MultiNPU: {cfg.what} loaded and checked on {len(todo)} worker(s) in "

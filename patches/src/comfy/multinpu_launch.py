@@ -1,7 +1,5 @@
-"""Who starts, watches and replaces the process group's workers: LocalWorkers (h3kit's own launcher) or
-TorchrunWorkers (torch's elastic agent), on node 0 for the driver and on other hosts for their Agent
-(`python -B -m comfy.multinpu_group`); and how a worker's end is told (watch_termination), so the rank that failed
-first is told from the siblings its launcher stopped after it. Why two launchers: docs/multinpu.md, "Launchers".
+"""Who starts, watches and replaces the workers (LocalWorkers, TorchrunWorkers; the Agent of another host) and how a
+worker's end is told (watch_termination). docs/multinpu.md, "Launchers: torchrun or h3kit's own".
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import sys
 import threading
 import time
 
+import psutil
 import torch
 import torch.distributed
 
@@ -25,7 +24,7 @@ from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupErro
                                  KEEP_ALIVE_ATTEMPTS, KEY_ENV, LOCAL_RANK_ENV, PARENT_ENV, RANKS_FILE, RANK_ENV,
                                  RDZV_READ_TIMEOUT, RECYCLED_EXIT, REPORTED_EXIT, SECONDARY, Signer, TERM_EXIT,
                                  TORCHRUN_MAX_RESTARTS, TORCHRUN_RETRY, _die_with_parent_signal, cpu_threads,
-                                 key_from_environment)
+                                 key_from_environment, wait_or_kill)
 from comfy.multinpu_channel import Control, _store_gone, beat, connect_store
 
 
@@ -43,10 +42,9 @@ def recycled(reason) -> bool:
 
 
 def watch_termination(spec: GroupSpec, rank: int):
-    """In a worker: one thread takes SIGTERM, notes who ended this process (signed "term/{rank}" in the store) and
-    exits with TERM_EXIT, even while the main thread is blocked in a collective: how the driver tells the rank that
-    failed first from the siblings torchrun stopped after it. Needs SIGTERM blocked in every thread from the
-    worker's first line (comfy.multinpu_worker), else nothing is noted."""
+    """In a worker: one thread takes SIGTERM, notes who ended this process (signed "term/{rank}") and exits with
+    TERM_EXIT, even while the main thread is in a collective (docs/multinpu.md, "Who failed first"). Needs SIGTERM
+    blocked in every thread from the worker's first line (comfy.multinpu_worker), else nothing is noted."""
     if signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
         return
     parent = os.getppid()
@@ -76,11 +74,10 @@ def termination_note(ctl, rank: int, pid) -> str | None:
 
 def process_identity(pid: int) -> dict:
     try:
-        import psutil
         p = psutil.Process(pid)
         with p.oneshot():
             return {"pid": pid, "create_time": p.create_time(), "cmdline": p.cmdline()}
-    except Exception:  # psutil missing or the process already gone: the pid alone is still worth showing
+    except Exception:  # the process already gone: the pid alone is still worth showing
         return {"pid": pid, "create_time": None, "cmdline": []}
 
 
@@ -102,9 +99,9 @@ def _exit_reason(code: int) -> str:
 # ---- this host's workers: two launchers ------------------------------------------------------------
 
 class _Workers:
-    """What both launchers share: this host's ranks, what status shows of each, the workers' environment. The
-    driver's monitor or an agent polls them: poll() -> [(rank, pid, reason)] of the workers that ended, pid(rank),
-    kill(rank, why, recycle), recycle(why), stop(grace)."""
+    """What both launchers share: this host's ranks, what status shows of each, the workers' environment, recycle.
+    Each provides poll() -> [(rank, pid, reason)] of the workers that ended, pid(rank), kill(rank, why, recycle),
+    stop(grace)."""
 
     def __init__(self, spec: GroupSpec, key: str):
         self.spec = spec
@@ -134,6 +131,12 @@ class _Workers:
             env["OMP_NUM_THREADS"] = str(threads)
         return env
 
+    def recycle(self, why: str):
+        """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too), to be
+        replaced at once, not counted as a crash. The reliable reset of a rank that saw an error is a fresh process."""
+        for rank in self.ranks:
+            self.kill(rank, why, recycle=True)
+
 
 def workers(spec: GroupSpec, key: str, ctl: Control):
     """This host's workers under the group's launcher (GroupSpec.launcher)."""
@@ -150,20 +153,9 @@ def _recent(times: collections.deque, now: float) -> int:
     return len(times)
 
 
-def wait_or_kill(proc, seconds: float):
-    try:
-        proc.wait(seconds)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5.0)
-
-
 class LocalWorkers(_Workers):
-    """h3kit's own launcher: this host's worker processes (`python -B -m comfy.multinpu_worker`), started, watched and
-    replaced one by one. Workers are children of the process that owns this object and die with it
-    (PR_SET_PDEATHSIG, and their store connection); they stay in its process group, so `h3kit stop` reaches them
-    with the server. A rank that dies more than CRASH_LIMIT times within CRASH_WINDOW is not replaced again.
-    """
+    """h3kit's own launcher: this host's worker processes, children of this one (they die with it), started,
+    watched and replaced one by one; not past CRASH_LIMIT deaths within CRASH_WINDOW."""
 
     def __init__(self, spec: GroupSpec, key: str):
         super().__init__(spec, key)
@@ -241,15 +233,6 @@ class LocalWorkers(_Workers):
                 self.recycled.add(rank)
             proc.kill()
 
-    def recycle(self, why: str):
-        """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too);
-        poll() replaces each at once. The reliable reset of a rank that saw an error is a fresh process."""
-        for rank, proc in self.procs.items():
-            if proc.poll() is None:
-                self.killed[rank] = why
-                self.recycled.add(rank)
-                proc.kill()
-
     def pid(self, rank: int):
         proc = self.procs.get(rank)
         return proc.pid if proc is not None and proc.poll() is None else None
@@ -267,11 +250,9 @@ class LocalWorkers(_Workers):
                 self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
 
 
-
 class TorchrunWorkers(_Workers):
-    """torchrun's elastic agent as the launcher (its command line: argv(); docs/multinpu.md, "Launchers"): on any
-    worker's failure it restarts every worker of the group, on every host, and h3kit kills workers (SIGKILL) to make
-    it do so. The workers' pids come from their signed announcements in the store."""
+    """torchrun's elastic agent as the launcher (docs/multinpu.md, "Launchers"): h3kit kills workers to make it
+    restart the group. The workers' pids come from their signed announcements in the store."""
 
     def __init__(self, spec: GroupSpec, key: str):
         super().__init__(spec, key)
@@ -285,10 +266,8 @@ class TorchrunWorkers(_Workers):
         return [sys.executable, "-B", "-m", "torch.distributed.run", "--nnodes", str(s.nnodes), "--node-rank",
                 str(s.node_rank), "--nproc-per-node", str(s.local_size), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{s.master_addr}:{s.master_port + 1}", "--rdzv-id", "h3kit",
-                # node 0 hosts the rendezvous store (on one machine every node's address would match)
-                # read_timeout bounds a rendezvous that a lost and restarted host's new torchrun cannot complete
-                # (it starts at round 0 while the others wait in their restart round): torchrun then exits and is
-                # started again here, on every host
+                # node 0 hosts the rendezvous store (on one machine every node's address would match); read_timeout:
+                # docs/multinpu.md, "Why two launchers"
                 "--rdzv-conf", f"is_host={'true' if s.node_rank == 0 else 'false'},read_timeout={RDZV_READ_TIMEOUT},"
                 f"keep_alive_interval={KEEP_ALIVE},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS},"
                 f"join_timeout={max(1, int(s.join_timeout))}",
@@ -303,9 +282,8 @@ class TorchrunWorkers(_Workers):
         logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
 
     def _announced(self, rank: int):
-        """The live worker announced for rank (its signed "worker/{rank}"), else None. An announcement that is gone
-        from the store is no death: a store client can delete any key, so the worker seen last, while that
-        process lives, is still the rank's."""
+        """The live worker announced for rank (its signed "worker/{rank}"), else None. One gone from the store is no
+        death (a store client can delete any key): the worker seen last, while it lives, is still the rank's."""
         info = self.ctl.peek(f"worker/{rank}")
         if not isinstance(info, dict) and rank in self.seen:
             info = dict(zip(("pid", "create_time"), self.seen[rank]))
@@ -371,10 +349,6 @@ class TorchrunWorkers(_Workers):
         except ProcessLookupError:
             pass
 
-    def recycle(self, why: str):
-        for rank in self.ranks:
-            self.kill(rank, why, recycle=True)
-
     def stop(self, grace: float = 5.0):
         self.stopping = True
         if self.proc is None or self.proc.poll() is not None:
@@ -387,7 +361,6 @@ def _alive(pid, create_time) -> bool:
     if not isinstance(pid, int):
         return False
     try:
-        import psutil
         p = psutil.Process(pid)
         return p.status() != psutil.STATUS_ZOMBIE and (create_time is None or abs(p.create_time() - create_time) < 0.01)
     except Exception:
@@ -428,9 +401,8 @@ def gloo_on_loopback(spec: GroupSpec):
 # ---- the agent of another node -------------------------------------------------------------------
 
 class Agent:
-    """Node R > 0: starts its workers once the master's store answers, replaces the ones that die, reports
-    their deaths, beats on the driver's command channel (its TCP listener), and follows rank 0 through restarts
-    of the master."""
+    """Node R > 0: starts and replaces its workers, reports their deaths, beats on the driver's command channel, and
+    follows the driver through restarts of the master."""
 
     def __init__(self, spec: GroupSpec, key: str):
         self.spec = spec

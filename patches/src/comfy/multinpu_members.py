@@ -1,13 +1,11 @@
-"""The driver's membership and monitoring, mixins of comfy.multinpu_process.GroupRuntime (which holds the state):
-GroupMonitor (deaths, heartbeats, progress, lost hosts, the ranks file) and Generations (forming and aborting the
-numbered generations of the group).
+"""The driver's membership and monitoring (GroupMonitor) and its generations (Generations), mixins of
+comfy.multinpu_process.GroupRuntime. docs/multinpu.md, "Rendezvous and generations", "A failure costs one prompt".
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import socket
 import time
 
 import comfy.multinpu_launch as launch
@@ -52,8 +50,7 @@ class GroupMonitor:
                 and all(pid is not None for pid in self._announced().values()))
 
     def _watch(self):
-        """Notice dead and hung ranks: local processes at once, agents' exit reports and heartbeats twice a
-        second."""
+        """Notice dead and hung ranks: local processes at once, the rest twice a second."""
         with self._watch_lock:
             if not self._store.alive() and not self._stop.is_set():
                 self._restart_store()
@@ -83,8 +80,7 @@ class GroupMonitor:
         if last is None or last[0] != pid:
             self._hb[rank] = (pid, 0, now)
             return
-        # every worker beats on its own authenticated channel connection (this host's on the Unix socket, another
-        # host's over TCP): only the worker itself can make, or stop, its beats; only a newer one counts
+        # beats come on the worker's own authenticated channel connection (_on_link); only a newer one counts
         count = max(last[1], self._beats.get((rank, pid), last[1]))
         if count > last[1]:
             self._hb[rank] = (pid, count, now)
@@ -126,9 +122,8 @@ class GroupMonitor:
             self._note_death(rank, pid, why)
 
     def _check_hosts(self):
-        """Another host's members that are gone although no exit report came (its agent or torchrun was killed):
-        a worker its launcher's end took down noted its SIGTERM itself (launch.watch_termination); a host whose
-        agent has been silent for HOST_STALE is lost (powered off, cut off), its members dead."""
+        """Another host's members gone without an exit report: noted by their SIGTERM notes (launch.watch_termination),
+        or by their agent's silence for HOST_STALE (the host is lost)."""
         for rank, pid in list(self.members.items()):
             if self.spec.node_of(rank) != 0:
                 why = launch.termination_note(self._mon, rank, pid)
@@ -160,19 +155,17 @@ class GroupMonitor:
 
     def _where(self, rank: int) -> str:
         """A rank and its host, for messages."""
-        if self.spec.node_of(rank) == 0:
-            host = socket.gethostname()
-        else:
-            info = self._remote_worker(rank)
-            host = info.get("host") if info else None
+        host = (self._worker(rank) or {}).get("host")
         return f"{self.spec.describe_rank(rank)}" + (f", host {host}" if host else "")
 
-    def _fail(self, message: str):
+    def _fail(self, message: str) -> wire.GroupError:
+        """The group failed (state "failed"); the error to raise."""
         self.state = "failed"
         self.error = message
         self._failed_at = time.monotonic()
         self._ranks_changed = True
         self._put_state()
+        return wire.GroupError(message)
 
     def _put_state(self):
         try:
@@ -188,7 +181,7 @@ class GroupMonitor:
             if self.spec.node_of(rank) == 0:
                 pid = self._local.pid(rank)
             else:
-                info = self._remote_worker(rank)
+                info = self._worker(rank)
                 exited = self._remote_exits.get(rank)
                 pid = info.get("pid") if info else None
                 if exited is not None and exited.get("pid") == pid:
@@ -198,16 +191,15 @@ class GroupMonitor:
 
     def _identity(self, rank: int, pid: int) -> tuple:
         """(pid, start time) of a rank's worker: what is retired after an abort (the OS may reuse a pid)."""
-        if self.spec.node_of(rank) == 0:
-            info = self._local.info.get(rank) or {}
-        else:
-            info = self._remote_worker(rank) or {}
+        info = self._worker(rank) or {}
         return (pid, info.get("create_time") if info.get("pid") == pid else None)
 
-    def _remote_worker(self, rank: int):
-        """The newest signed announcement ({"pid", "host", ...}) of another host's worker for `rank`, else None.
-        One gone from the store is no death (a store client can delete any key): the one seen last stands until
-        a newer one replaces it, and an exit report or the silence of its beats or of its host ends it."""
+    def _worker(self, rank: int):
+        """What is known of rank's worker ({"pid", "host", "create_time", ...}): this host's launcher's view, else the
+        newest signed announcement of another host's worker. One gone from the store is no death (a store client can
+        delete any key): the one seen last stands until a newer one replaces it, or an exit report or silence ends it."""
+        if self.spec.node_of(rank) == 0:
+            return self._local.info.get(rank)
         info = self._mon.peek(f"worker/{rank}")
         if isinstance(info, dict):
             self._remote_seen[rank] = info
@@ -216,17 +208,9 @@ class GroupMonitor:
     def _agent_gone(self, node: int):
         """Seconds since node's agent last beat, when it beat once and has been silent for HOST_STALE
         (the host or its agent is lost); else None."""
-        now = time.monotonic()
-        seen, since = self._agent_hb.setdefault(node, ({}, now))  # (newest seq of each agent pid, last news)
-        news = False
-        for (n, pid), seq in list(self._agent_beats.items()):  # the agents' channel connections (_on_link)
-            if n == node and seq > seen.get(pid, 0):
-                seen[pid], news = seq, True
-        if news:
-            self._agent_hb[node] = (seen, now)
-            return None
-        silent = now - since
-        return silent if any(seen.values()) and silent > wire.HOST_STALE else None
+        heard = self._agent_heard.get(node)  # its newest beat (_on_link)
+        silent = time.monotonic() - heard if heard is not None else 0.0
+        return silent if silent > wire.HOST_STALE else None
 
     def ranks(self) -> list:
         out = []
@@ -236,7 +220,7 @@ class GroupMonitor:
             else:
                 info = {"rank": rank, "node": self.spec.node_of(rank), "local_rank": rank % self.spec.local_size,
                         "device": self.spec.device_name(rank)}
-                announced = self._remote_worker(rank) if self.ctl is not None else None
+                announced = self._worker(rank) if self.ctl is not None else None
                 if announced:
                     info.update({k: announced.get(k) for k in ("host", "pid", "create_time", "cmdline")})
                 exited = self._remote_exits.get(rank)
@@ -280,12 +264,11 @@ class Generations:
 
     def _end_generation(self):
         """Shutdown: tell the workers of the current generation it is over (they leave)."""
-        if self.members:
-            for link, _ in list(self._cmd_links.values()):
-                try:
-                    link.send({"name": wire.END, "g": self.generation, "n": self.next_cmd}, timeout=1.0)
-                except Exception:
-                    pass
+        for link, _ in list(self._cmd_links.values()):
+            try:
+                link.send({"name": wire.END, "g": self.generation, "n": self.next_cmd}, timeout=1.0)
+            except Exception:
+                pass
 
     def _abort_generation(self, why: str):
         """Replace the whole group: the current generation's workers leave (remote ones when their heartbeat
@@ -374,20 +357,17 @@ class Generations:
             for node in sorted({self.spec.node_of(r) for r, pid in announced.items() if pid is None} - {0}):
                 failed = self._mon.peek(f"nodefail/{node}")
                 if isinstance(failed, dict) and failed.get("message"):
-                    message = (f"MultiNPU: node {node} cannot run its ranks: {failed['message']} (its agent, pid "
-                               f"{failed.get('pid')}, keeps trying; the group re-forms by itself)")
-                    self._fail(message)
-                    raise wire.GroupError(message)
+                    raise self._fail(f"MultiNPU: node {node} cannot run its ranks: {failed['message']} (its agent, "
+                                     f"pid {failed.get('pid')}, keeps trying; the group re-forms by itself)")
                 silent = self._agent_gone(node)
                 if silent is not None:
                     # fail now rather than hold the queue for the join timeout; the monitor forms the group by
                     # itself once the host's ranks are back
                     ranks = [r for r in range(self.world_size) if self.spec.node_of(r) == node]
-                    message = (f"MultiNPU: node {node} (ranks {', '.join(map(str, ranks))}) is lost: its agent has "
-                               f"not been heard from for {silent:.0f} s. Fix: start it there again (h3kit start "
-                               f"--nnodes {self.spec.nnodes} --node-rank {node} ...); the group re-forms by itself")
-                    self._fail(message)
-                    raise wire.GroupError(message)
+                    raise self._fail(f"MultiNPU: node {node} (ranks {', '.join(map(str, ranks))}) is lost: its agent "
+                                     f"has not been heard from for {silent:.0f} s. Fix: start it there again (h3kit "
+                                     f"start --nnodes {self.spec.nnodes} --node-rank {node} ...); the group re-forms "
+                                     "by itself")
             return None
         return self._poll(deadline, attempt,
                           lambda: self._missing([r for r, pid in self._announced().items() if pid is None]))
@@ -453,7 +433,6 @@ class Generations:
                 logging.warning(f"MultiNPU: forming generation {self.generation + 1} (state {self.state}), "
                                 f"{deadline - said:.0f} s left: {late()}; {self._launcher_state()}")
             if time.monotonic() >= deadline:
-                message = f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: {late()}"
-                self._fail(message)
-                raise wire.GroupError(message)
+                raise self._fail(f"MultiNPU: the process group did not form within {self.spec.join_timeout:g} s: "
+                                 f"{late()}")
             time.sleep(wire.POLL)

@@ -1,12 +1,5 @@
-"""The driver of the process transport: the ComfyUI server, which starts one worker process per device of its host
-(rank 0 included) and drives their group without being a rank: on HCCL and NCCL a collective whose peer failed
-releases nobody before the group timeout (H3_FACTS 9), and the server's queue must never wait inside one.
-
-GroupRuntime owns the store's process, the command channel, this host's workers and each command's /dev/shm
-hand-off (_execute); membership and monitoring (comfy.multinpu_members), the command path (comfy.multinpu_commands)
-and installs (comfy.multinpu_installs) are mixins sharing its state. A failure costs one prompt: the first cause is
-named and every rank is replaced by a fresh process. transport() and runtime_for() are the one place a component's
-runtime is chosen. Design: docs/multinpu.md, "The process transport".
+"""The driver of the process transport (GroupRuntime, in the ComfyUI server, never a rank) and the one chooser of a
+component's runtime (transport, runtime_for). Design: docs/multinpu.md, "The process transport" (its code map).
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ import time
 import uuid
 
 import torch
-import torch.distributed
 
 import comfy.multinpu
 import comfy.multinpu_channel as channel
@@ -39,9 +31,8 @@ REFUSED_ARGS = ("--cuda-device", "--default-device")  # in the server's argument
 
 
 class RemoteConfig:
-    """Something every worker must hold before a command uses it: a model loaded from the same files with the same
-    weight patches (comfy.multinpu_models builds these). program: the worker-side builder (@program); payload: what
-    it needs; digest: the server's own {component: hex} digest, which every worker's must equal."""
+    """What every rank must hold before a command uses it (comfy.multinpu_models builds these): program, the
+    worker-side builder (@program), gets payload; every rank's digest must equal the server's {component: hex}."""
 
     def __init__(self, program_name: str, payload, digest: dict, what: str):
         self.id = uuid.uuid4().hex
@@ -53,16 +44,14 @@ class RemoteConfig:
 
 
 class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtime):
-    """The driver of the process group. One command runs at a time (run); the monitor thread forms the group,
-    watches every rank, and replaces the whole group after a failure, re-forming it while the server is idle."""
+    """The driver of the process group; its concerns are the mixins, sharing its state."""
 
-    def __init__(self, spec: wire.GroupSpec, key: str, device=None):
+    def __init__(self, spec: wire.GroupSpec, key: str):
         if spec.node_rank != 0:
             raise ValueError("MultiNPU: the driver runs on node 0; other nodes run an agent")
         super().__init__(spec)  # run(), the frees and drops: comfy.multinpu_runtime_base
         self.key = key
         self.signer = wire.Signer(key.encode())
-        self.device = torch.device(device if device is not None else spec.device_name(0))
         self.state = "starting"
         self.error = None
         self.generation = 0
@@ -75,8 +64,8 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         self._stop = threading.Event()
         self._ranks_changed = True
         self._hb = {}                  # rank -> (pid, heartbeat counter, monotonic time it last changed)
-        self._remote_seen = {}         # rank -> the newest announcement of another host's worker (_remote_worker)
-        self._agent_hb = {}            # node -> ({agent pid: newest beat}, monotonic time of the last new one)
+        self._remote_seen = {}         # rank -> the newest announcement of another host's worker (_worker)
+        self._agent_heard = {}         # node -> monotonic time of its agent's newest beat
         self._agent_beats = {}         # (node, agent pid) -> the newest heartbeat seq on its channel connection
         self._watch_lock = threading.RLock()
         self._last_remote = 0.0
@@ -97,7 +86,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         self._links_lock = threading.Lock()  # _links is written by the channel's threads: read only under it
         self._cmd_links = {}           # rank -> (Link, queue) of the current generation (rank 0's brings the results)
         self._beats = {}               # (rank, pid) -> the newest heartbeat seq on its channel connection (every host)
-        self._progress = progress.ProgressWatch(wire.progress_timeout(spec), wire.PROGRESS_ENV)  # what beats tell
+        self._progress = progress.ProgressWatch(wire.progress_timeout(spec))  # what beats tell
         self._stalled = {}             # generation -> a collective every rank was stuck in (ProgressWatch)
         self.ctl = None
 
@@ -114,8 +103,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         self._store = channel.StoreHost(spec.master_addr, spec.master_port, spec.timeout)
         self.port = spec.master_port = self._store.port  # the workers connect to the port the store got (0: any)
         if spec.nnodes > 1:
-            # the other hosts' workers and agents beat on the channel too, over TCP (an authenticated connection
-            # nobody without the key can make or take away; a store client can delete any key)
+            # the other hosts' workers and agents reach the channel (their commands and beats) over TCP
             try:
                 self._channel.listen_tcp(spec.master_addr, self.port + wire.CHANNEL_PORT_OFFSET)
             except wire.GroupError:
@@ -132,7 +120,6 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         return self
 
     def _channel_folder(self) -> str:
-        """<runtime root>/channel (0700), or a temporary private folder when the driver has no runtime root."""
         if self.spec.runtime_root:
             os.makedirs(self.spec.runtime_root, exist_ok=True)
             return os.path.join(self.spec.runtime_root, channel.CHANNEL_DIR)
@@ -140,7 +127,6 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         return os.path.join(self._own_channel_dir, channel.CHANNEL_DIR)
 
     def _connect_store(self):
-        """The driver's connections to the group's store (it is only a client of it), once its process answers."""
         spec = self.spec
         deadline = time.monotonic() + channel.STORE_START_TIMEOUT
         self.ctl = channel.Control(channel.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
@@ -150,8 +136,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
             self._local.ctl = self._mon  # TorchrunWorkers reads the workers' announcements through it
 
     def _restart_store(self):
-        """The store's process died (killed, out of memory after a flood of keys): start it again on the same
-        socket and replace the whole group (every worker lost its connection to the store)."""
+        """The store's process died: start it again on the same socket and replace the whole group."""
         code = self._store.proc.returncode
         why = "past its memory limit: a flood of keys" if code == channel.STORE_EXIT else launch._exit_reason(code)
         logging.error(f"MultiNPU: the group's store (pid {self._store.proc.pid}) ended ({why}); starting it again "
@@ -183,7 +168,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
 
     def _on_link(self, link, hello: dict):
         """An authenticated channel connection, on its own thread: a worker's or an agent's beats, or a worker's command
-        connection (rank 0's brings the results back). A beat connection that ends is no death by itself."""
+        connection. A beat connection that ends is no death by itself."""
         pid = hello["pid"]
         role = hello.get("role")
         if role in ("beat", "agent") and isinstance(hello.get("rank" if role == "beat" else "node"), int):
@@ -195,6 +180,8 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
                         beats[who] = beat["seq"]
                         if role == "beat":
                             self._progress.beat(hello["rank"], pid, beat.get("progress"), time.monotonic())
+                        else:
+                            self._agent_heard[hello["node"]] = time.monotonic()
             finally:
                 beats.pop(who, None)
                 if role == "beat":
@@ -215,7 +202,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
     def describe(self) -> str:
         return f"{self.world_size} processes ({self.spec.backend})"
 
-    # -- commands (run(): comfy.multinpu_runtime_base; the rest of the command path: comfy.multinpu_commands) --
+    # -- commands (run(): comfy.multinpu_runtime_base; the command path: comfy.multinpu_commands) --
 
     def _execute(self, name, payload):
         g, n = self.generation, self.next_cmd
@@ -254,25 +241,22 @@ def get_runtime():
 
 
 def transport():
-    """The one place the transport of this server's parallel components is chosen: its process group, or the
-    thread transport over the devices this process sees (comfy.multinpu_threads.THREADS). Both answer
-    npu_count_error(npu_count) and runtime_for(devices, primary, what, timeout)."""
+    """The one place the transport is chosen: this server's process group, else comfy.multinpu_threads.THREADS."""
     import comfy.multinpu_threads
     return _RUNTIME or comfy.multinpu_threads.THREADS
 
 
 def runtime_for(devices, primary, what: str, timeout: float = comfy.multinpu.DEFAULT_TIMEOUT) -> base.Runtime:
-    """The runtime a parallel component (the DiT, the text encoder, the VAE) runs its programs on: this server's
-    process group, or threads of this process on `devices` (a runtime of the component's own, bounded by `timeout`,
-    whose rank 0 must be on `primary`, the device of `what`)."""
+    """The runtime a component runs on: this server's process group, or threads on `devices` (its own, rank 0 on
+    `primary`, the device of `what`)."""
     return transport().runtime_for(devices, primary, what, timeout)
 
 
-def start_runtime(spec: wire.GroupSpec, key: str, device=None) -> GroupRuntime:
+def start_runtime(spec: wire.GroupSpec, key: str) -> GroupRuntime:
     global _RUNTIME
     if _RUNTIME is not None:
         raise wire.GroupError("MultiNPU: this process already runs a process group")
-    _RUNTIME = GroupRuntime(spec, key, device).start()
+    _RUNTIME = GroupRuntime(spec, key).start()
     return _RUNTIME
 
 
@@ -283,7 +267,7 @@ def stop_runtime():
         _RUNTIME = None
 
 
-def start_from_environment(device=None):
+def start_from_environment():
     """Start the driver when h3kit started this server with the process transport (H3KIT_GROUP set)."""
     text = os.environ.get(wire.GROUP_ENV)
     if not text:
@@ -299,7 +283,7 @@ def start_from_environment(device=None):
                                "rank binds its own device). Fix: remove it from the server's arguments, or start "
                                "with --transport threads")
     spec.worker_args = list(sys.argv[1:])  # the workers parse the server's ComfyUI arguments
-    return start_runtime(spec, wire.key_from_environment().decode(), device)
+    return start_runtime(spec, wire.key_from_environment().decode())
 
 
 def wait_ready(runtime: GroupRuntime, timeout: float):

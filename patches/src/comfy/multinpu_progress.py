@@ -1,14 +1,15 @@
-"""Which rank holds a command, from the progress every worker sends with its heartbeat (comfy.multinpu_group.progress).
+"""Which rank holds a command, from the progress every worker sends with its heartbeat (comfy.multinpu_group).
 
-A rank blocked in a kernel keeps beating (a device wait releases the GIL), so beats alone cannot tell it from a busy
-one. Every rank enters the same collectives in the same order; while a command runs, a rank whose own beats show it
-short of the collective its peers wait in for the progress bound is hung, and a collective every rank has sat in
-that long made no progress. A slow rank that reaches its collectives moves with each one and is never taken for hung.
+A rank blocked in a kernel keeps beating (a device wait releases the GIL). Every rank enters the same collectives in
+the same order: one whose own beats show it short of the collective its peers wait in for the progress bound is hung;
+a slow rank moves with each collective it reaches and never is.
 """
 
 from __future__ import annotations
 
 import threading
+
+from comfy.multinpu_wire import PROGRESS_ENV
 
 P2P = ("send", "recv")           # point-to-point ops: a rank in one waits for one peer, not for the group
 
@@ -38,9 +39,8 @@ class ProgressWatch:
     """The members' progress as their beats bring it (beat(), from the channel's threads) and the verdict on the
     command in flight (check(), from the driver's watch)."""
 
-    def __init__(self, bound: float, setting: str = "H3KIT_PROGRESS_TIMEOUT"):
+    def __init__(self, bound: float):
         self.bound = bound
-        self.setting = setting
         self._lock = threading.Lock()
         self._beats = {}          # (rank, pid) -> (progress, monotonic time of the newest beat)
         self._since = {}          # (rank, pid) -> (position, monotonic time of the first beat that showed it)
@@ -102,9 +102,9 @@ class ProgressWatch:
             return r, (f"hung: no progress for {stuck[r]:.0f} s in command {n} ({name}): "
                        f"{describe(reports[r][0], g, n)}, while rank{'s' if len(peers) > 1 else ''} "
                        f"{', '.join(map(str, peers))} wait{'' if len(peers) > 1 else 's'} in {at} (progress bound "
-                       f"{self.bound:g} s, {self.setting})")
+                       f"{self.bound:g} s, {PROGRESS_ENV})")
         if all(s > self.bound for s in stuck.values()):
             return None, (f"{at} of command {n} ({name}) made no progress for {min(stuck.values()):.0f} s: every "
                           f"rank is inside it (a broken link, or a collective stuck on a device; progress bound "
-                          f"{self.bound:g} s, {self.setting})")
+                          f"{self.bound:g} s, {PROGRESS_ENV})")
         return None

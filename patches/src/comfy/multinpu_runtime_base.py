@@ -1,10 +1,5 @@
-"""What every runtime of the parallel components shares, whatever moves the data between its ranks.
-
-Runtime.run() (the group ready, pending frees and drops, the configurations every rank must hold, then the command),
-the digest check (config_mismatch), and MODEL_LOCK with unload(): ComfyUI's model management is one per process and
-not thread-safe. ComfyUI's free (POST /free, the OOM handler) reaches every live runtime before its next command.
-The transports: comfy.multinpu_process.GroupRuntime and comfy.multinpu_threads.ThreadRuntime, chosen only by
-comfy.multinpu_process.transport().
+"""What both transports' runtimes share (run, the frees and drops, check_digests, MODEL_LOCK and unload).
+Design: docs/multinpu.md, "Which transport runs where, and why".
 """
 
 from __future__ import annotations
@@ -24,8 +19,8 @@ _LIVE = weakref.WeakSet()  # every runtime of this process, asked to free when C
 
 
 class Runtime:
-    """The ranks of one group and the commands they run, one at a time. A transport provides _execute(name, payload),
-    _install(cfg) and describe(), and may provide _ensure_ready(name) (the group formed before a command)."""
+    """The ranks of one group and the commands they run, one at a time. A transport provides _ensure_ready(name),
+    _execute(name, payload), _install(cfg) and describe()."""
 
     def __init__(self, spec: wire.GroupSpec):
         self.spec = spec
@@ -61,22 +56,17 @@ class Runtime:
         return self
 
     def release(self):
-        """Done with this runtime: one a component set up for itself stops and lets go of what its ranks hold; the
-        server's process group serves every component and stays (comfy.multinpu_process.stop_runtime ends it)."""
+        """Done with this runtime: a component's own stops (ThreadRuntime); the server's process group stays."""
 
     def run(self, name: str, payload, configs=()):
-        """Run command `name` on every rank (PROGRAMS[name](context, comm, payload)) and return rank 0's result, once
-        every rank holds `configs` (RemoteConfigs, installed and checked where missing). A rank's failure is raised
-        naming the rank: a wire.GroupError, or torch.OutOfMemoryError so that ComfyUI's unload-and-retry path runs."""
+        """Rank 0's result of PROGRAMS[name](context, comm, payload) on every rank, once every rank holds `configs`
+        (RemoteConfigs). A rank's failure is raised naming it: a wire.GroupError, or torch.OutOfMemoryError."""
         with self._lock:
             self._ensure_ready(name)
             self._housekeeping()
             for cfg in configs:
                 self._install(cfg)
             return self._execute(name, payload)
-
-    def _ensure_ready(self, name: str):
-        pass
 
     def _track(self, cfg):
         """The ranks let go of `cfg` with the server (a drop before the next command once it is collected)."""
@@ -101,20 +91,20 @@ class Runtime:
         self._free_pending = True
 
 
-def config_mismatch(spec: wire.GroupSpec, cfg, digests: dict):
-    """wire.ConfigMismatch naming every rank whose digest differs from the server's, or None."""
+def check_digests(spec: wire.GroupSpec, cfg, digests: dict):
+    """Raise wire.ConfigMismatch naming every rank whose digest differs from the server's."""
     bad = {}
     for r, digest in digests.items():
         diff = [k for k in sorted(set(cfg.digest) | set(digest)) if cfg.digest.get(k) != digest.get(k)]
         if diff:
             bad[r] = diff
     if not bad:
-        return None
+        return
     lines = [f"{spec.describe_rank(r)} differs in {', '.join(d)} ("
              + "; ".join(f"{k}: the server {cfg.digest.get(k)!s:.40}, rank {r} {digests[r].get(k)!s:.40}" for k in d)
              + ")" for r, d in sorted(bad.items())]
-    return wire.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
-                                + ". Fix: the same model files at the same paths on every host")
+    raise wire.ConfigMismatch(f"MultiNPU: the ranks do not hold the same {cfg.what}: " + "; ".join(lines)
+                               + ". Fix: the same model files at the same paths on every host")
 
 
 def unload(held):

@@ -1,13 +1,6 @@
-"""The thread transport: the ranks are threads of this process, driven as the process group is.
-
-ThreadRuntime is a comfy.multinpu_runtime_base.Runtime like the process group's GroupRuntime and runs the same
-worker programs and built-ins (comfy.multinpu_group) through the same wire code (comfy.multinpu_wire pack/flatten:
-one host buffer where the process driver writes /dev/shm; worker rank 0 broadcasts it); only the communicator
-differs (a ThreadComm instead of a ProcessComm). It is the one-interpreter twin the parity tests check the process
-group against (docs/multinpu.md, "Which transport runs where, and why").
-
-What the ranks hold is unloaded at a command's start under MODEL_LOCK (release_retired), never by the garbage
-collector while another thread walks ComfyUI's list of loaded models.
+"""The thread transport: the ranks are threads of this process running the process workers' programs through the
+same wire code, on a ThreadComm (docs/multinpu.md, "Which transport runs where, and why"). What they hold is unloaded
+at a command's start under MODEL_LOCK (release_retired), never by the garbage collector mid-walk of ComfyUI's list.
 """
 
 from __future__ import annotations
@@ -42,8 +35,7 @@ class ThreadSpec(wire.GroupSpec):
 
 
 class ThreadContext(group.WorkerContext):
-    """A rank thread's context: its load reports stay in this process (a worker process posts its own to the
-    store), read by ThreadRuntime._install."""
+    """A rank thread's context: its load reports stay in this process, read by ThreadRuntime._install."""
 
     def __init__(self, spec, rank: int, device):
         super().__init__(spec, rank, device)
@@ -64,22 +56,10 @@ class ThreadRuntime(base.Runtime):
             raise ValueError("MultiNPU: a thread runtime needs at least one device")
         super().__init__(ThreadSpec(devices, timeout))
         self.devices = list(self.spec.rank_devices)
-        self.device = self.devices[0]
-        self.state = "ready"
         self.contexts = [ThreadContext(self.spec, r, d) for r, d in enumerate(self.devices)]
         self._threads = None
         # when the runtime goes away, what its ranks hold is unloaded at the next command, not in the collector
         weakref.finalize(self, _retire, self.contexts)
-
-    @classmethod
-    def on(cls, devices, primary, what: str, timeout: float):
-        """The ranks as threads of this process on `devices`; rank 0 must be `primary`, the device of `what`
-        (the model, text encoder or VAE whose copy rank 0 works with)."""
-        devices = [torch.device(d) for d in devices or ()]
-        if not devices or devices[0] != torch.device(primary):
-            raise ValueError(f"MultiNPU: rank 0 must be the {what}'s device {primary}, got "
-                             f"{devices[0] if devices else 'no device'}")
-        return cls(devices, timeout)
 
     def describe(self) -> str:
         return comfy.multidevice.describe_devices(self.devices)
@@ -149,9 +129,7 @@ class ThreadRuntime(base.Runtime):
                 raise exc
             raise wire.RankFailed(f"MultiNPU: {self.spec.describe_rank(r)} failed in loading {cfg.what}: "
                                    f"{type(exc).__name__}: {exc}") from exc
-        mismatch = base.config_mismatch(self.spec, cfg, {r: reports[r]["digest"] for r in todo})
-        if mismatch is not None:
-            raise mismatch
+        base.check_digests(self.spec, cfg, {r: reports[r]["digest"] for r in todo})
         for r in todo:
             cfg.installed[r] = "thread"
         logging.info(f"MultiNPU: {cfg.what} set up and checked on {len(todo)} rank thread(s)")
@@ -170,12 +148,16 @@ def release_retired():
 
 
 class ThreadTransport:
-    """The thread transport as a whole, before any component makes its ThreadRuntime: its ranks are the devices
-    this process sees."""
+    """The thread transport as a whole, before any component makes its ThreadRuntime."""
 
     def runtime_for(self, devices, primary, what: str, timeout: float) -> ThreadRuntime:
-        """A runtime of its own for one component: threads on `devices`, rank 0 on `primary`."""
-        return ThreadRuntime.on(devices, primary, what, timeout)
+        """A runtime of its own for one component: threads on `devices`; rank 0 must be `primary`, the device of
+        `what`."""
+        devices = [torch.device(d) for d in devices or ()]
+        if not devices or devices[0] != torch.device(primary):
+            raise ValueError(f"MultiNPU: rank 0 must be the {what}'s device {primary}, got "
+                             f"{devices[0] if devices else 'no device'}")
+        return ThreadRuntime(devices, timeout)
 
     def npu_count_error(self, npu_count: int):
         """None when a workflow's npu_count runs here (1, or the devices this process sees), else what to change."""

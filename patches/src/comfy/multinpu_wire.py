@@ -1,9 +1,5 @@
 """What every process of the group shares: its settings (GroupSpec, the environment names, timings and exit codes),
-the wire format and the /dev/shm hand-off.
-
-Pickle runs code when it loads: every value in the store or on the command channel carries an HMAC-SHA256 under
-the service's key (Signer), and nothing unauthenticated is unpickled. Tensors never travel in the pickle (pack):
-the driver writes a command's tensors into /dev/shm (shm_write), worker rank 0 broadcasts them (flatten).
+the signed wire format (pickle runs code when it loads: nothing unsigned is unpickled) and the /dev/shm hand-off.
 Design: docs/multinpu.md, "The process transport".
 """
 
@@ -24,8 +20,10 @@ import pickle
 import re
 import signal
 import stat
+import subprocess
 import sys
 
+import psutil
 import torch
 
 import comfy.multinpu
@@ -54,19 +52,12 @@ END = "end"                          # the command that closes a generation
 CHANNEL_PORT_OFFSET = 2              # the command channel's TCP listener for other hosts: master port + 2 (+ 1 is
                                      # torchrun's rendezvous)
 HEARTBEAT_INTERVAL = 1.0
-# A worker whose heartbeat stops for this long is hung (stopped, stuck in a driver call): it is killed and
-# replaced. Kernels do not hold the GIL, so a busy worker keeps beating.
+# The failure detectors' bounds: docs/multinpu.md, "Timeouts and settings". Kernels do not hold the GIL, so a busy
+# worker keeps beating: one silent for HEARTBEAT_STALE is hung (stopped, stuck in a driver call).
 HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
-# A rank whose heartbeat beats but whose progress (the command and the collective it is in or last completed, sent
-# with each beat) has not moved for this long while its peers wait in a collective it has not reached, or a
-# collective every rank has been inside for this long, is hung (a stuck kernel, an HCCL wait on a broken link):
-# killed and the group replaced. Default: 60 s, or half the group timeout when that is shorter (progress_timeout).
-PROGRESS_STALE = float(os.environ[PROGRESS_ENV]) if os.environ.get(PROGRESS_ENV) else None
-# A host whose agent (which beats every second) has been silent this long is lost: its ranks are dead. A killed
-# agent or torchrun is seen sooner, by its workers' notes of their SIGTERM (watch_termination)
-HOST_STALE = min(10.0, HEARTBEAT_STALE)
-# torchrun's c10d rendezvous drops a node whose keep-alives stop for KEEP_ALIVE x KEEP_ALIVE_ATTEMPTS seconds
-KEEP_ALIVE, KEEP_ALIVE_ATTEMPTS = 2, 3
+PROGRESS_STALE = float(os.environ[PROGRESS_ENV]) if os.environ.get(PROGRESS_ENV) else None  # else progress_timeout's
+HOST_STALE = min(10.0, HEARTBEAT_STALE)  # a host whose agent has been silent this long is lost
+KEEP_ALIVE, KEEP_ALIVE_ATTEMPTS = 2, 3   # torchrun's c10d rendezvous drops a silent node after their product (s)
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 REPORTED_EXIT = 70                   # a worker that posted its error exits with this code: not a crash
 RECYCLED_EXIT = 75                   # a worker told to leave (its generation was aborted): not a crash
@@ -92,8 +83,7 @@ class RankFailed(GroupError):
 
 
 class RankHung(RankDied):
-    """A rank's process was alive and beating but made no progress (a stuck kernel, a collective its peers were not
-    in, a command it did not take) past its bound; it was killed."""
+    """A rank's process was alive and beating but made no progress past its bound; it was killed."""
 
 
 class ConfigMismatch(GroupError):
@@ -103,8 +93,8 @@ class ConfigMismatch(GroupError):
 # ---- the group's settings -----------------------------------------------------------------------
 
 class GroupSpec:
-    """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP. Ranks are numbered node by node
-    (rank = node_rank * local_size + local_rank), one per device in `devices`."""
+    """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP; rank = node_rank * local_size +
+    local_rank."""
 
     FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
               "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher", "channel")
@@ -135,8 +125,7 @@ class GroupSpec:
         self.channel = channel  # the driver's command channel (a Unix socket path; set by the driver)
 
     def channel_address(self):
-        """Where this host's processes reach the driver's command channel: its Unix socket on the driver's host
-        (node 0), its TCP listener on the master address, master port + CHANNEL_PORT_OFFSET, on the others."""
+        """The driver's command channel from this host: its Unix socket on node 0, else its TCP listener."""
         if self.node_rank == 0:
             return self.channel
         return (self.master_addr, self.master_port + CHANNEL_PORT_OFFSET)
@@ -192,62 +181,46 @@ def new_key() -> str:
 # ---- wire format ---------------------------------------------------------------------------------
 
 class Signer:
+    """Pickles with an HMAC-SHA256 under the service's key in front."""
+
     def __init__(self, key: bytes):
         self.key = key
 
-    def sign(self, body: bytes) -> bytes:
+    def dumps(self, obj) -> bytes:
+        body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         return hmac.new(self.key, body, hashlib.sha256).digest() + body
 
-    def verify(self, data: bytes, what: str) -> bytes:
+    def loads(self, data: bytes, what: str):
         mac, body = data[:32], data[32:]
         if not hmac.compare_digest(mac, hmac.new(self.key, body, hashlib.sha256).digest()):
             # never unpickle what another key (or no key) wrote: pickle would run it
             raise GroupError(f"MultiNPU: {what} is not signed with this service's key; refusing it")
-        return body
-
-    def dumps(self, obj) -> bytes:
-        return self.sign(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def loads(self, data: bytes, what: str):
-        return pickle.loads(self.verify(data, what))
-
-
-class _TensorPickler(pickle.Pickler):
-    # tensors are replaced by their index in `tensors`; they travel over the group, not in the pickle
-    def __init__(self, file, tensors):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors = tensors
-        self.seen = {}
-
-    def persistent_id(self, obj):
-        if isinstance(obj, torch.Tensor):
-            index = self.seen.get(id(obj))
-            if index is None:  # a tensor named twice (rank 0's and the others' arguments) travels once
-                index = self.seen[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)
-            return index
-        return None
-
-
-class _TensorUnpickler(pickle.Unpickler):
-    def __init__(self, file, tensors):
-        super().__init__(file)
-        self.tensors = tensors
-
-    def persistent_load(self, pid):
-        return self.tensors[pid]
+        return pickle.loads(body)
 
 
 def pack(obj):
-    """(pickle bytes, tensors): obj with every tensor taken out, for a header plus one broadcast."""
-    tensors = []
+    """(pickle bytes, tensors): obj with every tensor taken out (pickled as its index in tensors), for a header plus
+    one broadcast."""
+    tensors, seen = [], {}
+
+    def index(o):
+        if not isinstance(o, torch.Tensor):
+            return None
+        if id(o) not in seen:  # a tensor named twice (rank 0's and the others' arguments) travels once
+            seen[id(o)] = len(tensors)
+            tensors.append(o)
+        return seen[id(o)]
     buf = io.BytesIO()
-    _TensorPickler(buf, tensors).dump(obj)
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.persistent_id = index
+    pickler.dump(obj)
     return buf.getvalue(), tensors
 
 
 def unpack(data: bytes, tensors):
-    return _TensorUnpickler(io.BytesIO(data), tensors).load()
+    unpickler = pickle.Unpickler(io.BytesIO(data))
+    unpickler.persistent_load = tensors.__getitem__
+    return unpickler.load()
 
 
 _ALIGN = 64
@@ -267,8 +240,7 @@ def _fill(buf: torch.Tensor, tensors, metas) -> torch.Tensor:
 
 
 def unflatten(buf: torch.Tensor, metas) -> list:
-    """The tensors of a buffer made by flatten: views of it, on its device (copied to the host where the
-    sender's tensor lived on the host)."""
+    """The tensors of a buffer made by flatten: views of it (copied to the host where the sender's tensor was)."""
     out = []
     for start, nbytes, shape, dtype, on_cpu in metas:
         t = buf[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
@@ -280,15 +252,7 @@ def td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-# ---- shared memory between the driver and worker rank 0 ------------------------------------------
-#
-# A command's tensors go from the driver to worker rank 0 (and the result back) through a file in /dev/shm named
-# h3kit-{driver pid}-{driver token}-{generation}-{command}-in|out. The space is reserved (posix_fallocate) before
-# the file is mapped: on a full tmpfs a write through a mapping of a file sized by ftruncate alone raises SIGBUS,
-# which kills the writer (the ComfyUI server); a reservation fails with ENOSPC instead, a command's error
-# (SharedMemoryFull). A driver holds an flock on its own h3kit-lock-{pid}-{token} file in the same folder for its
-# life: a driver starting later removes the hand-off files of drivers whose lock nobody holds (killed -9 mid-command),
-# never those of a live one, whatever its pid namespace (shm_sweep).
+# ---- shared memory between the driver and worker rank 0: docs/multinpu.md, "The /dev/shm hand-off" ---------
 
 SHM_DIR_ENV = "H3KIT_SHM_DIR"        # where the hand-off files live (default /dev/shm; tests put a small tmpfs here)
 SHM_LOCK_PREFIX = "h3kit-lock-"
@@ -306,8 +270,7 @@ def shm_dir() -> str:
 
 
 def shm_layout(tensors) -> tuple:
-    """(metas, nbytes) of tensors laid out in one buffer (flatten, shm_write); metas: [(offset, nbytes, shape,
-    dtype, on_cpu)]."""
+    """(metas, nbytes) of tensors laid out in one buffer (flatten, shm_write)."""
     metas, offset = [], 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -350,9 +313,9 @@ def _reserve(fd: int, path: str, nbytes: int, what: str):
 
 
 def shm_write(path: str, tensors, what: str = "a command's tensors") -> tuple:
-    """Write tensors into a new file `path` (0600; /dev/shm is memory) laid out as flatten() does:
-    (metas, nbytes). Nothing is written for no bytes. SharedMemoryFull (and no file left) when the folder has no
-    room for them: the space is reserved before anything is written through the mapping."""
+    """Write tensors into a new file `path` (0600) laid out as flatten() does: (metas, nbytes); no file for no bytes.
+    The space is reserved before anything is written through the mapping (a full tmpfs raises SIGBUS there):
+    SharedMemoryFull, and no file left, when the folder has no room."""
     metas, offset = shm_layout(tensors)
     if offset == 0:
         return metas, 0
@@ -375,20 +338,18 @@ def shm_read(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def shm_remove(path):
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logging.warning(f"MultiNPU: cannot remove {path}: {e}")
+def shm_remove(path: str):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logging.warning(f"MultiNPU: cannot remove {path}: {e}")
 
 
 def shm_claim(token: str, folder: str = None) -> tuple:
-    """At a driver's start: remove what dead drivers left in the hand-off folder (shm_sweep), then hold this
-    driver's lock file there for its life (h3kit-lock-{pid}-{token}, flock'd before it has its name, so no sweep
-    ever sees it unlocked). Returns (path, fd) for shm_release; (None, None) when the folder takes no lock."""
+    """At a driver's start: shm_sweep, then hold this driver's lock file for its life (flock'd before it has its
+    name, so no sweep ever sees it unlocked). (path, fd) for shm_release; (None, None) when no lock can be held."""
     folder = folder or shm_dir()
     shm_sweep(folder)
     path = os.path.join(folder, f"{SHM_LOCK_PREFIX}{os.getpid()}-{token}")
@@ -419,29 +380,16 @@ def shm_release(claim):
         os.close(fd)
 
 
-def _process_start(pid: int):
-    """The wall-clock time process `pid` (of this pid namespace) started, or None when it is gone or unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def _pid_may_own(pid: int, mtime: float) -> bool:
-    """Whether process `pid` may have written a file last changed at mtime: it is alive and started before (a pid
-    reused by a later process owns nothing older than itself; 2 s of slack for the boot time's whole seconds)."""
+    """Whether process `pid` (of this pid namespace) may have written a file last changed at mtime: it is alive and
+    started before (a pid reused by a later process owns nothing older than itself; 2 s of slack for the boot time's
+    whole seconds)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).create_time() <= mtime + 2.0
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        pass
-    start = _process_start(pid)
-    return start is None or start <= mtime + 2.0
+    except psutil.Error:  # alive, its start unknown
+        return True
 
 
 def _lock_free(path: str):
@@ -459,9 +407,8 @@ def _lock_free(path: str):
 
 
 def shm_sweep(folder: str = None) -> list:
-    """Remove the hand-off files (and lock files) that drivers which are gone left in `folder`: only regular files
-    of this user named as shm_write's callers name them, only when their driver's lock file is not held by anyone
-    and their pid is not a live process that started before the file was written. The names removed."""
+    """Remove the hand-off and lock files that drivers which are gone left in `folder` (the conditions:
+    docs/multinpu.md, "Leftovers swept at start"). The names removed."""
     folder = folder or shm_dir()
     try:
         names = os.listdir(folder)
@@ -515,10 +462,18 @@ def die_with_parent():
         os._exit(0)
 
 
+def wait_or_kill(proc, seconds: float):
+    """Wait for a subprocess to end; SIGKILL it after `seconds`."""
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5.0)
+
+
 def cpu_threads(spec: GroupSpec):
-    """The intra-op threads of one rank on the CPU simulation: the host's cores divided among its local
-    ranks (torchrun's rule), so P processes do not each spin a full OpenMP team on the same cores. None
-    elsewhere (an accelerator's ranks compute on their device) or when OMP_NUM_THREADS is set."""
+    """The intra-op threads of one rank on the CPU simulation: the host's cores divided among its local ranks
+    (torchrun's rule), so P processes do not each spin a full OpenMP team. None off the CPU, or with OMP_NUM_THREADS."""
     if spec.device_type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -526,9 +481,8 @@ def cpu_threads(spec: GroupSpec):
 
 
 def failure_detectors(spec: GroupSpec) -> dict:
-    """{what: seconds} after which each of h3kit's (and torchrun's) detectors notices a failed rank or host. Every
-    one must fire before a collective gives up (spec.timeout; HCCL_EXEC_TIMEOUT is at least that), so a failure
-    is named by what saw it, never by a peer's collective timing out."""
+    """{what: seconds} after which each of h3kit's (and torchrun's) detectors notices a failed rank or host; every
+    one must fire before a collective gives up (docs/multinpu.md, "Timeouts and settings")."""
     out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE,
            "a rank's progress": progress_timeout(spec)}
     if spec.launcher == "torchrun":
@@ -552,8 +506,7 @@ def check_timeouts(spec: GroupSpec):
 
 
 def progress_timeout(spec: GroupSpec) -> float:
-    """Seconds a beating rank may make no progress while its peers wait for it (PROGRESS_STALE): H3KIT_PROGRESS_TIMEOUT,
-    else 60 s, or half the group timeout when that is shorter (always before the collective timeout)."""
+    """The progress bound: H3KIT_PROGRESS_TIMEOUT, else 60 s or half the group timeout when that is shorter."""
     return PROGRESS_STALE if PROGRESS_STALE is not None else min(60.0, spec.timeout / 2)
 
 
@@ -581,8 +534,7 @@ def hccl_base_port(generation: int) -> int:
 
 
 def hccl_environment(spec: GroupSpec, generation: int) -> dict:
-    """What a worker sets before it forms generation `generation` (only HCCL reads it; every backend gets it, so the
-    CPU tests see what an NPU worker gets): its own HCCL ports, and HCCL_EXEC_TIMEOUT below the group timeout
-    unless the operator chose one. Unmeasured on hardware."""
+    """What a worker sets before it forms generation `generation` (docs/multinpu.md, "HCCL across restarts"): its
+    own HCCL ports, and HCCL_EXEC_TIMEOUT unless the operator chose one."""
     return {"HCCL_IF_BASE_PORT": str(hccl_base_port(generation)),
             "HCCL_EXEC_TIMEOUT": os.environ.get("HCCL_EXEC_TIMEOUT") or str(hccl_exec_timeout(spec.timeout))}

@@ -1,9 +1,6 @@
-"""A worker process of the group: one device, the same models as the server, the driver's commands.
-
-    python -B -m comfy.multinpu_worker [the server's ComfyUI arguments]
-
-Started by a launcher (comfy.multinpu_launch) with H3KIT_GROUP and H3KIT_GROUP_KEY set. It binds its device before
-comfy.model_management picks one and parses the server's ComfyUI arguments, so comfy.cli_args.args are the server's.
+"""A worker process of the group, `python -B -m comfy.multinpu_worker [the server's ComfyUI arguments]`, started by a
+launcher (comfy.multinpu_launch): it binds its device before comfy.model_management picks one, and parses the
+server's ComfyUI arguments.
 """
 
 from __future__ import annotations

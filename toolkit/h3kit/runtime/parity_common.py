@@ -24,7 +24,6 @@ def start_group(args):
     runners (and its figures read from them), so another runtime changes this function alone."""
     if args.transport != "process":
         return None
-    import comfy.model_management
     import comfy.multinpu_wire as wire
     import comfy.multinpu_process as mp
     key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
@@ -32,7 +31,7 @@ def start_group(args):
     spec = wire.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
                           join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [],
                           launcher="h3kit")  # a group of one host for this run only: no rendezvous to wait for
-    runtime = mp.start_runtime(spec, key, comfy.model_management.get_torch_device())
+    runtime = mp.start_runtime(spec, key)
     mp.wait_ready(runtime, args.timeout)
     return runtime
 
