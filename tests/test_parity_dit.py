@@ -11,8 +11,9 @@ each rank on itself), every sharded row must equal its replicated twin exactly, 
 fault must fail the gate of every row it reaches, and the bytes the threads moved, in all and per device, the
 weight bytes each rank held and the bytes its weight gathers received must equal the cost model's.
 
-The runs the tests read through the library share one parity worker per transport (THREAD_JOBS, PROCESS_JOBS:
-parity_lib.run_jobs), each still a run of its own; test_parity_four_devices_cli starts `h3kit parity`.
+The runs the tests read through the library share one parity worker (THREAD_JOBS: parity_lib.run_jobs), each still
+a run of its own; test_parity_four_devices_cli starts `h3kit parity`. The rows over the process group (every rank
+a worker process) are in tests/test_parity_process.py, with the text encoder's and the VAE's.
 """
 
 from __future__ import annotations
@@ -36,11 +37,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 WEIGHTS = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "bf16"), "int8": ("int8", "fp32")}  # (weights, other)
 # the packed latent the tiny rows sample: video 24 x 2 x 8 x 12 and audio 32 x 2 x 8 elements
 LATENT_ELEMENTS = 24 * 2 * 8 * 12 + 32 * 2 * 8
-# the faults the worker processes are reached by (rope: every rank > 0): shard-offset when a worker builds its
-# slices, shard-order in its gather of block 0, the 1e-6 noise on its attention and MLP outputs
-PROCESS_FAULTS = ("noise-attention", "noise-mlp", "rope", "shard-offset", "shard-order")
-# the library-driven runs of each transport, in one parity worker (parity_lib.run_jobs: one interpreter and ComfyUI
-# import, and one group of worker processes, for them all), each still a run of its own
+# the library-driven runs with threads, in one parity worker (parity_lib.run_jobs: one interpreter and ComfyUI
+# import for them all), each still a run of its own; the process transport's: tests/test_parity_process.py
 THREAD_JOBS = {
     "two": dict(component="dit", npu_count=2),
     "eight": dict(component="dit", npu_count=8, extra_args=("--dtypes", "float32", "--layouts", "t2va")),
@@ -49,11 +47,6 @@ THREAD_JOBS = {
                                                               "--dtypes", "float32,bfloat16", "--layouts", "t2va")),
     "faults4": dict(component="dit", npu_count=4, extra_args=("--faults", ",".join(parity_worker.DIT_FAULTS),
                                                               "--dtypes", "float32", "--layouts", "t2va")),
-}
-PROCESS_JOBS = {
-    "clean": dict(component="dit", npu_count=2),
-    "faults": dict(component="dit", npu_count=2, extra_args=("--faults", ",".join(PROCESS_FAULTS), "--dtypes",
-                                                             "float32", "--layouts", "t2va", "--no-lora")),
 }
 
 
@@ -66,11 +59,6 @@ def _runs(installed_tree, comfy_python, jobs, transport):
 @pytest.fixture(scope="module")
 def thread_runs(installed_tree, comfy_python):
     return _runs(installed_tree, comfy_python, THREAD_JOBS, "threads")
-
-
-@pytest.fixture(scope="module")
-def process_runs(installed_tree, comfy_python):
-    return _runs(installed_tree, comfy_python, PROCESS_JOBS, "process")
 
 
 def run(runs, name):
@@ -191,32 +179,6 @@ def test_parity_eight_devices(thread_runs):
     assert report["ok"] and report["config"]["text_len"] == parity_worker.TEXT_LEN_8
     _check_rows(report["rows"], 8, variants={("float32", False, False), ("float32", True, False)}, layouts={"t2va"})
     assert all(min(costmodel.shard_sizes(r["seq_len"], 8)) >= 12 for r in report["rows"])
-
-
-def test_parity_over_the_process_group(process_runs):
-    """--transport process: the worker is rank 0 of two processes on gloo and the node runs over the group; the
-    same rows and gates as the threads (fp32 and the LoRA, which reaches the worker over the group; bf16 rows
-    need this process's CPU loader patch, and an attention override is refused there): exact against one device,
-    now that the weights a worker maps from the file are aligned as the CPU kernels need. Every rank counted its
-    own forwards, LoRA verdict and bytes, which equal the cost model's, as with the threads."""
-    report = run(process_runs, "clean")
-    assert report["ok"], report["log_tail"][-3000:]
-    rows = report["rows"]
-    _check_rows(rows, 2, variants={("float32", False, False), ("float32", True, False)})
-    assert {r["transport"] for r in rows} == {"process"}
-    # every worker process loaded with its own shard's estimate, and emptied its own cache
-    assert all(len(set(r["memory_used"])) == 1 and r["memory_used"][0] > 0 for r in rows)
-
-
-def test_a_fault_on_a_worker_process_fails_the_gate(process_runs):
-    # the faults strike the last rank only (rope: every rank > 0): a worker process, reached through the hook sent
-    # with each forward (PROCESS_FAULTS)
-    faults = PROCESS_FAULTS
-    rows = run(process_runs, "faults")["rows"]
-    assert {r["fault"] for r in rows} == set(faults)
-    assert {(r["fault"], r["sharding"]) for r in rows} >= {("shard-offset", "sharded"), ("shard-order", "sharded")}
-    for r in rows:
-        assert r["fault_fired"] > 0 and not r["pass"] and r["split"], r
 
 
 @pytest.mark.parametrize("n, dtypes", [(2, "float32,bfloat16"), (4, "float32")])
