@@ -3,7 +3,8 @@ its reference kernels on this CPU) against upstream's own dequantized result, th
 parallel parity with INT8 weights, and INT8 weights anchored once per host.
 
 tests/support/int8_checks.py runs once in the ComfyUI interpreter with 4 simulated devices and reports what each
-check observed; the tests below assert on it. The parity tests run `h3kit parity --weights int8`.
+check observed; the tests below assert on it. The parity tests run `h3kit parity --weights int8` (on 4 devices) and
+the same runs through the library (PARITY_JOBS, in one worker).
 """
 
 from __future__ import annotations
@@ -115,12 +116,33 @@ def test_int8_weights_stay_one_host_copy_through_unload_cycles(checks):
     assert v["unanchored_back_from_meta"] == "fails", "the control: only the anchor brings them back"
 
 
+# the library-driven INT8 parity runs, in one parity worker (parity_lib.run_jobs: one interpreter and ComfyUI import
+# for both), each still a run of its own; the rows on 4 devices come from `h3kit parity` itself
+PARITY_JOBS = {"rows": dict(component="dit", npu_count=2, weights="int8"),
+               # the gather fault on two layouts (the CLI's exit code for it is covered by tests/test_parity_te_vae.py)
+               "fault": dict(component="dit", npu_count=2, weights="int8", fault="shard",
+                             extra_args=("--layouts", "t2va,ref2va"))}
+
+
+@pytest.fixture(scope="module")
+def parity_runs(installed_tree, comfy_python):
+    reports = parity_lib.run_jobs(installed_tree, "cpu", list(PARITY_JOBS.values()), python=comfy_python,
+                                  timeout=1800)
+    return {name: (report, PARITY_JOBS[name]["npu_count"]) for name, report in zip(PARITY_JOBS, reports, strict=True)}
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_int8_parity_rows(installed_tree, comfy_python, n):
-    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
-                 "--npu-count", str(n), "--weights", "int8", "--python", comfy_python, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = jsondoc.data(proc.stdout, proc.returncode)
+def test_int8_parity_rows(installed_tree, comfy_python, request, n):
+    if n == 2:  # the shared worker's run
+        report = parity_lib.checked(*request.getfixturevalue("parity_runs")["rows"])
+        assert report["ok"], report["log_tail"][-3000:]
+        rows = report["rows"]
+    else:  # the command, which also says the INT8 gate
+        proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
+                     "--npu-count", str(n), "--weights", "int8", "--python", comfy_python, "--json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = jsondoc.data(proc.stdout, proc.returncode)
+        assert f"parity passed: 9 row(s) within {parity_lib.gate('dit', 'int8')}" in proc.stderr
     # replicated in both attention modes, and sharded (INT8 data and scales sliced by one cut) with Ulysses
     assert len(rows) == 9 and {r["weights"] for r in rows} == {"int8"}
     assert sorted(r["sharding"] for r in rows) == ["replicated"] * 6 + ["sharded"] * 3
@@ -131,13 +153,10 @@ def test_int8_parity_rows(installed_tree, comfy_python, n):
         # every rank ran its blocks' four INT8 linears in W8A8: 3 blocks x 4 linears x n ranks x 4 forwards
         assert r["int8_calls_parallel"]["w8a8/reference"] == 3 * 4 * n * 4
         check_weights(r, n)  # resident bytes and gathers against the plan's INT8 layout; sharded == replicated
-    assert f"parity passed: 9 row(s) within {parity_lib.gate('dit', 'int8')}" in proc.stderr
 
 
-def test_int8_parity_injected_fault_fails(installed_tree, comfy_python):
-    # the gather fault on two layouts (the CLI's exit code for it is covered by tests/test_parity_dit.py)
-    report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, fault="shard", weights="int8",
-                            extra_args=("--layouts", "t2va,ref2va"))
+def test_int8_parity_injected_fault_fails(parity_runs):
+    report = parity_lib.checked(*parity_runs["fault"])
     rows = report["rows"]
     assert not report["ok"] and len(rows) == 6 and not any(r["pass"] for r in rows)
     assert all(r["max_rel"] > 0.1 and set(r["int8_calls_parallel"]) == {"w8a8/reference", "w8a16/reference"}

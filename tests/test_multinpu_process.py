@@ -3,7 +3,8 @@
 The driver (the server's side, never a rank) is tests/support/process_group_driver.py, every rank 0..N-1 a
 worker, tests/support/process_group_worker.py: the real runtime and worker loop with test programs, so a
 rank costs an interpreter with torch, not one with ComfyUI (the H3 runners over the same runtime, on two
-hosts, are tested in test_multinpu_process_service.py). One group runs every one-host scenario in turn.
+hosts, are tested in test_multinpu_process_service.py). One group runs every one-host scenario in turn; one more
+the attacks on the store and the channel (fixture attacks), and one the store's losses (fixture store_lost).
 The fault tests run with H3KIT_EMULATE_NO_RELEASE=1: gloo then keeps HCCL's and NCCL's semantics (a rank's
 error, destroy or death releases no peer before the group timeout), so they show what Ascend and CUDA do.
 """
@@ -61,10 +62,32 @@ def drive(tmp_path, scenario, *args, env=None, timeout=180):
     proc = subprocess.run([sys.executable, str(DRIVER), scenario, "--out", str(out), *map(str, args)],
                           env=env or _env(), capture_output=True, text=True, timeout=timeout)
     (tmp_path / f"{scenario}.log").write_text(proc.stdout + proc.stderr)
+    # the driver, the store and every worker log to the one stdout, line by line: in the order they happened
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert "crash" not in result, result["crash"]["traceback"]
     return result
+
+
+def sequence(tmp_path, steps, *args, env=None, timeout=600):
+    """Several scenarios one after the other in one group (the driver's `sequence`; steps: [(label, scenario,
+    {argument: value}), ...]): {label: its record}, each as its own driver run would have written it."""
+    result = drive(tmp_path, "sequence", "--steps", json.dumps(steps), *args, env=env, timeout=timeout)
+    assert result["form"]["ok"], result["form"]
+    return result
+
+
+def scenario_log(tmp_path, label):
+    """The part of a sequence's log from the line that starts scenario `label` to the next such line."""
+    lines, inside = [], False
+    for line in (tmp_path / "sequence.log").read_text().splitlines():
+        if line.startswith("[driver] ") and re.search(r" scenario \S+ (begins|ends)$", line):
+            inside = line.endswith(f"scenario {label} begins")
+            continue
+        if inside:
+            lines.append(line)
+    assert lines, f"no log of scenario {label}"
+    return "\n".join(lines)
 
 
 def error_of(attempt):
@@ -76,6 +99,30 @@ def error_of(attempt):
 def one_host(tmp_path_factory):
     """Three ranks, collective timeout 4 s: every one-host scenario, one after the other."""
     return drive(tmp_path_factory.mktemp("pg"), "all", "--world", 3, "--timeout", 4, "--idle", 5)
+
+
+@pytest.fixture(scope="module")
+def attacks(tmp_path_factory):
+    """Three ranks, collective timeout 30 s, HCCL/NCCL's semantics (H3KIT_EMULATE_NO_RELEASE=1): what a local user
+    without the key writes (hostile: first, in the group's first generation, which its log lines name), the store's
+    keys deleted while commands run, then a rank's command connection closed (which replaces the group), one after
+    the other in one group: {label: record}, and the folder of the log (scenario_log)."""
+    tmp = tmp_path_factory.mktemp("attacks")
+    result = sequence(tmp, [("hostile", "hostile", {"flood": FLOOD}),
+                            ("deleted_command", "deleted_command", {"sleep": 1}),
+                            ("closed_link", "closed_link", {"victim": 1, "sleep": 20})],
+                      "--world", 3, "--timeout", 30, env=_env(H3KIT_EMULATE_NO_RELEASE="1"))
+    return tmp, result
+
+
+@pytest.fixture(scope="module")
+def store_lost(tmp_path_factory):
+    """Two ranks, collective timeout 20 s, the store's growth limit at 64 MiB: the store killed (idle, then while a
+    command runs), then flooded past its limit, one after the other in one group."""
+    tmp = tmp_path_factory.mktemp("store")
+    result = sequence(tmp, [("killed", "store_lost", {}), ("flooded", "store_lost", {"flood": 40})],
+                      "--world", 2, "--timeout", 20, env=_env(**{channel.STORE_GROWTH_ENV: "64"}))
+    return tmp, result
 
 
 def test_commands_and_payloads_reach_every_rank(one_host):
@@ -178,11 +225,10 @@ def test_a_rank_that_never_makes_its_command_connection_is_named_within_the_join
     assert result["state"] == "failed" and seconds < 30 + 5 + 30, seconds
 
 
-def test_a_rank_whose_command_connection_closes_during_a_command_is_named(tmp_path):
-    """Worker rank 1 closes its command connection during a command and holds it (alive, in no collective): the
+def test_a_rank_whose_command_connection_closes_during_a_command_is_named(attacks):
+    """Worker rank 1 closes its command connection during a command and holds it 20 s (alive, in no collective): the
     command fails within seconds naming rank 1 (the connection's end), the group is replaced, the next runs."""
-    result = drive(tmp_path, "closed_link", "--world", 3, "--timeout", 30, "--victim", 1, "--sleep", 20,
-                   env=_env(H3KIT_EMULATE_NO_RELEASE="1"))
+    result = attacks[1]["closed_link"]
     assert result["first"]["ok"], result["first"]
     kind, message, seconds = error_of(result["closed"])
     assert kind == "RankDied" and "rank 1 (cpu)" in message and "closed the command channel" in message, message
@@ -205,13 +251,14 @@ FLOOD = 40          # the issue's probe: 40 values of 4 MiB (they grew the serve
 FLOOD_BOUND = 32 << 20
 
 
-def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
+def test_what_a_local_user_without_the_key_writes_is_dropped(attacks):
     """The issue's probes: garbage in the next command's old slot, in `gen`, in a result and an error slot, a
     bumped failure counter, a signed value replayed into the next command's error slot, a flood of keys; then
     the command channel: garbage, an oversized frame, a hello signed with another key, one replayed from another
     connection, one naming worker rank 0's pid, a flood of 4 MiB frames, and a connection by another user. No worker dies or acts
     on them, the driver fails no command and does not grow, the next commands run on the same processes."""
-    result = drive(tmp_path, "hostile", "--world", 3, "--timeout", 20, "--flood", FLOOD)
+    tmp, results = attacks
+    result = results["hostile"]
     assert result["during_replay"]["ok"] and result["during_replay"]["value"] == result["pids_before"]["0"], \
         "a signed value replayed as a rank's error report: refused, the command ran"
     for step in ("first", "after_garbage", "after_replay", "after_flood", "after_channel"):
@@ -223,7 +270,7 @@ def test_what_a_local_user_without_the_key_writes_is_dropped(tmp_path):
     # the store runs in a process of its own: the flood grows that one, not the server
     assert result["flood_rss_growth"] < FLOOD_BOUND, result["flood_rss_growth"]
     assert result["flood_store_rss_growth"] > FLOOD * (4 << 20) // 2, "the flood did reach the store"
-    log = (tmp_path / "hostile.log").read_text()
+    log = scenario_log(tmp, "hostile")
     assert "dropped store key 'cmd/" not in log  # every rank takes its commands from the channel: none reads cmd/
     assert any("dropped store key 'err/1/4/1' (" in line and "signed for 'up/1/1'" in line for line in log.splitlines())
     assert "dropped store key 'err/1/3/1'" in log  # the driver's side
@@ -265,14 +312,13 @@ def test_the_channel_folder_must_be_private(tmp_path):
         mp.GroupRuntime(spec, wire.new_key()).start()
 
 
-def test_deleting_the_stores_keys_while_commands_run_costs_no_prompt(tmp_path):
+def test_deleting_the_stores_keys_while_commands_run_costs_no_prompt(attacks):
     """A store client without the key deletes, while five commands run, every command key it sees (cmd/{g}/{n}) and
     every other key it lists but `layout` and the process groups' rendezvous keys: every command still runs, on
     the same processes (each rank takes its commands on its own channel connection, none from the store). When
     worker rank 0 relayed each command to the others through the store, deleting it failed 3 or 4 of the 5
     commands after the group timeout and replaced the group."""
-    result = drive(tmp_path, "deleted_command", "--world", 3, "--timeout", 20, "--sleep", 1,
-                   env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=300)
+    result = attacks[1]["deleted_command"]
     assert result["first"]["ok"], result["first"]
     for i, (held, attempt) in enumerate(zip(result["held"], result["attacked"])):
         assert held["ok"] and held["value"] == result["pids_before"]["0"], (i, held)
@@ -409,16 +455,17 @@ def test_the_channel_listens_on_tcp_for_the_other_hosts_and_beats_come_back_afte
         s.bind(("127.0.0.1", port))
 
 
-def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
+def test_the_store_runs_apart_from_the_driver_and_comes_back(store_lost):
     """The store is a process of its own (not the server's); killed, it is started again on the same port and the
     group is replaced: the next command runs, the driver lives on."""
-    result = drive(tmp_path, "store_lost", "--world", 2, "--timeout", 20)
+    tmp, results = store_lost
+    result = results["killed"]
     assert result["first"]["ok"] and result["store_pid"] != result["driver_pid"]
     assert result["store_starts"] == 2 and result["store_pid_after"] != result["store_pid"]
     assert result["next"]["ok"] and result["next"]["value"] == [1.0] * 4, result["next"]
     assert result["driver_pid_after"] == result["driver_pid"]
     assert not set(result["pids_before"].values()) & set(result["pids_after"].values())
-    assert "the group's store (pid" in (tmp_path / "store_lost.log").read_text()
+    assert "the group's store (pid" in scenario_log(tmp, "killed")
     # killed while a command runs: the command fails naming the store (not a rank that left because it was gone)
     kind, message, seconds = error_of(result["mid_command"])
     assert f"the group's store (pid {result['mid_command_store_pid']}) ended (killed by SIGKILL)" in message, message
@@ -427,15 +474,15 @@ def test_the_store_runs_apart_from_the_driver_and_comes_back(tmp_path):
     assert result["after_mid_command"]["ok"], result["after_mid_command"]
 
 
-def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(tmp_path):
+def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(store_lost):
     """A flood of keys past the store's growth limit (here 64 MiB): the store's process ends itself rather than
     grow until the host's OOM killer picks a process; the driver starts a fresh one, the group is replaced, the
     next command runs, and the server did not grow."""
-    result = drive(tmp_path, "store_lost", "--world", 2, "--timeout", 20, "--flood", 40,
-                   env=_env(**{channel.STORE_GROWTH_ENV: "64"}))
+    tmp, results = store_lost
+    result = results["flooded"]
     assert result["store_starts"] == 2 and result["next"]["ok"], result
     assert result["flood_rss_growth"] < FLOOD_BOUND and result["driver_pid_after"] == result["driver_pid"]
-    log = (tmp_path / "store_lost.log").read_text()
+    log = scenario_log(tmp, "flooded")
     assert "past its limit (H3KIT_STORE_GROWTH_LIMIT=64)" in log and "past its memory limit: a flood of keys" in log
 
 

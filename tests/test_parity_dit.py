@@ -10,6 +10,10 @@ row must equal one device exactly (cpu) on each output of each forward with the 
 each rank on itself), every sharded row must equal its replicated twin exactly, each injected
 fault must fail the gate of every row it reaches, and the bytes the threads moved, in all and per device, the
 weight bytes each rank held and the bytes its weight gathers received must equal the cost model's.
+
+The runs the tests read through the library share one parity worker (THREAD_JOBS: parity_lib.run_jobs), each still
+a run of its own; test_parity_four_devices_cli starts `h3kit parity`. The rows over the process group (every rank
+a worker process) are in tests/test_parity_process.py, with the text encoder's and the VAE's.
 """
 
 from __future__ import annotations
@@ -33,6 +37,33 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 WEIGHTS = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "bf16"), "int8": ("int8", "fp32")}  # (weights, other)
 # the packed latent the tiny rows sample: video 24 x 2 x 8 x 12 and audio 32 x 2 x 8 elements
 LATENT_ELEMENTS = 24 * 2 * 8 * 12 + 32 * 2 * 8
+# the library-driven runs with threads, in one parity worker (parity_lib.run_jobs: one interpreter and ComfyUI
+# import for them all), each still a run of its own; the process transport's: tests/test_parity_process.py
+THREAD_JOBS = {
+    "two": dict(component="dit", npu_count=2),
+    "eight": dict(component="dit", npu_count=8, extra_args=("--dtypes", "float32", "--layouts", "t2va")),
+    # t2va: the other layouts pass through the same code (the clean runs show them exact); bf16 at 2 devices
+    "faults2": dict(component="dit", npu_count=2, extra_args=("--faults", ",".join(parity_worker.DIT_FAULTS),
+                                                              "--dtypes", "float32,bfloat16", "--layouts", "t2va")),
+    "faults4": dict(component="dit", npu_count=4, extra_args=("--faults", ",".join(parity_worker.DIT_FAULTS),
+                                                              "--dtypes", "float32", "--layouts", "t2va")),
+}
+
+
+def _runs(installed_tree, comfy_python, jobs, transport):
+    reports = parity_lib.run_jobs(installed_tree, "cpu", list(jobs.values()), python=comfy_python, timeout=1800,
+                                  transport=transport)
+    return {name: (report, jobs[name]["npu_count"]) for name, report in zip(jobs, reports, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def thread_runs(installed_tree, comfy_python):
+    return _runs(installed_tree, comfy_python, THREAD_JOBS, "threads")
+
+
+def run(runs, name):
+    """The report of one run of the shared worker, or its error raised (as parity_lib.run raises it)."""
+    return parity_lib.checked(*runs[name])
 
 
 def tiny_cfg():
@@ -115,8 +146,8 @@ def _check_config(cfg, n, dtypes=("float32", "bfloat16")):
     assert max(f["attention_variant"] for k, f in floor.items() if k.startswith("float32")) < 1e-6
 
 
-def test_parity_two_devices_and_cost_model(installed_tree, comfy_python):
-    report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, timeout=600)
+def test_parity_two_devices_and_cost_model(thread_runs):
+    report = run(thread_runs, "two")
     assert report["ok"]
     _check_rows(report["rows"], 2)
     cfg = report["config"]
@@ -141,54 +172,21 @@ def test_parity_four_devices_cli(installed_tree, comfy_python):
     assert "parity passed: 21 row(s) within max_abs == 0" in proc.stderr
 
 
-def test_parity_eight_devices(installed_tree, comfy_python):
+def test_parity_eight_devices(thread_runs):
     """8 devices (the node offers 1, 2, 4 and 8): a longer prompt there, so that each rank's shard is 12 rows or
     more, and still every row exact, fp32 and with the LoRA."""
-    report = parity_lib.run(installed_tree, "dit", "cpu", 8, python=comfy_python, timeout=600,
-                            extra_args=("--dtypes", "float32", "--layouts", "t2va"))
+    report = run(thread_runs, "eight")
     assert report["ok"] and report["config"]["text_len"] == parity_worker.TEXT_LEN_8
     _check_rows(report["rows"], 8, variants={("float32", False, False), ("float32", True, False)}, layouts={"t2va"})
     assert all(min(costmodel.shard_sizes(r["seq_len"], 8)) >= 12 for r in report["rows"])
 
 
-def test_parity_over_the_process_group(installed_tree, comfy_python):
-    """--transport process: the worker is rank 0 of two processes on gloo and the node runs over the group; the
-    same rows and gates as the threads (fp32 and the LoRA, which reaches the worker over the group; bf16 rows
-    need this process's CPU loader patch, and an attention override is refused there): exact against one device,
-    now that the weights a worker maps from the file are aligned as the CPU kernels need. Every rank counted its
-    own forwards, LoRA verdict and bytes, which equal the cost model's, as with the threads."""
-    proc = h3kit("parity", "--comfy-home", str(installed_tree), "--component", "dit", "--device-type", "cpu",
-                "--npu-count", "2", "--transport", "process", "--python", comfy_python, "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = jsondoc.data(proc.stdout, proc.returncode)
-    _check_rows(rows, 2, variants={("float32", False, False), ("float32", True, False)})
-    assert {r["transport"] for r in rows} == {"process"}
-    # every worker process loaded with its own shard's estimate, and emptied its own cache
-    assert all(len(set(r["memory_used"])) == 1 and r["memory_used"][0] > 0 for r in rows)
-
-
-def test_a_fault_on_a_worker_process_fails_the_gate(installed_tree, comfy_python):
-    # the faults strike the last rank only (rope: every rank > 0): a worker process, reached through the hook sent
-    # with each forward (shard-offset when the worker builds its slices, shard-order in its gather of block 0, the
-    # 1e-6 noise on its attention and MLP outputs)
-    faults = ("noise-attention", "noise-mlp", "rope", "shard-offset", "shard-order")
-    report = parity_lib.run(installed_tree, "dit", "cpu", 2, python=comfy_python, timeout=600, transport="process",
-                            extra_args=("--faults", ",".join(faults), "--dtypes", "float32", "--layouts", "t2va",
-                                        "--no-lora"))
-    rows = report["rows"]
-    assert {r["fault"] for r in rows} == set(faults)
-    assert {(r["fault"], r["sharding"]) for r in rows} >= {("shard-offset", "sharded"), ("shard-order", "sharded")}
-    for r in rows:
-        assert r["fault_fired"] > 0 and not r["pass"] and r["split"], r
-
-
 @pytest.mark.parametrize("n, dtypes", [(2, "float32,bfloat16"), (4, "float32")])
-def test_every_fault_fails_every_row_it_reaches(installed_tree, comfy_python, n, dtypes):
+def test_every_fault_fails_every_row_it_reaches(thread_runs, n, dtypes):
     faults = list(parity_worker.DIT_FAULTS)
-    # t2va: the other layouts pass through the same code (the clean runs show them exact); bf16 at 2 devices
-    report = parity_lib.run(installed_tree, "dit", "cpu", n, python=comfy_python, timeout=600,
-                            extra_args=("--faults", ",".join(faults), "--dtypes", dtypes, "--layouts", "t2va"))
-    rows = report["rows"]
+    job = f"faults{n}"
+    assert THREAD_JOBS[job]["extra_args"][3] == dtypes  # the run of this n: these dtypes, every fault, t2va
+    rows = run(thread_runs, job)["rows"]
     assert {r["fault"] for r in rows} == set(faults)
     for fault in faults:
         hit = [r for r in rows if r["fault"] == fault]

@@ -6,6 +6,10 @@ split over N: tensor-parallel through the MultiNPUParallelConfig node, and by la
 loaded by VAELoader decodes 1 to 27 latent frames (1 to 5 temporal chunks); the audio VAE stays put.
 Every row must pass its gate with each weight file read once, the injected faults must fail it, and the
 VAE's bytes moved must equal the decoded chunks other devices handed back.
+
+The runs the tests read through the library share one parity worker (THREAD_JOBS: parity_lib.run_jobs), each still
+a run of its own; the *_cli tests and the CLI's failing run start `h3kit parity`. The rows over the process group
+(every rank a worker process) are in tests/test_parity_process.py, with the DiT's.
 """
 
 from __future__ import annotations
@@ -20,8 +24,29 @@ from tests.support import jsondoc
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 TE_LAYOUTS = {"t2va", "fl2va", "ref2va"}
+# the library-driven runs with threads, in one parity worker (parity_lib.run_jobs: one interpreter and ComfyUI
+# import for them all); the CLI tests run `h3kit parity` on their own; the process transport's:
+# tests/test_parity_process.py
+THREAD_JOBS = {"te": dict(component="te", npu_count=2),
+               "te_fault": dict(component="te", npu_count=4, fault="reduce", extra_args=("--dtypes", "float32",
+                                                                                          "--no-lora")),
+               "vae": dict(component="vae", npu_count=2)}
 
 
+def _runs(installed_tree, comfy_python, jobs, transport):
+    reports = parity_lib.run_jobs(installed_tree, "cpu", list(jobs.values()), python=comfy_python, timeout=1800,
+                                  transport=transport)
+    return {name: (report, jobs[name]["npu_count"]) for name, report in zip(jobs, reports, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def thread_runs(installed_tree, comfy_python):
+    return _runs(installed_tree, comfy_python, THREAD_JOBS, "threads")
+
+
+def run(runs, name):
+    """The report of one run of the shared worker, or its error raised (as parity_lib.run raises it)."""
+    return parity_lib.checked(*runs[name])
 
 
 def _check_te(rows, n):
@@ -64,8 +89,8 @@ def _check_vae(rows, n):
     assert audio["dtype"] == "float32" and audio["bytes_moved"] == 0
 
 
-def test_te_parity_two_devices(installed_tree, comfy_python):
-    report = parity_lib.run(installed_tree, "te", "cpu", 2, python=comfy_python, timeout=600)
+def test_te_parity_two_devices(thread_runs):
+    report = run(thread_runs, "te")
     assert report["ok"]
     _check_te(report["rows"], 2)
     cfg = report["config"]
@@ -83,16 +108,15 @@ def test_te_parity_four_devices_cli(installed_tree, comfy_python):
     assert "parity passed: 8 row(s)" in proc.stderr
 
 
-def test_te_injected_fault_fails_the_gate(installed_tree, comfy_python):
-    report = parity_lib.run(installed_tree, "te", "cpu", 4, python=comfy_python, fault="reduce", timeout=600,
-                            extra_args=("--dtypes", "float32", "--no-lora"))
+def test_te_injected_fault_fails_the_gate(thread_runs):
+    report = run(thread_runs, "te_fault")
     rows = report["rows"]
     assert not report["ok"] and len(rows) == 6 and report["config"]["faults"] == {"reduce": parity_worker.TE_FAULT_NOTE}
     assert all(not r["pass"] and r["failed"][0].startswith("max_rel > 1e-05") for r in rows), rows
 
 
-def test_vae_parity_two_devices(installed_tree, comfy_python):
-    report = parity_lib.run(installed_tree, "vae", "cpu", 2, python=comfy_python, timeout=600)
+def test_vae_parity_two_devices(thread_runs):
+    report = run(thread_runs, "vae")
     assert report["ok"]
     _check_vae(report["rows"], 2)
     assert set(report["config"]["reads"].values()) == {1}
@@ -115,38 +139,3 @@ def test_vae_injected_fault_fails_the_gate(installed_tree, comfy_python):
     failed = {r["layout"] for r in rows if not r["pass"]}
     assert failed == {"39f", "73f", "90f"}
     assert "parity FAILED: 3 of 6 row(s)" in proc.stderr
-
-
-# ---- the process transport: every rank a worker process, the server keeps the non-parallel parts ----------
-
-def test_te_parity_over_processes(installed_tree, comfy_python):
-    """The workers hold the layers (worker rank 0 no embeddings), the server's copy the embeddings and the vision
-    tower: the rows pass the same gates as with threads."""
-    report = parity_lib.run(installed_tree, "te", "cpu", 2, python=comfy_python, timeout=600, transport="process",
-                            extra_args=("--dtypes", "float32"))
-    assert report["ok"]
-    rows = report["rows"]
-    assert {r["transport"] for r in rows if not r["lora"]} == {"process"}
-    assert len([r for r in rows if not r["lora"]]) == 6
-    for r in rows:
-        assert r["pass"], r
-        if not r["lora"] and r["mode"] == "layers":
-            assert r["max_abs"] == 0
-
-
-def test_te_injected_fault_fails_the_gate_over_processes(installed_tree, comfy_python):
-    """The fault travels to the workers with each forward (comfy.multinpu_te.fault_hook): patched in the server
-    alone, it reached no collective, and every row passed."""
-    report = parity_lib.run(installed_tree, "te", "cpu", 2, python=comfy_python, fault="reduce", timeout=600,
-                            transport="process", extra_args=("--dtypes", "float32", "--no-lora"))
-    rows = report["rows"]
-    assert not report["ok"] and len(rows) == 6
-    assert all(not r["pass"] and r["failed"][0].startswith("max_rel > 1e-05") for r in rows), rows
-
-
-def test_vae_parity_over_processes(installed_tree, comfy_python):
-    """The workers decode (a single frame too, on worker rank 0), the server's copy holds the encoder: bit-identical."""
-    report = parity_lib.run(installed_tree, "vae", "cpu", 2, python=comfy_python, timeout=600, transport="process")
-    assert report["ok"]
-    _check_vae(report["rows"], 2)
-    assert {r["transport"] for r in report["rows"]} == {"process"}

@@ -610,6 +610,7 @@ def scenario_store_lost(rt, args):
     import psutil
     out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members),
            "store_pid": rt._store.proc.pid}
+    starts = rt._store.starts  # 1 in a fresh group; more after an earlier scenario of a sequence lost the store
     if args.flood:
         rss0 = psutil.Process().memory_info().rss
         evil = torch.distributed.PrefixStore(channel.STORE_PREFIX, channel.connect_store("127.0.0.1", rt.port, 10.0))
@@ -623,12 +624,12 @@ def scenario_store_lost(rt, args):
     else:
         os.kill(rt._store.proc.pid, signal.SIGKILL)
     t0 = time.monotonic()
-    while rt._store.starts < 2 and time.monotonic() - t0 < 30:
+    while rt._store.starts < starts + 1 and time.monotonic() - t0 < 30:
         time.sleep(0.1)
     out["next"] = _attempt(lambda: _sum(rt))
     out["next_after"] = time.monotonic() - t0
     out["store_pid_after"] = rt._store.proc.pid
-    out["store_starts"] = rt._store.starts
+    out["store_starts"] = rt._store.starts - starts + 1  # the store's starts in this scenario, the first counted
     out["pids_after"] = dict(rt.members)
     if not args.flood:  # then while a command runs: it fails naming the store, and the one after runs
         store_pid = rt._store.proc.pid
@@ -709,6 +710,22 @@ def scenario_all(rt, args):
     return out
 
 
+def scenario_sequence(rt, args):
+    """--steps JSON, [[label, scenario, {argument: value}], ...]: those scenarios one after the other in this one
+    group (each leaves it usable for the next), each with its own --sleep, --victim, --flood... as given, its record
+    under its label. A line "scenario LABEL begins" in the log before each: scenario_log() in the tests cuts out a
+    scenario's part."""
+    out = {}
+    for label, name, overrides in json.loads(args.steps):
+        step = argparse.Namespace(**{**vars(args), **overrides})
+        logging.info(f"scenario {label} begins")
+        t0 = time.monotonic()
+        out[label] = SCENARIOS[name](rt, step)
+        out[label]["scenario_seconds"] = time.monotonic() - t0
+    logging.info("scenario sequence ends")
+    return out
+
+
 def _free_ports(n: int) -> int:
     """A port on the loopback that the kernel gave, with the n - 1 ports after it free too."""
     import socket as so
@@ -753,6 +770,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1, help="kill_while_loading: how many rounds")
     ap.add_argument("--slow", type=float, default=3.0, help="hangs: seconds the slow rank takes before each step")
     ap.add_argument("--hold", type=float, default=0.0, help="stay up this long after writing --out (orphan tests)")
+    ap.add_argument("--steps", default="[]", help="sequence: the scenarios to run, [[label, name, {argument: value}], "
+                    "...]")
     args = ap.parse_args(argv)
     if args.nnodes > 1 and args.port == 0:
         args.port = _free_ports(3)  # the store's, torchrun's rendezvous (+1) and the channel's for other hosts (+2)

@@ -13,6 +13,7 @@ worker drives a process group of N worker processes, rank 0 included, as the ser
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from h3kit import service
@@ -122,6 +123,11 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
     if fault is not None:
         cmd += ["--faults", fault]
     report = worker.run(cmd, timeout=timeout, what="the parity worker", timeout_code="parity_timeout")
+    return checked(report, npu_count)
+
+
+def checked(report: dict, npu_count: int) -> dict:
+    """A run's report, or its error raised as run() raises it."""
     error = report.get("error")
     if error:
         if error.get("code") == "device_check":
@@ -129,6 +135,40 @@ def run(comfy_home, component: str, device_type: str, npu_count: int, *, python:
                              hint=f"run with exactly {npu_count} devices visible, as the server will "
                                   "(ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), or change --npu-count")
         raise H3kitError(f"parity worker: {error.get('message')}", code=error.get("code", "worker_failed"),
-                         details={"log_tail": report["log_tail"]})
+                         details={"log_tail": report.get("log_tail")})
     return report
 
+
+def run_jobs(comfy_home, device_type: str, jobs, *, python: str = None, timeout: float = DEFAULT_TIMEOUT,
+             transport: str = "threads") -> list:
+    """Several runs in one worker process: one interpreter, one ComfyUI import and, with transport "process", one
+    group of worker processes for them all (then every job has the same npu_count). jobs: dicts of run()'s
+    arguments (component, npu_count, and optionally fault, weights, extra_args), each checked as run() checks it.
+    Returns each job's report as the worker wrote it, in order: pass it to checked() to get run()'s result or error.
+    The command line runs one run per worker (run()); the test suite runs its parity rows this way."""
+    argvs = []
+    for job in jobs:
+        job = dict(job)
+        component, n = job.pop("component"), job.pop("npu_count")
+        fault, weights, extra = job.pop("fault", None), job.pop("weights", "float"), tuple(job.pop("extra_args", ()))
+        if job:
+            raise UsageError(f"run_jobs: unknown job keys {sorted(job)}")
+        check_request(component, n, fault, weights, transport)
+        argv = ["--component", component, "--npu-count", str(n), *(("--weights", weights) if weights != "float"
+                                                                    else ()), *extra]
+        if fault is not None:
+            argv += ["--faults", fault]
+        argvs.append(argv)
+    home = Path(comfy_home).resolve()
+    check_tree(home, transport)
+    py = service.resolve_python(home, python)
+    service.require_torch(home, py, device_type, "parity")
+    cmd = [py, str(WORKER), "--comfy-home", str(home), "--device-type", device_type, "--transport", transport,
+           "--jobs", json.dumps(argvs)]
+    report = worker.run(cmd, timeout=timeout, what="the parity worker", timeout_code="parity_timeout")
+    if "reports" not in report:  # the worker could not start the runs at all
+        raise H3kitError(f"parity worker: {(report.get('error') or {}).get('message')}", code="worker_failed",
+                         details={"log_tail": report.get("log_tail")})
+    for r in report["reports"]:
+        r.setdefault("log_tail", report["log_tail"])
+    return report["reports"]

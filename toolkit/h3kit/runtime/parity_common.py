@@ -26,6 +26,11 @@ def start_group(args):
         return None
     import comfy.multinpu_wire as wire
     import comfy.multinpu_process as mp
+    runtime = mp.get_runtime()
+    if runtime is not None:  # parity_worker.py --jobs: the group an earlier run of this process started
+        if runtime.spec.local_size == args.npu_count:
+            return runtime
+        mp.stop_runtime()
     key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     # the workers unpickle the DiT fault hook: h3kit reaches them through PYTHONPATH (worker.run)
     spec = wire.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
@@ -34,6 +39,22 @@ def start_group(args):
     runtime = mp.start_runtime(spec, key)
     mp.wait_ready(runtime, args.timeout)
     return runtime
+
+
+_UNDO = []
+
+
+def patch(obj, name, value):
+    """Set obj.name for this run only (a fault's hook): end_run() puts it back, so that the next run of
+    parity_worker.py --jobs in this process starts clean."""
+    _UNDO.append((obj, name, getattr(obj, name)))
+    setattr(obj, name, value)
+
+
+def end_run():
+    while _UNDO:
+        obj, name, old = _UNDO.pop()
+        setattr(obj, name, old)
 
 
 def stop_group():
@@ -48,7 +69,8 @@ def models_dir():
 
 
 def setup_comfy(comfy_home, device_type, npu_count):
-    sys.path.insert(0, comfy_home)
+    if comfy_home not in sys.path:  # once per process, which parity_worker.py --jobs runs several runs in
+        sys.path.insert(0, comfy_home)
     os.chdir(comfy_home)
     if device_type == "cpu":
         os.environ["H3KIT_SIM_DEVICES"] = str(npu_count)

@@ -68,7 +68,7 @@ class TEFault:
 
 def _inject_te_fault(npu_count):
     import comfy.multinpu_te
-    comfy.multinpu_te.fault_hook = TEFault()
+    common.patch(comfy.multinpu_te, "fault_hook", TEFault())
 
 
 def _bf16_copy(path):

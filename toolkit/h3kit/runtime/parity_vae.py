@@ -33,7 +33,7 @@ def _inject_vae_fault():
         out = fetch(chunk, device, src_rank)
         return out * 0 if src_rank != 0 else out
 
-    comfy.multinpu_vae.fetch_chunk = zeroed
+    common.patch(comfy.multinpu_vae, "fetch_chunk", zeroed)
 
 
 def run_vae(args):

@@ -4,6 +4,7 @@
                             --out FILE [--transport threads|process] [--faults none,NAME,...]
                             [--dtypes float32,bfloat16] [--no-lora] [--no-override] [--layouts ...] [--steps K]
                             [--timeout S]
+    python parity_worker.py --comfy-home DIR [--device-type T] [--transport T] --out FILE --jobs JSON
 
 `h3kit parity` starts this script with the interpreter that runs ComfyUI, h3kit's toolkit on its PYTHONPATH
 (worker.run; by hand, put it there). It uses the patched tree's own code end to end, and the
@@ -15,7 +16,8 @@ processes, rank 0 included, as the server does, comfy.multinpu_process; the work
 run, in --out's folder).
 
 The JSON written to --out: {"ok", "rows": [...], "config": {...}} or {"ok": false, "error"}; each row has "pass"
-and, when it failed, the reasons in "failed".
+and, when it failed, the reasons in "failed". With --jobs (several runs in this one process, each given as a list of
+the arguments above; h3kit.runtime.parity.run_jobs): {"ok", "reports": [one such report per run]}.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _bad_arguments(args):
 
 
 
-def main(argv=None):
+def _parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--comfy-home", required=True)
     ap.add_argument("--component", choices=COMPONENTS, default="dit")
@@ -96,16 +98,23 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _parse(argv):
+    args = _parser().parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.faults = [x for x in args.faults.split(",") if x]
     args.dtypes = [x for x in args.dtypes.split(",") if x]
     args.sharding = [x for x in SHARDINGS if x in args.sharding.split(",")]
-    # checkpoints stay on disk while workers may load them: in --out's folder, which h3kit parity removes
-    tempfile.tempdir = os.path.dirname(os.path.abspath(args.out))
     if args.component == "dit":
         args.layouts = args.layouts or list(LAYOUTS)
         args.override = args.override and args.weights == "float"
+    return args
+
+
+def _run(args):
+    """(the report of one run, its exit code)."""
     problem = _bad_arguments(args)
     try:
         result = {"ok": False, "error": {"code": "bad_arguments", "message": problem}} if problem else \
@@ -115,7 +124,46 @@ def main(argv=None):
         traceback.print_exc()
         result = {"ok": False, "error": {"code": "worker_failed", "message": f"{type(e).__name__}: {e}"}}
         code = 3
-    with open(args.out, "w") as f:
+    finally:
+        common.end_run()
+    return result, code
+
+
+def _jobs(argv):
+    """--jobs JSON: several runs in this one process (the test suite's way to pay for one interpreter, one ComfyUI
+    import and, with the process transport, one group of workers instead of one per run). JSON is a list of
+    argument lists, each this script's arguments but --comfy-home, --device-type, --transport and --out, which
+    all runs share; with the process transport every run has the same --npu-count (one group serves them)."""
+    ap = argparse.ArgumentParser()
+    for name in ("--comfy-home", "--out", "--jobs"):
+        ap.add_argument(name, required=True)
+    ap.add_argument("--device-type", default="cpu")
+    ap.add_argument("--transport", default="threads")
+    outer = ap.parse_args(argv)
+    shared = ["--comfy-home", outer.comfy_home, "--device-type", outer.device_type, "--transport", outer.transport,
+              "--out", outer.out]
+    jobs = [_parse(shared + list(job)) for job in json.loads(outer.jobs)]
+    tempfile.tempdir = os.path.dirname(os.path.abspath(outer.out))
+    if outer.transport == "process" and len({a.npu_count for a in jobs}) > 1:
+        reports = [{"ok": False, "error": {"code": "bad_arguments", "message":
+                                           "--jobs: one --npu-count for every run with the process transport"}}]
+    else:
+        reports = [_run(a)[0] for a in jobs]
+    return {"ok": all(r["ok"] for r in reports), "reports": reports}, outer.out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--jobs" in argv:
+        result, out = _jobs(argv)
+        code = 0 if result["ok"] else 1
+    else:
+        args = _parse(argv)
+        # checkpoints stay on disk while workers may load them: in --out's folder, which h3kit parity removes
+        tempfile.tempdir = os.path.dirname(os.path.abspath(args.out))
+        result, code = _run(args)
+        out = args.out
+    with open(out, "w") as f:
         json.dump(result, f, indent=2)
     common.stop_group()
     return code
