@@ -11,7 +11,7 @@ each rank on itself), every sharded row must equal its replicated twin exactly, 
 fault must fail the gate of every row it reaches, and the bytes the threads moved, in all and per device, the
 weight bytes each rank held and the bytes its weight gathers received must equal the cost model's.
 
-The runs the tests read through the library share one parity worker (THREAD_JOBS: parity_lib.run_jobs), each still
+The runs the tests read through the library share one parity worker (THREAD_JOBS: parity.run_jobs), each still
 a run of its own; test_parity_four_devices_cli starts `h3kit parity`. The rows over the process group (every rank
 a worker process) are in tests/test_parity_process.py, with the text encoder's and the VAE's.
 """
@@ -24,10 +24,11 @@ import sys
 import pytest
 
 from h3kit.runtime import costmodel
-from h3kit.runtime import parity as parity_lib
 from h3kit.runtime import parity_worker
 from tests.support.service_helpers import h3kit
 from tests.support import jsondoc
+from tests.support.parity_runs import run
+from tests.support import parity_runs
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 LAYOUTS = {"t2va", "fl2va", "ref2va"}
@@ -37,7 +38,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 WEIGHTS = {"float32": ("fp32", "fp32"), "bfloat16": ("bf16", "bf16"), "int8": ("int8", "fp32")}  # (weights, other)
 # the packed latent the tiny rows sample: video 24 x 2 x 8 x 12 and audio 32 x 2 x 8 elements
 LATENT_ELEMENTS = 24 * 2 * 8 * 12 + 32 * 2 * 8
-# the library-driven runs with threads, in one parity worker (parity_lib.run_jobs: one interpreter and ComfyUI
+# the library-driven runs with threads, in one parity worker (parity.run_jobs: one interpreter and ComfyUI
 # import for them all), each still a run of its own; the process transport's: tests/test_parity_process.py
 THREAD_JOBS = {
     "two": dict(component="dit", npu_count=2),
@@ -50,20 +51,9 @@ THREAD_JOBS = {
 }
 
 
-def _runs(installed_tree, comfy_python, jobs, transport):
-    reports = parity_lib.run_jobs(installed_tree, "cpu", list(jobs.values()), python=comfy_python, timeout=1800,
-                                  transport=transport)
-    return {name: (report, jobs[name]["npu_count"]) for name, report in zip(jobs, reports, strict=True)}
-
-
 @pytest.fixture(scope="module")
 def thread_runs(installed_tree, comfy_python):
-    return _runs(installed_tree, comfy_python, THREAD_JOBS, "threads")
-
-
-def run(runs, name):
-    """The report of one run of the shared worker, or its error raised (as parity_lib.run raises it)."""
-    return parity_lib.checked(*runs[name])
+    return parity_runs.runs(installed_tree, comfy_python, THREAD_JOBS, "threads")
 
 
 def tiny_cfg():

@@ -4,14 +4,15 @@ worker processes on gloo, as the server does (comfy.multinpu_process), and every
 The DiT's, the text encoder's and the VAE's rows over the group, and the faults that must reach the workers, with
 the gates of the thread transport (tests/test_parity_dit.py, tests/test_parity_te_vae.py, whose checks these
 tests apply). All five runs share one parity worker and its one group of two worker processes
-(parity_lib.run_jobs), one run after the other, each still a run of its own.
+(parity.run_jobs), one run after the other, each still a run of its own.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from h3kit.runtime import parity as parity_lib
+from tests.support import parity_runs
+from tests.support.parity_runs import run
 from tests.test_parity_dit import _check_rows
 from tests.test_parity_te_vae import _check_vae
 
@@ -31,14 +32,7 @@ JOBS = {
 
 @pytest.fixture(scope="module")
 def process_runs(installed_tree, comfy_python):
-    reports = parity_lib.run_jobs(installed_tree, "cpu", list(JOBS.values()), python=comfy_python, timeout=2400,
-                                  transport="process")
-    return {name: (report, JOBS[name]["npu_count"]) for name, report in zip(JOBS, reports, strict=True)}
-
-
-def run(runs, name):
-    """The report of one run of the shared worker, or its error raised (as parity_lib.run raises it)."""
-    return parity_lib.checked(*runs[name])
+    return parity_runs.runs(installed_tree, comfy_python, JOBS, "process", timeout=2400)
 
 
 def test_parity_over_the_process_group(process_runs):

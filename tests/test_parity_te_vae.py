@@ -7,7 +7,7 @@ loaded by VAELoader decodes 1 to 27 latent frames (1 to 5 temporal chunks); the 
 Every row must pass its gate with each weight file read once, the injected faults must fail it, and the
 VAE's bytes moved must equal the decoded chunks other devices handed back.
 
-The runs the tests read through the library share one parity worker (THREAD_JOBS: parity_lib.run_jobs), each still
+The runs the tests read through the library share one parity worker (THREAD_JOBS: parity.run_jobs), each still
 a run of its own; the *_cli tests and the CLI's failing run start `h3kit parity`. The rows over the process group
 (every rank a worker process) are in tests/test_parity_process.py, with the DiT's.
 """
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import pytest
 
-from h3kit.runtime import parity as parity_lib
 from h3kit.runtime import parity_worker
 from tests.support.service_helpers import h3kit
 from tests.support import jsondoc
+from tests.support.parity_runs import run
+from tests.support import parity_runs
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 TE_LAYOUTS = {"t2va", "fl2va", "ref2va"}
-# the library-driven runs with threads, in one parity worker (parity_lib.run_jobs: one interpreter and ComfyUI
+# the library-driven runs with threads, in one parity worker (parity.run_jobs: one interpreter and ComfyUI
 # import for them all); the CLI tests run `h3kit parity` on their own; the process transport's:
 # tests/test_parity_process.py
 THREAD_JOBS = {"te": dict(component="te", npu_count=2),
@@ -33,20 +34,9 @@ THREAD_JOBS = {"te": dict(component="te", npu_count=2),
                "vae": dict(component="vae", npu_count=2)}
 
 
-def _runs(installed_tree, comfy_python, jobs, transport):
-    reports = parity_lib.run_jobs(installed_tree, "cpu", list(jobs.values()), python=comfy_python, timeout=1800,
-                                  transport=transport)
-    return {name: (report, jobs[name]["npu_count"]) for name, report in zip(jobs, reports, strict=True)}
-
-
 @pytest.fixture(scope="module")
 def thread_runs(installed_tree, comfy_python):
-    return _runs(installed_tree, comfy_python, THREAD_JOBS, "threads")
-
-
-def run(runs, name):
-    """The report of one run of the shared worker, or its error raised (as parity_lib.run raises it)."""
-    return parity_lib.checked(*runs[name])
+    return parity_runs.runs(installed_tree, comfy_python, THREAD_JOBS, "threads")
 
 
 def _check_te(rows, n):
