@@ -142,7 +142,7 @@ def checked(report: dict, npu_count: int) -> dict:
 def run_jobs(comfy_home, device_type: str, jobs, *, python: str = None, timeout: float = DEFAULT_TIMEOUT,
              transport: str = "threads") -> list:
     """Several runs in one worker process: one interpreter, one ComfyUI import and, with transport "process", one
-    group of worker processes for them all (then every job has the same npu_count). jobs: dicts of run()'s
+    group of worker processes per npu_count (a job with another replaces it). jobs: dicts of run()'s
     arguments (component, npu_count, and optionally fault, weights, extra_args), each checked as run() checks it.
     Returns each job's report as the worker wrote it, in order: pass it to checked() to get run()'s result or error.
     The command line runs one run per worker (run()); the test suite runs its parity rows this way."""
