@@ -45,6 +45,8 @@ def test_doctor_checks_dev_shm_for_the_process_transport():
 
 import json  # noqa: E402
 import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
 from h3kit import group  # noqa: E402
 from h3kit.errors import UsageError  # noqa: E402
@@ -96,6 +98,26 @@ def test_start_honours_master_port_on_one_host_and_records_the_launcher(home):
     assert spec["master_port"] == port and spec["launcher"] == "torchrun"
     rec = home.record()
     assert rec["master_port"] == port and rec["launcher"] == "torchrun"
+
+
+def test_restart_waits_for_the_old_generations_rendezvous_port_to_close(home):
+    """Under load a stopped group's store can hold its port for a moment after its process is gone (the listener
+    of no visible process): restart waits for it as for the HTTP port, instead of refusing the master port asked
+    for as taken (seen in a full CI run: port_in_use, holders [], the whole group down)."""
+    port = free_port(29800, 29899, span=3)
+    r = home.start("--master-port", port, "--launcher", "torchrun", devices="0,1", device_type="npu", timeout=3)
+    assert r.returncode == 1 and home.record() is not None, r.stderr  # timed out waiting for the group (below)
+    released = []
+    with socket.socket() as s:  # bound, not listening: in use, by no process psutil can name
+        s.bind(("127.0.0.1", port))
+        threading.Timer(1.5, lambda: (released.append(time.monotonic()), s.close())).start()
+        r = home.run("restart", "--json", "--timeout", 3)
+    finished = time.monotonic()
+    doc = json.loads(r.stdout)
+    # the stand-in writes no ranks.json: this restart times out waiting for the group, after the port was free
+    assert doc["error"]["code"] == "start_timeout", doc
+    assert released and released[0] < finished
+    assert home.boots()[-1]["env"]["H3KIT_GROUP"] and len(home.boots()) == 2
 
 
 def test_a_taken_rendezvous_port_is_named_before_anything_starts(home):

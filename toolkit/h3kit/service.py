@@ -960,6 +960,11 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
         t0 = time.monotonic()
         if not rec.group.is_agent:
             _wait_port_or_name_holder(rec.listen, rec.port)
+        if rec.group.is_process and rec.group.node_rank == 0 and rec.group.master_port:
+            # a master port asked for is checked again at start: let the old generation's store and rendezvous
+            # listeners go first, as the HTTP port's (a busy host takes a moment to close a dead process's sockets)
+            for port in group.rendezvous_ports(rec.group):
+                _wait_port_or_name_holder(rec.group.master_addr, port)
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
         started = start_keeping_queue(root, rec, timeout=timeout, progress=progress)
