@@ -697,15 +697,17 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
             progress(f"replacing the stale server record: {stale}")
 
     settings = spec.group
+    # a port held by no visible process is waited for (a stopped server's sockets close a moment after it exits,
+    # later on a busy host); one a process holds is named at once
     if not settings.is_agent:
-        _check_port(listen, spec.port)
+        _wait_port_or_name_holder(listen, spec.port)
     if settings.is_process and settings.node_rank == 0:
         if settings.master_port == 0:  # one host (several need --master-port): a free one, at every start
             settings = dataclasses.replace(settings, master_port=group.choose_port(
                 settings.master_addr, pair=settings.launcher == "torchrun"))
         else:  # honoured on one host too
             for port in group.rendezvous_ports(settings):
-                _check_port(settings.master_addr, port)
+                _wait_port_or_name_holder(settings.master_addr, port)
 
     if announce:
         progress(announce)
@@ -960,11 +962,6 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
         t0 = time.monotonic()
         if not rec.group.is_agent:
             _wait_port_or_name_holder(rec.listen, rec.port)
-        if rec.group.is_process and rec.group.node_rank == 0 and rec.group.master_port:
-            # a master port asked for is checked again at start: let the old generation's store and rendezvous
-            # listeners go first, as the HTTP port's (a busy host takes a moment to close a dead process's sockets)
-            for port in group.rendezvous_ports(rec.group):
-                _wait_port_or_name_holder(rec.group.master_addr, port)
         phases["port"] = time.monotonic() - t0
         t0 = time.monotonic()
         started = start_keeping_queue(root, rec, timeout=timeout, progress=progress)
