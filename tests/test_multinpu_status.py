@@ -108,7 +108,8 @@ def _held_by_no_visible_process(port: int, seconds: float, run):
         s.bind(("127.0.0.1", port))
         threading.Timer(seconds, lambda: (released.append(time.monotonic()), s.close())).start()
         result = run()
-    return result, bool(released) and released[0] < time.monotonic()
+        finished = time.monotonic()
+    return result, bool(released) and released[0] < finished
 
 
 @pytest.mark.parametrize("command", ["start", "restart"])

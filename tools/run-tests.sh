@@ -20,7 +20,7 @@ trap 'rm -rf "$logs"' EXIT
 
 # Not in the torch-free runs: tests of h3kit's own logic that no Python version changes, which cost the most CPU
 # there (hostile inputs and kills at random moments, each a fresh `python -m h3kit`; the patch engine's and the
-# rebase's git trees; 50 of a torch-free run's ~120 CPU-s, measured 2026-12-02); the main run runs them. What stays
+# rebase's git trees: a torch-free run alone took 155 CPU-s with them, 76 without, 2026-12-02); the main run runs them. What stays
 # is what a Python version can change: the CLI and every module imported, the service's processes and signals
 # (test_service_standin), the wheel installed on that Python (test_wheel).
 torch_free_skip=(--ignore=tests/test_probes.py --ignore=tests/test_crash_safety.py --ignore=tests/test_patch_engine.py
