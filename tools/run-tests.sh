@@ -20,9 +20,9 @@ trap 'rm -rf "$logs"' EXIT
 
 # Not in the torch-free runs: tests of h3kit's own logic that no Python version changes, which cost the most CPU
 # there (hostile inputs and kills at random moments, each a fresh `python -m h3kit`; the patch engine's and the
-# rebase's git trees: a torch-free run alone took 155 CPU-s with them, 76 without, 2026-12-02); the main run runs them. What stays
-# is what a Python version can change: the CLI and every module imported, the service's processes and signals
-# (test_service_standin), the wheel installed on that Python (test_wheel).
+# rebase's git trees: a torch-free run alone took 155 CPU-s with them, 76 without, 2026-12-02); the main run runs
+# them. What stays is what a Python version can change: the CLI and every module imported, the service's processes
+# and signals (test_service_standin), the wheel installed on that Python (test_wheel).
 torch_free_skip=(--ignore=tests/test_probes.py --ignore=tests/test_crash_safety.py --ignore=tests/test_patch_engine.py
                  --ignore=tests/test_patches_rebase.py --ignore=tests/test_hostile_inputs.py)
 
