@@ -1,7 +1,7 @@
 """Seconds from each new fault of issue 28 to its error and to the next success, beside a kill -9, in one run.
 
 Runs tests/support/process_group_driver.py's `hangs` scenario (the real driver and worker loop, bare test programs
-instead of the H3 runners) on 2 ranks with each launcher, with HCCL/NCCL's failure semantics emulated
+instead of the H3 runners) on 2 ranks, with HCCL/NCCL's failure semantics emulated
 (H3KIT_EMULATE_NO_RELEASE=1) and the default settings (group timeout 300 s, heartbeat 15 s, progress bound 60 s,
 send bound 10 s) unless given:
 
@@ -11,19 +11,19 @@ send bound 10 s) unless given:
 - blocked_send: the last rank holds 45 s after a command (beating, reading no command); the next command's 16 MiB
   header fills its connection.
 
-    python benchmarks/multinpu_hangs.py [--launcher h3kit --launcher torchrun] [--progress S] [--send S] [--json]
+    python benchmarks/multinpu_hangs.py [--progress S] [--send S] [--json]
 
-Prints one row per fault and launcher: seconds from the fault to the error, and to the next command's success.
+Prints one row per fault: seconds from the fault to the error, and to the next command's success.
 
 --server does hung_in_kernel through the real server instead: `h3kit start --transport process` on TREE (an
-installed tree; the demo's tiny checkpoints are written into it once), one host, 2 ranks on cpu, each launcher,
+installed tree; the demo's tiny checkpoints are written into it once), one host, 2 ranks on cpu,
 H3KIT_EMULATE_NO_RELEASE=1 and nothing else set (group timeout 300 s, heartbeat 15 s, progress bound 60 s unless
 --progress). A warm prompt; then rank 1 blocks at the start of a prompt's first DiT forward with the GIL released
 (H3KIT_MULTINPU_FAULT=dit_forward:hang, its trigger file present) while rank 0 waits for it; the clock starts at
-rank 1's own log line saying so. Prints, per launcher: seconds from the hang to the prompt's error and to the next
+rank 1's own log line saying so. Prints seconds from the hang to the prompt's error and to the next
 prompt's success (submitted at once, nobody acting), the error, and the server's pid before and after.
 
-    PYTHONPATH=toolkit python benchmarks/multinpu_hangs.py --server --comfy-home TREE [--launcher L] [--json]
+    PYTHONPATH=toolkit python benchmarks/multinpu_hangs.py --server --comfy-home TREE [--json]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ SUPPORT = ROOT / "tests" / "support"
 FAULTS = ("kill9", "hung_in_kernel", "blocked_send")
 
 
-def run(launcher: str, args) -> dict:
+def run(args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "patches" / "src"), str(SUPPORT)]),
                H3KIT_EMULATE_NO_RELEASE="1")
     for name, value in (("H3KIT_PROGRESS_TIMEOUT", args.progress), ("H3KIT_SEND_TIMEOUT", args.send)):
@@ -54,11 +54,11 @@ def run(launcher: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="h3kit-hangs-") as tmp:
         out = Path(tmp) / "hangs.json"
         proc = subprocess.run([sys.executable, str(SUPPORT / "process_group_driver.py"), "hangs", "--out", str(out),
-                               "--world", "2", "--timeout", str(args.timeout), "--launcher", launcher,
+                               "--world", "2", "--timeout", str(args.timeout),
                                "--faults", ",".join(FAULTS), "--sleep", "45"],
                               env=env, capture_output=True, text=True, timeout=1800)
         if not out.exists():
-            raise SystemExit(f"{launcher}: the driver wrote nothing:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            raise SystemExit(f"the driver wrote nothing:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         return json.loads(out.read_text())
 
 
@@ -98,8 +98,8 @@ def h3kit(*args, env=None, timeout=BOUND):
     return doc.get("data", doc)
 
 
-def serve_hang(launcher: str, home: Path, args) -> dict:
-    """hung_in_kernel through a real server on `home` under `launcher` (see the module's docstring)."""
+def serve_hang(home: Path, args) -> dict:
+    """hung_in_kernel through a real server on `home` (see the module's docstring)."""
     from h3kit import demo, service
     with tempfile.TemporaryDirectory(prefix="h3kit-hang-server-") as tmp:
         trigger = Path(tmp) / "hang-1"
@@ -110,7 +110,7 @@ def serve_hang(launcher: str, home: Path, args) -> dict:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         h3kit("start", "--comfy-home", home, "--devices", "0,1", "--device-type", "cpu", "--transport", "process",
-              "--launcher", launcher, "--port", port, env=env)
+              "--port", port, env=env)
         try:
             rec = service.read_record(home / ".h3kit" / "run")
             log = Path(rec.log)
@@ -149,7 +149,7 @@ def serve_hang(launcher: str, home: Path, args) -> dict:
             errors = [m[1] for m in status["messages"] if m[0] == "execution_error"]
             nxt = ended(prompt("after_hang"))["status_str"]
             to_next = time.monotonic() - t_hang
-            return {"launcher": launcher, "warm": warm, "warm_s": round(warm_s, 1), "to_error": round(to_error, 1),
+            return {"warm": warm, "warm_s": round(warm_s, 1), "to_error": round(to_error, 1),
                     "error": (f"{errors[0]['exception_type']}: {errors[0]['exception_message']}" if errors
                               else status["status_str"]),
                     "to_next": round(to_next, 1), "next": nxt, "server_pid": server,
@@ -164,20 +164,19 @@ def main_server(args):
     home = args.comfy_home.resolve()
     if not (home / "models" / "diffusion_models" / "h3kit_tiny_dit.safetensors").exists():
         demo.write_tiny_checkpoints(home, sys.executable)
-    rows = [serve_hang(launcher, home, args) for launcher in args.launcher or ["h3kit", "torchrun"]]
+    rows = [serve_hang(home, args)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'launcher':9} {'to error':>9} {'to next':>8}  {'server pid':17}  error")
+    print(f"{'to error':>9} {'to next':>8}  {'server pid':17}  error")
     for r in rows:
-        print(f"{r['launcher']:9} {r['to_error']:8.1f}s {r['to_next']:7.1f}s  "
+        print(f"{r['to_error']:8.1f}s {r['to_next']:7.1f}s  "
               f"{r['server_pid']:>7} -> {r['server_pid_after']:<7}  "
               f"{'' if r['next'] == 'success' else '(next: ' + r['next'] + ') '}{r['error'][:400].strip()}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--launcher", action="append", choices=("h3kit", "torchrun"))
     ap.add_argument("--timeout", type=float, default=300.0, help="the group timeout (default 300 s, h3kit's)")
     ap.add_argument("--progress", type=float, help="H3KIT_PROGRESS_TIMEOUT (default: the runtime's, 60 s)")
     ap.add_argument("--send", type=float, help="H3KIT_SEND_TIMEOUT (default: the runtime's, 10 s)")
@@ -190,22 +189,21 @@ def main():
             ap.error("--server needs --comfy-home (an installed tree: h3kit install)")
         return main_server(args)
     rows = []
-    for launcher in args.launcher or ["h3kit", "torchrun"]:
-        result = run(launcher, args)
-        if "crash" in result or not result.get("form", {}).get("ok"):
-            raise SystemExit(f"{launcher}: {json.dumps(result.get('crash') or result.get('form'))[:2000]}")
-        for fault in FAULTS:
-            f = result[fault]
-            rows.append({"launcher": launcher, "fault": fault, "error": None if f["error"]["ok"] else
-                         f"{f['error']['error']['type']}: {f['error']['error']['message'][:160]}",
-                         "to_error": round(f["fault_to_error"], 1), "to_next": round(f["fault_to_next"], 1),
-                         "next_ok": f["next"]["ok"], "driver_same": result["driver_pid_after"] == result["driver_pid"]})
+    result = run(args)
+    if "crash" in result or not result.get("form", {}).get("ok"):
+        raise SystemExit(json.dumps(result.get('crash') or result.get('form'))[:2000])
+    for fault in FAULTS:
+        f = result[fault]
+        rows.append({"fault": fault, "error": None if f["error"]["ok"] else
+                     f"{f['error']['error']['type']}: {f['error']['error']['message'][:160]}",
+                     "to_error": round(f["fault_to_error"], 1), "to_next": round(f["fault_to_next"], 1),
+                     "next_ok": f["next"]["ok"], "driver_same": result["driver_pid_after"] == result["driver_pid"]})
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'launcher':9} {'fault':15} {'to error':>9} {'to next':>8}  error")
+    print(f"{'fault':15} {'to error':>9} {'to next':>8}  error")
     for r in rows:
-        print(f"{r['launcher']:9} {r['fault']:15} {r['to_error']:8.1f}s {r['to_next']:7.1f}s  "
+        print(f"{r['fault']:15} {r['to_error']:8.1f}s {r['to_next']:7.1f}s  "
               f"{'' if r['next_ok'] else '(next FAILED) '}{r['error']}")
 
 

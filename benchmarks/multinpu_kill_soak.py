@@ -1,7 +1,7 @@
 """Kill a worker of node 1 again and again in a real 2 + 2 loopback service and time what each kill costs.
 
 Starts node 0 (ComfyUI, the driver, ranks 0-1) and node 1 (the agent, ranks 2-3) of one process-transport group
-on 127.0.0.1 with `h3kit start --launcher L`, from an installed tree with the demo's tiny checkpoints (node 1
+on 127.0.0.1 with `h3kit start`, from an installed tree with the demo's tiny checkpoints (node 1
 gets a copy of the tree without the models: its workers load node 0's files by path), under
 H3KIT_EMULATE_NO_RELEASE=1 (HCCL/NCCL's failure semantics). Then, every round: wait until the group re-formed
 after the last kill (fresh workers hold no model), submit a demo prompt with a new text, SIGKILL node 1's rank 3
@@ -10,7 +10,7 @@ the sampler or in the server's own work between commands), and time the prompt's
 within --bound seconds stops the soak (the driver's log then says every 10 s what it waits for). At the end one
 more prompt must succeed. Prints a JSON line per round and a summary; stops both nodes.
 
-    PYTHONPATH=toolkit python benchmarks/multinpu_kill_soak.py --comfy-home TREE [--launcher torchrun]
+    PYTHONPATH=toolkit python benchmarks/multinpu_kill_soak.py --comfy-home TREE
         [--rounds 15] [--bound 150]
 
 TREE is an installed tree (h3kit install); it and its copy for node 1 are used in place (models written once).
@@ -60,7 +60,6 @@ def free_pair() -> int:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfy-home", required=True, type=Path)
-    ap.add_argument("--launcher", default="torchrun", choices=("torchrun", "h3kit"))
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--bound", type=float, default=150.0)
     ap.add_argument("--python", default=sys.executable)
@@ -79,7 +78,7 @@ def main():
         return [sys.executable, "-m", "h3kit", "start", "--comfy-home", str(home if n == 0 else home1), "--devices",
                 "0,1", "--device-type", "cpu", "--transport", "process", "--nnodes", "2", "--node-rank", str(n),
                 "--master-port", str(master), "--python", args.python, "--timeout", "400", "--join-timeout", "300",
-                "--launcher", args.launcher, "--json"] + (["--port", str(port)] if n == 0 else [])
+                "--json"] + (["--port", str(port)] if n == 0 else [])
     url = f"http://127.0.0.1:{port}"
     starts = [subprocess.Popen(node(n), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for n in (0, 1)]

@@ -61,7 +61,7 @@ def _start_group(n, device_type, timeout=600.0):
     import comfy.multinpu_process as mp
     key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     spec = wire.GroupSpec(local_size=n, device_type=device_type, join_timeout=timeout,
-                          worker_args=["--cpu"] if device_type == "cpu" else [], launcher="h3kit")
+                          worker_args=["--cpu"] if device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key)
     mp.wait_ready(runtime, timeout)
     return runtime

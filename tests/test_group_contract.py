@@ -1,7 +1,7 @@
 """The group contract is written twice, once per interpreter: toolkit/h3kit/group.py (h3kit's, which writes the
 environment a server or agent starts with) and patches/src/comfy/multinpu_wire.py (ComfyUI's, which reads it; it
 imports torch, so h3kit never imports it). This test reads the second without importing it and fails when the two
-differ: environment names, launchers and the default one, the ranks file, the channel's port offset, the join
+differ: environment names, the ranks file, the channel's port offset, the join
 timeout, the modules a host runs, and the fields of the JSON h3kit writes."""
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from h3kit import group
 
 ROOT = Path(__file__).resolve().parents[1]
 WIRE = ROOT / "patches" / "src" / "comfy" / "multinpu_wire.py"
-SAME = ("GROUP_ENV", "KEY_ENV", "RANKS_FILE", "WORKER_MODULE", "CHANNEL_PORT_OFFSET", "DEFAULT_LAUNCHER",
-        "DEFAULT_JOIN_TIMEOUT")
+SAME = ("GROUP_ENV", "KEY_ENV", "RANKS_FILE", "WORKER_MODULE", "CHANNEL_PORT_OFFSET", "DEFAULT_JOIN_TIMEOUT")
 
 
 def _constants(tree) -> dict:
@@ -53,16 +52,13 @@ def test_both_sides_agree(wire, name):
     assert wire["constants"][name] == getattr(group, name), f"{name} differs between group.py and multinpu_wire.py"
 
 
-def test_the_launchers_and_the_default_agree(wire):
-    assert set(wire["constants"]["LAUNCHERS"]) == set(group.LAUNCHERS)
-    # a GroupSpec built without a launcher gets the one `h3kit start` defaults to (torchrun, README)
-    assert group.DEFAULT_LAUNCHER == "torchrun"
-    assert wire["defaults"]["launcher"] == "DEFAULT_LAUNCHER"
+def test_the_defaults_agree(wire):
+    # a GroupSpec built without a join timeout gets the one `h3kit start` defaults to
     assert wire["defaults"]["join_timeout"] == "DEFAULT_JOIN_TIMEOUT"
 
 
 def test_what_h3kit_writes_is_what_the_runtime_reads(wire, tmp_path):
-    settings = group.resolve("cpu", transport="process", launcher="h3kit")
+    settings = group.resolve("cpu", transport="process")
     env = group.environment(settings, "cpu", [0, 1], tmp_path, "0" * 64, ["--cpu"])
     spec = json.loads(env[wire["constants"]["GROUP_ENV"]])
     assert set(spec) <= set(wire["fields"]), sorted(set(spec) - set(wire["fields"]))

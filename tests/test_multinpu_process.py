@@ -45,18 +45,6 @@ def _env(**extra):
     return env
 
 
-def _three_ports() -> int:
-    """A free port whose next two ports are free too (torchrun's rendezvous listens on the store's port + 1, the
-    command channel for the other hosts on + 2)."""
-    from tests.support.service_helpers import free_port
-    for p in range(29700, 29790, 3):
-        try:
-            return [free_port(p + k, p + k) for k in range(3)][0]  # each raises when its port is taken
-        except RuntimeError:
-            continue
-    raise RuntimeError("no three free ports in a row")
-
-
 def drive(tmp_path, scenario, *args, env=None, timeout=180):
     out = tmp_path / f"{scenario}.json"
     proc = subprocess.run([sys.executable, str(DRIVER), scenario, "--out", str(out), *map(str, args)],
@@ -330,20 +318,18 @@ def test_deleting_the_stores_keys_while_commands_run_costs_no_prompt(attacks):
     assert result["after"]["ok"] and result["after"]["value"] == [3.0] * 4, result["after"]
 
 
-@pytest.mark.parametrize("launcher", ["h3kit", "torchrun"])
-def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path, launcher):
+def test_forged_heartbeats_neither_keep_a_hung_worker_alive_nor_kill_a_healthy_one(tmp_path):
     """Two nodes: every rank and node 1's agent beat on the command channel (node 0's on its Unix socket, node
-    1's on its TCP listener, the master port + 2). A store client without the key writes garbage into the
+    1's on its TCP listener, the master port + 1). A store client without the key writes garbage into the
     heartbeat keys of old and deletes every key the store lists (all but `layout`, see SPARED, while the group is idle; the old beat keys all along), and a channel client floods the TCP port with
     garbage, oversized frames and hellos signed with another key or for another connection, naming node 1's
     workers and agent, and sends hellos on the Unix socket naming a worker: for three heartbeat bounds nothing
     is killed, and a SIGSTOPped worker of node 1, then one of node 0, is still named hung within the bound. On
     the beats in the store of before (a key per beat, named by an HMAC), the deleter made the driver take node
-    1's healthy ranks for hung and replace the group; and with torchrun, a worker's announcement deleted was
-    taken for its death."""
+    1's healthy ranks for hung and replace the group; and with torchrun (a launcher until 2026-12-02), a worker's
+    announcement deleted was taken for its death."""
     result = drive(tmp_path, "forged_heartbeats", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
-                   "--join-timeout", 120, "--launcher", launcher, "--port", _three_ports() if launcher == "torchrun" else 0,
-                   env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
+                   "--join-timeout", 120, env=_env(H3KIT_EMULATE_NO_RELEASE="1"), timeout=400)
     assert result["first"]["ok"] and result["forged_rounds"] > 20, result
     # the deleter did reach the store: the group's own keys, listed and deleted while it was idle
     assert {"gen", "worker", "up", "joined"} <= set(result["deleted_while_idle"]), result["deleted_while_idle"]
@@ -486,16 +472,13 @@ def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(store_lost)
     assert "past its limit (H3KIT_STORE_GROWTH_LIMIT=64)" in log and "past its memory limit: a flood of keys" in log
 
 
-@pytest.mark.parametrize("launcher", ["h3kit", "torchrun"])
-def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path, launcher):
-    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it; with torchrun, torchrun and
-    then its workers), with HCCL/NCCL's semantics and the default heartbeat (15 s): the command fails naming a
+def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
+    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics and the default heartbeat (15 s): the command fails naming a
     rank of node 1 within 15 s of the kill, before the command would have ended by itself (rank 0 holds it 20 s);
     the next fails naming the lost node instead of holding the queue for the join timeout, and once the agent is
     started again the group forms by itself."""
     result = drive(tmp_path, "agent_lost", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
-                   "--join-timeout", 120, "--launcher", launcher, "--sleep", 20,
-                   "--port", _three_ports() if launcher == "torchrun" else 0,
+                   "--join-timeout", 120, "--sleep", 20,
                    env=_env(H3KIT_EMULATE_NO_RELEASE="1", **{wire.HEARTBEAT_ENV: "15"}), timeout=400)
     assert result["first"]["ok"]
     kind, message, seconds = error_of(result["lost"])
@@ -521,21 +504,20 @@ def test_device_choosing_arguments_are_refused_with_the_process_transport(monkey
 
 
 def test_every_failure_detector_fires_before_the_collective_timeout():
-    """Timeouts in order: torchrun's keep-alive < a silent agent < a rank's heartbeat = torchrun's store reads <
-    the collective timeout; a group whose collective timeout would fire first is refused, naming the detector."""
-    spec = wire.GroupSpec(local_size=2, launcher="torchrun", timeout=300)
+    """Timeouts in order: a silent agent <= a rank's heartbeat < a rank's progress < the collective timeout; a
+    group whose collective timeout would fire first is refused, naming the detector."""
+    spec = wire.GroupSpec(local_size=2, timeout=300)
     detectors = wire.failure_detectors(spec)
     assert max(detectors.values()) < spec.timeout
-    assert (detectors["torchrun's rendezvous keep-alive"] < detectors["a host's agent heartbeat"]
-            <= detectors["a rank's heartbeat"])
+    assert (detectors["a host's agent heartbeat"] <= detectors["a rank's heartbeat"] < detectors["a rank's progress"])
     wire.check_timeouts(spec)
     with pytest.raises(wire.GroupError, match="collective timeout .10 s. must be longer than"):
-        wire.check_timeouts(wire.GroupSpec(local_size=2, launcher="torchrun", timeout=10))
-    wire.check_timeouts(wire.GroupSpec(local_size=2, launcher="h3kit", timeout=max(detectors.values()) + 1))
+        wire.check_timeouts(wire.GroupSpec(local_size=2, timeout=10))
+    wire.check_timeouts(wire.GroupSpec(local_size=2, timeout=max(detectors.values()) + 1))
 
 
 def test_a_death_its_launcher_caused_is_not_named_first():
     assert launch.secondary(launch._exit_reason(wire.TERM_EXIT))
     assert launch.secondary(f"{wire.SECONDARY} (SIGTERM from pid 12)")
-    assert not launch.secondary("died (not stopped by torchrun: killed or crashed); torchrun restarts the group")
+    assert not launch.secondary("killed by h3kit (the group is replaced): killed by SIGKILL")
     assert not launch.secondary(launch._exit_reason(-9))

@@ -60,44 +60,38 @@ def home(tmp_path):
     kill_started_under(h.path)
 
 
-def test_the_launcher_is_a_start_setting(monkeypatch):
-    monkeypatch.delenv(group.LAUNCHER_ENV, raising=False)
-    assert group.resolve("cpu", "process").launcher == group.DEFAULT_LAUNCHER
-    assert group.resolve("cpu", "process", launcher="h3kit").launcher == "h3kit"
-    assert group.resolve("npu", "auto", launcher="torchrun").launcher == "torchrun"
-    assert group.resolve("cpu", "threads").launcher is None  # threads run in the server: nothing is launched
-    monkeypatch.setenv(group.LAUNCHER_ENV, "torchrun")  # the option's default, every host alike
-    assert group.resolve("cpu", "process").launcher == "torchrun"
-    assert group.resolve("cpu", "process", launcher="h3kit").launcher == "h3kit"  # the option wins
-    with pytest.raises(UsageError) as e:
-        group.resolve("cpu", "threads", launcher="torchrun")
-    assert e.value.code == "bad_launcher" and "--transport process" in e.value.hint
-    monkeypatch.setenv(group.LAUNCHER_ENV, "mpirun")
-    with pytest.raises(UsageError) as e:
-        group.resolve("cpu", "process")
-    assert e.value.code == "bad_launcher" and "mpirun" in e.value.message
-
-
-def test_the_runtime_gets_the_launcher_and_torchrun_a_free_port_pair(tmp_path):
-    settings = group.resolve("cpu", "process", launcher="torchrun")
+def test_the_runtime_gets_its_settings_and_a_free_master_port(tmp_path):
+    settings = group.resolve("cpu", "process")
     spec = json.loads(group.environment(settings, "cpu", [0, 1], tmp_path, "k" * 64, [])[group.GROUP_ENV])
-    assert spec["launcher"] == "torchrun"
-    port = group.choose_port("127.0.0.1", pair=True)
-    for p in (port, port + 1):  # the control store's port, and torchrun's rendezvous on the next
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", p))
+    assert (spec["local_size"], spec["master_addr"], spec["runtime_root"]) == (2, "127.0.0.1", str(tmp_path))
+    assert "launcher" not in spec  # one launcher since 2026-12-02 (docs/multinpu.md, "The launcher")
+    port = group.choose_port("127.0.0.1")
+    with socket.socket() as s:  # the kernel's choice, free
+        s.bind(("127.0.0.1", port))
 
 
-def test_start_honours_master_port_on_one_host_and_records_the_launcher(home):
-    port = free_port(29800, 29899, span=3)  # the master port, torchrun's + 1, the channel's + 2
+def test_start_honours_master_port_on_one_host(home):
+    port = free_port(29800, 29899, span=2)  # the master port, the channel's + 1
     # a stand-in writes no ranks.json: start times out waiting for the group, after the server was started
-    r = home.start("--master-port", port, "--launcher", "torchrun", "--json", devices="0,1", device_type="npu",
-                   timeout=3)
+    r = home.start("--master-port", port, "--json", devices="0,1", device_type="npu", timeout=3)
     assert r.returncode == 1 and "start_timeout" in r.stdout, r.stdout + r.stderr
     spec = json.loads(home.boots()[0]["env"]["H3KIT_GROUP"])
-    assert spec["master_port"] == port and spec["launcher"] == "torchrun"
+    assert spec["master_port"] == port
     rec = home.record()
-    assert rec["master_port"] == port and rec["launcher"] == "torchrun"
+    assert rec["master_port"] == port
+
+
+def test_a_record_of_an_earlier_h3kit_naming_its_launcher_is_still_read(home):
+    """Records written before 2026-12-02 name a launcher (torchrun or h3kit): status and stop still trust them."""
+    r = home.start("--master-port", free_port(29800, 29899, span=2), devices="0,1", device_type="npu", timeout=3)
+    assert r.returncode == 1 and home.record() is not None, r.stderr
+    path = home.root / "server.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "launcher": "torchrun"}))
+    st = home.run("status", "--json")
+    assert "bad_record" not in st.stdout and json.loads(st.stdout)["data"]["pid"] == home.record()["pid"], st.stdout
+    path.write_text(json.dumps({**json.loads(path.read_text()), "launcher": "mpirun"}))
+    st = home.run("status", "--json")
+    assert st.returncode != 0 and "bad_record" in st.stdout, st.stdout
 
 
 def _held_by_no_visible_process(port: int, seconds: float, run):
@@ -118,8 +112,8 @@ def test_a_master_port_of_no_visible_holder_is_waited_for(home, command):
     restart wait for it, as for the HTTP port, instead of refusing the master port asked for as taken (seen in a
     full CI run: restart's port_in_use, holders [], the whole group down). A port a process holds is still named
     at once (test_a_taken_rendezvous_port_is_named_before_anything_starts)."""
-    port = free_port(29800, 29899, span=3)
-    args = ("--master-port", port, "--launcher", "torchrun")
+    port = free_port(29800, 29899, span=2)
+    args = ("--master-port", port)
     if command == "restart":
         r = home.start(*args, devices="0,1", device_type="npu", timeout=3)
         assert r.returncode == 1 and home.record() is not None, r.stderr  # timed out waiting for the group (below)
@@ -135,32 +129,33 @@ def test_a_master_port_of_no_visible_holder_is_waited_for(home, command):
 
 
 def test_a_taken_rendezvous_port_is_named_before_anything_starts(home):
-    port = free_port(29800, 29899, span=3)  # the master port, torchrun's + 1, the channel's + 2
-    with socket.socket() as s:  # torchrun's rendezvous port (the next one) is taken
+    port = free_port(29800, 29899, span=2)
+    with socket.socket() as s:  # the group's store port is taken (by this process: it is named)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port + 1))
+        s.bind(("127.0.0.1", port))
         s.listen(1)
-        r = home.start("--master-port", port, "--launcher", "torchrun", devices="0,1", device_type="npu", timeout=3)
-    assert r.returncode == 1 and f"port {port + 1} is in use" in r.stderr, r.stderr
+        r = home.start("--master-port", port, devices="0,1", device_type="npu", timeout=3)
+    assert r.returncode == 1 and f"port {port} is in use" in r.stderr, r.stderr
     assert home.boots() == []
 
 
 def test_a_taken_channel_port_of_several_hosts_is_named_before_anything_starts(home, monkeypatch):
-    """With several hosts node 0 also listens on the master port + 2 (the command channel, where the other hosts'
+    """With several hosts node 0 also listens on the master port + 1 (the command channel, where the other hosts'
     workers and agents beat): start checks it is free, and refuses a master port with no room for it."""
     monkeypatch.setenv(group.KEY_ENV, "ab" * 32)
-    port = free_port(29800, 29899, span=3)  # the master port, torchrun's + 1, the channel's + 2
+    port = free_port(29800, 29899, span=2)  # the master port, the channel's + 1
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port + 2))
+        s.bind(("127.0.0.1", port + 1))
         s.listen(1)
         r = home.start("--nnodes", 2, "--node-rank", 0, "--master-addr", "127.0.0.1", "--master-port", port,
-                       "--launcher", "h3kit", devices="0,1", device_type="npu", timeout=3)
-    assert r.returncode == 1 and f"port {port + 2} is in use" in r.stderr, r.stderr
+                       devices="0,1", device_type="npu", timeout=3)
+    assert r.returncode == 1 and f"port {port + 1} is in use" in r.stderr, r.stderr
     assert home.boots() == []
-    settings = group.resolve("npu", "process", nnodes=2, node_rank=0, master_port=port, launcher="torchrun")
-    assert group.rendezvous_ports(settings) == [port, port + 1, port + 2]
-    assert group.rendezvous_ports(group.resolve("npu", "process", master_port=port, launcher="h3kit")) == [port]
+    settings = group.resolve("npu", "process", nnodes=2, node_rank=0, master_port=port)
+    assert group.rendezvous_ports(settings) == [port, port + 1]
+    assert group.rendezvous_ports(group.resolve("npu", "process", master_port=port)) == [port]
     with pytest.raises(UsageError) as e:
-        group.resolve("npu", "process", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=65534)
-    assert e.value.code == "bad_group" and "master port + 2" in e.value.message
+        group.resolve("npu", "process", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=65535)
+    assert e.value.code == "bad_group" and "master port + 1" in e.value.message
+    group.resolve("npu", "process", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=65534)

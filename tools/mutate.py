@@ -62,7 +62,7 @@ MODULES = {
                    "test_a_hung_worker_is_noticed_by_its_heartbeat")],
                ["secondary", "recycled", "watch_termination", "termination_note", "process_identity",
                 "_exit_reason", "LocalWorkers"],
-               "failure naming of the process group with h3kit's launcher (slow: one 3-rank group per run, "
+               "failure naming of the process group (slow: one 3-rank group per run, "
                "about a minute)"),
     "ulysses": ("patches/src/comfy/multinpu.py",
                 [f"tests/test_multinpu_collectives.py::{t}" for t in (

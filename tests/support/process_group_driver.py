@@ -291,8 +291,8 @@ def scenario_kill_while_loading(rt, args):
     real server: the install command has ended, the driver waits for the ranks' ready reports), --repeat times
     at delays spread over the load; each time the load fails naming the victim and the next command succeeds.
     The victim (rank 3) loads for 4 s, the others for 0.5 s: most kills land after its sibling reported its
-    load, so torchrun's stopping of that sibling is often seen first (issue 19's 300 s wait: the sibling's death
-    aborted the idle-looking generation and the victim's, seen next, was dropped)."""
+    load (issue 19's 300 s wait, under torchrun then: the sibling's death aborted the idle-looking generation and
+    the victim's, seen next, was dropped)."""
     import random
     wire.LOAD_TIMEOUT = min(wire.LOAD_TIMEOUT, args.load_timeout)  # a hang shows as a load past this bound
     rounds = []
@@ -321,7 +321,7 @@ def scenario_kill_while_loading(rt, args):
 
 def scenario_death_after_load_report(rt, args):
     """Two nodes: while a model loads, rank 2 reports its load done and is then SIGKILLed while rank 3 still loads
-    (torchrun stopping a dead worker's sibling that had finished its load, in either order): the driver, which
+    (a launcher stopping a dead worker's sibling that had finished its load, in either order): the driver, which
     waits for the ranks' load reports with no command in flight, must fail the load naming rank 2, not wait for
     rank 3's report until the load timeout (issue 19's 300 s wait)."""
     wire.LOAD_TIMEOUT = min(wire.LOAD_TIMEOUT, args.load_timeout)
@@ -678,28 +678,6 @@ def scenario_agent_lost(rt, args):
 AGENT = [None]
 
 
-def scenario_launcher_lost(rt, args):
-    """Two nodes, torchrun on each: node 1's torchrun (its agent's child) is SIGKILLed while a command runs (its
-    workers die with it); its agent starts it again and the group comes back with nobody acting."""
-    import psutil
-    out = {"driver_pid": os.getpid(), "first": _attempt(lambda: _sum(rt)), "pids_before": dict(rt.members)}
-    launcher = [p for p in psutil.Process(AGENT[0].pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
-    out["launcher_pid"] = launcher[0].pid
-    _later(1.0, lambda: os.kill(launcher[0].pid, signal.SIGKILL))
-    out["lost"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
-    t0 = time.monotonic()
-    out["next"] = _attempt(lambda: _sum(rt))
-    while not out["next"]["ok"] and time.monotonic() - t0 < 120:  # the report says whether one try sufficed
-        out.setdefault("retries", 0)
-        out["retries"] += 1
-        time.sleep(1.0)
-        out["next"] = _attempt(lambda: _sum(rt))
-    out["pids_after"] = dict(rt.members)
-    out["driver_pid_after"] = os.getpid()
-    out["agent_alive"] = AGENT[0].poll() is None
-    return out
-
-
 def scenario_all(rt, args):
     """The one-host scenarios one after the other, in one group (each leaves it usable for the next)."""
     out = {}
@@ -761,7 +739,6 @@ def main(argv=None):
     ap.add_argument("--victim", type=int, default=2)
     ap.add_argument("--idle", type=float, default=3.0)
     ap.add_argument("--flood", type=int, default=0, help="hostile: how many 4 MiB keys to write")
-    ap.add_argument("--launcher", default="h3kit", choices=wire.LAUNCHERS)
     ap.add_argument("--agent", action="store_true", help="start node 1's agent (two nodes)")
     ap.add_argument("--faults", default="", help="scenario faults: a comma-separated subset of FAULTS")
     ap.add_argument("--sleep", type=float, default=3.0, help="agent_lost, deleted_command: how long rank 0 holds a "
@@ -774,12 +751,12 @@ def main(argv=None):
                     "...]")
     args = ap.parse_args(argv)
     if args.nnodes > 1 and args.port == 0:
-        args.port = _free_ports(3)  # the store's, torchrun's rendezvous (+1) and the channel's for other hosts (+2)
+        args.port = _free_ports(2)  # the store's and the channel's for other hosts (+1)
     logging.basicConfig(level=logging.DEBUG if os.environ.get('H3KIT_TEST_DEBUG') else logging.INFO, format='[driver] %(asctime)s %(message)s', stream=sys.stdout)
     os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     spec = wire.GroupSpec(nnodes=args.nnodes, node_rank=0, local_size=args.world // args.nnodes, device_type="cpu",
                           master_port=args.port, timeout=args.timeout, join_timeout=args.join_timeout,
-                          runtime_root=args.root, worker_module="process_group_worker", launcher=args.launcher)
+                          runtime_root=args.root, worker_module="process_group_worker")
     result = {"scenario": args.scenario}
     t0 = time.monotonic()
     try:

@@ -192,7 +192,7 @@ def _freed(context, comm, payload):
 def main():
     wire.die_with_parent()
     spec = wire.GroupSpec.from_json(os.environ[wire.GROUP_ENV])
-    rank = mp.rank_from_environment(spec)
+    rank = int(os.environ[wire.RANK_ENV])
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stdout)
     freed = []
     context = mp.WorkerContext(spec, rank, "cpu")

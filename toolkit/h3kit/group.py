@@ -33,12 +33,6 @@ DEFAULT_JOIN_TIMEOUT = 300.0
 GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_wire.py
 KEY_ENV = "H3KIT_GROUP_KEY"
 AGENT_MODULE = "comfy.multinpu_group"
-# Who launches and restarts a host's workers: torchrun's elastic agent (`python -m torch.distributed.run`) or
-# h3kit's own launcher (comfy.multinpu_launch.LocalWorkers). `h3kit start --launcher`; H3KIT_LAUNCHER in the
-# environment is the default of that option (every host alike)
-LAUNCHER_ENV = "H3KIT_LAUNCHER"
-LAUNCHERS = ("torchrun", "h3kit")
-DEFAULT_LAUNCHER = "torchrun"
 RANKS_FILE = "ranks.json"            # written by the runtime: the driver (node 0) or the agent (other nodes)
 KEY_FILE = "group.key"
 
@@ -51,7 +45,6 @@ class GroupSettings:
     master_addr: str = "127.0.0.1"
     master_port: int = 0               # 0: h3kit picks a free port on the master address at start
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
-    launcher: str | None = None        # the process transport's launcher (LAUNCHERS); None with threads
 
     @property
     def is_process(self) -> bool:
@@ -63,8 +56,7 @@ class GroupSettings:
 
     def as_dict(self) -> dict:
         return {"transport": self.transport, "nnodes": self.nnodes, "node_rank": self.node_rank,
-                "master_addr": self.master_addr, "master_port": self.master_port, "join_timeout": self.join_timeout,
-                "launcher": self.launcher}
+                "master_addr": self.master_addr, "master_port": self.master_port, "join_timeout": self.join_timeout}
 
 
 def default_transport(device_type: str) -> str:
@@ -74,9 +66,8 @@ def default_transport(device_type: str) -> str:
 
 def resolve(device_type: str, transport: str = "auto", nnodes: int = 1, node_rank: int = 0,
             master_addr: str = "127.0.0.1", master_port: int = 0,
-            join_timeout: float = DEFAULT_JOIN_TIMEOUT, launcher: str | None = None) -> GroupSettings:
-    """Checked settings (UsageError naming the fix otherwise); nothing is written or started. launcher: None
-    takes H3KIT_LAUNCHER, else DEFAULT_LAUNCHER, with the process transport."""
+            join_timeout: float = DEFAULT_JOIN_TIMEOUT) -> GroupSettings:
+    """Checked settings (UsageError naming the fix otherwise); nothing is written or started."""
     if transport == "auto":
         transport = "process" if nnodes > 1 else default_transport(device_type)
     if transport not in TRANSPORTS:
@@ -105,22 +96,11 @@ def resolve(device_type: str, transport: str = "auto", nnodes: int = 1, node_ran
     if transport == "process" and nnodes == 1 and not addr.is_loopback:
         raise UsageError(f"--master-addr {master_addr}: a one-host group keeps its rendezvous on the loopback",
                          code="bad_master_addr", hint="drop --master-addr (127.0.0.1), or give --nnodes for several hosts")
-    if launcher is not None and transport != "process":
-        raise UsageError(f"--launcher {launcher} needs the process transport", code="bad_launcher",
-                         hint="drop --launcher (threads run in the server), or add --transport process")
-    if transport == "process":
-        launcher = launcher or os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER
-        if launcher not in LAUNCHERS:
-            raise UsageError(f"{LAUNCHER_ENV}={launcher!r} is not one of {', '.join(LAUNCHERS)}",
-                             code="bad_launcher", hint=f"unset it, or use --launcher {' or '.join(LAUNCHERS)}")
-        if launcher == "torchrun" and master_port == 65535:
-            raise UsageError("--master-port 65535: torchrun's rendezvous listens on the next port", code="bad_group",
-                             hint="choose a port below 65535 whose next port is free too")
-        if nnodes > 1 and master_port > 65533:
-            raise UsageError(f"--master-port {master_port}: with several hosts the command channel listens on the "
-                             "port after the next (master port + 2)", code="bad_group",
-                             hint="choose a port below 65534 whose next two ports are free too")
-    return GroupSettings(transport, nnodes, node_rank, str(addr), master_port, join_timeout, launcher)
+    if nnodes > 1 and master_port == 65535:
+        raise UsageError(f"--master-port {master_port}: with several hosts the command channel listens on the next "
+                         "port (master port + 1)", code="bad_group",
+                         hint="choose a port below 65535 whose next port is free too")
+    return GroupSettings(transport, nnodes, node_rank, str(addr), master_port, join_timeout)
 
 
 def _check_local(addr: str):
@@ -135,35 +115,21 @@ def _check_local(addr: str):
                                   "address") from None
 
 
-def choose_port(addr: str, pair: bool = False) -> int:
-    """A free port on `addr` for the group's store (the kernel's choice, so it never takes one by force);
-    pair: the next port is free too (torchrun's rendezvous listens there)."""
+def choose_port(addr: str) -> int:
+    """A free port on `addr` for the group's store (the kernel's choice, so it never takes one by force)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    for _ in range(100):
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((addr, 0))
-            port = s.getsockname()[1]
-            if not pair:
-                return port
-            if port < 65535:
-                with socket.socket(family, socket.SOCK_STREAM) as t:
-                    try:
-                        t.bind((addr, port + 1))
-                        return port
-                    except OSError:
-                        pass
-    raise UsageError(f"no two free ports in a row on {addr}", code="port_in_use",
-                     hint="give --master-port P with P and P+1 free")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
 
 
-CHANNEL_PORT_OFFSET = 2  # comfy.multinpu_wire's: the command channel's TCP listener for the other hosts
+CHANNEL_PORT_OFFSET = 1  # comfy.multinpu_wire's: the command channel's TCP listener for the other hosts
 
 
 def rendezvous_ports(settings: GroupSettings) -> list[int]:
-    """The ports node 0 listens on for the group: the control store's, torchrun's rendezvous on the next, and
-    with several hosts the command channel's (where the other hosts' workers and agents beat) on the one after."""
-    return ([settings.master_port] + ([settings.master_port + 1] if settings.launcher == "torchrun" else [])
-            + ([settings.master_port + CHANNEL_PORT_OFFSET] if settings.nnodes > 1 else []))
+    """The ports node 0 listens on for the group: the control store's and, with several hosts, the command
+    channel's (where the other hosts' workers and agents beat) on the next."""
+    return [settings.master_port] + ([settings.master_port + CHANNEL_PORT_OFFSET] if settings.nnodes > 1 else [])
 
 
 def group_key(root: Path, settings: GroupSettings) -> str:
@@ -197,8 +163,7 @@ def environment(settings: GroupSettings, device_type: str, devices: list[int], r
     spec = {"nnodes": settings.nnodes, "node_rank": settings.node_rank, "local_size": len(devices),
             "device_type": device_type, "devices": list(devices), "master_addr": settings.master_addr,
             "master_port": settings.master_port, "join_timeout": settings.join_timeout,
-            "runtime_root": str(root), "worker_args": list(worker_args),
-            "launcher": settings.launcher or DEFAULT_LAUNCHER}
+            "runtime_root": str(root), "worker_args": list(worker_args)}
     return {GROUP_ENV: json.dumps(spec), KEY_ENV: key}
 
 
@@ -258,8 +223,6 @@ def ranks_view(root: Path, server_pid: int, node_rank: int, comfy_home: str) -> 
         return {"state": "unknown", "error": f"{RANKS_FILE} is from another run (pid {data.get('pid')})",
                 "ranks": [], "file": True}
     out = {k: data.get(k) for k in ("state", "error", "generation", "world_size", "backend", "master", "nnodes")}
-    if data.get("launcher") in LAUNCHERS:  # the runtime's own word (the record says what start asked for)
-        out["launcher"] = data["launcher"]
     ranks = []
     for r in data["ranks"]:
         if not isinstance(r, dict):

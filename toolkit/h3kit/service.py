@@ -150,7 +150,7 @@ class Record:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     join_timeout: float = group.DEFAULT_JOIN_TIMEOUT
-    launcher: str | None = None        # absent in a record written before the choice: h3kit's launcher ran
+    launcher: str | None = None        # written by h3kit before 2026-12-02 (torchrun or h3kit launched the workers); unread
 
     @property
     def url(self) -> str:
@@ -158,9 +158,8 @@ class Record:
 
     @property
     def group(self) -> group.GroupSettings:
-        launcher = self.launcher or ("h3kit" if self.transport == "process" else None)
         return group.GroupSettings(self.transport, self.nnodes, self.node_rank, self.master_addr,
-                                   self.master_port, self.join_timeout, launcher)
+                                   self.master_port, self.join_timeout)
 
     def verify(self) -> proc.Verdict:
         return proc.verify(self.pid, self.create_time, self.cmdline,
@@ -266,8 +265,8 @@ def _transport(v, ctx):
 
 
 def _launcher(v, ctx):
-    if v is not None and v not in group.LAUNCHERS:
-        raise ValueError(f"must be one of {', '.join(group.LAUNCHERS)} or null")
+    if v not in ("torchrun", "h3kit", None):  # a record of an earlier h3kit, which had two launchers
+        raise ValueError("must be torchrun, h3kit or null")
     return v
 
 
@@ -703,8 +702,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         _wait_port_or_name_holder(listen, spec.port)
     if settings.is_process and settings.node_rank == 0:
         if settings.master_port == 0:  # one host (several need --master-port): a free one, at every start
-            settings = dataclasses.replace(settings, master_port=group.choose_port(
-                settings.master_addr, pair=settings.launcher == "torchrun"))
+            settings = dataclasses.replace(settings, master_port=group.choose_port(settings.master_addr))
         else:  # honoured on one host too
             for port in group.rendezvous_ports(settings):
                 _wait_port_or_name_holder(settings.master_addr, port)
@@ -719,7 +717,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         env.update(group.environment(settings, spec.device_type, spec.devices, root, group.group_key(root, settings),
                                      worker_args))
         shown["transport"] = (f"process, node {settings.node_rank} of {settings.nnodes}, "
-                              f"master {settings.master_addr}:{settings.master_port}, launcher {settings.launcher}")
+                              f"master {settings.master_addr}:{settings.master_port}")
     log = _new_log(root, f"h3kit: {datetime.datetime.now().isoformat(timespec='seconds')} starting in {home}: "
                          f"{' '.join(argv)} with {' '.join(f'{k}={v}' for k, v in shown.items())}")
     t0 = time.monotonic()

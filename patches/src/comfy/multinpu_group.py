@@ -16,7 +16,7 @@ import torch
 import torch.distributed
 
 import comfy.multinpu
-from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RANK_ENV, RECYCLED_EXIT, REPORTED_EXIT,
+from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RECYCLED_EXIT, REPORTED_EXIT,
                                  SharedMemoryFull, Signer, hccl_environment, key_from_environment, pack, shm_read,
                                  shm_write, td, unflatten, unpack)
 from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
@@ -39,13 +39,6 @@ def program(name: str):
 
 
 # ---- workers -----------------------------------------------------------------------------------------
-
-def rank_from_environment(spec: GroupSpec) -> int:
-    """H3KIT_RANK (LocalWorkers), else from the node rank and LOCAL_RANK (never torchrun's RANK: docs, "Launchers")."""
-    if os.environ.get(RANK_ENV):
-        return int(os.environ[RANK_ENV])
-    return spec.rank_of(spec.node_rank, int(os.environ["LOCAL_RANK"]))
-
 
 class WorkerContext:
     """What a worker's programs share: its rank, device and the configurations it holds."""

@@ -1,5 +1,5 @@
-"""Who starts, watches and replaces the workers (LocalWorkers, TorchrunWorkers; the Agent of another host) and how a
-worker's end is told (watch_termination). docs/multinpu.md, "Launchers: torchrun or h3kit's own".
+"""Who starts, watches and replaces the workers (LocalWorkers; the Agent of another host) and how a worker's end is
+told (watch_termination). docs/multinpu.md, "The launcher".
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ import psutil
 import torch
 import torch.distributed
 
-from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupError, GroupSpec, KEEP_ALIVE,
-                                 KEEP_ALIVE_ATTEMPTS, KEY_ENV, LOCAL_RANK_ENV, PARENT_ENV, RANKS_FILE, RANK_ENV,
-                                 RDZV_READ_TIMEOUT, RECYCLED_EXIT, REPORTED_EXIT, SECONDARY, Signer, TERM_EXIT,
-                                 TORCHRUN_MAX_RESTARTS, TORCHRUN_RETRY, _die_with_parent_signal, cpu_threads,
-                                 key_from_environment, wait_or_kill)
+from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupError, GroupSpec, KEY_ENV,
+                                 LOCAL_RANK_ENV, PARENT_ENV, RANKS_FILE, RANK_ENV, RECYCLED_EXIT, REPORTED_EXIT,
+                                 SECONDARY, Signer, TERM_EXIT, cpu_threads, key_from_environment, wait_or_kill)
 from comfy.multinpu_channel import Control, _store_gone, beat, connect_store
 
 
@@ -96,54 +94,7 @@ def _exit_reason(code: int) -> str:
     return f"exited with code {code}"
 
 
-# ---- this host's workers: two launchers ------------------------------------------------------------
-
-class _Workers:
-    """What both launchers share: this host's ranks, what status shows of each, the workers' environment, recycle.
-    Each provides poll() -> [(rank, pid, reason)] of the workers that ended, pid(rank), kill(rank, why, recycle),
-    stop(grace)."""
-
-    def __init__(self, spec: GroupSpec, key: str):
-        self.spec = spec
-        self.key = key
-        self.cwd = os.getcwd()         # the ComfyUI tree, as it was at the start: the workers run there
-        self.ctl = None                # the store's client (TorchrunWorkers reads the workers' announcements there)
-        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in range(spec.local_size)]
-        self.failed = {}               # rank -> why it is not replaced again
-        self.recycled = set()          # ranks killed to replace the whole group: not crashes
-        self.stopping = False
-        self.info = {r: {"rank": r, "node": spec.node_rank, "local_rank": r % spec.local_size,
-                         "host": socket.gethostname(), "device": spec.device_name(r), "pid": None,
-                         "create_time": None, "cmdline": [], "alive": False, "restarts": 0, "last_exit": None}
-                     for r in self.ranks}
-
-    def _env(self, **ranks) -> dict:
-        """The workers' environment; ranks: H3KIT_RANK and the like (LocalWorkers'; torchrun numbers its own)."""
-        # H3KIT_SIM_DEVICES: a worker is one device, whatever the server simulates
-        env = {k: v for k, v in os.environ.items()
-               if k not in (RANK_ENV, LOCAL_RANK_ENV, PARENT_ENV, "H3KIT_SIM_DEVICES")}
-        env.update(ranks, **{GROUP_ENV: self.spec.to_json(), KEY_ENV: self.key, "PYTHONUNBUFFERED": "1"})
-        # NCCL's watchdog ends a worker whose collective passes the group timeout: a death like any other (never the
-        # server's, which is in no collective); with 0 a collective stuck on every rank would hang while ranks beat
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        threads = cpu_threads(self.spec)
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
-        return env
-
-    def recycle(self, why: str):
-        """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too), to be
-        replaced at once, not counted as a crash. The reliable reset of a rank that saw an error is a fresh process."""
-        for rank in self.ranks:
-            self.kill(rank, why, recycle=True)
-
-
-def workers(spec: GroupSpec, key: str, ctl: Control):
-    """This host's workers under the group's launcher (GroupSpec.launcher)."""
-    local = TorchrunWorkers(spec, key) if spec.launcher == "torchrun" else LocalWorkers(spec, key)
-    local.ctl = ctl
-    return local
-
+# ---- this host's workers ---------------------------------------------------------------------------
 
 def _recent(times: collections.deque, now: float) -> int:
     """How many of `times`, now added, fall within CRASH_WINDOW."""
@@ -153,21 +104,44 @@ def _recent(times: collections.deque, now: float) -> int:
     return len(times)
 
 
-class LocalWorkers(_Workers):
-    """h3kit's own launcher: this host's worker processes, children of this one (they die with it), started,
-    watched and replaced one by one; not past CRASH_LIMIT deaths within CRASH_WINDOW."""
+class LocalWorkers:
+    """h3kit's launcher: this host's worker processes, children of this one (they die with it), started, watched
+    and replaced one by one; not past CRASH_LIMIT deaths within CRASH_WINDOW. What status shows of each is `info`."""
 
     def __init__(self, spec: GroupSpec, key: str):
-        super().__init__(spec, key)
+        self.spec = spec
+        self.key = key
+        self.cwd = os.getcwd()         # the ComfyUI tree, as it was at the start: the workers run there
+        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in range(spec.local_size)]
+        self.failed = {}               # rank -> why it is not replaced again
+        self.recycled = set()          # ranks killed to replace the whole group: not crashes
+        self.stopping = False
+        self.info = {r: {"rank": r, "node": spec.node_rank, "local_rank": r % spec.local_size,
+                         "host": socket.gethostname(), "device": spec.device_name(r), "pid": None,
+                         "create_time": None, "cmdline": [], "alive": False, "restarts": 0, "last_exit": None}
+                     for r in self.ranks}
         self.procs = {}
         self.deaths = collections.defaultdict(collections.deque)
         self.killed = {}               # rank -> why this object killed it
         self.respawn_at = {}           # rank -> monotonic time its replacement starts
 
+    def recycle(self, why: str):
+        """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too), to be
+        replaced at once, not counted as a crash. The reliable reset of a rank that saw an error is a fresh process."""
+        for rank in self.ranks:
+            self.kill(rank, why, recycle=True)
+
     def spawn(self, rank: int):
         argv = [sys.executable, "-B", "-m", self.spec.worker_module, *self.spec.worker_args]
-        env = self._env(**{RANK_ENV: str(rank), LOCAL_RANK_ENV: str(rank % self.spec.local_size),
-                           PARENT_ENV: str(os.getpid())})
+        # H3KIT_SIM_DEVICES: a worker is one device, whatever the server simulates
+        env = {k: v for k, v in os.environ.items() if k != "H3KIT_SIM_DEVICES"}
+        env.update({RANK_ENV: str(rank), LOCAL_RANK_ENV: str(rank % self.spec.local_size), PARENT_ENV: str(os.getpid()),
+                    GROUP_ENV: self.spec.to_json(), KEY_ENV: self.key, "PYTHONUNBUFFERED": "1"})
+        # NCCL's watchdog ends a worker whose collective passes the group timeout: a death like any other (never the
+        # server's, which is in no collective); with 0 a collective stuck on every rank would hang while ranks beat
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        if cpu_threads(self.spec) is not None:
+            env["OMP_NUM_THREADS"] = str(cpu_threads(self.spec))
         proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
         self.procs[rank] = proc
         info = self.info[rank]
@@ -250,131 +224,14 @@ class LocalWorkers(_Workers):
                 self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
 
 
-class TorchrunWorkers(_Workers):
-    """torchrun's elastic agent as the launcher (docs/multinpu.md, "Launchers"): h3kit kills workers to make it
-    restart the group. The workers' pids come from their signed announcements in the store."""
-
-    def __init__(self, spec: GroupSpec, key: str):
-        super().__init__(spec, key)
-        self.proc = None
-        self.seen = {}       # rank -> (pid, create_time) of the announced worker last looked at
-        self.exits = collections.deque()
-        self.retry_at = None  # monotonic time torchrun is tried again after it kept ending
-
-    def argv(self) -> list:
-        s = self.spec
-        return [sys.executable, "-B", "-m", "torch.distributed.run", "--nnodes", str(s.nnodes), "--node-rank",
-                str(s.node_rank), "--nproc-per-node", str(s.local_size), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{s.master_addr}:{s.master_port + 1}", "--rdzv-id", "h3kit",
-                # node 0 hosts the rendezvous store (on one machine every node's address would match); read_timeout:
-                # docs/multinpu.md, "Why two launchers"
-                "--rdzv-conf", f"is_host={'true' if s.node_rank == 0 else 'false'},read_timeout={RDZV_READ_TIMEOUT},"
-                f"keep_alive_interval={KEEP_ALIVE},keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS},"
-                f"join_timeout={max(1, int(s.join_timeout))}",
-                "--max-restarts", str(TORCHRUN_MAX_RESTARTS), "--monitor-interval", "0.5",
-                "-m", s.worker_module, *s.worker_args]
-
-    def start(self):
-        # torchrun ends with the process that started it (its SIGTERM handler stops the workers): an orphaned
-        # elastic agent would restart workers that can never reach the driver again
-        self.proc = subprocess.Popen(self.argv(), cwd=self.cwd, env=self._env(), stdin=subprocess.DEVNULL,
-                                     close_fds=True, preexec_fn=_die_with_parent_signal)
-        logging.info(f"MultiNPU: torchrun (pid {self.proc.pid}) launches ranks {self.ranks}")
-
-    def _announced(self, rank: int):
-        """The live worker announced for rank (its signed "worker/{rank}"), else None. One gone from the store is no
-        death (a store client can delete any key): the worker seen last, while it lives, is still the rank's."""
-        info = self.ctl.peek(f"worker/{rank}")
-        if not isinstance(info, dict) and rank in self.seen:
-            info = dict(zip(("pid", "create_time"), self.seen[rank]))
-        if not isinstance(info, dict) or not _alive(info.get("pid"), info.get("create_time")):
-            return None
-        return info
-
-    def poll(self) -> list:
-        ended = []
-        for rank in self.ranks:
-            info = self._announced(rank)
-            old = self.seen.get(rank)
-            if old is not None and (info is None or (info["pid"], info.get("create_time")) != old):
-                # torchrun reaps its workers: h3kit sees no exit code, but a worker torchrun stopped noted it
-                why = ("killed by h3kit (the group is replaced)" if rank in self.recycled else
-                       termination_note(self.ctl, rank, old[0]) or "died (not stopped by torchrun: killed or crashed)")
-                self.recycled.discard(rank)
-                reason = f"{why}; torchrun restarts the group"
-                self.info[rank].update(alive=False, last_exit=reason)
-                ended.append((rank, old[0], reason))
-                self.seen.pop(rank)
-            if info is not None and self.seen.get(rank) != (info["pid"], info.get("create_time")):
-                self.seen[rank] = (info["pid"], info.get("create_time"))
-                self.info[rank]["restarts"] += self.info[rank]["pid"] is not None  # not the first one announced
-                self.info[rank].update({k: info.get(k) for k in ("pid", "create_time", "cmdline", "host")},
-                                       alive=True)
-        if self.proc is not None and self.proc.poll() is not None and not self.failed and not self.stopping:
-            # torchrun itself ended (killed, past --max-restarts, its rendezvous failed): start it again, unless
-            # it keeps ending
-            reason = _exit_reason(self.proc.returncode)
-            now = time.monotonic()
-            if _recent(self.exits, now) > CRASH_LIMIT:
-                # the group fails now (named, instead of waiting out the join timeout) and comes back by itself:
-                # torchrun is tried again after a pause (its rendezvous port was taken, its peer host was away)
-                self.retry_at = now + TORCHRUN_RETRY
-                self.failed[self.ranks[0]] = (f"torchrun ended {len(self.exits)} times within {CRASH_WINDOW:g} s "
-                                              f"(last: pid {self.proc.pid} {reason}); trying again in "
-                                              f"{TORCHRUN_RETRY:g} s")
-                logging.error(f"MultiNPU: {self.failed[self.ranks[0]]}")
-            else:
-                logging.warning(f"MultiNPU: torchrun (pid {self.proc.pid}) {reason}; starting it again")
-                self.start()
-        if self.failed and self.retry_at is not None and time.monotonic() >= self.retry_at and not self.stopping:
-            self.failed, self.retry_at = {}, None
-            self.exits.clear()
-            logging.warning("MultiNPU: starting torchrun again after its pause")
-            self.start()
-        return ended
-
-    def pid(self, rank: int):
-        info = self._announced(rank)
-        return info["pid"] if info else None
-
-    def kill(self, rank: int, why: str, recycle: bool = False):
-        info = self._announced(rank)
-        if info is None:
-            return
-        logging.error(f"MultiNPU: killing {self.spec.describe_rank(rank)} (pid {info['pid']}): {why}")
-        if recycle:
-            self.recycled.add(rank)
-        try:
-            os.kill(info["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def stop(self, grace: float = 5.0):
-        self.stopping = True
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()  # torchrun stops its workers
-        wait_or_kill(self.proc, grace + 10.0)
-
-
-def _alive(pid, create_time) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE and (create_time is None or abs(p.create_time() - create_time) < 0.01)
-    except Exception:
-        return False
-
-
 def write_ranks_file(spec: GroupSpec, role: str, state, error, generation, ranks: list, **more):
     """What `h3kit status` reads of this host's ranks (toolkit/h3kit/group.py, ranks_view), in the runtime root."""
     if not spec.runtime_root:
         return
     updated = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     data = {"role": role, "pid": os.getpid(), "updated": updated, "state": state, "error": error,
-            "generation": generation, "world_size": spec.world_size, "backend": spec.backend, "master": f"{spec.master_addr}:{spec.master_port}", "nnodes": spec.nnodes,
-            "launcher": spec.launcher, **more, "ranks": ranks}
+            "generation": generation, "world_size": spec.world_size, "backend": spec.backend,
+            "master": f"{spec.master_addr}:{spec.master_port}", "nnodes": spec.nnodes, **more, "ranks": ranks}
     path = os.path.join(spec.runtime_root, RANKS_FILE)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -443,7 +300,7 @@ class Agent:
         spec = self.spec
         ctl.put(f"node/{spec.node_rank}", {"pid": os.getpid(), "host": socket.gethostname(),
                                            "local_size": spec.local_size})
-        local = workers(spec, self.key, ctl)
+        local = LocalWorkers(spec, self.key)
         local.start()
         logging.info(f"MultiNPU: node {spec.node_rank} agent: started ranks {local.ranks}")
         last_write = 0.0

@@ -141,7 +141,7 @@ class GroupMonitor:
         if pid is not None and self.members.get(rank) != pid and self._aborted_members.get(rank) == pid:
             # a member of the generation just aborted (an idle abort, or one a load or command waits out), not one
             # h3kit killed to replace it: its death may be the root cause the abort's first death was an effect of
-            # (torchrun stops a dead worker's siblings at once), so it is kept for naming the failure
+            # (a lost host's launcher takes its workers with it), so it is kept for naming the failure
             if not launch.recycled(reason):
                 self.dead.setdefault(rank, f"pid {pid}: {reason}")
             return
@@ -337,13 +337,9 @@ class Generations:
                      f"(pids {', '.join(str(members[r]) for r in sorted(members))})")
 
     def _launcher_state(self) -> str:
-        """Who runs on each host now, for the waiting log: the ranks announced, and torchrun's pid where it runs."""
+        """Who runs on each host now, for the waiting log: the ranks announced."""
         try:
-            announced = self._announced()
-            proc = getattr(self._local, "proc", None)
-            return (f"announced {announced}" + (f", node 0's torchrun pid {proc.pid} "
-                                               f"{'running' if proc.poll() is None else f'ended {proc.returncode}'}"
-                                               if proc is not None else ""))
+            return f"announced {self._announced()}"
         except Exception as e:
             return f"announced: unreadable ({e})"
 

@@ -112,7 +112,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
                 raise
         self._store.start()
         self._connect_store()
-        self._local = launch.workers(spec, self.key, self._mon)
+        self._local = launch.LocalWorkers(spec, self.key)
         self._thread = threading.Thread(target=self._monitor, name="multinpu-monitor", daemon=True)
         self._thread.start()
         logging.info(f"MultiNPU: process group of {self.world_size} worker ranks ({spec.backend}) driven from "
@@ -132,8 +132,6 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
         self.ctl = channel.Control(channel.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
         self.ctl.put("layout", spec.layout())
         self._mon = channel.Control(channel.connect_store(spec.master_addr, self.port, spec.timeout, deadline), self.signer)
-        if self._local is not None:
-            self._local.ctl = self._mon  # TorchrunWorkers reads the workers' announcements through it
 
     def _restart_store(self):
         """The store's process died: start it again on the same socket and replace the whole group."""

@@ -39,31 +39,24 @@ HEARTBEAT_ENV = "H3KIT_HEARTBEAT_TIMEOUT"
 PROGRESS_ENV = "H3KIT_PROGRESS_TIMEOUT"
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-LAUNCHERS = ("torchrun", "h3kit")    # who starts and restarts a host's workers: TorchrunWorkers or LocalWorkers
-DEFAULT_LAUNCHER = "torchrun"        # h3kit start's default (docs/multinpu.md, "Launchers": why h3kit's stays)
 DEFAULT_JOIN_TIMEOUT = 300.0         # seconds for every rank to join a generation
-RDZV_READ_TIMEOUT = 15              # seconds: torchrun's c10d rendezvous store reads (its default is 60)
-TORCHRUN_MAX_RESTARTS = 1000         # torchrun's restart limit; the driver restarts torchrun itself past it
-TORCHRUN_RETRY = 30.0                # after torchrun ended more than CRASH_LIMIT times in CRASH_WINDOW, the pause
 WORKER_MODULE = "comfy.multinpu_worker"
 RANKS_FILE = "ranks.json"
 END = "end"                          # the command that closes a generation
 
-CHANNEL_PORT_OFFSET = 2              # the command channel's TCP listener for other hosts: master port + 2 (+ 1 is
-                                     # torchrun's rendezvous)
+CHANNEL_PORT_OFFSET = 1              # the command channel's TCP listener for other hosts: master port + 1
 HEARTBEAT_INTERVAL = 1.0
 # The failure detectors' bounds: docs/multinpu.md, "Timeouts and settings". Kernels do not hold the GIL, so a busy
 # worker keeps beating: one silent for HEARTBEAT_STALE is hung (stopped, stuck in a driver call).
 HEARTBEAT_STALE = float(os.environ.get(HEARTBEAT_ENV, "15"))
 PROGRESS_STALE = float(os.environ[PROGRESS_ENV]) if os.environ.get(PROGRESS_ENV) else None  # else progress_timeout's
 HOST_STALE = min(10.0, HEARTBEAT_STALE)  # a host whose agent has been silent this long is lost
-KEEP_ALIVE, KEEP_ALIVE_ATTEMPTS = 2, 3   # torchrun's c10d rendezvous drops a silent node after their product (s)
 LOAD_TIMEOUT = 1800.0                # the first read of the H3 weights on a worker takes minutes
 REPORTED_EXIT = 70                   # a worker that posted its error exits with this code: not a crash
 RECYCLED_EXIT = 75                   # a worker told to leave (its generation was aborted): not a crash
 TERM_EXIT = 143                      # a worker that ended on SIGTERM (watch_termination): its launcher stopped it
-# In a death's reason: this rank was ended by its launcher (torchrun stops every worker of its host when one
-# fails; a launcher that dies takes its workers with it), so it is not the root cause when another rank died
+# In a death's reason: this rank was ended by its launcher (a launcher that stops or dies takes its workers with
+# it), so it is not the root cause when another rank died
 SECONDARY = "stopped by its launcher"
 CRASH_LIMIT = 5                      # deaths of one rank within CRASH_WINDOW before it is not replaced
 CRASH_WINDOW = 120.0
@@ -97,14 +90,12 @@ class GroupSpec:
     local_rank."""
 
     FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
-              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "launcher", "channel")
+              "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "channel")
 
     def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
                  master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
                  join_timeout=DEFAULT_JOIN_TIMEOUT, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE,
-                 launcher=DEFAULT_LAUNCHER, channel=None):
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"MultiNPU: launcher {launcher!r} is not one of {LAUNCHERS}")
+                 channel=None):
         if device_type not in BACKENDS:
             raise ValueError(f"MultiNPU: device type {device_type!r} is not one of {sorted(BACKENDS)}")
         if not (nnodes >= 1 and 0 <= node_rank < nnodes and local_size >= 1):
@@ -121,7 +112,6 @@ class GroupSpec:
         self.runtime_root = runtime_root
         self.worker_args = list(worker_args)
         self.worker_module = worker_module
-        self.launcher = launcher
         self.channel = channel  # the driver's command channel (a Unix socket path; set by the driver)
 
     def channel_address(self):
@@ -473,7 +463,7 @@ def wait_or_kill(proc, seconds: float):
 
 def cpu_threads(spec: GroupSpec):
     """The intra-op threads of one rank on the CPU simulation: the host's cores divided among its local ranks
-    (torchrun's rule), so P processes do not each spin a full OpenMP team. None off the CPU, or with OMP_NUM_THREADS."""
+    (as torchrun does), so P processes do not each spin a full OpenMP team. None off the CPU, or with OMP_NUM_THREADS."""
     if spec.device_type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -481,14 +471,10 @@ def cpu_threads(spec: GroupSpec):
 
 
 def failure_detectors(spec: GroupSpec) -> dict:
-    """{what: seconds} after which each of h3kit's (and torchrun's) detectors notices a failed rank or host; every
-    one must fire before a collective gives up (docs/multinpu.md, "Timeouts and settings")."""
-    out = {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE,
-           "a rank's progress": progress_timeout(spec)}
-    if spec.launcher == "torchrun":
-        out["torchrun's rendezvous keep-alive"] = float(KEEP_ALIVE * KEEP_ALIVE_ATTEMPTS)
-        out["torchrun's rendezvous store reads"] = float(RDZV_READ_TIMEOUT)
-    return out
+    """{what: seconds} after which each of h3kit's detectors notices a failed rank or host; every one must fire
+    before a collective gives up (docs/multinpu.md, "Timeouts and settings")."""
+    return {"a rank's heartbeat": HEARTBEAT_STALE, "a host's agent heartbeat": HOST_STALE,
+            "a rank's progress": progress_timeout(spec)}
 
 
 def check_timeouts(spec: GroupSpec):

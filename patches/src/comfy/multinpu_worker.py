@@ -37,7 +37,7 @@ def bind_device(device_type: str, local_rank: int) -> torch.device:
 def main():
     comfy.multinpu_wire.die_with_parent()
     spec = comfy.multinpu_wire.GroupSpec.from_json(os.environ[comfy.multinpu_wire.GROUP_ENV])
-    rank = comfy.multinpu_group.rank_from_environment(spec)
+    rank = int(os.environ[comfy.multinpu_wire.RANK_ENV])  # set by its launcher (comfy.multinpu_launch.LocalWorkers)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s", stream=sys.stdout)
     device = bind_device(spec.device_type, rank % spec.local_size)
 

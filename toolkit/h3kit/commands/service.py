@@ -83,16 +83,12 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
               help="The rendezvous port on node 0 (0: a free one, one host only).")
 @click.option("--join-timeout", type=click.FloatRange(min=1), default=group.DEFAULT_JOIN_TIMEOUT,
               show_default=True, metavar="S", help="Seconds for every rank of the group to join before start fails.")
-@click.option("--launcher", type=click.Choice(group.LAUNCHERS), default=None,
-              help=f"Who starts and restarts this host's workers (process transport): torchrun's elastic agent, or "
-                   f"h3kit's own launcher. Default: ${group.LAUNCHER_ENV}, else {group.DEFAULT_LAUNCHER}; every host "
-                   "alike.")
 @timeout_option
 @json_option
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_COMFY_ARGS]")
 @handle_errors
 def start(comfy_home, devices, device_type, port, listen, runtime_root, python, transport, nnodes, node_rank,
-          master_addr, master_port, join_timeout, launcher, timeout, as_json, extra):
+          master_addr, master_port, join_timeout, timeout, as_json, extra):
     """Start the ComfyUI server on the given devices and wait until healthy.
 
     Sets ASCEND_RT_VISIBLE_DEVICES (npu), CUDA_VISIBLE_DEVICES (cuda) or, on cpu, runs with --cpu and
@@ -103,7 +99,7 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
     """
     ids = h3devices.parse_device_list(devices)
     kind = h3devices.resolve_device_type(device_type)
-    settings = group.resolve(kind, transport, nnodes, node_rank, master_addr, master_port, join_timeout, launcher)
+    settings = group.resolve(kind, transport, nnodes, node_rank, master_addr, master_port, join_timeout)
     listen = service.validate_listen(listen)
     if service.is_public(listen):
         err(f"h3kit: warning: listening on {listen}: ComfyUI has no authentication, anyone who reaches "
@@ -113,8 +109,7 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
                              python=python, extra_args=list(extra), group=settings)
     what = (f"the agent of node {settings.node_rank} of {settings.nnodes}" if settings.is_agent else
             f"ComfyUI on {kind} devices {h3devices.format_device_list(ids)}, port {port}")
-    how = (f", {settings.transport} transport" + (f", node 0 of {settings.nnodes}" if settings.nnodes > 1 else "")
-           + (f", workers launched by {settings.launcher}" if settings.is_process else ""))
+    how = f", {settings.transport} transport" + (f", node 0 of {settings.nnodes}" if settings.nnodes > 1 else "")
     try:  # "starting ..." is said once every check has passed: a refusal is never preceded by it
         res = service.start(root, spec, timeout=timeout, progress=_progress, announce=f"starting {what}{how}")
     except service.StartFailed as e:
@@ -253,7 +248,7 @@ def _status_lines(st: dict) -> list[str]:
         if g:
             out.append(f"process group: {g.get('state')}, generation {g.get('generation')}, {g.get('world_size')} "
                        f"ranks ({g.get('backend')}), node {g.get('node_rank')} of {g.get('nnodes')}, master "
-                       f"{g.get('master')}, launcher {g.get('launcher')}" + (f": {g.get('error')}" if g.get("error") else ""))
+                       f"{g.get('master')}" + (f": {g.get('error')}" if g.get("error") else ""))
             out += _rank_lines(g.get("ranks") or [])
         q = st.get("queue")
         out.append(f"queue: {q['running']} running, {q['pending']} pending" if q

@@ -34,8 +34,7 @@ def start_group(args):
     key = os.environ.setdefault(wire.KEY_ENV, wire.new_key())
     # the workers unpickle the DiT fault hook: h3kit reaches them through PYTHONPATH (worker.run)
     spec = wire.GroupSpec(local_size=args.npu_count, device_type=args.device_type, timeout=args.timeout,
-                          join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [],
-                          launcher="h3kit")  # a group of one host for this run only: no rendezvous to wait for
+                          join_timeout=args.timeout, worker_args=["--cpu"] if args.device_type == "cpu" else [])
     runtime = mp.start_runtime(spec, key)
     mp.wait_ready(runtime, args.timeout)
     return runtime
