@@ -140,8 +140,8 @@ class LocalWorkers:
         # NCCL's watchdog ends a worker whose collective passes the group timeout: a death like any other (never the
         # server's, which is in no collective); with 0 a collective stuck on every rank would hang while ranks beat
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        if cpu_threads(self.spec) is not None:
-            env["OMP_NUM_THREADS"] = str(cpu_threads(self.spec))
+        if (threads := cpu_threads(self.spec)) is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
         self.procs[rank] = proc
         info = self.info[rank]
