@@ -214,7 +214,7 @@ def test_close_frees_the_sockets_and_the_port(tmp_path):
 
 
 def test_the_tcp_listener_takes_the_port_asked_for_again_after_a_closed_server(tmp_path):
-    """listen_tcp binds the master port + 2 it is given (not any port), and a channel started again on it (a
+    """listen_tcp binds the master port + 1 it is given (not any port), and a channel started again on it (a
     restarted driver) gets it while the last server's closed connections are still in TIME_WAIT."""
     from tests.support.service_helpers import free_port
     port = free_port(21100, 21199)

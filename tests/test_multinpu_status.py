@@ -66,7 +66,8 @@ def test_the_runtime_gets_its_settings_and_a_free_master_port(tmp_path):
     assert (spec["local_size"], spec["master_addr"], spec["runtime_root"]) == (2, "127.0.0.1", str(tmp_path))
     assert "launcher" not in spec  # one launcher since 2026-12-02 (docs/multinpu.md, "The launcher")
     port = group.choose_port("127.0.0.1")
-    with socket.socket() as s:  # the kernel's choice, free
+    assert 1024 <= port <= 65535  # the kernel's choice (never 0, which would let any port through below)
+    with socket.socket() as s:  # and free
         s.bind(("127.0.0.1", port))
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed
 
 from comfy.multinpu_wire import (GroupError, HEARTBEAT_INTERVAL, PARENT_ENV, POLL, Signer, _die_with_parent_signal,
-                                 die_with_parent, td, wait_or_kill)
+                                 CHANNEL_PORT_OFFSET, die_with_parent, td, wait_or_kill)
 
 
 # ---- the store -----------------------------------------------------------------------------------
@@ -421,7 +421,7 @@ class ChannelServer:
         except OSError as e:
             sock.close()
             raise GroupError(f"MultiNPU: the command channel cannot listen on {addr}:{port} for the other hosts: {e}. "
-                             "Fix: free that port (the master port + 2) on this host, or choose another "
+                             f"Fix: free that port (master port + {CHANNEL_PORT_OFFSET}) on this host, or choose another "
                              "--master-port") from None
         sock.listen(64)
         self.tcp = sock
