@@ -76,7 +76,7 @@ def assert_recovers(env, home):
     return r
 
 
-INSTALL_KILLS = ["clone-made", "clone-moving:1", "journal-blobs", "journal-written",
+INSTALL_KILLS = ["clone-made", "clone-moving:1", "clone-moved", "journal-blobs", "journal-written",
                  "file-written:5", "tmp-written:8", "files-written"]
 
 

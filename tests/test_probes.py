@@ -259,8 +259,8 @@ def _arguments(p: Prober, home: StandinHome) -> None:
 # --------------------------------------------------------------------------------------------- random kills
 
 
-KILL_POINTS = {"install": ["clone-made", "clone-moving:1", "clone-moving:2", "journal-blobs", "journal-written",
-                           "tmp-written:2", "file-written:1", "file-written:6", "files-written"],
+KILL_POINTS = {"install": ["clone-made", "clone-moving:1", "clone-moving:2", "clone-moved", "journal-blobs",
+                           "journal-written", "tmp-written:2", "file-written:1", "file-written:6", "files-written"],
                "revert": ["journal-written", "tmp-written:1", "file-written:3", "file-written:8", "files-written"]}
 
 

@@ -269,6 +269,11 @@ class InstallReport:
 CLONE_PREFIX = "h3kit-clone-"
 
 
+def _clone_prefix(home: Path) -> str:
+    """The temporary clone folders of `home` sit beside it: `.NAME.h3kit-clone-*`."""
+    return f".{home.name}.{CLONE_PREFIX}"
+
+
 def _is_fresh(home: Path) -> bool:
     """Nothing installed here yet: the folder is missing, empty, or holds only h3kit's own .h3kit/ (its lock,
     a journal) without an install state."""
@@ -285,7 +290,7 @@ def _clone_into(home: Path, source: str, pin: str, data: dict, report: InstallRe
     """Clone into a temporary sibling owned by this run (a killed run's is swept by the next), check out the
     pin there, then move the entries into the home under a "clone" journal, `.git` last: the home holds a
     checkout only once every file is in place."""
-    with locks.owned_tempdir(home.parent, f".{home.name}.{CLONE_PREFIX}") as tmp:
+    with locks.owned_tempdir(home.parent, _clone_prefix(home)) as tmp:
         tree = tmp / "tree"
         log(f"cloning {source} (no checkout) ...")
         gitutil.clone_no_checkout(source, tree, progress=opts.progress)
@@ -306,6 +311,7 @@ def _clone_into(home: Path, source: str, pin: str, data: dict, report: InstallRe
             moved.append(name)  # what install() removes again if this run fails
             testhooks.point("clone-moving")
         journal.finish(home)
+        testhooks.point("clone-moved")
 
 
 def _prepare_checkout(opts: InstallOptions, source: str, pin: str, data: dict, report: InstallReport, log,
@@ -468,6 +474,9 @@ def install(opts: InstallOptions, log=_nolog) -> InstallReport:
                                               "finishes or rolls it back first")
             else:
                 recovered = _recover(home)
+                # a run killed after its clone was moved in leaves the emptied clone folder, and the home is
+                # no longer fresh, so no clone of this run sweeps it: every install does
+                locks.sweep(home.parent, _clone_prefix(home))
             fresh = _is_fresh(home)
             try:
                 return _install(opts, log, recovered, data, target, moved)

@@ -16,6 +16,7 @@ KILL_ENV = "H3KIT_TEST_KILL_AT"
 KILL_POINTS = (
     "clone-made",        # the clone is complete in its temporary folder, nothing moved into the home yet
     "clone-moving",      # after each entry of the clone is moved into the home
+    "clone-moved",       # every entry moved and the journal closed, the emptied temporary folder not yet removed
     "journal-blobs",     # the journal's copies of the files are written, journal.json is not
     "journal-written",   # journal.json is written, no file has changed yet
     "tmp-written",       # after each `.NAME.h3kit-tmp` is written, before it replaces the file
