@@ -39,14 +39,18 @@ def pytest_configure(config):
 
 
 # The files that take longest, longest first (each file alone, -n 0, after the runtime IV merge, 2026-12-02; the parity
-# files after their runs were shared per worker, test_parity_process.py split off, same day): make
+# files after their runs were shared per worker, test_parity_process.py split off, same day; from test_service_standin.py
+# on, the next tier as a timed .ci/run of 2026-12-03 measured it: 20-90 s each, which ended the run on one worker
+# while the others had nothing left): make
 # test's xdist workers take a file at a time (--dist loadfile --no-loadscope-reorder: in this order, not by test count), so a long file is never
 # the last one started while the other workers have nothing left. Files not named keep their order, after these.
 LONGEST_FIRST = ("test_multinpu_process.py", "test_multinpu_process_service.py", "test_multinpu_process_faults.py",
                  "test_parity_dit.py", "test_parity_process.py", "test_multinpu_process_hang.py", "test_int8.py",
                  "test_service_real.py", "test_multinpu_shm.py", "test_demo.py", "test_parity_te_vae.py",
                  "test_model_cache.py", "test_multinpu_te_vae.py", "test_probes.py", "test_tiny_models.py",
-                 "test_multinpu_node.py")
+                 "test_multinpu_node.py", "test_service_standin.py", "test_patch_engine.py", "test_patches_rebase.py",
+                 "test_crash_safety.py", "test_patches_rebase_upstream.py", "test_multinpu_collectives.py",
+                 "test_hostile_inputs.py", "test_multinpu_status.py")
 
 
 def pytest_collection_modifyitems(config, items):

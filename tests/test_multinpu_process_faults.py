@@ -3,7 +3,7 @@
 On gloo a rank that raises, destroys its group or dies releases its peers at once; on HCCL and NCCL nobody
 is released before the group timeout (H3_FACTS 9). H3KIT_EMULATE_NO_RELEASE=1 makes the process comm's
 gloo collectives keep those semantics: a failed collective waits out the group timeout (here 60 s) before it
-raises. Under it, on 2 and 4 ranks, each fault below must end its command in the driver well inside 30 s
+raises. Under it, on 4 ranks, each fault below must end its command in the driver well inside 30 s
 naming the rank, the next command must succeed with nobody acting, on a group of fresh processes, with the
 driver's pid unchanged and none of the old workers left running. Before the driver stopped being rank 0,
 the same exception held the command for the whole group timeout (measured: 20.1 s at a 20 s timeout,
@@ -25,10 +25,13 @@ GROUP_TIMEOUT = 60   # the collective timeout: an error seen only when it expire
 BOUND = 30           # the bound from a fault to the error
 
 
-# What differs between 2 and 4 ranks is which rank is "last" and how many peers wait.
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
-def faults(request, tmp_path_factory):
-    world = request.param
+# 4 ranks: the faulty rank is the last (3), a middle one (1) or worker rank 0, with peers on either side. The same
+# faults on 2 ranks ran here until 2026-12-03 (the last rank then also the only peer): they cost a group formation and
+# six replacements (about 30 CPU-s of the 2-core CI) and never failed apart from 4; the one-host group of
+# test_multinpu_process.py (3 ranks, gloo's own semantics) fails, kills and stops rank 2 of 3.
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    world = 4
     env = _env(H3KIT_EMULATE_NO_RELEASE="1")
     return drive(tmp_path_factory.mktemp(f"faults-{world}"), "faults", "--world", world, "--timeout",
                  GROUP_TIMEOUT, env=env, timeout=900) | {"world": world}
