@@ -200,6 +200,27 @@ def test_a_rank_whose_beats_stop_is_left_to_the_heartbeat():
         t += 1.0
 
 
+def test_a_peer_held_by_a_silent_rank_is_not_named_for_it():
+    """Rank 2 stops (SIGSTOP, a lost host) inside collective #7, a broadcast whose root, rank 0, then waits for it
+    there while rank 1 has received and waits in #8: rank 0's own beats show it behind the frontier past the bound.
+    Until 2026-12-03 the progress detector named rank 0 (seen in a loaded .ci/run with a 2 s bound under the 3 s
+    heartbeat); the silent rank is the heartbeat's to name, and nobody is named here."""
+    watch = progress.ProgressWatch(2.0)
+    beats = {0: lambda t: _p(3, 7, True, "broadcast"), 1: lambda t: _p(3, 8, True),
+             2: lambda t: _p(3, 7, True, "broadcast") if t <= 1 else None}
+    t = 0.0
+    while t <= 30:
+        for r, fn in beats.items():
+            if t == int(t) and fn(t) is not None:
+                watch.beat(r, 100 + r, fn(t), t)
+        assert watch.check({r: 100 + r for r in beats}, 1, 3, "forward", t) is None, t
+        t += 0.5
+    # the same beats with rank 2 beating on (held in a kernel inside #7): the detector names the one stuck longest
+    watch = progress.ProgressWatch(2.0)
+    t, (rank, why) = _run(watch, {0: beats[0], 1: beats[1], 2: lambda t: _p(3, 6, False)}, 30)
+    assert rank == 2 and "last completed collective #6" in why, why
+
+
 def test_a_collective_every_rank_is_stuck_in_is_named():
     watch = progress.ProgressWatch(5.0)
     t, (rank, why) = _run(watch, {0: lambda t: _p(3, 7, True, "all_to_all"), 1: lambda t: _p(3, 7, True, "all_to_all")}, 60)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import threading
 
-from comfy.multinpu_wire import PROGRESS_ENV
+from comfy.multinpu_wire import HEARTBEAT_INTERVAL, PROGRESS_ENV
 
 P2P = ("send", "recv")           # point-to-point ops: a rank in one waits for one peer, not for the group
-
-
-def _position(progress: dict) -> tuple:
-    return (progress.get("g"), progress.get("n"), progress.get("coll"), progress.get("p2p"), progress.get("inside"))
+SILENT = 1.5 * HEARTBEAT_INTERVAL  # a member whose newest beat is older has gone silent: the heartbeat's to judge
 
 
 def _in_command(progress: dict, g: int, n: int) -> bool:
@@ -50,7 +47,7 @@ class ProgressWatch:
     def beat(self, rank: int, pid: int, progress, now: float):
         if not isinstance(progress, dict):
             return
-        position = _position(progress)
+        position = tuple(progress.get(k) for k in ("g", "n", "coll", "p2p", "inside"))
         with self._lock:
             self._beats[(rank, pid)] = (progress, now)
             seen = self._since.get((rank, pid))
@@ -78,7 +75,8 @@ class ProgressWatch:
         """(rank, why) of the member that holds command n of generation g, (None, why) of a collective every
         member is stuck in, or None."""
         reports = self._reports(members, g, n, now)
-        if not reports:
+        # no verdict while a member is silent (stopped, lost): the peers it holds in a collective look stuck here
+        if not reports or any(now - newest > SILENT for _, newest, _ in reports.values()):
             return None
         waiting = {r: p for r, (p, _, _) in reports.items()
                    if _in_command(p, g, n) and p.get("inside") and p.get("op") not in P2P}
@@ -98,7 +96,9 @@ class ProgressWatch:
             hung = [r for r in behind if stuck[r] > self.bound]
             if not hung:
                 return None
-            r = max(hung, key=lambda r: (stuck[r], -r))
+            # the furthest behind holds the others: a rank inside an earlier collective waits there for it
+            r = min(hung, key=lambda r: (_in_command(reports[r][0], g, n), reports[r][0].get("coll") or 0,
+                                         bool(reports[r][0].get("inside")), -stuck[r], r))
             return r, (f"hung: no progress for {stuck[r]:.0f} s in command {n} ({name}): "
                        f"{describe(reports[r][0], g, n)}, while rank{'s' if len(peers) > 1 else ''} "
                        f"{', '.join(map(str, peers))} wait{'' if len(peers) > 1 else 's'} in {at} (progress bound "
