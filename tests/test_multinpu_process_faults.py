@@ -27,7 +27,7 @@ BOUND = 30           # the issue's bound from a fault to the error
 
 # 4 ranks: the faulty rank is the last (3), a middle one (1) or worker rank 0, with peers on either side. The same
 # faults on 2 ranks ran here until 2026-12-03 (the last rank then also the only peer): they cost a group formation and
-# six replacements (about 30 CPU-s of the 2-core CI) and never failed apart from 4; the one-host group of
+# six replacements (about 30 CPU-s of the 2-core CI) for no check the 4-rank run lacks; the one-host group of
 # test_multinpu_process.py (3 ranks, gloo's own semantics) fails, kills and stops rank 2 of 3.
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):

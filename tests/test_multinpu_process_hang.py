@@ -215,7 +215,8 @@ def test_a_peer_held_by_a_silent_rank_is_not_named_for_it():
                 watch.beat(r, 100 + r, fn(t), t)
         assert watch.check({r: 100 + r for r in beats}, 1, 3, "forward", t) is None, t
         t += 0.5
-    # the same beats with rank 2 beating on (held in a kernel inside #7): the detector names the one stuck longest
+    # rank 2 beating on, held in a kernel before #7: of the two behind since the frontier moved (a tie in time), the
+    # furthest behind is named, not the root waiting inside #7 (the lower rank, named until 2026-12-03)
     watch = progress.ProgressWatch(2.0)
     t, (rank, why) = _run(watch, {0: beats[0], 1: beats[1], 2: lambda t: _p(3, 6, False)}, 30)
     assert rank == 2 and "last completed collective #6" in why, why
