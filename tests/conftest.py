@@ -39,9 +39,9 @@ def pytest_configure(config):
 
 
 # The files that take longest, longest first (each file alone, -n 0, after the runtime IV merge, 2026-12-02; the parity
-# files after their runs were shared per worker, test_parity_process.py split off, same day; from test_service_standin.py
-# on, the next tier as a timed .ci/run of 2026-12-03 measured it: 20-90 s each, which ended the run on one worker
-# while the others had nothing left): make
+# files after their runs were shared per worker, test_parity_process.py split off, same day; from
+# test_service_standin.py on, the next tier as a timed .ci/run of 2026-12-03 measured it: 20-90 s each, which ended
+# the run on one worker while the others had nothing left): make
 # test's xdist workers take a file at a time (--dist loadfile --no-loadscope-reorder: in this order, not by test count), so a long file is never
 # the last one started while the other workers have nothing left. Files not named keep their order, after these.
 LONGEST_FIRST = ("test_multinpu_process.py", "test_multinpu_process_service.py", "test_multinpu_process_faults.py",

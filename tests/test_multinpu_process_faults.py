@@ -123,7 +123,8 @@ def test_the_workers_and_the_store_end_with_a_killed_driver(tmp_path):
 def test_a_death_after_its_load_was_reported_fails_the_load_at_once(tmp_path):
     """Issue 19's 300 s wait: while a model loads (no command in flight), rank 2 reports its load done and dies
     while rank 3 still loads. The death aborted the group as if idle, and the driver went on waiting for rank 3's
-    report (or, rank 3 dying too, for nobody) until the load timeout. Now the load fails at once naming rank 2; the next command runs."""
+    report (or, rank 3 dying too, for nobody) until the load timeout. Now the load fails at once naming rank 2; the
+    next command runs."""
     result = drive(tmp_path, "death_after_load_report", "--agent", "--nnodes", 2, "--world", 4, "--timeout",
                    GROUP_TIMEOUT, "--join-timeout", 120, "--load-timeout", 60, env=_env(H3KIT_EMULATE_NO_RELEASE="1"),
                    timeout=400)

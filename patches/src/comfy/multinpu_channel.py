@@ -421,8 +421,8 @@ class ChannelServer:
         except OSError as e:
             sock.close()
             raise GroupError(f"MultiNPU: the command channel cannot listen on {addr}:{port} for the other hosts: {e}. "
-                             f"Fix: free that port (master port + {CHANNEL_PORT_OFFSET}) on this host, or choose another "
-                             "--master-port") from None
+                             f"Fix: free that port (master port + {CHANNEL_PORT_OFFSET}) on this host, or choose "
+                             "another --master-port") from None
         sock.listen(64)
         self.tcp = sock
         self._listen(sock, tcp=True)
