@@ -27,6 +27,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -131,6 +132,44 @@ def signals_as_interrupt():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+def hold_signals():
+    """Block SIGINT and SIGTERM in this (main) thread while a child is being started; returns the mask for
+    release_signals, None off the main thread. Without it a signal that lands after the child exists and before
+    Popen returns raises out of Popen, and nobody kills the child."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+
+
+def release_signals(previous) -> None:
+    """Restore the mask hold_signals returned: a signal that came meanwhile is raised here."""
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def run_captured(cmd: list, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), except that Ctrl-C or SIGTERM at any
+    moment, also while the child is being started, kills the child before it is raised."""
+    held = hold_signals()
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                text=True, preexec_fn=None if held is None else lambda: release_signals(held))
+    except BaseException:
+        release_signals(held)
+        raise
+    with proc:
+        try:
+            release_signals(held)
+            out, errs = proc.communicate(timeout=timeout)
+        except BaseException:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, errs)
 
 
 def sigterm_as_interrupt() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import packaging.specifiers
 import packaging.version
 
+from h3kit import cliutil
 from h3kit.errors import H3kitError, UsageError
 
 PROBE = Path(__file__).with_name("envprobe.py")  # run by the interpreter being checked
@@ -42,8 +43,8 @@ def probe(python: str, packages: bool = False) -> dict:
     """envprobe's shallow answer from `python`; with `packages`, also its "packages" list."""
     hint = "give --python the interpreter that runs ComfyUI (a wrapper script must exec python \"$@\")"
     try:
-        proc = subprocess.run([python, str(PROBE)] + (["--packages"] if packages else []), capture_output=True,
-                              text=True, timeout=60)
+        # Ctrl-C or SIGTERM while the interpreter starts must not leave it running
+        proc = cliutil.run_captured([python, str(PROBE)] + (["--packages"] if packages else []), timeout=60)
     except (FileNotFoundError, PermissionError, NotADirectoryError) as e:  # bad input: no such interpreter
         raise UsageError(f"the Python interpreter {python} cannot be run: {e.strerror or e}", code="bad_python",
                          hint=hint) from None

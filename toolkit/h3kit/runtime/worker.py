@@ -12,10 +12,9 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
-from h3kit import paths, testhooks
+from h3kit import cliutil, paths, testhooks
 from h3kit.errors import H3kitError, UsageError
 
 
@@ -35,20 +34,20 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
             # Ctrl-C or SIGTERM while the worker is being started waits until `proc` exists and the cleanup
             # below is in place: else it could interrupt between the two, and the worker, in its own session,
             # would outlive h3kit holding the devices. The worker starts with the signals as they were.
-            held = _hold_signals()
+            held = cliutil.hold_signals()
             try:
                 proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=logf, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                        preexec_fn=None if held is None else lambda: _release_signals(held))
+                                        preexec_fn=None if held is None else lambda: cliutil.release_signals(held))
             except BaseException as e:  # no worker: nothing to clean up, the signals as they were
-                _release_signals(held)
+                cliutil.release_signals(held)
                 if isinstance(e, OSError):
                     raise UsageError(f"cannot run {cmd[0]}: {e}", code="bad_python",
                                      hint="pass --python with the interpreter that runs ComfyUI") from e
                 raise
             try:
                 testhooks.point("worker-started")
-                _release_signals(held)  # a signal that came meanwhile is raised here, inside the cleanup's try
+                cliutil.release_signals(held)  # a signal that came meanwhile is raised here, inside the cleanup's try
                 rc = proc.wait(timeout=timeout)
             except BaseException as e:  # a timeout, Ctrl-C or SIGTERM: the worker holds the devices
                 try:
@@ -56,7 +55,7 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
                 except ProcessLookupError:
                     pass
                 proc.wait()
-                _release_signals(held)  # (again, if what failed came before the release: harmless otherwise)
+                cliutil.release_signals(held)  # (again, if what failed came before the release: harmless otherwise)
                 if not isinstance(e, subprocess.TimeoutExpired):
                     raise
                 raise H3kitError(f"{what} did not finish within {timeout:g} s and was killed",
@@ -70,21 +69,6 @@ def run(cmd: list, *, timeout: float, what: str, timeout_code: str, env: dict | 
                              details={"log_tail": tail(log)}, hint=f"read the log above; the interpreter was {cmd[0]}")
         report["log_tail"] = tail(log)
         return report
-
-
-_HELD = {signal.SIGINT, signal.SIGTERM}
-
-
-def _hold_signals():
-    """Block SIGINT and SIGTERM in this (main) thread; returns the mask to restore, None off the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
-
-
-def _release_signals(previous) -> None:
-    if previous is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def tail(path: Path, lines: int = 40) -> list:
