@@ -299,8 +299,11 @@ def test_listen_must_be_one_ip_address(listen):
 
 def test_terminating_a_process_that_has_just_exited_is_not_an_error():
     """The server may die between the identity check and the first signal (watch meets this in a crash loop)."""
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    # the child lives until told to end, so it is identified alive (a child that ends at once can be a zombie by
+    # the time identify reads it: a loaded CI run failed so)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     ident = proc.identify(child.pid)
+    child.stdin.close()
     child.wait()
     down = proc.terminate_group(ident, grace=0.1, kill_wait=0.1)
     assert down.signals == [] and down.survivors == []
