@@ -646,3 +646,18 @@ def test_listen_on_an_address_of_another_machine_is_bad_input(home):
     r = home.start("--listen", "192.0.2.1")  # TEST-NET-1: never assigned to this machine
     assert r.returncode == 2 and "not an address of this machine" in r.stderr and "Traceback" not in r.stderr
     assert home.record() is None
+
+
+def test_a_signal_while_the_server_starts_leaves_no_server(home):
+    """SIGTERM (or Ctrl-C) that lands just after the server is started, before it is recorded and start's cleanup is
+    in place (the kill point `server-started`), waits until it is: start exits 143 and no server is left, its port
+    free. Before, the server, in its own session, outlived h3kit unrecorded, holding the port (and, on a real host,
+    the devices), and `h3kit stop` could not name it."""
+    r = home.run("start", "--devices", "0", "--device-type", "cpu", "--port", home.port, "--timeout", 60,
+                 env=dict(os.environ, H3KIT_TEST_KILL_AT="server-started:1:TERM"))
+    assert r.returncode == 143 and "Traceback" not in r.stderr, r.stderr
+    rec = home.record()
+    assert rec is not None, "the started server was not recorded"
+    assert not pid_running(rec["pid"]), "the interrupted start left its server running"
+    assert port_is_free(home.port)
+    assert not home.boots() or all(not pid_running(b["pid"]) for b in home.boots())

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -46,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import comfyargs, group, health, locks, logscan, proc, queuesave
+from h3kit import cliutil, comfyargs, group, health, locks, logscan, proc, queuesave, testhooks
 from h3kit import devices as h3devices
 from h3kit.errors import H3kitError, NotAComfyTree, UsageError
 
@@ -721,30 +722,46 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
     log = _new_log(root, f"h3kit: {datetime.datetime.now().isoformat(timespec='seconds')} starting in {home}: "
                          f"{' '.join(argv)} with {' '.join(f'{k}={v}' for k, v in shown.items())}")
     t0 = time.monotonic()
+    # Ctrl-C or SIGTERM from the server's start until the cleanup below is in place waits (else the server, in its
+    # own session, would outlive h3kit: unrecorded, holding the port and the devices); the server starts with the
+    # signals as they were
+    held = cliutil.hold_signals()
     with open(log, "ab") as out:
         try:
             child = subprocess.Popen(argv, cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-        except OSError as e:
-            raise StartFailed(f"could not run {python}: {e}", hint="check --python") from None
+                                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                     preexec_fn=None if held is None else lambda: cliutil.release_signals(held))
+        except BaseException as e:
+            cliutil.release_signals(held)
+            if isinstance(e, OSError):
+                raise StartFailed(f"could not run {python}: {e}", hint="check --python") from None
+            raise
+    testhooks.point("server-started")
     # Popen returns once exec has succeeded, so /proc already shows the server's own command line.
     try:
-        ident = proc.identify(child.pid)
-        cmdline = list(ident.cmdline) or argv
-        create_time = ident.create_time
-    except proc.PSUTIL_GONE:
-        cmdline, create_time = argv, 0.0
-    rec = Record(pid=child.pid, create_time=create_time, cmdline=cmdline, port=spec.port, listen=listen,
-                 device_type=spec.device_type, devices=list(spec.devices), python=python,
-                 comfy_home=str(home), log=str(log), extra_args=list(spec.extra_args),
-                 started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 **spec.group.as_dict())  # the port asked for: 0 on one host picks a free one at every start
-    write_record(root, rec)
-    progress(f"started pid {child.pid}: {' '.join(argv)}")
-    progress(f"log: {log}")
+        try:
+            ident = proc.identify(child.pid)
+            cmdline = list(ident.cmdline) or argv
+            create_time = ident.create_time
+        except proc.PSUTIL_GONE:
+            cmdline, create_time = argv, 0.0
+        rec = Record(pid=child.pid, create_time=create_time, cmdline=cmdline, port=spec.port, listen=listen,
+                     device_type=spec.device_type, devices=list(spec.devices), python=python,
+                     comfy_home=str(home), log=str(log), extra_args=list(spec.extra_args),
+                     started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                     **spec.group.as_dict())  # the port asked for: 0 on one host picks a free one at every start
+        write_record(root, rec)
+    except BaseException:  # not recorded: the server goes with the failure, and h3kit gets its signals back
+        os.killpg(child.pid, signal.SIGKILL)  # its own session; not reaped yet, so the pid is still its
+        child.wait()
+        cliutil.release_signals(held)
+        raise
 
     expected = None if spec.device_type == "cpu" else len(spec.devices)
     try:
+        progress(f"started pid {child.pid}: {' '.join(argv)}")
+        progress(f"log: {log}")
+        cliutil.release_signals(held)  # a signal that came meanwhile is raised here, inside the cleanup's try
         got = _wait_healthy(child, rec, expected, t0, timeout, progress, root,
                             on_poll=lambda: _follow_exec(root, rec))
         _follow_exec(root, rec)
@@ -759,6 +776,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
             proc.wait_port_free(listen, spec.port, PORT_WAIT)
         if isinstance(e, StartFailed):
             e.details = dict(e.details or {}, log=str(log), log_tail=logscan.tail(log, 25))
+        cliutil.release_signals(held)  # (again, when what failed came before the release: harmless otherwise)
         raise
     return StartResult(rec, False, time.monotonic() - t0, got.devices, stale=stale)
 

@@ -1,4 +1,4 @@
-"""Kill points: named places in install, revert and a worker's start where the tests make h3kit die.
+"""Kill points: named places in install, revert, a worker's and a server's start where the tests make h3kit die.
 
 Used only by tests. `H3KIT_TEST_KILL_AT=NAME[:N][:SIGNAL]` makes the N-th arrival (default the first) at
 kill point NAME send SIGNAL (default KILL; TERM to test the Ctrl-C path; STOP to freeze the command while
@@ -24,6 +24,7 @@ KILL_POINTS = (
     "files-written",     # every file written, the journal not yet removed
     "recovering",        # after each file a recovery puts back
     "worker-started",    # a parity or calibration worker is started, its cleanup not yet in place
+    "server-started",    # `start` has started the server, not yet recorded it, its cleanup not yet in place
 )
 _arrivals: dict[str, int] = {}
 
