@@ -152,13 +152,13 @@ def release_signals(previous) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def run_captured(cmd: list, timeout: float) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), except that Ctrl-C or SIGTERM at any
-    moment, also while the child is being started, kills the child before it is raised."""
+def run_captured(cmd: list, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **popen) (popen: cwd, env), except that
+    Ctrl-C or SIGTERM at any moment, also while the child is being started, kills the child before it is raised."""
     held = hold_signals()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                text=True, preexec_fn=None if held is None else lambda: release_signals(held))
+                                text=True, preexec_fn=None if held is None else lambda: release_signals(held), **popen)
     except BaseException:
         release_signals(held)
         raise

@@ -24,7 +24,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3kit import comfyws, devices as h3devices, group, health, locks, logscan, outputs, paths, proc, progress, service
+from h3kit import cliutil, comfyws, devices as h3devices, group, health, locks, logscan, outputs, paths, proc, progress
+from h3kit import service
 from h3kit.errors import H3kitError, UsageError
 from h3kit.paths import repo_root
 
@@ -140,8 +141,7 @@ def write_tiny_checkpoints(home: Path, python: str, weights: str = "float") -> d
               "    __import__('os').replace(tmp, path)\n")
     todo = json.dumps([[c, str(p), s] for c, (p, s) in missing.items()])
     env = dict(os.environ, PYTHONPATH=str(home))
-    proc_ = subprocess.run([python, "-c", script, todo], cwd=home, env=env, capture_output=True, text=True,
-                           timeout=900)
+    proc_ = cliutil.run_captured([python, "-c", script, todo], timeout=900, cwd=home, env=env)
     if proc_.returncode != 0:
         raise DemoFailed("writing the tiny checkpoints failed: " + (proc_.stderr.strip().splitlines() or ["?"])[-1],
                          hint=f"from {home}, PYTHONPATH={paths.package_dir().parent} {python} -m h3kit.tiny_models dit "

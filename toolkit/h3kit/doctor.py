@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3kit import devices as h3devices
-from h3kit import install, manifest, pyenv, smi
+from h3kit import cliutil, install, manifest, pyenv, smi
 from h3kit import service as h3service
 from h3kit.errors import H3kitError
 from h3kit.paths import repo_root
@@ -178,8 +178,7 @@ class _Doctor:
             env = h3service.child_environment(self.kind, self.requested, env)  # what `h3kit start` exposes
         cmd = [python, str(pyenv.PROBE), "--deep", "--device-type", self.kind]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT, env=env,
-                                  stdin=subprocess.DEVNULL)
+            proc = cliutil.run_captured(cmd, timeout=PROBE_TIMEOUT, env=env)
         except subprocess.TimeoutExpired:
             self.add("interpreter", "error", f"{python} did not answer the probe within {PROBE_TIMEOUT:g} s",
                      "a device or driver call hangs: check the driver (npu-smi info / nvidia-smi) first")
