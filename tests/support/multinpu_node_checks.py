@@ -348,7 +348,8 @@ def thread_runtime():
                            "own_copy": t.data_ptr(), "value": t.tolist(), "text": payload["text"]}
         total = comfy.multinpu.all_reduce(t, comm)
         if comm.rank == 1:
-            return group.After(lambda: after.append(len(seen)))
+            return group.After(lambda: after.append((len(seen), torch.is_inference_mode_enabled(),
+                                                     torch.is_grad_enabled())))
         return {"sum": total} if comm.rank == 0 else None
 
     def failing(context, comm, payload):
