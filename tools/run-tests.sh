@@ -42,6 +42,11 @@ if [ "$selected" -gt 0 ] && [ "$ignored_only" = "$selected" ]; then
   pythons=""
 fi
 
+# The suite runs hundreds of torch processes on a few cores: OpenMP's threads, which by default spin for a while
+# after each parallel region (libgomp's GOMP_SPINCOUNT), sleep instead, leaving the cores to the other processes.
+# Results do not change; unset, each process would burn what the others wait for.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+
 # ports: every run takes them from the one allocator (tests/support/service_helpers.py free_port: reserved by a
 # lock all runs share, checked by binding), so the parallel runs need no bands of their own
 # Each torch-free environment is built (first time on a machine: ~25 s each) inside its run's background job, so the
