@@ -25,7 +25,7 @@ import pytest
 
 from h3kit.runtime import costmodel
 from h3kit.runtime import parity_worker
-from tests.support.service_helpers import h3kit
+from tests.support.service_helpers import h3kit, pid_running, wait_for
 from tests.support import jsondoc
 from tests.support.parity_runs import run
 from tests.support import parity_runs
@@ -214,20 +214,13 @@ def _gone(pid: int, within: float) -> bool:
     """Whether `pid` has exited (a zombie counts) within `within` s; a survivor is killed, then reported."""
     import os
     import signal
-    import time
 
-    import psutil
-
-    def alive():
-        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-
-    deadline = time.monotonic() + within
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if alive():
+    try:
+        wait_for(lambda: not pid_running(pid), within, f"pid {pid} to end")
+        return True
+    except AssertionError:
         os.kill(pid, signal.SIGKILL)
         return False
-    return True
 
 
 def test_a_terminated_parity_run_takes_its_worker_with_it(installed_tree, comfy_python, tmp_path):
@@ -264,8 +257,6 @@ def test_a_signal_while_the_interpreter_starts_leaves_nothing_running(installed_
     being started or just after: h3kit exits 143 and the child is gone. Before, a signal inside Popen's start
     raised out of it with the child running and nobody to kill it (CI saw it: the test above, whose pid was then
     the probe's); with the probe run as before, this test failed 4 runs of 6 here."""
-    import time
-
     pidfile = tmp_path / "probe.pid"
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nkill -TERM $PPID\nexec sleep 300\n")
@@ -274,10 +265,8 @@ def test_a_signal_while_the_interpreter_starts_leaves_nothing_running(installed_
                            "--component", "dit", "--device-type", "cpu", "--npu-count", "2", "--python", str(fake)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
-    deadline = time.monotonic() + 10
-    while not (pidfile.is_file() and pidfile.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(int(pidfile.read_text()), 10), "the probed interpreter outlived h3kit"
+    pid = wait_for(lambda: pidfile.is_file() and pidfile.read_text().strip(), 10, "the probed interpreter's pid")
+    assert _gone(int(pid), 10), "the probed interpreter outlived h3kit"
 
 
 MAPPING = r"""
