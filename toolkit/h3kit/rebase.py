@@ -413,6 +413,7 @@ __all__ = ["replay", "Replay", "PatchResult", "FileResult", "HunkResult", "Rebas
 REPORT_JSON = "report.json"
 REPORT_TEXT = "report.txt"
 CONFLICTS_DIR = "conflicts"
+VERSION_FILE = "comfyui_version.py"  # upstream writes __version__ there at each release
 
 
 def _resolve(tree: Path, rev: str) -> str:
@@ -430,10 +431,14 @@ def _upstream_data(tree: Path, commit: str, data: dict) -> dict:
     up = dict(data["upstream"])
     up["commit"] = commit
     describe = gitutil.run(["describe", "--tags", "--always", commit], tree, check=False).stdout.strip()
-    up["describe"] = describe or commit[:12]
-    m = re.match(r"^v?(\d+\.\d+\.\d+)", describe)
+    version_file = (gitutil.read_blobs(tree, commit, [VERSION_FILE])[VERSION_FILE] or b"").decode(errors="replace")
+    # git describe needs tags, which a mirror may lack; upstream writes __version__ at each release
+    m = re.match(r"^v?(\d+\.\d+\.\d+)", describe) or re.search(r"__version__\s*=\s*[\"'](\d+\.\d+\.\d+)",
+                                                                  version_file)
     if m:
         up["version"] = m.group(1)
+    tagged = describe and not commit.startswith(describe)
+    up["describe"] = describe if tagged else f"{up.get('version', '?')}+{commit[:8]}"
     up["date"] = gitutil.run(["show", "-s", "--format=%cs", commit], tree).stdout.strip()
     return up
 
