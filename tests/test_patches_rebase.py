@@ -162,6 +162,42 @@ def test_install_off_the_pin_merges_three_way_records_it_and_verify_checks_it(re
     assert h3(runner, "verify", "--comfy-home", home).exit_code == 0
 
 
+def test_install_commit_takes_a_tag_a_branch_or_a_prefix_resolved_once_and_recorded(refreshed, upstream, runner,
+                                                                                      tmp_path):
+    up, pin = upstream
+    later = commit_change(up, "comfy/a.py", DRIFT)
+    git("tag", "-a", "-m", "release", "v9.9.9", later, cwd=up)  # annotated: the tag object is not the commit
+    git("branch", "newer", later, cwd=up)
+    home = tmp_path / "home"
+    for word in ("v9.9.9", "newer", later[:9]):
+        r = install(runner, home, "--source", up, "--commit", word, "--force")
+        assert r.exit_code == 0, (word, r.output)
+        assert payload(r)["pin"] == later and payload(r)["requested"] == word
+        state = json.loads((home / ".h3kit" / "state.json").read_text())
+        assert (state["pin"], state["commit_requested"], state["pin_verified"]) == (later, word, False)
+        assert git("rev-parse", "HEAD", cwd=home) == later
+        r = h3(runner, "verify", "--comfy-home", home, "--json")
+        assert r.exit_code == 0 and payload(r)["requested"] == word and payload(r)["pin"] == later, r.output
+        assert f"installed at commit {word} = {later[:12]}" in " ".join(payload(r)["warnings"])
+        r = h3(runner, "patches", "status", "--comfy-home", home, "--json")
+        assert payload(r)["installed"] == {"commit": later, "requested": word}
+    r = h3(runner, "verify", "--comfy-home", home)
+    assert f"is at commit {later[:9]} = {later[:12]}" in r.output
+    # the branch the source's HEAD is on is a word like any other; without --force it is refused naming both
+    r = install(runner, tmp_path / "other", "--source", up, "--commit", "newer")
+    assert r.exit_code == 1 and payload(r)["error"]["code"] == "not_the_pin"
+    assert f"--commit newer ({later[:12]}) is not the pin" in payload(r)["error"]["message"]
+    # a word the source does not hold, and one git would read as an option: exit 2 before anything is written
+    for word, code in (("no-such-branch", "no_such_revision"), ("-upload-pack=x", "bad_revision"),
+                       ("a..b", "bad_revision")):
+        r = install(runner, tmp_path / "never", "--source", up, "--commit", word, "--force")
+        assert r.exit_code == 2 and payload(r)["error"]["code"] == code, (word, r.output)
+        assert not (tmp_path / "never").exists()
+    # patches rebase resolves --onto the same way: the tag reaches the same commit
+    r = rebase(runner, up, "v9.9.9", tmp_path / "out")
+    assert r.exit_code == 0 and payload(r)["onto"] == later, r.output
+
+
 def test_the_footprint_benchmark_counts_plain_three_way_and_conflict(refreshed, upstream, tmp_path):
     up, pin = upstream
     commit_change(up, "nodes.py", (up / "nodes.py").read_text() + "\n\ndef later():\n    pass\n")  # plain

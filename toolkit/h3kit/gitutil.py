@@ -19,6 +19,7 @@ from h3kit.errors import H3kitError, UsageError
 GIT_TIMEOUT = 120        # one local git command
 CLONE_TIMEOUT = 3600     # a clone over a slow link; the local mirror takes seconds
 _SHA_RE = re.compile(r"^[0-9a-f]{7,40}$")
+_REF_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/+-]*$")  # what a tag or branch name needs here, no more
 _MISSING_BLOB_RE = re.compile(r"unable to read sha1 file of (.+?) \(([0-9a-f]{40})\)")
 
 
@@ -26,10 +27,36 @@ class GitError(H3kitError):
     code = "git"
 
 
-def check_commit_arg(commit: str) -> str:
-    if not commit or commit.startswith("-") or not _SHA_RE.match(commit.lower()):
-        raise UsageError(f"--commit {commit!r} is not a commit id", hint="give 7 to 40 hexadecimal digits")
-    return commit.lower()
+def check_revision_arg(rev: str, flag: str) -> str:
+    """`rev` as a person types it (a commit id or prefix, a tag, a branch), refused before it reaches git when it
+    could be read as an option or is no ref name git accepts."""
+    if not rev or rev.startswith("-") or not _REF_RE.match(rev) or ".." in rev or rev.endswith((".lock", "/", ".")):
+        raise UsageError(f"{flag} {rev!r} is not a revision", code="bad_revision",
+                         hint="give a commit id (7 to 40 hexadecimal digits), a tag or a branch name of the source")
+    return rev
+
+
+def resolve_revision(source: str, rev: str, flag: str) -> str:
+    """The commit `rev` names in `source` (a URL, a checkout or a bare mirror), resolved once. Hexadecimal digits
+    are a commit id or prefix, returned lowercased for the caller to complete in its clone (no network); any
+    other word is a tag, else a branch, of the source (`git ls-remote`, so a URL needs no clone). UsageError
+    `no_such_revision` when the source holds neither."""
+    check_revision_arg(rev, flag)
+    if _SHA_RE.match(rev.lower()):
+        return rev.lower()
+    if source.startswith("-"):
+        raise UsageError(f"source {source!r} would read as a git option", hint="give a URL or a path")
+    proc = run(["ls-remote", "--", source, f"refs/tags/{rev}", f"refs/tags/{rev}^{{}}", f"refs/heads/{rev}"],
+               check=False, timeout=CLONE_TIMEOUT)
+    if proc.returncode != 0:
+        raise GitError(f"cannot list the tags and branches of {source}: {proc.stderr.strip()[-400:]}",
+                       code="no_source", hint="give --source (or H3KIT_COMFY_SOURCE) a git URL or a local mirror")
+    refs = dict(reversed(line.split("\t", 1)) for line in proc.stdout.splitlines() if "\t" in line)
+    for ref in (f"refs/tags/{rev}^{{}}", f"refs/tags/{rev}", f"refs/heads/{rev}"):  # an annotated tag: its commit
+        if ref in refs:
+            return refs[ref]
+    raise UsageError(f"{flag} {rev!r}: {source} holds no tag or branch of that name", code="no_such_revision",
+                     hint=f"give a commit id, tag or branch the source holds (git ls-remote {source})")
 
 
 def _env() -> dict:

@@ -261,6 +261,7 @@ class InstallReport:
     models_dirs: list[str] = field(default_factory=list)
     python_packages: int = 0
     merge: dict | None = None  # off the pin: {"onto", "base", "patches": [{"patch", "how": "plain"|"3-way"}]}
+    requested: str | None = None  # --commit as given (a tag, branch or prefix); pin is the commit it resolved to
 
     def to_dict(self) -> dict:
         return {"ok": True, **self.__dict__}
@@ -558,6 +559,8 @@ def _new_state(state: dict | None, report: InstallReport, target: _Target, sourc
         new_state["models_dirs"] = report.models_dirs
     if report.merge is not None:
         new_state["merge"] = report.merge
+    if report.requested is not None:
+        new_state["commit_requested"] = report.requested
     if state is not None and {k: v for k, v in state.items() if k != "installed_at"} == \
             {k: v for k, v in new_state.items() if k != "installed_at"}:
         new_state["installed_at"] = state.get("installed_at")  # nothing else changed: a no-op writes nothing
@@ -566,9 +569,11 @@ def _new_state(state: dict | None, report: InstallReport, target: _Target, sourc
 
 @dataclass(frozen=True)
 class _Target:
-    """The commit to install: the pin h3kit's series is verified on, or the one --commit --force named."""
+    """The commit to install: the pin h3kit's series is verified on, or the one --commit --force named (`requested`:
+    the word given, a tag, branch or commit prefix, resolved once against the source)."""
     verified: str
     commit: str
+    requested: str | None = None
 
     @property
     def is_pin(self) -> bool:
@@ -579,15 +584,16 @@ def _target(opts: InstallOptions, data: dict) -> _Target:
     pin = manifest.pin(data)
     if not opts.commit:
         return _Target(pin, pin)
-    commit = gitutil.check_commit_arg(opts.commit)
+    commit = gitutil.resolve_revision(resolve_source(opts.source, data), opts.commit, "--commit")
     if pin.startswith(commit):
-        return _Target(pin, pin)
+        return _Target(pin, pin, opts.commit)
     if not opts.force:
-        raise InstallRefused(f"--commit {commit} is not the pin {pin[:12]} that h3kit's patch series is "
+        named = commit[:12] if commit.startswith(opts.commit.lower()) else f"{opts.commit} ({commit[:12]})"
+        raise InstallRefused(f"--commit {named} is not the pin {pin[:12]} that h3kit's patch series is "
                              "verified on", code="not_the_pin",
                              hint="leave --commit out; or add --force to install that commit anyway (it is "
                                   "recorded as not the verified pin, and verify checks the tree against it)")
-    return _Target(pin, commit)
+    return _Target(pin, commit, opts.commit)
 
 
 def _interpreter(opts: InstallOptions) -> str:
@@ -643,7 +649,7 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
     source = resolve_source(opts.source, data)
     pin = target.commit
     report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=pin, dry_run=opts.dry_run,
-                           pin_verified=target.is_pin, recovered=recovered)
+                           pin_verified=target.is_pin, recovered=recovered, requested=target.requested)
     if recovered:
         report.warnings.append(journal.Recovery(**recovered).describe())
     if not report.pin_verified:
@@ -811,7 +817,8 @@ def _verify(comfy_home: Path, stack) -> dict:
         problems.append("no install state (.h3kit/state.json): this tree was not installed by h3kit")
     elif state.get("pin_verified") is False and state.get("pin"):
         pin = state["pin"]  # installed with --commit --force: checked against what was installed
-        warnings.append(f"installed at commit {pin[:12]} (--commit --force), not the pin "
+        asked = f"{state['commit_requested']} = " if state.get("commit_requested") else ""
+        warnings.append(f"installed at commit {asked}{pin[:12]} (--commit --force), not the pin "
                         f"{manifest.pin(data)[:12]} h3kit's patch series is verified on")
     head = gitutil.head(home)
     if head != pin:
@@ -888,7 +895,8 @@ def _verify(comfy_home: Path, stack) -> dict:
             warnings.append(f"local change outside the series: {code.strip()} {rel}")
     return {"ok": not problems, "comfy_home": str(home), "pin": pin, "head": head, "problems": problems,
             "warnings": warnings, "patches": [p.name for p in series.patches],
-            "pin_verified": pin == manifest.pin(data), "recovered": recovered, "models": models,
+            "pin_verified": pin == manifest.pin(data), "requested": (state or {}).get("commit_requested"),
+            "recovered": recovered, "models": models,
             "python_drift": python_drift}
 
 

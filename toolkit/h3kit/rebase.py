@@ -416,15 +416,14 @@ CONFLICTS_DIR = "conflicts"
 VERSION_FILE = "comfyui_version.py"  # upstream writes __version__ there at each release
 
 
-def _resolve(tree: Path, rev: str) -> str:
-    if not rev or rev.startswith("-"):
-        raise UsageError(f"--onto {rev!r} is not a revision", hint="give a commit id or a branch name")
-    for cand in (rev, f"origin/{rev}", f"refs/remotes/origin/{rev}"):
-        proc = gitutil.run(["rev-parse", "--verify", "--quiet", f"{cand}^{{commit}}"], tree, check=False)
-        if proc.returncode == 0:
-            return proc.stdout.strip()
-    raise UsageError(f"the source holds no commit or branch {rev!r}", code="no_such_revision",
-                      hint="give a commit id or branch name the source holds (git ls-remote SOURCE)")
+def _resolve(tree: Path, source: str, rev: str) -> str:
+    """`rev` as install --commit resolves it (gitutil.resolve_revision), a prefix completed in the clone."""
+    commit = gitutil.resolve_revision(source, rev, "--onto")
+    proc = gitutil.run(["rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"], tree, check=False)
+    if proc.returncode != 0:
+        raise UsageError(f"--onto {rev!r}: the source holds no commit {commit}", code="no_such_revision",
+                         hint="give a commit id, tag or branch the source holds (git ls-remote SOURCE)")
+    return proc.stdout.strip()
 
 
 def _upstream_data(tree: Path, commit: str, data: dict) -> dict:
@@ -501,7 +500,7 @@ def rebase_onto(root: Path, data: dict, series: Series, onto: str, source: str, 
         tree = tmp / "upstream"
         log(f"cloning {source} (no checkout) ...")
         gitutil.clone_no_checkout(source, tree, progress=progress)
-        commit = _resolve(tree, onto)
+        commit = _resolve(tree, source, onto)
         if not gitutil.has_commit(tree, pin):
             raise RebaseError(f"{source} does not hold the pin {pin[:12]} the series was made on", code="pin_missing",
                               hint="use a mirror that holds both the pin and the new commit")

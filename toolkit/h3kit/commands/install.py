@@ -18,9 +18,11 @@ def _log(msg: str) -> None:
 @click.option("--source", metavar="URL_OR_PATH",
               help="Git URL or local mirror of ComfyUI holding the pin (default: $H3KIT_COMFY_SOURCE, "
                    "else the public URL).")
-@click.option("--commit", metavar="SHA",
-              help="Install another commit than the pin (with --force): where the series does not apply as it is, "
-                   "it is merged three-way against the pin's files; a conflict names each hunk and changes nothing.")
+@click.option("--commit", metavar="REV",
+              help="Install another commit than the pin (with --force): a commit id or prefix, a tag or a branch of "
+                   "the source, resolved once and recorded with the word given. Where the series does not apply as "
+                   "it is, it is merged three-way against the pin's files; a conflict names each hunk and changes "
+                   "nothing.")
 @click.option("--python", metavar="PY", type=click.Path(dir_okay=False),
               help="The interpreter that will run ComfyUI (default: the one the last install of this tree "
                    "recorded, else this one).")
@@ -100,7 +102,9 @@ def verify(comfy_home, as_json):
             click.echo(f"models folder {d}: " + (", ".join(f"{k} {len(v)} file(s)" for k, v in files.items())
                                                  or "no model file yet"))
         if result["ok"]:
-            click.echo(f"OK: {result['comfy_home']} is at the pin {result['pin'][:12]} with "
+            at = (f"commit {result['requested']} = {result['pin'][:12]}" if result["requested"]
+                  else f"the pin {result['pin'][:12]}")
+            click.echo(f"OK: {result['comfy_home']} is at {at} with "
                        f"{len(result['patches'])} patches applied and its installed files intact.")
         else:
             click.echo(f"{len(result['problems'])} problem(s) in {result['comfy_home']}:")

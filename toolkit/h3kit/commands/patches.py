@@ -175,6 +175,7 @@ def status(comfy_home, as_json):
     Exit 0 only when every patch is applied."""
     from pathlib import Path
 
+    from h3kit.install import load_state
     from h3kit.patches import Series, plan_forward, read_tree_files
     from h3kit.paths import repo_root
 
@@ -184,9 +185,14 @@ def status(comfy_home, as_json):
         raise NotAComfyTree(tree)
     plan = plan_forward(series, read_tree_files(tree, series.touched_files()))
     applied = all(s.state == "applied" for s in plan.states)
+    state = load_state(tree) or {}
+    installed = {"commit": state.get("pin"), "requested": state.get("commit_requested")}
     if as_json:
-        emit_json({"patches": [s.to_dict() for s in plan.states]}, ok=applied)
+        emit_json({"patches": [s.to_dict() for s in plan.states], "installed": installed}, ok=applied)
     else:
+        if installed["commit"]:
+            asked = f" (--commit {installed['requested']})" if installed["requested"] else ""
+            click.echo(f"installed at {installed['commit'][:12]}{asked}")
         for s in plan.states:
             click.echo(f"{s.state:9} {s.name}")
             for f in s.failures:
