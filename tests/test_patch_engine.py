@@ -421,7 +421,7 @@ def test_non_git_folder_and_bad_commit_are_refused(refreshed, upstream, runner, 
     assert r.exit_code == 1 and "not a git checkout" in payload(r)["error"]["message"]
     assert (home / "notes.txt").read_text() == "mine\n"
     r = runner.invoke(main, ["install", "--comfy-home", str(tmp_path / "x"), "--commit", "--upload-pack=evil"])
-    assert r.exit_code == 2 and "not a commit id" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "is not a revision" in r.output and "Traceback" not in r.output
 
 
 def test_missing_source_is_a_clear_error(refreshed, runner, tmp_path):
