@@ -37,4 +37,22 @@ class H3kitSaveTensors:
         return {"ui": {"tensors": [{"filename": file, "subfolder": subfolder, "type": "output"}]}}
 
 
-NODE_CLASS_MAPPINGS = {"H3kitSaveTensors": H3kitSaveTensors}
+class H3kitSaveLatents(H3kitSaveTensors):
+    """The sampled video and audio latents alone (fp32), for the node matrix: no decode spent on what it compares."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "filename_prefix": ("STRING", {"default": "h3kit_latents/av"})}}
+
+    def save(self, samples, filename_prefix):
+        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix,
+                                                                               folder_paths.get_output_directory())
+        file = f"{name}_{counter:05}_.safetensors"
+        video_latent, audio_latent = samples["samples"].tensors
+        comfy.utils.save_torch_file({"video_latent": video_latent.float().cpu().contiguous(),
+                                     "audio_latent": audio_latent.float().cpu().contiguous()},
+                                    os.path.join(folder, file))
+        return {"ui": {"tensors": [{"filename": file, "subfolder": subfolder, "type": "output"}]}}
+
+
+NODE_CLASS_MAPPINGS = {"H3kitSaveTensors": H3kitSaveTensors, "H3kitSaveLatents": H3kitSaveLatents}

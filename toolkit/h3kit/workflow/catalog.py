@@ -1,7 +1,7 @@
 """What check-workflow knows about node types: inputs, widget order, outputs.
 
 The packaged catalogue `pin_nodes.json` is a compact copy of `GET /object_info` from the pinned ComfyUI
-(bd34f338, booted on CPU; built-in nodes from nodes.py and comfy_extras/, the API nodes left out). It is
+(the pin in source_deps_info.json, booted on CPU; built-in nodes from nodes.py and comfy_extras/, the API nodes left out). It is
 generated, never hand-edited: `python -m h3kit.workflow.catalog http://127.0.0.1:PORT` rewrites it, and
 tests/test_check_workflow_catalog.py compares it with a live pin server when one can be booted.
 
@@ -213,12 +213,12 @@ def _small(value) -> bool:
 
 def refresh(url: str, path: str = PIN_CATALOG) -> int:
     """Rewrite the packaged catalogue from a pin server's /object_info (maintainers only)."""
-    from h3kit import health
+    from h3kit import health, manifest
 
     info = health.request_json(url.rstrip("/") + "/object_info", timeout=60)
-    nodes = compact_object_info(info, skip_modules=("comfy_api_nodes", "custom_nodes"))
+    nodes = compact_object_info(info, skip_modules=("comfy_api_nodes", "custom_nodes", "comfy_extras.nodes_multinpu"))  # the series: _H3KIT_NODES
     data = {
-        "source": "GET /object_info of ComfyUI bd34f338ac505ea79e43968753968a464060e609 on CPU, "
+        "source": f"GET /object_info of ComfyUI {manifest.pin(manifest.load())} on CPU, "
                   "compacted by h3kit.workflow.catalog.compact_object_info (API and custom nodes left out)",
         "nodes": dict(sorted(nodes.items())),
     }
