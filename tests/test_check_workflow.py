@@ -27,6 +27,51 @@ NESTED = load_data("ui_nested_subgraphs.json")
 SHIPPED = sorted((ROOT / "workflows").glob("*.json"))
 
 
+# ------------------------------------------------------------------------------------- MiniMaxH3AddGuide
+
+def _with_guide(frame_idx=61, image=True, audio=False, vae=True, audio_vae=True) -> dict:
+    """The reference prompt with a MiniMaxH3AddGuide (upstream since 0.33.0) between the conditioning and the guider."""
+    p = deep(API)
+    p["20"] = {"class_type": "LoadImage", "inputs": {"image": "guide.png"}}
+    p["21"] = {"class_type": "LoadAudio", "inputs": {"audio": "guide.wav"}}
+    inputs = {"positive": ["7", 0], "latent": ["7", 1], "frame_idx": frame_idx}
+    inputs.update({"image": ["20", 0]} if image else {}, **({"audio": ["21", 0]} if audio else {}))
+    inputs.update({"vae": ["6", 2]} if vae else {}, **({"audio_vae": ["6", 3]} if audio_vae else {}))
+    p["22"] = {"class_type": "MiniMaxH3AddGuide", "inputs": inputs}
+    p["8"]["inputs"]["conditioning"] = ["22", 0]
+    return p
+
+
+@pytest.mark.parametrize("guide, expected", [
+    (dict(), []),
+    (dict(frame_idx=-124), []),                      # the first of 124 frames, counted from the end
+    (dict(frame_idx=123, audio=True), []),
+    (dict(frame_idx=124), [("H3207", "22")]),        # one past the last frame
+    (dict(frame_idx=-125), [("H3207", "22")]),
+    (dict(image=False), [("H3205", "22")]),
+    (dict(vae=False), [("H3206", "22")]),
+    (dict(image=False, audio=True, audio_vae=False), [("H3206", "22")]),
+], ids=["middle", "negative-first", "last-with-audio", "past-the-end", "before-the-start", "nothing", "image-no-vae",
+        "audio-no-vae"])
+def test_add_guide_mistakes_are_caught_before_the_models_load(tmp_path, guide, expected):
+    result = check_doc(tmp_path, _with_guide(**guide), devices="0,1,2,3")
+    assert found(result) == expected, messages(result)
+
+
+def test_add_guides_count_in_the_tier_memory(tmp_path):
+    """A guide's frames and audio join the packed sequence (h3kit plan --guide): they count in H3109's estimate."""
+    from h3kit.runtime import costmodel
+    plain = costmodel.plan(1344, 768, 124, 4, weights="bf16")["memory_per_device"]["total"]
+    guided = costmodel.plan(1344, 768, 124, 4, weights="bf16", guides=((1, 0), (0, 63 / 24)))
+    assert guided["segments"]["cond"] == 48 * 84 // 4 and guided["segments"]["cond_audio"] == 2 * 105
+    card = (plain + guided["memory_per_device"]["total"]) / 2 / 1e9  # fits the plain prompt, not the guided one
+    plain_doc, doc = deep(API), _with_guide(frame_idx=61, audio=True)
+    for d in (plain_doc, doc):
+        d["6"]["inputs"]["weights"] = "replicated"  # auto would shard where the replica does not fit
+    assert found(check_doc(tmp_path, plain_doc, devices="0,1,2,3", device_memory=card), "H3109") == []
+    assert found(check_doc(tmp_path, doc, devices="0,1,2,3", device_memory=card), "H3109") == [("H3109", "6")]
+
+
 # ------------------------------------------------------------------------------------------ API format
 
 def test_api_reference_prompt_is_clean(tmp_path):

@@ -4,6 +4,8 @@ against a real parallel run in tests/test_parity_dit.py."""
 
 from __future__ import annotations
 
+import json
+
 import subprocess
 import sys
 
@@ -237,3 +239,18 @@ def test_the_tier_table_in_the_docs_is_the_commands():
         out = CliRunner().invoke(main, ["plan", "--width", "1344", "--height", "768", "--frames", str(frames),
                                         "--tiers"]).output
         assert out.strip() in doc, f"docs/deployment.md lacks the current tier table for {frames} frames"
+
+
+def test_plan_counts_add_guide_anchors(runner):
+    """MiniMaxH3AddGuide: an image is one latent frame of tokens, a 22-frame clip is encoded like a 22-frame video
+    (7 latent frames), and audio adds two rows per audio latent (40 a second), cropped to the video's length."""
+    base = ["plan", "--width", "1344", "--height", "768", "--frames", "124", "--npu-count", "4"]
+    result = runner.invoke(main, [*base, "--guide", "1", "--guide", "22", "--guide-audio", "2", "--guide-audio", "60"])
+    assert result.exit_code == 0, result.output
+    per_frame = 48 * 84 // 4
+    assert f"cond {8 * per_frame}, cond_audio {2 * (80 + 207)}," in result.output  # 60 s cropped to the 207 latents
+    assert "3 AddGuide anchor(s)" not in result.output and "4 AddGuide anchor(s)" in result.output
+    result = runner.invoke(main, [*base, "--guide", "5", "--json"])
+    plan = json.loads(result.output)["data"]["plans"][0]
+    assert plan["segments"]["cond"] == 2 * per_frame and plan["guides"] == [[5, 0]]
+    assert runner.invoke(main, [*base, "--guide", "0"]).exit_code == 2

@@ -160,6 +160,12 @@ def _verdict(row) -> str:
               help="Prompt length in Qwen tokens (an assumption: it shifts the sequence by that much).")
 @click.option("--keyframes", type=click.Choice(["0", "1", "2"]), default="0", show_default=True,
               help="fl2va keyframes (first and/or last frame), each adding one latent frame of tokens.")
+@click.option("--guide", "guide_frames", type=click.IntRange(min=1), multiple=True, metavar="FRAMES",
+              help="A MiniMaxH3AddGuide image (1) or clip (17k+5 frames) anchored in the video: its latent frames "
+                   "join the sequence. Repeat it for chained guides.")
+@click.option("--guide-audio", type=click.FloatRange(min=0, min_open=True), multiple=True, metavar="SECONDS",
+              help="A MiniMaxH3AddGuide audio anchor of that many seconds (cropped to the video): two rows per "
+                   "audio latent join the sequence. Repeatable.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--cfg", "guider", flag_value="cfg", default="basic",
               help="A CFG guider (CFGGuider, KSampler with cfg > 1): two forwards per step, cond and uncond. "
@@ -187,8 +193,8 @@ def _verdict(row) -> str:
                    "this geometry (docs/deployment.md).")
 @json_option
 @handle_errors
-def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider, tflops, link_gbs, calibration,
-         weights, sharding, device_memory, tiers, as_json):
+def plan(width, height, frames, npu_count, text_tokens, keyframes, guide_frames, guide_audio, dtype, guider, tflops,
+         link_gbs, calibration, weights, sharding, device_memory, tiers, as_json):
     """Print the sequence-parallel cost model for a resolution and device count.
 
     For the real H3 DiT (50 blocks, hidden 5376, 56x128 heads, ffn 14336): the packed sequence, tokens
@@ -213,11 +219,12 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider
         raise UsageError("--calibration replaces --tflops and --link-gbs", hint="give one or the other")
     measured = calibration_lib.load(calibration) if calibration else None
     memory = device_memory[0] if device_memory else None
+    guides = tuple((f, 0) for f in guide_frames) + tuple((0, a) for a in guide_audio)
     try:
         if tiers:
             memories = list(device_memory) or [64.0, 32.0]
             rows = tier_rows(width, height, frames, text_tokens, int(keyframes), guider, memories,
-                             counts=counts or None)
+                             counts=counts or None, guides=guides)
             if as_json:
                 emit_json({"width": width, "height": height, "frames": costmodel.align_frame_count(frames),
                            "tiers": rows})
@@ -225,13 +232,13 @@ def plan(width, height, frames, npu_count, text_tokens, keyframes, dtype, guider
                 click.echo(tier_table(rows, memories))
             return
         plans = [costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=int(keyframes),
-                                dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider, weights=weights,
+                                guides=guides, dtype=dtype, tflops=tflops, link_gbs=link_gbs, guider=guider, weights=weights,
                                 sharding=sharding, device_memory_gb=memory) for n in counts]
     except ValueError as e:
         raise UsageError(str(e), hint="H3 needs width and height in multiples of 32 (e.g. 1344x768, 736 not 720)")
     if measured is not None:
         one = costmodel.plan(width, height, frames, 1, text_tokens=text_tokens, keyframes=int(keyframes), dtype=dtype,
-                             guider=guider)
+                             guider=guider, guides=guides)
         calibration_lib.apply_all(plans, one, measured)
     if as_json:
         emit_json({"model": costmodel.H3, "plans": plans})
@@ -253,12 +260,13 @@ def format_plans(plans) -> list:
     lt, lh, lw = p0["latent"]
     lines = [
         f"MiniMax H3 DiT, {p0['width']}x{p0['height']}, {p0['frames']} frames, {p0['dtype']}, "
-        f"{'fl2va, %d keyframe(s)' % p0['keyframes'] if p0['keyframes'] else 't2va'}, "
+        f"{'fl2va, %d keyframe(s)' % p0['keyframes'] if p0['keyframes'] else 't2va'}"
+        f"{', %d AddGuide anchor(s)' % len(p0['guides']) if p0['guides'] else ''}, "
         f"{'BasicGuider, 1 forward' if p0['forwards_per_step'] == 1 else 'CFG guider, 2 forwards'} per step",
         f"latents: video {lt}x{lh}x{lw} (T x H x W), audio {p0['audio_latents']} x 2 channels; "
         f"text {p0['text_tokens']} tokens (assumed)",
         f"packed sequence S = {p0['seq_len']} tokens: text {seg['text']}, cond {seg['cond']}, "
-        f"audio {seg['audio']}, video {seg['video']}",
+        f"cond_audio {seg['cond_audio']}, audio {seg['audio']}, video {seg['video']}",
         "",
     ]
 
@@ -313,7 +321,7 @@ TIER_COUNTS = (1, 2, 4, 8)
 
 
 def tier_rows(width, height, frames, text_tokens=costmodel.DEFAULT_TEXT_TOKENS, keyframes=0, guider="basic",
-              memories=(64.0, 32.0), counts=None) -> list:
+              memories=(64.0, 32.0), counts=None, guides=()) -> list:
     """Every tier (1/2/4/8 devices, or only `counts`, x bf16/int8 weights x replicated/sharded) of one
     geometry: its memory per device, whether it fits each card size, and the weight gathers per step."""
     rows = []
@@ -321,7 +329,7 @@ def tier_rows(width, height, frames, text_tokens=costmodel.DEFAULT_TEXT_TOKENS, 
         for weights in ("bf16", "int8"):
             for sharding in costmodel.SHARDINGS if n > 1 else ("replicated",):
                 p = costmodel.plan(width, height, frames, n, text_tokens=text_tokens, keyframes=keyframes,
-                                   guider=guider, weights=weights, sharding=sharding)
+                                   guides=guides, guider=guider, weights=weights, sharding=sharding)
                 need = p["memory_per_device"]["total"]
                 rows.append({"npu_count": n, "weights": weights, "sharding": sharding, "memory_per_device": need,
                              "weights_per_device": p["memory_per_device"]["weights"],

@@ -65,9 +65,21 @@ def video_latent_t(frames: int) -> int:
     return 2 if frames <= 5 else ((frames - 5) // CLIP_FRAMES) * CLIP_LATENTS + 2
 
 
+def guide_latent_t(frames: int) -> int:
+    """Latent frames of one MiniMaxH3AddGuide image or clip: an image (fewer than 5 frames: the node keeps the
+    first) is one; a clip is cropped down to 17k+5 frames and encoded like a video of that length."""
+    if frames < 5:
+        return 1
+    while frames % CLIP_FRAMES != 5:
+        frames -= 1
+    return video_latent_t(frames)
+
+
 def packed_sequence(width: int, height: int, frames: int, text_tokens: int = DEFAULT_TEXT_TOKENS,
-                    keyframes: int = 0) -> dict:
-    """The packed token counts [text | keyframe cond | audio | video] for one generation (t2va, or fl2va with keyframes)."""
+                    keyframes: int = 0, guides: tuple = ()) -> dict:
+    """The packed token counts [text | cond | cond_audio | audio | video] for one generation: t2va, fl2va with
+    keyframes (first and/or last frame), and MiniMaxH3AddGuide anchors, `guides` as (frames, audio_seconds) pairs
+    (frames 0: audio only; 1: an image; 17k+5: a clip; audio cropped to the video's length, as the node does)."""
     if width % 32 or height % 32:
         raise ValueError(f"width and height must be multiples of 32 (got {width}x{height})")
     if keyframes not in (0, 1, 2):
@@ -77,7 +89,10 @@ def packed_sequence(width: int, height: int, frames: int, text_tokens: int = DEF
     pt, ph, pw = H3["patch"]
     per_frame = (lh // ph) * (lw // pw)
     audio_t = round(frames / FPS * AUDIO_LATENTS_PER_S)
-    seg = {"text": text_tokens, "cond": keyframes * per_frame, "audio": 2 * audio_t, "video": (lt // pt) * per_frame}
+    guide_frames = sum(guide_latent_t(f) for f, _ in guides if f)
+    guide_audio = sum(min(audio_t, math.ceil(a * AUDIO_LATENTS_PER_S)) for _, a in guides if a)
+    seg = {"text": text_tokens, "cond": (keyframes + guide_frames) * per_frame, "cond_audio": 2 * guide_audio,
+           "audio": 2 * audio_t, "video": (lt // pt) * per_frame}
     return {"frames": frames, "latent": [lt, lh, lw], "audio_latents": audio_t, "segments": seg,
             "seq_len": sum(seg.values())}
 
@@ -194,14 +209,14 @@ def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict =
 def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS,
          keyframes: int = 0, dtype: str = "bf16", tflops: float = None, link_gbs: float = None,
          guider: str = "basic", weights: str = None, sharding: str = "replicated",
-         device_memory_gb: float = None) -> dict:
+         device_memory_gb: float = None, guides: tuple = ()) -> dict:
     """The whole model for one configuration. guider "basic" (one forward per step) or "cfg" (two). tflops
     (effective per device) and link_gbs (exchange GB/s per device) are optional calibrations; with them the
     plan predicts seconds per step. weights (default dtype; "int8") and sharding ("replicated", "sharded")
     size the weights on each device and the extra bytes the sharded weights' gathers move per step;
     device_memory_gb (a card's memory) adds whether the tier fits and its headroom ("fit")."""
     forwards = FORWARDS_PER_STEP[guider]
-    seq = packed_sequence(width, height, frames, text_tokens, keyframes)
+    seq = packed_sequence(width, height, frames, text_tokens, keyframes, guides)
     s_len = seq["seq_len"]
     e = DTYPE_BYTES[dtype]
     ex = exchange_elements(s_len, world, hidden=H3["hidden"], heads=H3["heads"], head_dim=H3["head_dim"],
@@ -209,7 +224,8 @@ def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int =
     flops = flops_per_device(s_len, world)
     out = {
         "width": width, "height": height, "frames": seq["frames"], "npu_count": world, "dtype": dtype,
-        "text_tokens": text_tokens, "keyframes": keyframes, "latent": seq["latent"],
+        "text_tokens": text_tokens, "keyframes": keyframes, "guides": [list(g) for g in guides],
+        "latent": seq["latent"],
         "audio_latents": seq["audio_latents"], "segments": seq["segments"], "seq_len": s_len,
         "tokens_per_device": shard_sizes(s_len, world), "attention": ex["attention"],
         "guider": guider, "forwards_per_step": forwards,

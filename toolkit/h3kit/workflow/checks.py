@@ -29,6 +29,7 @@ CONFIG = "MultiNPUParallelConfig"
 NPU_COUNTS = (1, 2, 4, 8)  # the node's npu_count choices (8: an 8-card service or a group of hosts)
 WEIGHTS_CHOICES = ("auto", "replicated", "sharded")  # the node's weights choices (a missing value is auto)
 GEOMETRY_NODES = ("EmptyMiniMaxH3LatentAV", "MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo")
+GUIDE = "MiniMaxH3AddGuide"  # upstream since 0.33.0: anchors an image, a clip and/or audio at frame_idx
 H3_NODES = frozenset({*GEOMETRY_NODES, "MiniMaxH3SigmaShift", CONFIG})
 SAMPLING_NODES = frozenset({"KSampler", "KSamplerAdvanced", "SamplerCustom", "SamplerCustomAdvanced"})
 MODEL_FLOW_TYPES = frozenset({"MODEL", "GUIDER", "*", "COMFY_MATCHTYPE_V3"})
@@ -83,8 +84,8 @@ class Context:
 
 def run_checks(graph: Graph, ctx: Context) -> list:
     index = _Index(graph, ctx)
-    for check in (check_structure, check_parallel_config, check_geometry, check_turbo_lora, check_samplers,
-                  check_audio_vae, check_single_device_load, check_tier_fits, check_install):
+    for check in (check_structure, check_parallel_config, check_geometry, check_guides, check_turbo_lora,
+                  check_samplers, check_audio_vae, check_single_device_load, check_tier_fits, check_install):
         check(graph, ctx, index)
     return graph.findings
 
@@ -433,6 +434,63 @@ def check_geometry(graph: Graph, ctx: Context, index: _Index):
                  f"{snapped} ({snapped / FPS:.1f} s at {FPS} fps): set {snapped}{alt} to get what you ask for")
 
 
+def _guide_video(graph: Graph, node: Node):
+    """(the geometry node whose latent a MiniMaxH3AddGuide anchors into, its frame count), or (None, None)."""
+    link = resolve.link_source(graph, node.inputs.get("latent"))
+    src = graph.nodes.get(link.node) if link is not None else None
+    if src is None or src.class_type not in GEOMETRY_NODES:
+        return None, None
+    length = as_int(value(graph, src, "length"))
+    if length is None or not MIN_LENGTH <= length <= MAX_LENGTH:
+        return src, None
+    return src, align_frame_count(length)
+
+
+def _guide_index(graph: Graph, node: Node, frames: int | None):
+    """frame_idx resolved as the node does (negative: from the end), or None when unknown."""
+    idx = as_int(value(graph, node, "frame_idx"))
+    if idx is None or frames is None:
+        return None
+    return idx if idx >= 0 else frames + idx
+
+
+def check_guides(graph: Graph, ctx: Context, index: _Index):
+    """MiniMaxH3AddGuide raises at run time, after the models loaded, on what is visible here: nothing to anchor,
+    an image or audio without its VAE, a frame outside the video."""
+    for node in graph.nodes.values():
+        if node.class_type != GUIDE or node.id not in index.live:
+            continue
+        has = {k: isinstance(node.inputs.get(k), Link) for k in ("image", "audio", "vae", "audio_vae")}
+        if not has["image"] and not has["audio"]:
+            _add(graph, "H3205", node, "MiniMaxH3AddGuide has neither an image nor an audio connected; the node "
+                 "fails with 'needs an image or an audio to anchor': connect one, or bypass the node")
+        for what, vae in (("image", "vae"), ("audio", "audio_vae")):
+            if has[what] and not has[vae]:
+                _add(graph, "H3206", node, f"MiniMaxH3AddGuide has an {what} but no {vae}: the node needs the "
+                     f"{'video' if vae == 'vae' else 'audio'} VAE to encode it: connect {vae} (from the VAE loader "
+                     "or MultiNPUParallelConfig's output)")
+        _, frames = _guide_video(graph, node)
+        resolved = _guide_index(graph, node, frames)
+        if resolved is not None and not 0 <= resolved < frames:
+            raw = value(graph, node, "frame_idx")
+            _add(graph, "H3207", node, f"frame_idx {raw} is outside the video's {frames} frames (it counts from "
+                 f"0, negative from the end): set it from {-frames} to {frames - 1}")
+
+
+def guides_of(graph: Graph, geometry: Node, index: _Index, frames: int) -> tuple:
+    """What the live MiniMaxH3AddGuide nodes on `geometry`'s latent add to the sequence, as costmodel.packed_sequence's
+    guides: (frames, audio_seconds) each. An image counts as one frame (a clip's length is not known here); audio
+    as the rest of the track from its frame (what the node keeps at most)."""
+    out = []
+    for node in graph.nodes.values():
+        if node.class_type != GUIDE or node.id not in index.live or _guide_video(graph, node)[0] is not geometry:
+            continue
+        start = _guide_index(graph, node, frames) or 0
+        audio = (frames - min(max(start, 0), frames)) / FPS if isinstance(node.inputs.get("audio"), Link) else 0
+        out.append((1 if isinstance(node.inputs.get("image"), Link) else 0, audio))
+    return tuple(g for g in out if g[0] or g[1])
+
+
 # ------------------------------------------------------------------------------------- model traps
 
 def check_turbo_lora(graph: Graph, ctx: Context, index: _Index):
@@ -628,8 +686,9 @@ def check_tier_fits(graph: Graph, ctx: Context, index: _Index):
         w, h, length = (as_int(value(graph, node, k)) for k in ("width", "height", "length"))
         if None in (w, h, length) or w % 32 or h % 32 or not MIN_LENGTH <= length <= MAX_LENGTH:
             continue  # unknown, or already reported by the geometry checks
-        need = {m: costmodel.plan(w, h, length, npu, weights=weights, sharding=m)["memory_per_device"]["total"]
-                for m in costmodel.SHARDINGS}
+        guides = guides_of(graph, node, index, align_frame_count(length))
+        need = {m: costmodel.plan(w, h, length, npu, weights=weights, sharding=m, guides=guides)
+                ["memory_per_device"]["total"] for m in costmodel.SHARDINGS}
         card = ctx.device_memory * 1e9
         # auto: the node shards when a replica does not fit (one device has nothing to shard)
         chosen = ("sharded" if need["replicated"] > card and npu > 1 else "replicated") if mode == "auto" else mode
@@ -637,14 +696,15 @@ def check_tier_fits(graph: Graph, ctx: Context, index: _Index):
         if need[chosen] <= card:
             continue
         frames = align_frame_count(length)
-        fix = _tier_fix(w, h, frames, npu, weights, chosen, mode, card)
+        fix = _tier_fix(w, h, frames, npu, weights, chosen, mode, card, guides)
         _add(graph, "H3109", cfg or node, f"{npu} device(s) with {weights.upper()} weights ({file!r}), {chosen}"
              f"{' (auto)' if mode == 'auto' else ''}, at {w}x{h} and {frames} frames need "
              f"{need[chosen] / 1e9:.1f} GB per device and the cards have {ctx.device_memory:g} GB "
              f"({ctx.memory_source}): ComfyUI would stream weights from the host every step. Fix: {fix}")
 
 
-def _tier_fix(w: int, h: int, frames: int, npu: int, weights: str, chosen: str, mode: str, card: float) -> str:
+def _tier_fix(w: int, h: int, frames: int, npu: int, weights: str, chosen: str, mode: str, card: float,
+              guides: tuple = ()) -> str:
     """The cheapest change that fits, in this order: shard the weights, INT8 weights (replicated, then sharded),
     more devices; else a smaller or shorter video."""
     options = [(npu, weights, "sharded", "set weights to sharded (or auto) on MultiNPUParallelConfig")] \
@@ -656,7 +716,7 @@ def _tier_fix(w: int, h: int, frames: int, npu: int, weights: str, chosen: str, 
                  f" (h3kit start --devices {','.join(map(str, range(n)))}, npu_count {n})")
                 for n in NPU_COUNTS if n > npu for wt in dict.fromkeys((weights, "int8"))]
     for n, wt, s, text in options:
-        need = costmodel.plan(w, h, frames, n, weights=wt, sharding=s)["memory_per_device"]["total"]
+        need = costmodel.plan(w, h, frames, n, weights=wt, sharding=s, guides=guides)["memory_per_device"]["total"]
         if need <= card:
             return f"{text} ({need / 1e9:.1f} GB per device; h3kit plan --device-memory shows every tier)"
     return "a smaller or shorter video (h3kit plan --tiers --device-memory shows what fits)"
