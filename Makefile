@@ -17,3 +17,10 @@ demo:
 
 test:
 	@py=$$(tools/ensure-venv.sh) && H3KIT_TEST_PYTHONS="$(TEST_PYTHONS)" tools/run-tests.sh "$$py" $(PYTEST_ARGS)
+
+# Follow upstream: rebase, install, verify, parity gates, upstream's unit tests on both trees, the node matrix at 2
+# devices, one table (tools/follow_upstream.py; docs/upstream.md). REV: a branch, tag or commit of the source.
+REV ?= master
+.PHONY: follow-upstream
+follow-upstream:
+	@py=$$(tools/ensure-venv.sh) && "$$py" tools/follow_upstream.py --onto "$(REV)"

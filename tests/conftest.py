@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "toolkit"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "toolkit"), os.environ.get("PYTHONPATH")) if p)
 MANIFEST = json.loads((ROOT / "source_deps_info.json").read_text())
+TEST_TREE_ENV = "H3KIT_TEST_TREE"  # an installed tree the installed_tree fixture returns instead of installing the pin
 PIN = MANIFEST["upstream"]["commit"]
 
 
@@ -141,6 +142,8 @@ def templates_dir():
 def installed_tree(tmp_path_factory, comfy_source, comfy_python):
     """The pinned ComfyUI after `h3kit install` (patches applied, files shipped); session-wide, read-only by
     convention: tests that run it give the server their own model, output and user folders."""
+    if os.environ.get(TEST_TREE_ENV):  # tools/follow_upstream.py: a tree installed at another commit
+        return Path(os.environ[TEST_TREE_ENV])
     dest = tmp_path_factory.mktemp("installed") / "ComfyUI"
     proc = subprocess.run([sys.executable, "-m", "h3kit", "install", "--comfy-home", str(dest),
                            "--source", comfy_source, "--python", comfy_python, "--json"],
