@@ -47,6 +47,7 @@ def pytest_configure(config):
 # the last one started while the other workers have nothing left. Files not named keep their order, after these.
 LONGEST_FIRST = ("test_multinpu_process.py", "test_multinpu_process_service.py", "test_multinpu_process_faults.py",
                  "test_parity_dit.py", "test_parity_process.py", "test_multinpu_process_hang.py", "test_int8.py",
+                 "test_h3_node_matrix.py",
                  "test_service_real.py", "test_multinpu_shm.py", "test_demo.py", "test_parity_te_vae.py",
                  "test_model_cache.py", "test_multinpu_te_vae.py", "test_probes.py", "test_tiny_models.py",
                  "test_multinpu_node.py", "test_service_standin.py", "test_patch_engine.py", "test_patches_rebase.py",
