@@ -642,13 +642,7 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
     series = kit_series = Series.load(root)
     source = resolve_source(opts.source, data)
     pin = target.commit
-    report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=pin, dry_run=opts.dry_run,
-                           pin_verified=target.is_pin, recovered=recovered)
-    if recovered:
-        report.warnings.append(journal.Recovery(**recovered).describe())
-    if not report.pin_verified:
-        report.warnings.append(f"installing commit {pin[:12]} (--commit --force): not the pin "
-                               f"{target.verified[:12]} h3kit's patch series is verified on")
+    report = _new_report(opts, source, target, recovered)
     python, env = _checked_python(opts, data, report)
 
     home = _prepare_checkout(opts, source, pin, data, report, log, moved, _precheck(series, target, pin, log))
@@ -697,6 +691,17 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
         report.purged_bytecode = purge_bytecode(home, touched + list(f_after))
     if report.changed:
         _exclude_state_dir(home)
+    return report
+
+
+def _new_report(opts: InstallOptions, source: str, target: _Target, recovered: dict | None) -> InstallReport:
+    report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=target.commit, dry_run=opts.dry_run,
+                           pin_verified=target.is_pin, recovered=recovered)
+    if recovered:
+        report.warnings.append(journal.Recovery(**recovered).describe())
+    if not report.pin_verified:
+        report.warnings.append(f"installing commit {target.commit[:12]} (--commit --force): not the pin "
+                               f"{target.verified[:12]} h3kit's patch series is verified on")
     return report
 
 
