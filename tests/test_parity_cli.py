@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from h3kit.runtime import parity as parity_lib
@@ -113,3 +115,19 @@ def test_the_thread_transport_needs_the_runtime_modules_too(tmp_path):
         with pytest.raises(Exception, match=r"\(comfy/multinpu_wire\.py[ ,]") as e:
             parity_lib.check_tree(tmp_path, transport)
         assert e.value.code == "not_patched"
+
+
+def test_every_file_the_series_adds_is_demanded_for_the_transport_that_imports_it(tmp_path):
+    """Issue 40: comfy/multidevice.py and comfy/model_cache.py are added by the series and imported on the thread
+    transport too (multinpu_threads, multinpu_runtime_base): a half-patched tree without them is `not_patched`, not an
+    ImportError in the worker. Every file under patches/src is demanded, the worker's module by processes only."""
+    src = Path(__file__).resolve().parents[1] / "patches" / "src"
+    added = {p.relative_to(src).as_posix() for p in src.rglob("*.py")}
+    assert set(parity_lib.PATCHED_FILES) | set(parity_lib.PROCESS_FILES) == added
+    for rel in ("comfy/model_management.py",) + parity_lib.PATCHED_FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    (tmp_path / "comfy" / "multidevice.py").unlink()
+    with pytest.raises(Exception, match=r"\(comfy/multidevice\.py missing\)") as e:
+        parity_lib.check_tree(tmp_path, "threads")
+    assert e.value.code == "not_patched"

@@ -345,9 +345,6 @@ def _remove_own_lock(home: Path, fresh: bool) -> None:
 
 
 def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
-    from h3kit import install as installer
-    from h3kit import workflow
-
     device_type = h3devices.resolve_device_type(opts.device_type)
     devices = list(range(opts.npu_count))
     settings = group.resolve(device_type, opts.transport)
@@ -355,94 +352,26 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
                     "npu_count": opts.npu_count, "devices": devices, "weights": opts.weights,
                     "transport": settings.transport}
     st = _Stages(log)
-
-    with st("install") as s:
-        state = installer.load_state(home) if home.is_dir() else None
-        healthy = state is not None and installer.verify(home)["ok"]
-        if not healthy:
-            installer.install(installer.InstallOptions(comfy_home=home, source=opts.source, python=opts.python,
-                                                       progress=sys.stderr.isatty()), log=log)
-        s["detail"] = "already installed and verified" if healthy else "installed"
-    python = service.resolve_python(home, opts.python)
+    python = _stage_install(st, opts, home, log)
 
     with st("checkpoints") as s:
         wrote = write_tiny_checkpoints(home, python, opts.weights)
         s["detail"] = f"wrote {', '.join(wrote['written'])}" if wrote["written"] else "all four present"
 
     root = service.runtime_root(home)
-    with st("start") as s:
-        spec = service.StartSpec(comfy_home=str(home), devices=devices, device_type=device_type, port=opts.port,
-                                 python=python, group=settings)
-        started = service.start(root, spec, progress=log)
-        rec = started.record
-        st.server_log = rec.log
-        if started.already_running and (list(rec.devices) != devices or rec.device_type != device_type):
-            raise DemoFailed(f"h3kit's server already runs here on {rec.device_type} devices {rec.devices}, "
-                             f"not the {opts.npu_count} {device_type} devices the demo asked for",
-                             hint=f"h3kit stop --comfy-home {home}, or run the demo with --npu-count "
-                                  f"{len(rec.devices)}")
-        s["detail"] = (f"{rec.url} ({'already running' if started.already_running else 'started'}, "
-                       f"{rec.transport} transport)")
+    spec = service.StartSpec(comfy_home=str(home), devices=devices, device_type=device_type, port=opts.port,
+                             python=python, group=settings)
+    started = _stage_start(st, opts, home, root, spec, log)
+    rec = started.record
     report["service"] = {"url": rec.url, "log": rec.log, "started_by_demo": not started.already_running}
 
     try:
         tag = f"npu{opts.npu_count}" + ("_int8" if opts.weights == "int8" else "")
         prompt = demo_prompt(opts.npu_count, tag, opts.weights)
-        with st("check-workflow") as s:
-            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-                json.dump(prompt, f)
-            try:
-                result = workflow.check_paths([f.name], devices=h3devices.format_device_list(devices),
-                                              comfy_home=str(home))
-            finally:
-                os.unlink(f.name)
-            errors = [x for x in result.findings if x.severity == "error"]
-            if errors:
-                raise DemoFailed("the demo workflow does not pass check-workflow: "
-                                 + "; ".join(f"{x.code} node {x.node}: {x.message}" for x in errors))
-            s["detail"] = f"{len(result.findings)} finding(s), no error"
-
-        with st("prompt") as s:
-            trace, outs = run_prompt(rec, prompt, opts.timeout, log)
-            video = _output_file(home, outs, _node_id(prompt, "SaveVideo"), "images")
-            tracks = outputs.mp4_tracks(video)
-            if "soun" not in tracks or "vide" not in tracks:
-                raise DemoFailed(f"{video} lacks a video or an audio track (tracks: {tracks})")
-            s["detail"] = ", ".join(f"{k} {v} s" for k, v in stage_seconds(trace).items())
-            if opts.weights == "int8":
-                report["int8_arm"] = int8_arm_line(rec.log)
-                s["detail"] += f"; {report['int8_arm']}"
-        report["run"] = trace.to_dict()
-        report["prompt_stages"] = stage_seconds(trace)
-        report["video"] = {"path": str(video), "tracks": tracks, "bytes": video.stat().st_size}
-
+        _stage_check_workflow(st, home, devices, prompt)
+        outs = _stage_prompt(st, opts, home, rec, prompt, report, log)
         if opts.npu_count > 1:
-            with st("parity") as s:
-                single = demo_prompt(1, "npu1" + ("_int8" if opts.weights == "int8" else ""), opts.weights)
-                _, outs1 = run_prompt(rec, single, opts.timeout, log)
-                rows = {}
-                for kind in ("video", "audio"):
-                    par = _output_file(home, outs, _node_id(prompt, "SaveLatent", f"{kind}_latent"), "latents")
-                    one = _output_file(home, outs1, _node_id(single, "SaveLatent", f"{kind}_latent"), "latents")
-                    (shape_p, vp), (shape_1, v1) = outputs.read_latent(par), outputs.read_latent(one)
-                    if shape_p != shape_1:
-                        raise DemoFailed(f"{kind} latents differ in shape: {shape_p} on {opts.npu_count} devices, "
-                                         f"{shape_1} on one")
-                    try:
-                        rows[kind] = {**outputs.compare(v1, vp, shape_1, shape_p), "shape": shape_p}
-                    except outputs.OutputFormatError as e:
-                        raise DemoFailed(f"{kind} latents: {e.message}",
-                                         hint="the prompt wrote no usable latent: check the server log") from None
-                worst = max(r["max_rel"] for r in rows.values())
-                passed = worst <= PARITY_GATE  # False for NaN as for a figure over the gate
-                report["parity"] = {"npu_count": opts.npu_count, "against": 1, "gate_max_rel": PARITY_GATE,
-                                    "rows": rows, "max_rel": worst, "ok": passed}
-                s["detail"] = (f"npu_count 1 vs {opts.npu_count}: " + ", ".join(
-                    f"{k} max_abs {r['max_abs']:.2e} max_rel {r['max_rel']:.2e}" for k, r in rows.items()))
-                if not passed:
-                    raise DemoFailed(f"the {opts.npu_count}-device latents differ from one device by max_rel "
-                                     f"{worst:.3e} > {PARITY_GATE:g}", hint="run h3kit parity for each component "
-                                     "to find the one that drifts", details=report["parity"])
+            _stage_parity(st, opts, home, rec, prompt, outs, report, log)
     finally:
         report["stages"] = st.done
         if not started.already_running and not opts.keep_running:
@@ -452,3 +381,100 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
     report["stages"] = st.done
     report["ok"] = True
     return report
+
+
+def _stage_install(st: "_Stages", opts: DemoOptions, home: Path, log) -> str:
+    """Install (unless the tree is installed and verifies); the interpreter ComfyUI runs with."""
+    from h3kit import install as installer
+
+    with st("install") as s:
+        state = installer.load_state(home) if home.is_dir() else None
+        healthy = state is not None and installer.verify(home)["ok"]
+        if not healthy:
+            installer.install(installer.InstallOptions(comfy_home=home, source=opts.source, python=opts.python,
+                                                       progress=sys.stderr.isatty()), log=log)
+        s["detail"] = "already installed and verified" if healthy else "installed"
+    return service.resolve_python(home, opts.python)
+
+
+def _stage_start(st: "_Stages", opts: DemoOptions, home: Path, root: Path, spec: service.StartSpec, log):
+    """Start the server (or use h3kit's server already running with the demo's devices)."""
+    with st("start") as s:
+        started = service.start(root, spec, progress=log)
+        rec = started.record
+        st.server_log = rec.log
+        if started.already_running and (list(rec.devices) != spec.devices or rec.device_type != spec.device_type):
+            raise DemoFailed(f"h3kit's server already runs here on {rec.device_type} devices {rec.devices}, "
+                             f"not the {opts.npu_count} {spec.device_type} devices the demo asked for",
+                             hint=f"h3kit stop --comfy-home {home}, or run the demo with --npu-count "
+                                  f"{len(rec.devices)}")
+        s["detail"] = (f"{rec.url} ({'already running' if started.already_running else 'started'}, "
+                       f"{rec.transport} transport)")
+    return started
+
+
+def _stage_check_workflow(st: "_Stages", home: Path, devices: list[int], prompt: dict) -> None:
+    from h3kit import workflow
+
+    with st("check-workflow") as s:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(prompt, f)
+        try:
+            result = workflow.check_paths([f.name], devices=h3devices.format_device_list(devices),
+                                          comfy_home=str(home))
+        finally:
+            os.unlink(f.name)
+        errors = [x for x in result.findings if x.severity == "error"]
+        if errors:
+            raise DemoFailed("the demo workflow does not pass check-workflow: "
+                             + "; ".join(f"{x.code} node {x.node}: {x.message}" for x in errors))
+        s["detail"] = f"{len(result.findings)} finding(s), no error"
+
+
+def _stage_prompt(st: "_Stages", opts: DemoOptions, home: Path, rec, prompt: dict, report: dict, log) -> dict:
+    """Run the demo prompt; its video must have a video and an audio track. Returns the prompt's outputs."""
+    with st("prompt") as s:
+        trace, outs = run_prompt(rec, prompt, opts.timeout, log)
+        video = _output_file(home, outs, _node_id(prompt, "SaveVideo"), "images")
+        tracks = outputs.mp4_tracks(video)
+        if "soun" not in tracks or "vide" not in tracks:
+            raise DemoFailed(f"{video} lacks a video or an audio track (tracks: {tracks})")
+        s["detail"] = ", ".join(f"{k} {v} s" for k, v in stage_seconds(trace).items())
+        if opts.weights == "int8":
+            report["int8_arm"] = int8_arm_line(rec.log)
+            s["detail"] += f"; {report['int8_arm']}"
+    report["run"] = trace.to_dict()
+    report["prompt_stages"] = stage_seconds(trace)
+    report["video"] = {"path": str(video), "tracks": tracks, "bytes": video.stat().st_size}
+    return outs
+
+
+def _stage_parity(st: "_Stages", opts: DemoOptions, home: Path, rec, prompt: dict, outs: dict, report: dict,
+                  log) -> None:
+    """The same prompt on one device: its latents against the several devices' within PARITY_GATE."""
+    with st("parity") as s:
+        single = demo_prompt(1, "npu1" + ("_int8" if opts.weights == "int8" else ""), opts.weights)
+        _, outs1 = run_prompt(rec, single, opts.timeout, log)
+        rows = {}
+        for kind in ("video", "audio"):
+            par = _output_file(home, outs, _node_id(prompt, "SaveLatent", f"{kind}_latent"), "latents")
+            one = _output_file(home, outs1, _node_id(single, "SaveLatent", f"{kind}_latent"), "latents")
+            (shape_p, vp), (shape_1, v1) = outputs.read_latent(par), outputs.read_latent(one)
+            if shape_p != shape_1:
+                raise DemoFailed(f"{kind} latents differ in shape: {shape_p} on {opts.npu_count} devices, "
+                                 f"{shape_1} on one")
+            try:
+                rows[kind] = {**outputs.compare(v1, vp, shape_1, shape_p), "shape": shape_p}
+            except outputs.OutputFormatError as e:
+                raise DemoFailed(f"{kind} latents: {e.message}",
+                                 hint="the prompt wrote no usable latent: check the server log") from None
+        worst = max(r["max_rel"] for r in rows.values())
+        passed = worst <= PARITY_GATE  # False for NaN as for a figure over the gate
+        report["parity"] = {"npu_count": opts.npu_count, "against": 1, "gate_max_rel": PARITY_GATE,
+                            "rows": rows, "max_rel": worst, "ok": passed}
+        s["detail"] = (f"npu_count 1 vs {opts.npu_count}: " + ", ".join(
+            f"{k} max_abs {r['max_abs']:.2e} max_rel {r['max_rel']:.2e}" for k, r in rows.items()))
+        if not passed:
+            raise DemoFailed(f"the {opts.npu_count}-device latents differ from one device by max_rel "
+                             f"{worst:.3e} > {PARITY_GATE:g}", hint="run h3kit parity for each component "
+                             "to find the one that drifts", details=report["parity"])

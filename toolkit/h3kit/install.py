@@ -648,38 +648,10 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
     series = kit_series = Series.load(root)
     source = resolve_source(opts.source, data)
     pin = target.commit
-    report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=pin, dry_run=opts.dry_run,
-                           pin_verified=target.is_pin, recovered=recovered, requested=target.requested)
-    if recovered:
-        report.warnings.append(journal.Recovery(**recovered).describe())
-    if not report.pin_verified:
-        report.warnings.append(f"installing commit {pin[:12]} (--commit --force): not the pin "
-                               f"{target.verified[:12]} h3kit's patch series is verified on")
+    report = _new_report(opts, source, target, recovered)
+    python, env = _checked_python(opts, data, report)
 
-    python = _interpreter(opts)
-    env = pyenv.check(python, data, packages=True)
-    report.python = env.to_dict()
-    report.python_packages = len(env.packages or [])
-    if env.errors:
-        raise pyenv.PythonEnvError(f"{python} cannot run ComfyUI at the pin: " + "; ".join(env.errors),
-                                   hint="give --python an interpreter with a supported Python and a matching "
-                                        "torch / torch-npu pair (README, 'Environment')", details=env.to_dict())
-    report.warnings += env.warnings
-
-    def precheck(tree: Path) -> None:
-        """Off the pin in an existing tree: the series must take the commit (plainly or three-way) before the
-        checkout moves anything, so that a conflict leaves the tree as it was."""
-        if target.is_pin:
-            return
-        commit = gitutil.resolve_commit(tree, pin)
-        touched = series.touched_files()
-        try:
-            series_result(series, gitutil.read_blobs(tree, commit, touched))
-        except PatchConflict:
-            with locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-") as folder:
-                merged_series(series, tree, target.verified, commit, touched, folder, log)
-
-    home = _prepare_checkout(opts, source, pin, data, report, log, moved, precheck)
+    home = _prepare_checkout(opts, source, pin, data, report, log, moved, _precheck(series, target, pin, log))
     if home is None:  # dry run before a clone: nothing to check patches against yet
         report.patches = [{"patch": n, "state": "apply", "failures": []} for n in series.names]
         report.files["installed"] = sorted(shipped_files(root))
@@ -697,46 +669,9 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
         journal.remove_temporaries(home, touched + list(shipped_files(root)) + recorded_files + [modelpaths.CONFIG])
     pin_files = gitutil.read_blobs(home, pin, touched)
     current = read_tree_files(home, touched)
-
-    for p in series.patches:  # upstream drift: the checkout's base blobs against the ones the series was made on
-        entry = manifest.patch_entry(data, p.name) or {}
-        for f in entry.get("files", []):
-            found = manifest.git_blob_id(pin_files[f["path"]]) if pin_files.get(f["path"]) is not None else None
-            if f.get("base_blob") != found:
-                report.drift.append({"patch": p.name, "file": f["path"], "expected_base": f.get("base_blob"),
-                                     "found": found, "kind": "upstream"})
-
-    conflict = None
-    try:
-        expected = series_result(series, pin_files)
-        if not target.is_pin:
-            report.merge = {"onto": pin, "base": target.verified,
-                            "patches": [{"patch": p.name, "how": "plain"} for p in series.patches]}
-    except PatchConflict as e:
-        conflict = e
-    if conflict is not None and target.is_pin:
-        raise PatchConflict(f"the patch series does not apply to {pin[:12]}: " + _describe(conflict.details),
-                            hint="the upstream files differ from the ones the series was made for "
-                                 "(see drift); install the pin from source_deps_info.json",
-                            details={"patches": conflict.details, "drift": report.drift})
-    if conflict is not None:  # off the pin (--commit --force): merge three-way where the plain apply fails
-        folder = stack.enter_context(locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-"))
-        try:
-            series, merged, report.merge = merged_series(kit_series, home, target.verified, pin, touched, folder, log)
-        except PatchConflict as e:
-            e.details = {**(e.details or {}), "drift": report.drift}
-            raise
-        expected = {k: merged[k] for k in series.touched_files()}
-
-    start = _starting_point(series, old_series, current, pin_files, expected, touched, opts.force, report)
-    plan = plan_forward(series, start)
-    report.patches = [s.to_dict() for s in plan.states]
-    if report.merge is not None:
-        how = {m["patch"]: m["how"] for m in report.merge["patches"]}
-        for entry in report.patches:
-            entry["how"] = how.get(entry["patch"], "plain")
-    if plan.conflicts or plan.after != expected_all(expected, pin_files, touched):
-        raise InstallError("internal: the series' plan disagrees with its result", details=[st.to_dict() for st in plan.states])
+    _upstream_drift(series, data, pin_files, report)
+    series, expected = _expected_files(kit_series, home, pin, pin_files, touched, target, report, stack, log)
+    _plan_patches(series, old_series, current, pin_files, expected, touched, opts.force, report)
 
     state = load_state(home)
     f_before, f_after, modes = _shipped_plan(home, root, state, opts.force, report)
@@ -763,6 +698,102 @@ def _install_in(opts: InstallOptions, log, recovered: dict | None, data: dict, t
     if report.changed:
         _exclude_state_dir(home)
     return report
+
+
+def _new_report(opts: InstallOptions, source: str, target: _Target, recovered: dict | None) -> InstallReport:
+    report = InstallReport(comfy_home=str(opts.comfy_home), source=source, pin=target.commit, dry_run=opts.dry_run,
+                           pin_verified=target.is_pin, recovered=recovered, requested=target.requested)
+    if recovered:
+        report.warnings.append(journal.Recovery(**recovered).describe())
+    if not report.pin_verified:
+        report.warnings.append(f"installing commit {target.commit[:12]} (--commit --force): not the pin "
+                               f"{target.verified[:12]} h3kit's patch series is verified on")
+    return report
+
+
+def _checked_python(opts: InstallOptions, data: dict, report: InstallReport):
+    """(the interpreter ComfyUI will run with, pyenv's check of it), its findings in the report; raises for an
+    interpreter that cannot run ComfyUI at the pin."""
+    python = _interpreter(opts)
+    env = pyenv.check(python, data, packages=True)
+    report.python = env.to_dict()
+    report.python_packages = len(env.packages or [])
+    if env.errors:
+        raise pyenv.PythonEnvError(f"{python} cannot run ComfyUI at the pin: " + "; ".join(env.errors),
+                                   hint="give --python an interpreter with a supported Python and a matching "
+                                        "torch / torch-npu pair (README, 'Environment')", details=env.to_dict())
+    report.warnings += env.warnings
+    return python, env
+
+
+def _precheck(series: Series, target: _Target, pin: str, log):
+    def precheck(tree: Path) -> None:
+        """Off the pin in an existing tree: the series must take the commit (plainly or three-way) before the
+        checkout moves anything, so that a conflict leaves the tree as it was."""
+        if target.is_pin:
+            return
+        commit = gitutil.resolve_commit(tree, pin)
+        touched = series.touched_files()
+        try:
+            series_result(series, gitutil.read_blobs(tree, commit, touched))
+        except PatchConflict:
+            with locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-") as folder:
+                merged_series(series, tree, target.verified, commit, touched, folder, log)
+    return precheck
+
+
+def _upstream_drift(series: Series, data: dict, pin_files: dict, report: InstallReport) -> None:
+    """Upstream drift into the report: the checkout's base blobs against the ones the series was made on."""
+    for p in series.patches:
+        entry = manifest.patch_entry(data, p.name) or {}
+        for f in entry.get("files", []):
+            found = manifest.git_blob_id(pin_files[f["path"]]) if pin_files.get(f["path"]) is not None else None
+            if f.get("base_blob") != found:
+                report.drift.append({"patch": p.name, "file": f["path"], "expected_base": f.get("base_blob"),
+                                     "found": found, "kind": "upstream"})
+
+
+def _expected_files(kit_series: Series, home: Path, pin: str, pin_files: dict, touched: list[str], target: _Target,
+                    report: InstallReport, stack, log):
+    """(the series install applies, what it makes of its touched files): h3kit's series applied plainly, or, off
+    the pin (--commit --force) where that fails, merged three-way (the merge in the report)."""
+    series = kit_series
+    conflict = None
+    try:
+        expected = series_result(series, pin_files)
+        if not target.is_pin:
+            report.merge = {"onto": pin, "base": target.verified,
+                            "patches": [{"patch": p.name, "how": "plain"} for p in series.patches]}
+    except PatchConflict as e:
+        conflict = e
+    if conflict is not None and target.is_pin:
+        raise PatchConflict(f"the patch series does not apply to {pin[:12]}: " + _describe(conflict.details),
+                            hint="the upstream files differ from the ones the series was made for "
+                                 "(see drift); install the pin from source_deps_info.json",
+                            details={"patches": conflict.details, "drift": report.drift})
+    if conflict is not None:  # off the pin (--commit --force): merge three-way where the plain apply fails
+        folder = stack.enter_context(locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-"))
+        try:
+            series, merged, report.merge = merged_series(kit_series, home, target.verified, pin, touched, folder, log)
+        except PatchConflict as e:
+            e.details = {**(e.details or {}), "drift": report.drift}
+            raise
+        expected = {k: merged[k] for k in series.touched_files()}
+    return series, expected
+
+
+def _plan_patches(series: Series, old_series, current: dict, pin_files: dict, expected: dict, touched: list[str],
+                  force: bool, report: InstallReport) -> None:
+    """Each patch's state (apply, applied) into the report, checked against the series' result."""
+    start = _starting_point(series, old_series, current, pin_files, expected, touched, force, report)
+    plan = plan_forward(series, start)
+    report.patches = [s.to_dict() for s in plan.states]
+    if report.merge is not None:
+        how = {m["patch"]: m["how"] for m in report.merge["patches"]}
+        for entry in report.patches:
+            entry["how"] = how.get(entry["patch"], "plain")
+    if plan.conflicts or plan.after != expected_all(expected, pin_files, touched):
+        raise InstallError("internal: the series' plan disagrees with its result", details=[st.to_dict() for st in plan.states])
 
 
 def expected_all(expected: dict, pin_files: dict, touched: list[str]) -> dict:
@@ -797,20 +828,7 @@ def _verify(comfy_home: Path, stack) -> dict:
     warnings: list[str] = []
     if not home.is_dir() or not gitutil.is_checkout(home):
         raise NotAComfyTree(home, "not a git checkout", hint=f"run h3kit install --comfy-home {home}")
-    recovered = None
-    if journal.pending(home) is not None or journal.journal_dir(home).exists():
-        holder = locks.is_locked(home)
-        if holder is not None:
-            problems.append(f"an h3kit command is writing this tree right now: {holder}")
-        else:
-            try:
-                with locks.tree_lock(home, wait=0):
-                    recovered = _recover(home)
-            except OSError as e:  # a read-only tree: say what is pending instead of failing
-                problems.append(f"an interrupted h3kit write is pending and could not be rolled back: "
-                                f"{_fs_error(e, 'write the tree').message}")
-            if recovered:
-                warnings.append(journal.Recovery(**recovered).describe())
+    recovered = _verify_pending_write(home, problems, warnings)
     state = load_state(home)
     pin = manifest.pin(data)
     if state is None:
@@ -823,65 +841,14 @@ def _verify(comfy_home: Path, stack) -> dict:
     head = gitutil.head(home)
     if head != pin:
         problems.append(f"HEAD is {head[:12]}, not the pin {pin[:12]}")
-
-    for p in series.patches:
-        entry = manifest.patch_entry(data, p.name)
-        if entry is None or entry.get("sha256") != manifest.sha256_bytes(p.raw):
-            problems.append(f"h3kit's {p.name} does not match source_deps_info.json (the h3kit checkout was edited)")
-    if state is not None:
-        installed = [(x["name"], x["sha256"]) for x in state.get("patches", [])]
-        current = [(p.name, manifest.sha256_bytes(p.raw)) for p in series.patches]
-        if installed != current:
-            problems.append("the tree was installed with another version of the patch series: run h3kit install")
+    _verify_series(series, data, state, problems)
 
     touched = series.touched_files()
-    merge = (state or {}).get("merge")
-    if head == pin and merge and any(m.get("how") == "3-way" for m in merge.get("patches", [])):
-        # installed off the pin with a three-way merge: check the tree against that merge, made again here
-        folder = stack.enter_context(locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-"))
-        try:
-            series, _, again = merged_series(series, home, str(merge.get("base")), pin, touched, folder)
-            if again != merge:
-                problems.append(f"install recorded the merge {merge['patches']}, the series merges as "
-                                f"{again['patches']} now")
-            else:
-                warnings.append("merged three-way onto " + pin[:12] + ": " + ", ".join(
-                    m["patch"] for m in merge["patches"] if m["how"] == "3-way"))
-        except H3kitError as e:
-            problems.append(f"the series no longer merges onto {pin[:12]} as install recorded: {e.message}")
     if head == pin:
-        pin_files = gitutil.read_blobs(home, pin, touched)
-        try:
-            expected = series_result(series, pin_files)
-        except PatchConflict as e:
-            problems.append("the series does not apply to the pin: " + _describe(e.details))
-            expected = {}
-        tree_files = read_tree_files(home, touched)
-        plan_states = {s.name: s.state for s in plan_forward(series, tree_files).states}
-        for name, st in plan_states.items():
-            if st != "applied":
-                problems.append(f"patch {name} is not applied ({'applies cleanly' if st == 'apply' else 'conflicts'})")
-        for rel in touched:
-            if rel in expected and tree_files[rel] != expected[rel]:
-                if tree_files[rel] is None:
-                    how = "adds" if pin_files[rel] is None else "changes"
-                    problems.append(f"{rel} is missing (the series {how} it)")
-                else:
-                    problems.append(f"{rel} differs from what the series produces")
+        series = _verify_patched(home, series, state, pin, touched, stack, problems, warnings)
 
     recorded_files = list(((state or {}).get("files") or {}).keys())
-    for rel, sha in ((state or {}).get("files") or {}).items():
-        dest = home / rel
-        if not dest.is_file():
-            problems.append(f"installed file {rel} is missing")
-        elif manifest.sha256_file(dest) != sha:
-            problems.append(f"installed file {rel} was modified")
-    for st in stale_bytecode(home, touched + recorded_files):
-        problems.append(f"stale bytecode: {st}")
-    state_rel = [f"{STATE_DIR}/{STATE_FILE}"]
-    for tmp in journal.find_temporaries(home, touched + recorded_files + list(shipped_files(root)) + state_rel):
-        problems.append(f"leftover temporary file {tmp} from an interrupted h3kit write (h3kit install removes it)")
-
+    _verify_installed_files(home, root, state, touched, recorded_files, problems)
     models = _verify_models(home, root, state, problems, warnings)
     python_drift = _verify_packages(state, warnings)
 
@@ -898,6 +865,93 @@ def _verify(comfy_home: Path, stack) -> dict:
             "pin_verified": pin == manifest.pin(data), "requested": (state or {}).get("commit_requested"),
             "recovered": recovered, "models": models,
             "python_drift": python_drift}
+
+
+def _verify_pending_write(home: Path, problems: list, warnings: list) -> dict | None:
+    """Roll back an interrupted h3kit write (when no command holds the tree); what was recovered, or None."""
+    recovered = None
+    if journal.pending(home) is not None or journal.journal_dir(home).exists():
+        holder = locks.is_locked(home)
+        if holder is not None:
+            problems.append(f"an h3kit command is writing this tree right now: {holder}")
+        else:
+            try:
+                with locks.tree_lock(home, wait=0):
+                    recovered = _recover(home)
+            except OSError as e:  # a read-only tree: say what is pending instead of failing
+                problems.append(f"an interrupted h3kit write is pending and could not be rolled back: "
+                                f"{_fs_error(e, 'write the tree').message}")
+            if recovered:
+                warnings.append(journal.Recovery(**recovered).describe())
+    return recovered
+
+
+def _verify_series(series: Series, data: dict, state: dict | None, problems: list) -> None:
+    """h3kit's patches against source_deps_info.json, and against the ones the tree was installed with."""
+    for p in series.patches:
+        entry = manifest.patch_entry(data, p.name)
+        if entry is None or entry.get("sha256") != manifest.sha256_bytes(p.raw):
+            problems.append(f"h3kit's {p.name} does not match source_deps_info.json (the h3kit checkout was edited)")
+    if state is not None:
+        installed = [(x["name"], x["sha256"]) for x in state.get("patches", [])]
+        current = [(p.name, manifest.sha256_bytes(p.raw)) for p in series.patches]
+        if installed != current:
+            problems.append("the tree was installed with another version of the patch series: run h3kit install")
+
+
+def _verify_patched(home: Path, series: Series, state: dict | None, pin: str, touched: list[str], stack,
+                    problems: list, warnings: list) -> Series:
+    """The touched files against what the series (or the three-way merge install recorded, made again) produces
+    from the pin; returns the series it checked against."""
+    merge = (state or {}).get("merge")
+    if merge and any(m.get("how") == "3-way" for m in merge.get("patches", [])):
+        # installed off the pin with a three-way merge: check the tree against that merge, made again here
+        folder = stack.enter_context(locks.owned_tempdir(locks.scratch_parent(), "h3kit-merged-series-"))
+        try:
+            series, _, again = merged_series(series, home, str(merge.get("base")), pin, touched, folder)
+            if again != merge:
+                problems.append(f"install recorded the merge {merge['patches']}, the series merges as "
+                                f"{again['patches']} now")
+            else:
+                warnings.append("merged three-way onto " + pin[:12] + ": " + ", ".join(
+                    m["patch"] for m in merge["patches"] if m["how"] == "3-way"))
+        except H3kitError as e:
+            problems.append(f"the series no longer merges onto {pin[:12]} as install recorded: {e.message}")
+    pin_files = gitutil.read_blobs(home, pin, touched)
+    try:
+        expected = series_result(series, pin_files)
+    except PatchConflict as e:
+        problems.append("the series does not apply to the pin: " + _describe(e.details))
+        expected = {}
+    tree_files = read_tree_files(home, touched)
+    plan_states = {s.name: s.state for s in plan_forward(series, tree_files).states}
+    for name, st in plan_states.items():
+        if st != "applied":
+            problems.append(f"patch {name} is not applied ({'applies cleanly' if st == 'apply' else 'conflicts'})")
+    for rel in touched:
+        if rel in expected and tree_files[rel] != expected[rel]:
+            if tree_files[rel] is None:
+                how = "adds" if pin_files[rel] is None else "changes"
+                problems.append(f"{rel} is missing (the series {how} it)")
+            else:
+                problems.append(f"{rel} differs from what the series produces")
+    return series
+
+
+def _verify_installed_files(home: Path, root: Path, state: dict | None, touched: list[str], recorded_files: list,
+                            problems: list) -> None:
+    """The files install copied (by checksum), stale bytecode, and temporaries an interrupted write left."""
+    for rel, sha in ((state or {}).get("files") or {}).items():
+        dest = home / rel
+        if not dest.is_file():
+            problems.append(f"installed file {rel} is missing")
+        elif manifest.sha256_file(dest) != sha:
+            problems.append(f"installed file {rel} was modified")
+    for st in stale_bytecode(home, touched + recorded_files):
+        problems.append(f"stale bytecode: {st}")
+    state_rel = [f"{STATE_DIR}/{STATE_FILE}"]
+    for tmp in journal.find_temporaries(home, touched + recorded_files + list(shipped_files(root)) + state_rel):
+        problems.append(f"leftover temporary file {tmp} from an interrupted h3kit write (h3kit install removes it)")
 
 
 def _verify_models(home: Path, root: Path, state: dict | None, problems: list, warnings: list) -> dict:

@@ -274,46 +274,13 @@ def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[st
     try:
         for rel in changed:
             dest = tree / rel
-            data = after[rel]
             if dest.is_file():
                 stats[rel] = dest.stat()
-            if data is None:
-                if dest.exists():
-                    dest.unlink()
-            else:
-                missing = []
-                parent = dest.parent
-                while not parent.exists():
-                    missing.append(parent)
-                    parent = parent.parent
-                for d in reversed(missing):
-                    d.mkdir()
-                    created_dirs.append(d)
-                mode = modes.get(rel) or (dest.stat().st_mode & 0o7777 if dest.exists() else 0o644)
-                tmp = dest.with_name(f".{dest.name}.h3kit-tmp")
-                tmp.write_bytes(data)
-                os.chmod(tmp, mode)
-                testhooks.point("tmp-written")
-                os.replace(tmp, dest)
+            _write_one(dest, after[rel], modes.get(rel), created_dirs)
             done.append(rel)
             testhooks.point("file-written")
     except BaseException as e:
-        not_restored = []
-        for rel in done:
-            dest = tree / rel
-            old = before.get(rel)
-            try:
-                if old is None:
-                    dest.unlink(missing_ok=True)
-                else:  # the way it was written: a temporary beside it, renamed over (works on read-only files)
-                    tmp = dest.with_name(f".{dest.name}.h3kit-restore")
-                    tmp.write_bytes(old)
-                    if rel in stats:  # as it was: mode and times too
-                        os.chmod(tmp, stats[rel].st_mode & 0o7777)
-                        os.utime(tmp, ns=(stats[rel].st_atime_ns, stats[rel].st_mtime_ns))
-                    os.replace(tmp, dest)
-            except OSError:
-                not_restored.append(rel)
+        not_restored = _restore(tree, done, before, stats)
         if not_restored:
             e.h3kit_not_restored = not_restored  # the caller says so instead of claiming a clean tree
         for d in reversed(created_dirs):
@@ -332,6 +299,51 @@ def write_tree_files(tree: Path, before: dict[str, bytes | None], after: dict[st
                 parent.rmdir()
                 parent = parent.parent
     return changed
+
+
+def _write_one(dest: Path, data: bytes | None, mode: int | None, created_dirs: list[Path]) -> None:
+    """Delete `dest` (data None) or write it through a temporary beside it, making (and noting in `created_dirs`)
+    the folders it lacks."""
+    if data is None:
+        if dest.exists():
+            dest.unlink()
+        return
+    missing = []
+    parent = dest.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    for d in reversed(missing):
+        d.mkdir()
+        created_dirs.append(d)
+    mode = mode or (dest.stat().st_mode & 0o7777 if dest.exists() else 0o644)
+    tmp = dest.with_name(f".{dest.name}.h3kit-tmp")
+    tmp.write_bytes(data)
+    os.chmod(tmp, mode)
+    testhooks.point("tmp-written")
+    os.replace(tmp, dest)
+
+
+def _restore(tree: Path, done: list[str], before: dict[str, bytes | None], stats: dict[str, os.stat_result]
+             ) -> list[str]:
+    """Put back what `before` held for every path in `done`; the paths that could not be restored."""
+    not_restored = []
+    for rel in done:
+        dest = tree / rel
+        old = before.get(rel)
+        try:
+            if old is None:
+                dest.unlink(missing_ok=True)
+            else:  # the way it was written: a temporary beside it, renamed over (works on read-only files)
+                tmp = dest.with_name(f".{dest.name}.h3kit-restore")
+                tmp.write_bytes(old)
+                if rel in stats:  # as it was: mode and times too
+                    os.chmod(tmp, stats[rel].st_mode & 0o7777)
+                    os.utime(tmp, ns=(stats[rel].st_atime_ns, stats[rel].st_mtime_ns))
+                os.replace(tmp, dest)
+        except OSError:
+            not_restored.append(rel)
+    return not_restored
 
 
 # --- maintaining the series itself -----------------------------------------------------------------

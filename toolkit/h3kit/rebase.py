@@ -293,93 +293,114 @@ def replay(series: Series, pin_files: dict[str, bytes | None], rev_files: dict[s
     resolved = resolved or {}
     steps = walk(series, pin_files)  # the base of every index line; raises when the series is broken on the pin
     touched = sorted(set(pin_files) | set(rev_files))
-    modes = modes or {}
     label = f"upstream {commit[:12]}"
     with locks.owned_tempdir(locks.scratch_parent(), "h3kit-rebase-") as tmp:
         repo, scratch = tmp / "queue", tmp / "scratch"
         repo.mkdir()
         scratch.mkdir()
-        _git(repo, "init", "-q")
-        for rel in touched:
-            _write(repo, rel, rev_files.get(rel))
-        _git(repo, "add", "-A")
-        _git(repo, "commit", "-q", "--allow-empty", "-m", f"upstream {commit}")
-        # every base an index line names, so that --3way finds it
-        blobs = {st.before[s.path] for st in steps for s in st.patch.sections if st.before.get(s.path) is not None}
-        for data in blobs:
-            _git(repo, "hash-object", "-w", "--stdin", input=data)
-        commits = [_git(repo, "rev-parse", "HEAD").stdout.decode().strip()]
+        commits = [_queue_repo(repo, touched, rev_files, commit, steps)]
         results: list[PatchResult] = []
         for st in steps:
-            patch = st.patch
             pfile = tmp / "current.patch"
             pfile.write_text(_patch_text(st))
-            before = {s.path: _read(repo, s.path) for s in patch.sections}
-            files: list[FileResult] = []
-            if _git(repo, "apply", "--check", "--whitespace=nowarn", str(pfile), check=False).returncode == 0:
-                _git(repo, "apply", "--index", "--whitespace=nowarn", str(pfile))
-                state = "clean"
-                files = [FileResult(s.path, "clean", [HunkResult(h.header, "clean") for h in s.hunks])
-                         for s in patch.sections]
-            else:
-                proc = _git(repo, "apply", "--3way", "--whitespace=nowarn", str(pfile), check=False)
-                unmerged = set(_git(repo, "diff", "--name-only", "--diff-filter=U").stdout.decode().split())
-                err = proc.stderr.decode(errors="replace")
-                if proc.returncode != 0 and not unmerged:
-                    # nothing merged and nothing marked: a file the patch needs is missing, or one it adds exists
-                    _git(repo, "reset", "-q", "--hard")
-                    files = [FileResult(s.path, "conflict", message=_file_message(s, before.get(s.path), err))
-                             for s in patch.sections if _file_message(s, before.get(s.path), err)]
-                    state = "conflict"
-                    if not files:
-                        raise RebaseError(f"{patch.name}: git apply --3way failed: {err.strip()[-600:]}")
-                else:
-                    for s in patch.sections:
-                        if s.new_file or s.deleted_file:
-                            files.append(FileResult(s.path, "conflict" if s.path in unmerged else "clean"))
-                            continue
-                        hunks, partial = classify(s, st.before[s.path], before[s.path], scratch, label, patch.name)
-                        fstate = ("conflict" if s.path in unmerged or any(h.state == "conflict" for h in hunks)
-                                  else "merged" if any(h.state == "merged" for h in hunks) else "clean")
-                        fr = FileResult(s.path, fstate, hunks)
-                        if s.path in unmerged:
-                            fr.marked = _relabel(_read(repo, s.path), label, patch.name)
-                            mine = resolved.get(patch.name, {}).get(s.path)
-                            if mine is not None:
-                                if _conflict_regions(mine) or b"\n=======\n" in mine:
-                                    raise UsageError(f"the resolution of {patch.name}: {s.path} still holds conflict "
-                                                     "markers", code="unresolved",
-                                                     hint="edit the file until no <<<<<<< / ======= / >>>>>>> is left")
-                                fr.state, fr.marked, partial = "resolved", None, mine
-                                for h in fr.hunks:
-                                    h.state = "resolved" if h.state == "conflict" else h.state
-                            _write(repo, s.path, partial)
-                            _git(repo, "add", "--", s.path)
-                        files.append(fr)
-                    state = "conflict" if any(f.state == "conflict" for f in files) else "merged"
-            _git(repo, "commit", "-q", "--allow-empty", "-m", patch.name)
+            state, files = _apply_step(repo, scratch, pfile, st, label, resolved)
+            _git(repo, "commit", "-q", "--allow-empty", "-m", st.patch.name)
             commits.append(_git(repo, "rev-parse", "HEAD").stdout.decode().strip())
-            results.append(PatchResult(patch.name, state, files))
-            log(f"{patch.name}: {state}")
+            results.append(PatchResult(st.patch.name, state, files))
+            log(f"{st.patch.name}: {state}")
         after = {rel: _read(repo, rel) for rel in touched}
         texts: dict[str, str] = {}
         if not any(r.state == "conflict" for r in results):
-            for i, st in enumerate(steps):
-                diffs = _diff_sections(repo, commits[i], commits[i + 1], st.patch.files)
-                sections = []
-                for s in st.patch.sections:
-                    if s.new_file:
-                        sections.append(s.text)
-                    elif s.path in diffs:
-                        text = diffs[s.path]
-                        if s.path in modes and modes[s.path] != DEFAULT_MODE:
-                            text = text.replace(f" {DEFAULT_MODE}\n", f" {modes[s.path]}\n", 1)
-                        sections.append(text)
-                    else:  # upstream already holds this change: the section would be empty
-                        raise RebaseError(f"{st.patch.name}: {s.path}: upstream {commit[:12]} already has this change",
-                                          code="rebase_empty", hint="drop the section (or the patch) from the series")
-                texts[st.patch.name] = render_patch(header_with_commit(st.patch.header_text, commit), sections)
+            texts = _refreshed_texts(repo, steps, commits, modes or {}, commit)
     return Replay(commit, results, after, texts)
+
+
+def _queue_repo(repo: Path, touched: list[str], rev_files: dict[str, bytes | None], commit: str, steps) -> str:
+    """A scratch repository holding `rev_files` as its first commit (returned) and every base blob an index line
+    of the series names, so that --3way finds it."""
+    _git(repo, "init", "-q")
+    for rel in touched:
+        _write(repo, rel, rev_files.get(rel))
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "--allow-empty", "-m", f"upstream {commit}")
+    blobs = {st.before[s.path] for st in steps for s in st.patch.sections if st.before.get(s.path) is not None}
+    for data in blobs:
+        _git(repo, "hash-object", "-w", "--stdin", input=data)
+    return _git(repo, "rev-parse", "HEAD").stdout.decode().strip()
+
+
+def _apply_step(repo: Path, scratch: Path, pfile: Path, st, label: str, resolved: dict) -> tuple[str, list]:
+    """Apply one patch of the series to the queue's index: plainly, else three-way; (its state, its files)."""
+    patch = st.patch
+    before = {s.path: _read(repo, s.path) for s in patch.sections}
+    if _git(repo, "apply", "--check", "--whitespace=nowarn", str(pfile), check=False).returncode == 0:
+        _git(repo, "apply", "--index", "--whitespace=nowarn", str(pfile))
+        return "clean", [FileResult(s.path, "clean", [HunkResult(h.header, "clean") for h in s.hunks])
+                         for s in patch.sections]
+    proc = _git(repo, "apply", "--3way", "--whitespace=nowarn", str(pfile), check=False)
+    unmerged = set(_git(repo, "diff", "--name-only", "--diff-filter=U").stdout.decode().split())
+    err = proc.stderr.decode(errors="replace")
+    if proc.returncode != 0 and not unmerged:
+        # nothing merged and nothing marked: a file the patch needs is missing, or one it adds exists
+        _git(repo, "reset", "-q", "--hard")
+        files = [FileResult(s.path, "conflict", message=_file_message(s, before.get(s.path), err))
+                 for s in patch.sections if _file_message(s, before.get(s.path), err)]
+        if not files:
+            raise RebaseError(f"{patch.name}: git apply --3way failed: {err.strip()[-600:]}")
+        return "conflict", files
+    files = []
+    for s in patch.sections:
+        if s.new_file or s.deleted_file:
+            files.append(FileResult(s.path, "conflict" if s.path in unmerged else "clean"))
+            continue
+        files.append(_merged_file(repo, scratch, st, s, before, unmerged, label, resolved))
+    return ("conflict" if any(f.state == "conflict" for f in files) else "merged"), files
+
+
+def _merged_file(repo: Path, scratch: Path, st, s: Section, before: dict, unmerged: set, label: str,
+                 resolved: dict) -> FileResult:
+    """One file of a three-way apply, hunk by hunk; an unmerged one gets its markers, or the maintainer's
+    resolution when `resolved` has one."""
+    patch = st.patch
+    hunks, partial = classify(s, st.before[s.path], before[s.path], scratch, label, patch.name)
+    fstate = ("conflict" if s.path in unmerged or any(h.state == "conflict" for h in hunks)
+              else "merged" if any(h.state == "merged" for h in hunks) else "clean")
+    fr = FileResult(s.path, fstate, hunks)
+    if s.path in unmerged:
+        fr.marked = _relabel(_read(repo, s.path), label, patch.name)
+        mine = resolved.get(patch.name, {}).get(s.path)
+        if mine is not None:
+            if _conflict_regions(mine) or b"\n=======\n" in mine:
+                raise UsageError(f"the resolution of {patch.name}: {s.path} still holds conflict "
+                                 "markers", code="unresolved",
+                                 hint="edit the file until no <<<<<<< / ======= / >>>>>>> is left")
+            fr.state, fr.marked, partial = "resolved", None, mine
+            for h in fr.hunks:
+                h.state = "resolved" if h.state == "conflict" else h.state
+        _write(repo, s.path, partial)
+        _git(repo, "add", "--", s.path)
+    return fr
+
+
+def _refreshed_texts(repo: Path, steps, commits: list[str], modes: dict[str, str], commit: str) -> dict[str, str]:
+    """{patch name: its text made again from the queue's commits, its header naming `commit`}."""
+    texts: dict[str, str] = {}
+    for i, st in enumerate(steps):
+        diffs = _diff_sections(repo, commits[i], commits[i + 1], st.patch.files)
+        sections = []
+        for s in st.patch.sections:
+            if s.new_file:
+                sections.append(s.text)
+            elif s.path in diffs:
+                text = diffs[s.path]
+                if s.path in modes and modes[s.path] != DEFAULT_MODE:
+                    text = text.replace(f" {DEFAULT_MODE}\n", f" {modes[s.path]}\n", 1)
+                sections.append(text)
+            else:  # upstream already holds this change: the section would be empty
+                raise RebaseError(f"{st.patch.name}: {s.path}: upstream {commit[:12]} already has this change",
+                                  code="rebase_empty", hint="drop the section (or the patch) from the series")
+        texts[st.patch.name] = render_patch(header_with_commit(st.patch.header_text, commit), sections)
+    return texts
 
 
 def _relabel(marked: bytes | None, ours: str, theirs: str) -> bytes | None:
@@ -488,13 +509,30 @@ def rebase_onto(root: Path, data: dict, series: Series, onto: str, source: str, 
     import json
 
     from h3kit import manifest
-    from h3kit.patches import manifest_entries
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out} exists and is not an empty folder",
                           hint="give --out a new or empty folder (the report and the refreshed series go there)")
     pin = manifest.pin(data)
+    rep, rev_files, upstream = _clone_and_replay(data, series, onto, source, pin, progress=progress,
+                                                 resolved=resolved, log=log)
+    doc = {**rep.to_dict(), "pin": pin, "source": source, "out": str(out)}
+    out.mkdir(parents=True, exist_ok=True)
+    if rep.ok:
+        written = _write_series(out, data, series, rep, rev_files, upstream)
+    else:
+        written = _write_conflicts(out, rep)
+    doc["written"] = written + [REPORT_JSON, REPORT_TEXT]
+    doc["upstream"] = upstream
+    (out / REPORT_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+    (out / REPORT_TEXT).write_text(render_report(rep, pin))
+    return rep, doc
+
+
+def _clone_and_replay(data: dict, series: Series, onto: str, source: str, pin: str, *, progress, resolved, log):
+    """Clone `source` into a scratch folder and replay the series onto `onto` there; (the replay, the touched
+    files at the new commit, the manifest's upstream section for it)."""
     touched = series.touched_files()
     with locks.owned_tempdir(locks.scratch_parent(), "h3kit-rebase-clone-") as tmp:
         tree = tmp / "upstream"
@@ -517,39 +555,44 @@ def rebase_onto(root: Path, data: dict, series: Series, onto: str, source: str, 
         modes = gitutil.read_modes(tree, commit, touched)
         log(f"applying {len(series.patches)} patches three-way onto {commit[:12]} ...")
         rep = replay(series, pin_files, rev_files, commit, modes=modes, resolved=resolved, log=lambda m: log("  " + m))
-        upstream = _upstream_data(tree, commit, data)
-    doc = {**rep.to_dict(), "pin": pin, "source": source, "out": str(out)}
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    if rep.ok:
-        pdir = out / "patches"
-        pdir.mkdir()
-        (pdir / "series").write_bytes((series.patches_dir / "series").read_bytes())
-        for name, text in rep.texts.items():
-            (pdir / name).write_text(text)
-        if series.src_dir.is_dir():
-            import shutil
+        return rep, rev_files, _upstream_data(tree, commit, data)
 
-            shutil.copytree(series.src_dir, pdir / "src", ignore=shutil.ignore_patterns("__pycache__"))
-        new_series = Series.load_dir(pdir, out)
-        new_data = dict(data)
-        new_data["upstream"] = upstream
-        new_data["patches"] = manifest_entries(new_series, rev_files)
-        (out / manifest.MANIFEST_NAME).write_text(json.dumps(new_data, indent=2) + "\n")
-        written = ["patches/", "source_deps_info.json"]
-    else:
-        for p in rep.conflicts:
-            for f in p.files:
-                if f.marked is not None:
-                    dest = out / CONFLICTS_DIR / p.name / f.path
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_bytes(f.marked)
-                    written.append(dest.relative_to(out).as_posix())
-    doc["written"] = written + [REPORT_JSON, REPORT_TEXT]
-    doc["upstream"] = upstream
-    (out / REPORT_JSON).write_text(json.dumps(doc, indent=2) + "\n")
-    (out / REPORT_TEXT).write_text(render_report(rep, pin))
-    return rep, doc
+
+def _write_series(out: Path, data: dict, series: Series, rep: Replay, rev_files: dict, upstream: dict) -> list[str]:
+    """A clean replay's refreshed series (patches/, with src/) and manifest under `out`; what was written."""
+    import json
+
+    from h3kit import manifest
+    from h3kit.patches import manifest_entries
+
+    pdir = out / "patches"
+    pdir.mkdir()
+    (pdir / "series").write_bytes((series.patches_dir / "series").read_bytes())
+    for name, text in rep.texts.items():
+        (pdir / name).write_text(text)
+    if series.src_dir.is_dir():
+        import shutil
+
+        shutil.copytree(series.src_dir, pdir / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    new_series = Series.load_dir(pdir, out)
+    new_data = dict(data)
+    new_data["upstream"] = upstream
+    new_data["patches"] = manifest_entries(new_series, rev_files)
+    (out / manifest.MANIFEST_NAME).write_text(json.dumps(new_data, indent=2) + "\n")
+    return ["patches/", "source_deps_info.json"]
+
+
+def _write_conflicts(out: Path, rep: Replay) -> list[str]:
+    """Each conflicting file, with its markers, under `out`/conflicts/<patch>/<path>; what was written."""
+    written = []
+    for p in rep.conflicts:
+        for f in p.files:
+            if f.marked is not None:
+                dest = out / CONFLICTS_DIR / p.name / f.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(f.marked)
+                written.append(dest.relative_to(out).as_posix())
+    return written
 
 
 def write_into_checkout(root: Path, out: Path) -> list[str]:

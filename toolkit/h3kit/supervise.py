@@ -134,123 +134,161 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
     if rec is None:
         raise service.NotStarted(f"nothing to watch: no server record under {root}",
                                  hint="start the server with h3kit start first")
-    outcome = WatchOutcome("interrupted", "")
-    t_begin = clock()
+    loop = _Watch(root, policy, on_event, clock, comfy_home, rec)
+    loop.emit("watching", f"pid {rec.pid} on {rec.url}, every {policy.interval:g} s")
+    return loop.run()
 
-    def emit(event: str, message: str, **extra) -> None:
+
+_RECOVERING = object()  # a tick's verdict: the process group re-forms on its own, nothing to do but wait
+
+
+class _Watch:
+    """The state of one watch: the pid watched, failed checks in a row, the restarts in the crash window and the
+    backoff streak, the OOM watch, and the outcome reported at the end."""
+
+    def __init__(self, root: Path, policy: WatchPolicy, on_event: Callable[[dict], None],
+                 clock: Callable[[], float], comfy_home: str | None, rec: service.Record):
+        self.root, self.policy, self.on_event, self.clock, self.comfy_home = root, policy, on_event, clock, comfy_home
+        self.outcome = WatchOutcome("interrupted", "")
+        self.t_begin = clock()
+        self.watched = rec.pid
+        self.fails = 0
+        self.restarts: collections.deque[float] = collections.deque()
+        self.streak = 0                      # restarts since the server was last stable; sets the backoff
+        self.healthy_since: float | None = None
+        self.last_free = float("-inf")
+        self.oom = _OomWatch(rec, fresh=False)
+        self.group_down_since = None         # when the process group was last seen re-forming (it replaces workers)
+
+    def emit(self, event: str, message: str, **extra) -> None:
         item = {"time": datetime.datetime.now().isoformat(timespec="seconds"), "event": event,
                 "message": message, **extra}
-        outcome.events.append(item)
-        on_event(item)
+        self.outcome.events.append(item)
+        self.on_event(item)
 
-    def time_left() -> float:
-        return float("inf") if policy.max_seconds is None else policy.max_seconds - (clock() - t_begin)
+    def time_left(self) -> float:
+        return float("inf") if self.policy.max_seconds is None else self.policy.max_seconds - (self.clock() - self.t_begin)
 
-    def pause(seconds: float) -> bool:
+    def pause(self, seconds: float) -> bool:
         """Sleep, but not past max_seconds; False when the time limit is reached."""
-        seconds = min(seconds, max(0.0, time_left()))
+        seconds = min(seconds, max(0.0, self.time_left()))
         time.sleep(seconds)
-        return time_left() > 0
+        return self.time_left() > 0
 
-    watched = rec.pid
-    fails = 0
-    restarts: collections.deque[float] = collections.deque()
-    streak = 0                      # restarts since the server was last stable; sets the backoff
-    healthy_since: float | None = None
-    last_free = float("-inf")
-    oom = _OomWatch(rec, fresh=False)
-    group_down_since = None         # when the process group was last seen re-forming (it replaces workers itself)
-    emit("watching", f"pid {rec.pid} on {rec.url}, every {policy.interval:g} s")
-
-    try:
-        while True:
-            if time_left() <= 0:
-                outcome.reason, outcome.message = "time_limit", f"stopped watching after {policy.max_seconds:g} s"
-                return outcome
-            rec = service.read_record(root, comfy_home)
-            if rec is None:
-                outcome.reason = "stopped"
-                outcome.message = "the server record is gone (h3kit stop ran): nothing left to watch"
-                return outcome
-            if rec.pid != watched:
-                emit("adopted", f"the record now names pid {rec.pid} (restarted by another command)")
-                watched, fails, healthy_since = rec.pid, 0, None
-                oom = _OomWatch(rec, fresh=False)
-
-            problem = None
-            verdict = rec.verify()
-            if not verdict.alive:
-                problem = f"the server is not running: {verdict.reason}"
-            else:
-                # with the process transport: every rank alive and joined too (the runtime replaces a dead
-                # worker itself; a group that stays broken for `failures` checks is restarted whole)
-                got = service.check(rec, root, timeout=policy.health_timeout)
-                now = clock()
-                recovering = got.reason.startswith("group:") and "failed" not in got.reason
-                if recovering and (group_down_since is None or now - group_down_since <= rec.join_timeout):
-                    # a worker died and is being replaced: the runtime re-forms the group on its own
-                    group_down_since = now if group_down_since is None else group_down_since
-                    emit("group_recovering", got.reason)
-                    pause(policy.interval)
+    def run(self) -> WatchOutcome:
+        try:
+            while True:
+                rec = self._current()
+                if rec is None:
+                    return self.outcome
+                problem = self._problem(rec)
+                if problem is _RECOVERING:
                     continue
-                group_down_since = None if not recovering else group_down_since
-                if got.ok:
-                    if not rec.group.is_agent:
-                        _save_queue(root, rec, policy)
-                    if fails:
-                        emit("recovered", f"healthy again after {fails} failed check(s)")
-                    fails = 0
-                    healthy_since = now if healthy_since is None else healthy_since
-                    if streak and now - healthy_since >= policy.stable_after:
-                        streak = 0
-                else:
-                    fails += 1
-                    healthy_since = None
-                    emit("health_failed", f"check {fails}/{policy.failures} failed: {got.reason}")
-                    if fails >= policy.failures:
-                        problem = f"{fails} failed health checks in a row ({got.reason})"
-                if problem is None and not rec.group.is_agent:
-                    found = oom.poll()
-                    if found and clock() - last_free < policy.oom_cooldown:
-                        emit("oom", f"out of memory reported again, memory was just freed: {found}")
-                    elif found:
-                        emit("oom", f"out of memory reported: {found}")
-                        try:
-                            health.free_memory(rec.url)
-                            last_free = clock()
-                            outcome.frees += 1
-                            emit("free", "asked the server to unload models and free memory (POST /free)")
-                        except health.HttpError as e:
-                            emit("free_failed", f"POST /free failed: {e}")
+                if problem is None:
+                    self.pause(self.policy.interval)
+                    continue
+                self._recover(rec, problem)
+        except KeyboardInterrupt:
+            self.outcome.reason = "interrupted"
+            self.outcome.message = "interrupted: watch ends, a running server keeps running"
+            return self.outcome
 
-            if problem is None:
-                pause(policy.interval)
-                continue
+    def _current(self) -> service.Record | None:
+        """The record to check this tick (a new pid in it is adopted); None when watching ends (the outcome says
+        why)."""
+        if self.time_left() <= 0:
+            self.outcome.reason = "time_limit"
+            self.outcome.message = f"stopped watching after {self.policy.max_seconds:g} s"
+            return None
+        rec = service.read_record(self.root, self.comfy_home)
+        if rec is None:
+            self.outcome.reason = "stopped"
+            self.outcome.message = "the server record is gone (h3kit stop ran): nothing left to watch"
+            return None
+        if rec.pid != self.watched:
+            self.emit("adopted", f"the record now names pid {rec.pid} (restarted by another command)")
+            self.watched, self.fails, self.healthy_since = rec.pid, 0, None
+            self.oom = _OomWatch(rec, fresh=False)
+        return rec
 
-            # --- recover -------------------------------------------------------------------------------
-            now = clock()
-            while restarts and now - restarts[0] > policy.crash_window:
-                restarts.popleft()
-            if len(restarts) >= policy.crash_limit:
-                raise _crash_loop(root, rec, problem, len(restarts), policy, emit)
-            delay = min(policy.backoff * (2 ** streak), policy.backoff_max)
-            emit("restart", f"{problem}; restarting in {delay:g} s "
-                            f"({len(restarts) + 1} of {policy.crash_limit} allowed in {policy.crash_window:g} s)")
-            if not pause(delay):
-                continue
-            restarts.append(clock())
-            streak += 1
-            outcome.restarts += 1
-            new = _restart_once(root, rec, policy, emit, outcome)
-            if new is None:  # the record vanished under the lock: stopped by the user
-                continue
-            watched, fails, healthy_since = new.pid, 0, None
-            oom = _OomWatch(new, fresh=new.pid != rec.pid)
-            pause(policy.interval)
-    except KeyboardInterrupt:
-        outcome.reason = "interrupted"
-        outcome.message = "interrupted: watch ends, a running server keeps running"
-        return outcome
+    def _problem(self, rec: service.Record):
+        """What calls for a restart (a dead process, `failures` failed checks in a row), None when nothing does,
+        _RECOVERING when the group re-forms (the pause already taken). Answers an OOM with POST /free."""
+        verdict = rec.verify()
+        if not verdict.alive:
+            return f"the server is not running: {verdict.reason}"
+        problem = self._health(rec)
+        if problem is None and not rec.group.is_agent:
+            self._oom(rec)
+        return problem
+
+    def _health(self, rec: service.Record):
+        policy = self.policy
+        # with the process transport: every rank alive and joined too (the runtime replaces a dead
+        # worker itself; a group that stays broken for `failures` checks is restarted whole)
+        got = service.check(rec, self.root, timeout=policy.health_timeout)
+        now = self.clock()
+        recovering = got.reason.startswith("group:") and "failed" not in got.reason
+        if recovering and (self.group_down_since is None or now - self.group_down_since <= rec.join_timeout):
+            # a worker died and is being replaced: the runtime re-forms the group on its own
+            self.group_down_since = now if self.group_down_since is None else self.group_down_since
+            self.emit("group_recovering", got.reason)
+            self.pause(policy.interval)
+            return _RECOVERING
+        self.group_down_since = None if not recovering else self.group_down_since
+        if got.ok:
+            if not rec.group.is_agent:
+                _save_queue(self.root, rec, policy)
+            if self.fails:
+                self.emit("recovered", f"healthy again after {self.fails} failed check(s)")
+            self.fails = 0
+            self.healthy_since = now if self.healthy_since is None else self.healthy_since
+            if self.streak and now - self.healthy_since >= policy.stable_after:
+                self.streak = 0
+            return None
+        self.fails += 1
+        self.healthy_since = None
+        self.emit("health_failed", f"check {self.fails}/{policy.failures} failed: {got.reason}")
+        if self.fails >= policy.failures:
+            return f"{self.fails} failed health checks in a row ({got.reason})"
+        return None
+
+    def _oom(self, rec: service.Record) -> None:
+        found = self.oom.poll()
+        if found and self.clock() - self.last_free < self.policy.oom_cooldown:
+            self.emit("oom", f"out of memory reported again, memory was just freed: {found}")
+        elif found:
+            self.emit("oom", f"out of memory reported: {found}")
+            try:
+                health.free_memory(rec.url)
+                self.last_free = self.clock()
+                self.outcome.frees += 1
+                self.emit("free", "asked the server to unload models and free memory (POST /free)")
+            except health.HttpError as e:
+                self.emit("free_failed", f"POST /free failed: {e}")
+
+    def _recover(self, rec: service.Record, problem: str) -> None:
+        """Restart after the backoff, or raise CrashLoop when the crash window is full."""
+        policy, restarts = self.policy, self.restarts
+        now = self.clock()
+        while restarts and now - restarts[0] > policy.crash_window:
+            restarts.popleft()
+        if len(restarts) >= policy.crash_limit:
+            raise _crash_loop(self.root, rec, problem, len(restarts), policy, self.emit)
+        delay = min(policy.backoff * (2 ** self.streak), policy.backoff_max)
+        self.emit("restart", f"{problem}; restarting in {delay:g} s "
+                             f"({len(restarts) + 1} of {policy.crash_limit} allowed in {policy.crash_window:g} s)")
+        if not self.pause(delay):
+            return
+        restarts.append(self.clock())
+        self.streak += 1
+        self.outcome.restarts += 1
+        new = _restart_once(self.root, rec, policy, self.emit, self.outcome)
+        if new is None:  # the record vanished under the lock: stopped by the user
+            return
+        self.watched, self.fails, self.healthy_since = new.pid, 0, None
+        self.oom = _OomWatch(new, fresh=new.pid != rec.pid)
+        self.pause(policy.interval)
 
 
 def _save_queue(root: Path, rec: service.Record, policy: WatchPolicy) -> queuesave.Saved | None:

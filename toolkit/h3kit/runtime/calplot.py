@@ -41,20 +41,32 @@ def plot(report: dict, path: str) -> None:
                  + ("\nCPU run: shows the method and this host, no speed claim for NPUs or GPUs"
                     if report["device_type"] == "cpu" else ""), fontsize=9)
 
-    # 1. the DiT block per tier: measured, and the two-term compute model fitted on all points
+    _plot_blocks(ax_block, report)
+    _plot_bandwidth(ax_bw, report)
+    _plot_speedup(ax_speed, report)
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_blocks(ax, report: dict) -> None:
+    """The DiT block per tier: measured, and the two-term compute model fitted on all points."""
     blocks = report["blocks"]
     labels = [f"{b['geometry']}\n{b['world']} dev, s={b['shard']}" for b in blocks]
     xs = range(len(blocks))
-    ax_block.bar(xs, [b["seconds"] * 1e3 for b in blocks], color="#4c72b0", label="measured")
-    ax_block.plot(xs, [b["modeled_seconds"] * 1e3 for b in blocks], "o", color="#dd8452",
-                  label=f"modeled ({report['fit']['compute']['tflops_linear']:.3g} / "
-                        f"{report['fit']['compute']['tflops_attention']:.3g} TFLOP/s linear / attention)")
-    ax_block.set_xticks(list(xs), labels, fontsize=7)
-    ax_block.set_ylabel("one DiT block, ms (rank 0's shard)")
-    ax_block.set_title("DiT block at each tier's shard", fontsize=10)
-    ax_block.legend(fontsize=7, loc="upper left")
+    ax.bar(xs, [b["seconds"] * 1e3 for b in blocks], color="#4c72b0", label="measured")
+    ax.plot(xs, [b["modeled_seconds"] * 1e3 for b in blocks], "o", color="#dd8452",
+               label=f"modeled ({report['fit']['compute']['tflops_linear']:.3g} / "
+                     f"{report['fit']['compute']['tflops_attention']:.3g} TFLOP/s linear / attention)")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("one DiT block, ms (rank 0's shard)")
+    ax.set_title("DiT block at each tier's shard", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
 
-    # 2. bandwidth against message size, with the fitted latency + bytes / bandwidth lines
+
+def _plot_bandwidth(ax, report: dict) -> None:
+    """Bandwidth against message size, with the fitted latency + bytes / bandwidth lines."""
     styles = {("threads", "all_to_all"): ("o", "#4c72b0"), ("threads", "all_gather"): ("s", "#4c72b0"),
               ("process", "all_to_all"): ("o", "#c44e52"), ("process", "all_gather"): ("s", "#c44e52")}
     for transport in calibration.TRANSPORTS:
@@ -65,43 +77,41 @@ def plot(report: dict, path: str) -> None:
                 continue
             marker, color = styles[(transport, name)]
             backend = f" ({report['backend']})" if transport == "process" else ""
-            ax_bw.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], marker, color=color, mfc="none" if
-                       name == "all_gather" else color, label=f"{name}, {transport}{backend}")
+            ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], marker, color=color, mfc="none" if
+                    name == "all_gather" else color, label=f"{name}, {transport}{backend}")
             fit = report["fit"]["exchange"].get(transport, {}).get(name)
             if fit:
                 grid = [pts[0][0] * (pts[-1][0] / pts[0][0]) ** (i / 40) for i in range(41)]
-                ax_bw.plot([g / 2**20 for g in grid], [g / calibration.line_seconds(fit, g) / 1e9 for g in grid],
-                           "-", color=color, alpha=0.4)
+                ax.plot([g / 2**20 for g in grid], [g / calibration.line_seconds(fit, g) / 1e9 for g in grid],
+                        "-", color=color, alpha=0.4)
     pairs = [p["gbs"] for p in report["copy"]["pairs"]]
     if pairs:
-        ax_bw.axhline(sorted(pairs)[len(pairs) // 2], color="#55a868", ls="--",
-                      label=f"copy, one pair at a time ({report['copy']['pairs'][0]['bytes'] / 2**20:.0f} MiB)")
+        ax.axhline(sorted(pairs)[len(pairs) // 2], color="#55a868", ls="--",
+                   label=f"copy, one pair at a time ({report['copy']['pairs'][0]['bytes'] / 2**20:.0f} MiB)")
     for r in report["copy"]["ring"]:
-        ax_bw.plot([r["bytes"] / 2**20], [r["gbs"]], "^", color="#55a868", label=f"copy, {r['world']} at once (ring)")
-    ax_bw.set_xscale("log")
-    ax_bw.set_xlabel("bytes per rank, MiB (the message sizes h3kit plan predicts)")
-    ax_bw.set_ylabel("GB/s per rank")
-    ax_bw.set_title("links and collectives", fontsize=10)
-    ax_bw.legend(fontsize=7)
+        ax.plot([r["bytes"] / 2**20], [r["gbs"]], "^", color="#55a868", label=f"copy, {r['world']} at once (ring)")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per rank, MiB (the message sizes h3kit plan predicts)")
+    ax.set_ylabel("GB/s per rank")
+    ax.set_title("links and collectives", fontsize=10)
+    ax.legend(fontsize=7)
 
-    # 3. projected forward speed-up per tier (50 blocks: measured block + measured exchange)
+
+def _plot_speedup(ax, report: dict) -> None:
+    """Projected forward speed-up per tier (50 blocks: measured block + measured exchange)."""
     tiers = report["tiers"]
     worlds = sorted({t["world"] for t in tiers})
     for g, ls in zip([g["name"] for g in report["geometries"]], ("-", "--")):
         for transport, color in (("threads", "#4c72b0"), ("process", "#c44e52")):
             pts = [(t["world"], t["speedup"][transport]) for t in tiers if t["geometry"] == g and transport in t["speedup"]]
             if len(pts) > 1:
-                ax_speed.plot(*zip(*pts), ls, marker="o", color=color, label=f"{g}, {transport}")
-    ax_speed.plot(worlds, worlds, ":", color="gray", label="ideal")
-    ax_speed.set_xticks(worlds)
-    ax_speed.set_xlabel("devices")
-    ax_speed.set_ylabel("projected forward speed-up vs 1 device")
-    ax_speed.set_title("projected speed-up per tier", fontsize=10)
-    ax_speed.legend(fontsize=7)
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+                ax.plot(*zip(*pts), ls, marker="o", color=color, label=f"{g}, {transport}")
+    ax.plot(worlds, worlds, ":", color="gray", label="ideal")
+    ax.set_xticks(worlds)
+    ax.set_xlabel("devices")
+    ax.set_ylabel("projected forward speed-up vs 1 device")
+    ax.set_title("projected speed-up per tier", fontsize=10)
+    ax.legend(fontsize=7)
 
 
 def main(argv=None) -> int:

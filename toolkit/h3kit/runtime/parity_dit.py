@@ -578,6 +578,20 @@ class _Context:
     pass
 
 
+def _drop_unsupported(args, runtime) -> list[str]:
+    """Take out of `args` the rows the process group cannot run; a note for each."""
+    notes = []
+    if runtime is not None and args.device_type == "cpu" and "bfloat16" in args.dtypes:
+        # bf16 on a CPU needs _load_dit's loader patch, which the worker processes do not share
+        args.dtypes = [d for d in args.dtypes if d != "bfloat16"]
+        notes.append("bf16 rows: thread transport only on cpu (they patch this process's loader)")
+    if args.override:
+        args.override = False
+        notes.append("attention override rows: none (the ranks cannot run another node's override, a Python object "
+                     "in the server: the node refuses it on both transports, tests/test_multinpu_node.py)")
+    return notes
+
+
 def run_dit(args):
     common.setup_comfy(args.comfy_home, args.device_type, args.npu_count)
     import torch
@@ -589,15 +603,7 @@ def run_dit(args):
     if error:
         return error
     runtime = common.start_group(args)
-    notes = []
-    if runtime is not None and args.device_type == "cpu" and "bfloat16" in args.dtypes:
-        # bf16 on a CPU needs _load_dit's loader patch, which the worker processes do not share
-        args.dtypes = [d for d in args.dtypes if d != "bfloat16"]
-        notes.append("bf16 rows: thread transport only on cpu (they patch this process's loader)")
-    if args.override:
-        args.override = False
-        notes.append("attention override rows: none (the ranks cannot run another node's override, a Python object "
-                     "in the server: the node refuses it on both transports, tests/test_multinpu_node.py)")
+    notes = _drop_unsupported(args, runtime)
     ctx = _Context()
     ctx.args, ctx.node = args, node
     variants, ctx.lora_patches, lora_keys, probe_lora, params = _variants(args)

@@ -99,6 +99,20 @@ def _rank_spread(runner, npu_count):
     return float(torch.stack([(o.float() - outs[0].float()).abs().max() for o in outs]).nan_to_num(nan=float("inf")).max())
 
 
+def _single_device(clips: dict, layouts: list, layouts_of, seed: int) -> tuple[dict, dict]:
+    """One device's encodes, the reference of every row: ({(dtype, layout): (outputs..., seconds)}, {dtype: the
+    run-to-run max_rel of one device's own bf16 encode})."""
+    single, noise = {}, {}
+    for dtype, (component, clip) in clips.items():
+        for layout in layouts_of(dtype):
+            t0 = time.perf_counter()
+            single[(dtype, layout)] = _encode(clip, layout, seed) + (time.perf_counter() - t0,)
+        if dtype == "bfloat16":  # one device's own bf16 noise: the same encode again
+            again = _encode(clip, layouts[0], seed)[0]
+            noise[dtype] = common.metrics([[single[(dtype, layouts[0])][0]]], [[again]])["max_rel"]
+    return single, noise
+
+
 def run_te(args):
     common.setup_comfy(args.comfy_home, args.device_type, args.npu_count)
     import torch
@@ -123,14 +137,7 @@ def run_te(args):
     # the bf16 checkpoint: the first layout (tensor parallel); upstream computes in fp32 either way, and one
     # device's bf16 encodes cost several times the fp32 ones on a CPU (every weight cast at every call)
     layouts_of = lambda dtype: layouts if dtype == "float32" else layouts[:1]  # noqa: E731
-    single, noise = {}, {}
-    for dtype, (component, clip) in clips.items():
-        for layout in layouts_of(dtype):
-            t0 = time.perf_counter()
-            single[(dtype, layout)] = _encode(clip, layout, args.seed) + (time.perf_counter() - t0,)
-        if dtype == "bfloat16":  # one device's own bf16 noise: the same encode again
-            again = _encode(clip, layouts[0], args.seed)[0]
-            noise[dtype] = common.metrics([[single[(dtype, layouts[0])][0]]], [[again]])["max_rel"]
+    single, noise = _single_device(clips, layouts, layouts_of, args.seed)
     rows = []
     for dtype, (component, clip) in clips.items():
         variants = [node.execute(model=loaded["dit"], npu_count=args.npu_count, clip=clip).args[1]]

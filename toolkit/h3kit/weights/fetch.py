@@ -151,32 +151,10 @@ def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, l
     rows: list[Job] = []
     jobs: list[Job] = []
     for w in wanted:
-        root = shared if shared and w.kind in modelpaths.KINDS else os.path.join(home, "models")
-        job = Job(w, root)
-        known = w.sources[0].size if w.sources else None
-        if w.bad_name:
-            job.status, job.reason = "refused", w.bad_name
-        elif w.found or os.path.isfile(job.target):
-            job.target = w.found or job.target
-            job.size = os.path.getsize(job.target)
-            job.status = "present"
-            if known is not None and job.size != known:
-                job.status = "wrong_size"
-                job.reason = (f"{job.size} bytes on disk, {known} published: move it away and run fetch again "
-                              "(h3kit never overwrites a file it did not write)")
-        elif not w.sources:
-            job.status, job.reason = "no_source", w.note or sources_mod.describe([])
-        elif not job.sources:
-            job.status, job.reason = "refused", w.sources[0].refused
-            job.source = w.sources[0]
-        elif not job.sources[0].is_hf and not w.name.lower().endswith(SAFE_SUFFIXES):
-            job.status, job.source = "refused", job.sources[0]
-            job.reason = (f"from {job.source.url}: only {' and '.join(SAFE_SUFFIXES)} files are fetched from outside "
-                          "the Hugging Face Hub (a pickle checkpoint runs code when it loads); download it by hand "
-                          "if you trust the server")
-        else:
+        job = _job(w, shared, home)
+        if job.status == "pending":
             jobs.append(job)
-        if job.status != "pending":
+        else:
             rows.append(job)
 
     for job in jobs:
@@ -184,19 +162,7 @@ def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, l
     if dry_run:
         return _dry_run(paths, home, shared, rows, jobs, wanted, log)
     register = _plan_models_dir(home, shared, install) if shared else None
-    problems = [f"{d}: cannot write there ({why})" for d, why in
-                {d: _probe_writable(d) for d in sorted({j.staging for j in jobs})}.items() if why]
-    if problems:
-        raise FetchRefused("the target folders cannot take the files: " + "; ".join(problems), code="not_writable",
-                           hint="make the folder writable (or mount it read-write), or give --models-dir a folder "
-                                "that is; nothing was downloaded")
-
-    if jobs:
-        _metadata([j for j in jobs if j.cached is None], log)
-        short = _space([j for j in jobs if j.status == "pending"])
-        if short:
-            raise FetchRefused("not enough free disk space: " + "; ".join(short), code="disk_full",
-                               hint="free space there, or give --models-dir a larger disk; nothing was downloaded")
+    _refuse_unless_room(jobs, log)
     if register is not None:
         log(f"adding {shared} to {modelpaths.CONFIG} (h3kit install --models-dir) ...")
         _register(home, register)
@@ -212,6 +178,52 @@ def fetch(paths: list[str], comfy_home: str, models_dir: str | None = None, *, l
     return {"ok": ok, "comfy_home": home, "models_dir": shared, "workflows": list(paths), "files": files,
             "downloaded_bytes": sum(j.downloaded for j in rows), "dry_run": False,
             "extra_model_paths": {"added": register is not None, "named": True} if shared else None}
+
+
+def _job(w, shared: str | None, home: str) -> Job:
+    """The job for one wanted file: "pending" (to fetch), or what it is instead (present, wrong_size, no_source,
+    refused) with the reason."""
+    root = shared if shared and w.kind in modelpaths.KINDS else os.path.join(home, "models")
+    job = Job(w, root)
+    known = w.sources[0].size if w.sources else None
+    if w.bad_name:
+        job.status, job.reason = "refused", w.bad_name
+    elif w.found or os.path.isfile(job.target):
+        job.target = w.found or job.target
+        job.size = os.path.getsize(job.target)
+        job.status = "present"
+        if known is not None and job.size != known:
+            job.status = "wrong_size"
+            job.reason = (f"{job.size} bytes on disk, {known} published: move it away and run fetch again "
+                          "(h3kit never overwrites a file it did not write)")
+    elif not w.sources:
+        job.status, job.reason = "no_source", w.note or sources_mod.describe([])
+    elif not job.sources:
+        job.status, job.reason = "refused", w.sources[0].refused
+        job.source = w.sources[0]
+    elif not job.sources[0].is_hf and not w.name.lower().endswith(SAFE_SUFFIXES):
+        job.status, job.source = "refused", job.sources[0]
+        job.reason = (f"from {job.source.url}: only {' and '.join(SAFE_SUFFIXES)} files are fetched from outside "
+                      "the Hugging Face Hub (a pickle checkpoint runs code when it loads); download it by hand "
+                      "if you trust the server")
+    return job
+
+
+def _refuse_unless_room(jobs: list[Job], log) -> None:
+    """FetchRefused (nothing downloaded) when a target folder cannot be written or its disk cannot take the files
+    (their sizes asked of the hub first)."""
+    problems = [f"{d}: cannot write there ({why})" for d, why in
+                {d: _probe_writable(d) for d in sorted({j.staging for j in jobs})}.items() if why]
+    if problems:
+        raise FetchRefused("the target folders cannot take the files: " + "; ".join(problems), code="not_writable",
+                           hint="make the folder writable (or mount it read-write), or give --models-dir a folder "
+                                "that is; nothing was downloaded")
+    if jobs:
+        _metadata([j for j in jobs if j.cached is None], log)
+        short = _space([j for j in jobs if j.status == "pending"])
+        if short:
+            raise FetchRefused("not enough free disk space: " + "; ".join(short), code="disk_full",
+                               hint="free space there, or give --models-dir a larger disk; nothing was downloaded")
 
 
 DONE = ("present", "downloaded", "linked", "copied")
