@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,14 @@ def test_the_modules_a_host_runs_exist():
     agent = ast.parse((src / (group.AGENT_MODULE.replace(".", "/") + ".py")).read_text())
     main = [n for n in agent.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert main and "agent_main()" in ast.unparse(main[0]), f"{group.AGENT_MODULE} does not run the agent"
+
+
+def test_every_field_h3kit_writes_is_read_by_the_runtime(tmp_path):
+    """Issue 40: a field of H3KIT_GROUP that no runtime module reads (`spec.<field>`) is a promise nobody keeps;
+    GroupSpec.devices was one (the ranks find their device by local rank, through the visible-device variable)."""
+    settings = group.resolve("cpu", transport="process")
+    env = group.environment(settings, "cpu", [0, 1], tmp_path, "0" * 64, ["--cpu"])
+    written = set(json.loads(env[group.GROUP_ENV]))
+    runtime = "\n".join(p.read_text() for p in (ROOT / "patches" / "src").rglob("*.py"))
+    unread = sorted(f for f in written if not re.search(rf"spec\.{f}\b", runtime))
+    assert unread == [], unread

@@ -178,3 +178,28 @@ def test_killing_one_worker_or_recycling_all_says_why_and_recycled_ones_are_no_c
     workers.recycle("rank 1 failed: replacing the group")
     assert [p.code for p in workers.procs.values()] == [-9, -9] and workers.recycled == {0, 1}
     assert workers.killed == {0: "rank 1 failed: replacing the group", 1: "rank 1 failed: replacing the group"}
+
+
+def test_a_progress_bound_not_above_the_heartbeat_interval_is_refused(monkeypatch):
+    """Issue 40: progress travels with the heartbeat, so a progress bound at or below HEARTBEAT_INTERVAL would call
+    every rank hung between two beats; check_timeouts refuses it, naming H3KIT_PROGRESS_TIMEOUT."""
+    spec = wire.GroupSpec(local_size=2, timeout=300)
+    for bound in (wire.HEARTBEAT_INTERVAL / 2, wire.HEARTBEAT_INTERVAL):
+        monkeypatch.setattr(wire, "PROGRESS_STALE", bound)
+        try:
+            wire.check_timeouts(spec)
+        except wire.GroupError as e:
+            assert "heartbeat interval" in str(e) and wire.PROGRESS_ENV in str(e), e
+        else:
+            raise AssertionError(f"a progress bound of {bound:g} s was accepted")
+    monkeypatch.setattr(wire, "PROGRESS_STALE", wire.HEARTBEAT_INTERVAL * 2)
+    wire.check_timeouts(spec)
+
+
+def test_a_small_hand_off_is_sized_in_kb_or_bytes():
+    """Issue 40: the full-/dev/shm message said "needs 0.0 MB" for a hand-off of a few kilobytes."""
+    assert wire._size(512) == "512 bytes"
+    assert wire._size(4096) == "4.1 KB"
+    assert wire._size(4 << 20) == "4.2 MB"
+    assert wire._size(3 * 10 ** 9) == "3.00 GB"
+    assert "0.0 MB" not in wire.shm_full_message("/nonexistent-h3kit/x", 2000, "a test")

@@ -222,6 +222,16 @@ def test_a_peer_held_by_a_silent_rank_is_not_named_for_it():
     assert rank == 2 and "last completed collective #6" in why, why
 
 
+def test_where_a_rank_is_is_said_in_words():
+    """describe's four answers (issue 40: the mutation check of the progress watch found them untested): a rank
+    waiting in a point-to-point op, inside a collective, between collectives, or not yet in the command."""
+    assert progress.describe(_p(3, 5, True, "send"), 1, 3) == "it waits in send, after collective #5"
+    assert progress.describe(_p(3, 5, True, "all_to_all"), 1, 3) == "it is inside collective #5 (all_to_all)"
+    assert progress.describe(_p(3, 5, False, "recv"), 1, 3) == \
+        "it last completed collective #5 (recv) and has entered none since"
+    assert progress.describe(_p(2, 5, False), 1, 3) == "it has not taken command 3 (its last was command 2)"
+
+
 def test_a_collective_every_rank_is_stuck_in_is_named():
     watch = progress.ProgressWatch(5.0)
     t, (rank, why) = _run(watch, {0: lambda t: _p(3, 7, True, "all_to_all"), 1: lambda t: _p(3, 7, True, "all_to_all")}, 60)

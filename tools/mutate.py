@@ -72,6 +72,19 @@ MODULES = {
                     "test_ulysses_makes_at_most_two_copies_per_direction_gloo")],
                 ["all_to_all_scatter_heads", "all_to_all_gather_heads"],
                 "the Ulysses all-to-all exchange (needs torch)"),
+    "progress": ("patches/src/comfy/multinpu_progress.py",
+                 [f"tests/test_multinpu_process_hang.py::{t}" for t in (
+                     "test_a_rank_that_does_not_reach_the_collective_its_peers_wait_in_is_named_after_the_bound",
+                     "test_a_rank_that_never_took_the_command_is_named",
+                     "test_a_slow_rank_that_reaches_each_collective_is_never_named",
+                     "test_a_rank_whose_beats_stop_is_left_to_the_heartbeat",
+                     "test_a_peer_held_by_a_silent_rank_is_not_named_for_it",
+                     "test_a_collective_every_rank_is_stuck_in_is_named",
+                     "test_where_a_rank_is_is_said_in_words")],
+                 None, "the progress watch: which rank holds a command (its unit tests; the groups that run it are "
+                       "the same file's slow tests)"),
+    "rebase": ("toolkit/h3kit/rebase.py", ["tests/test_patches_rebase.py"], None,
+               "the series moved three-way onto a newer upstream (needs the pin: H3KIT_COMFY_SOURCE)"),
 }
 # modules whose tests run a tree that `h3kit install` patched: the patches/src file reaches them only through
 # its patch, so each mutant (and the baseline) is written into the patches by `h3kit patches refresh`

@@ -161,7 +161,7 @@ def environment(settings: GroupSettings, device_type: str, devices: list[int], r
     """The variables the server (node 0) or the agent (other nodes) starts with. worker_args: the ComfyUI
     arguments an agent's workers parse (the server gives its workers its own)."""
     spec = {"nnodes": settings.nnodes, "node_rank": settings.node_rank, "local_size": len(devices),
-            "device_type": device_type, "devices": list(devices), "master_addr": settings.master_addr,
+            "device_type": device_type, "master_addr": settings.master_addr,
             "master_port": settings.master_port, "join_timeout": settings.join_timeout,
             "runtime_root": str(root), "worker_args": list(worker_args)}
     return {GROUP_ENV: json.dumps(spec), KEY_ENV: key}

@@ -112,7 +112,7 @@ class LocalWorkers:
         self.spec = spec
         self.key = key
         self.cwd = os.getcwd()         # the ComfyUI tree, as it was at the start: the workers run there
-        self.ranks = [spec.rank_of(spec.node_rank, lr) for lr in range(spec.local_size)]
+        self.ranks = [spec.node_rank * spec.local_size + lr for lr in range(spec.local_size)]
         self.failed = {}               # rank -> why it is not replaced again
         self.recycled = set()          # ranks killed to replace the whole group: not crashes
         self.stopping = False

@@ -89,10 +89,10 @@ class GroupSpec:
     """Where and how big the group is, as h3kit start writes it into H3KIT_GROUP; rank = node_rank * local_size +
     local_rank."""
 
-    FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "devices", "master_addr", "master_port",
+    FIELDS = ("nnodes", "node_rank", "local_size", "device_type", "master_addr", "master_port",
               "timeout", "join_timeout", "runtime_root", "worker_args", "worker_module", "channel")
 
-    def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu", devices=None,
+    def __init__(self, nnodes=1, node_rank=0, local_size=1, device_type="cpu",
                  master_addr="127.0.0.1", master_port=0, timeout=comfy.multinpu.DEFAULT_TIMEOUT,
                  join_timeout=DEFAULT_JOIN_TIMEOUT, runtime_root=None, worker_args=(), worker_module=WORKER_MODULE,
                  channel=None):
@@ -104,7 +104,6 @@ class GroupSpec:
         self.node_rank = int(node_rank)
         self.local_size = int(local_size)
         self.device_type = device_type
-        self.devices = list(devices) if devices is not None else list(range(local_size))
         self.master_addr = master_addr
         self.master_port = int(master_port)
         self.timeout = float(timeout)
@@ -127,9 +126,6 @@ class GroupSpec:
     @property
     def backend(self) -> str:
         return BACKENDS[self.device_type]
-
-    def rank_of(self, node: int, local_rank: int) -> int:
-        return node * self.local_size + local_rank
 
     def node_of(self, rank: int) -> int:
         return rank // self.local_size
@@ -270,7 +266,8 @@ def shm_layout(tensors) -> tuple:
 
 
 def _size(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+    return (f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5
+            else f"{nbytes / 1e3:.1f} KB" if nbytes >= 1e3 else f"{nbytes:.0f} bytes")
 
 
 def shm_full_message(path: str, nbytes: int, what: str) -> str:
@@ -485,6 +482,9 @@ def check_timeouts(spec: GroupSpec):
                          f"({seconds:g} s): a failed rank would be reported as a peer's collective timing out. "
                          f"Fix: a longer group timeout, or a shorter "
                          f"{PROGRESS_ENV if 'progress' in what else HEARTBEAT_ENV}")
+    if progress_timeout(spec) <= HEARTBEAT_INTERVAL:  # progress comes with the beats: every rank would look hung
+        raise GroupError(f"MultiNPU: the progress bound ({progress_timeout(spec):g} s) must be longer than the "
+                         f"heartbeat interval ({HEARTBEAT_INTERVAL:g} s). Fix: a longer {PROGRESS_ENV}")
     chosen = os.environ.get("HCCL_EXEC_TIMEOUT")  # else the workers take hccl_exec_timeout's (hccl_environment)
     if spec.device_type == "npu" and not chosen and hccl_exec_timeout(spec.timeout) >= spec.timeout:
         logging.warning(f"MultiNPU: HCCL_EXEC_TIMEOUT cannot be below a group timeout of {spec.timeout:g} s (HCCL "

@@ -443,6 +443,3 @@ def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, ke
     if not keep_record:
         remove_record(root)
     return StopResult(True, rec.pid, down.signals, time.monotonic() - t0)
-
-
-# ---------------------------------------------------------------------------------------------- restart

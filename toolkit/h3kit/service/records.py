@@ -42,6 +42,7 @@ LATEST = "latest"
 
 Progress = Callable[[str], None]
 
+
 class ServiceError(H3kitError):
     code = "service_error"
 
@@ -76,6 +77,7 @@ class BadRecord(ServiceError):
 
 def _noop(_msg: str) -> None:
     pass
+
 
 # ---------------------------------------------------------------------------------------------- layout
 
@@ -402,6 +404,7 @@ def service_lock(root: Path, wait: float = LOCK_WAIT, *, home: str | os.PathLike
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the lock
+
 
 # ---------------------------------------------------------------------------------------------- what a record starts
 

@@ -146,6 +146,3 @@ def start_keeping_queue(root: Path, rec: Record, *, timeout: float, progress: Pr
             if now is not None and now.pid != rec.pid:
                 queuesave.hand_over(root, rec.pid, rec.create_time, now.pid, now.create_time)
         raise
-
-
-# ---------------------------------------------------------------------------------------------- status
