@@ -36,14 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3kit import devices as h3devices
-from h3kit import cliutil, install, manifest, pyenv, smi
+from h3kit import cliutil, install, manifest, monitoring, pyenv, smi
 from h3kit import service as h3service
 from h3kit.errors import H3kitError
 from h3kit.paths import repo_root
 from h3kit.runtime import costmodel
 
-CHECKS = ("interpreter", "torch", "cann", "driver", "devices", "memory", "tree", "service", "models", "disk", "shm",
-          "ram")
+CHECKS = ("interpreter", "torch", "cann", "metrics", "driver", "devices", "memory", "tree", "service", "models", "disk",
+          "shm", "ram")
 PROBE_TIMEOUT = 180.0          # importing torch_npu and touching every card can take a minute
 GB = 1e9
 DISK_ERROR_BYTES = 2 * GB      # below this ComfyUI cannot write a video, a log or its database
@@ -115,6 +115,7 @@ class _Doctor:
             self._torch(python, info)
             if self.kind == "npu" or info.get("torch_npu"):
                 self._cann(info)
+            self.add("metrics", *monitoring.doctor_finding(info, python))  # prometheus_client, for GET /metrics
         smi_info = self._driver()
         self._devices(info, smi_info)
         self._memory(info, smi_info)

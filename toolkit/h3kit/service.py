@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import cliutil, comfyargs, group, health, locks, logscan, proc, queuesave, testhooks
+from h3kit import cliutil, comfyargs, group, health, locks, logscan, monitoring, proc, queuesave, testhooks
 from h3kit import devices as h3devices
 from h3kit.errors import H3kitError, NotAComfyTree, UsageError
 
@@ -712,6 +712,7 @@ def start_locked(root: Path, spec: StartSpec, *, timeout: float, progress: Progr
         progress(announce)
     argv = server_argv(python, spec)
     env = child_environment(spec.device_type, spec.devices)
+    env[monitoring.RUNTIME_ROOT_ENV] = str(root)  # where its /metrics reads the restarts watch and restart count
     shown = {k: env[k] for k in (h3devices.VISIBLE_ENV[spec.device_type],)}
     if settings.is_process:
         worker_args = (["--cpu"] if spec.device_type == "cpu" and "--cpu" not in spec.extra_args else []) + spec.extra_args
@@ -970,6 +971,7 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
                                 hint="wait for it, or pass --requeue-running or --force")
         if saved and alive and (saved.running or saved.pending):
             queuesave.save(root, saved)  # before anything is stopped: a failed restart keeps it
+        monitoring.count_restart(root, "manual")  # h3kit_service_restarts_total on the server's /metrics
         stopped = None
         if alive:
             t0 = time.monotonic()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import health, locks, logscan, queuesave, service
+from h3kit import health, locks, logscan, monitoring, queuesave, service
 from h3kit.errors import H3kitError
 
 
@@ -239,6 +239,7 @@ def watch(root: Path, policy: WatchPolicy, *, on_event: Callable[[dict], None] =
             if not pause(delay):
                 continue
             restarts.append(clock())
+            monitoring.count_restart(root, "died" if problem.startswith("the server is not running") else "unhealthy")
             streak += 1
             outcome.restarts += 1
             new = _restart_once(root, rec, policy, emit, outcome)
