@@ -4,6 +4,7 @@ the names both sides share. Torch-free. Restarts made by the real commands: test
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -39,6 +40,7 @@ def test_the_server_reads_what_the_toolkit_writes():
     files = re.search(r'RESTARTS_FILE = os.path.join\("(\w+)", "([\w.]+)"\)', SERVER_SIDE).groups()
     assert files == (monitoring.METRICS_DIR, monitoring.RESTARTS_FILE)
     assert f'RUNTIME_ROOT_ENV = "{monitoring.RUNTIME_ROOT_ENV}"' in SERVER_SIDE
+    assert ast.literal_eval(re.search(r"RESTART_REASONS = (\(.*?\))", SERVER_SIDE).group(1)) == monitoring.REASONS
     runtime = (ROOT / "toolkit" / "requirements" / "comfy-runtime-cpu.txt").read_text().splitlines()
     assert monitoring.PROMETHEUS_CLIENT in runtime
 

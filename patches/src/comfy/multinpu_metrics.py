@@ -37,6 +37,7 @@ STAGES = (("load", ("Loader", "MultiNPUParallelConfig")), ("text_encode", ("Text
           ("save", ("Save", "CreateVideo")))
 RESTARTS_FILE = os.path.join("metrics", "restarts.json")  # under the runtime root, written by h3kit watch / restart
 RUNTIME_ROOT_ENV = "H3KIT_RUNTIME_ROOT"
+RESTART_REASONS = ("died", "unhealthy", "manual")  # h3kit.monitoring.REASONS: each is exposed, 0 before the first
 HOST = socket.gethostname()
 
 
@@ -342,7 +343,7 @@ class Collector:
         shm.add_metric([], shm_free())
         restarted = counter("h3kit_service_restarts", "Restarts of this service by h3kit watch and h3kit restart, by "
                             "reason (the runtime root's metrics/restarts.json).", labels=["reason"])
-        for reason, n in sorted(restarts(self.root).items()):
+        for reason, n in sorted({**dict.fromkeys(RESTART_REASONS, 0), **restarts(self.root)}.items()):
             restarted.add_metric([reason], n)
         info = build_info()
         build = gauge("h3kit_build_info", "1, with the versions this server runs as labels.", labels=list(info))
