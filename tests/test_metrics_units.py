@@ -36,6 +36,8 @@ def record(monkeypatch):
     fresh = metrics.Record()
     monkeypatch.setattr(metrics, "RECORD", fresh)
     monkeypatch.setattr(metrics, "_REGISTRY", None)
+    monkeypatch.setattr(metrics, "MIN_INTERVAL", 0.0)
+    monkeypatch.setattr(metrics, "_LAST", {})
     monkeypatch.setattr(mp, "get_runtime", lambda: FakeDriver())
     return fresh
 
@@ -213,6 +215,16 @@ def test_the_memory_a_worker_beats_with():
     got = multinpu.memory_stats(torch.device("cpu"))
     assert set(got) == {"allocated", "reserved", "peak", "total"} and 0 < got["allocated"] <= got["peak"] < got["total"]
     assert multinpu.memory_stats(torch.device("meta")) == {}  # unreadable: nothing, never an error
+
+
+def test_a_storm_of_scrapes_renders_once_per_interval(record, monkeypatch):
+    monkeypatch.setattr(metrics, "MIN_INTERVAL", 30.0)
+    first = metrics.exposition()[2]
+    metrics.prompt_done(True, [], 1.0)
+    assert metrics.exposition()[2] == first  # within the interval: the same text
+    assert metrics.exposition(accept="application/openmetrics-text; version=1.0.0")[2].endswith(b"# EOF\n")
+    monkeypatch.setattr(metrics, "MIN_INTERVAL", 0.0)
+    assert b'h3kit_prompts_total{outcome="success"} 1.0' in metrics.exposition()[2]
 
 
 def test_without_prometheus_client_metrics_answers_503_naming_the_fix(record, monkeypatch):

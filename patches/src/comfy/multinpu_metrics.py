@@ -352,6 +352,10 @@ class Collector:
 
 
 _REGISTRY = None
+# a scrape within this many seconds of the last one gets the same text: a storm of scrapes costs the server (whose
+# CPU the prompts share) one rendering per interval, while Prometheus (1 s or more apart) sees every change
+MIN_INTERVAL = 0.5
+_LAST = {}  # content type -> (monotonic time it was rendered, body)
 
 
 def exposition(server=None, accept: str = "") -> tuple:
@@ -372,7 +376,12 @@ def exposition(server=None, accept: str = "") -> tuple:
         prometheus_client.ProcessCollector(registry=registry)
         _REGISTRY = registry
     encoder, content_type = prometheus_client.exposition.choose_encoder(accept)
-    return 200, content_type, encoder(_REGISTRY)
+    now = time.monotonic()
+    rendered, body = _LAST.get(content_type, (None, b""))
+    if rendered is None or now - rendered >= MIN_INTERVAL:
+        body = encoder(_REGISTRY)
+        _LAST[content_type] = (now, body)
+    return 200, content_type, body
 
 
 def add_routes(server):
