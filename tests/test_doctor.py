@@ -29,7 +29,7 @@ SMI_DATA = ROOT / "tests" / "data" / "smi"
 GIB = 1024 ** 3
 GOOD_NPU = {
     "python": [3, 11, 7], "executable": "/opt/h3/bin/python3.11", "torch": "2.14.0", "torch_npu": "2.14.0",
-    "torchaudio": "2.14.0", "torchvision": "0.29.0", "comfy_kitchen": "0.2.30",
+    "torchaudio": "2.14.0", "torchvision": "0.29.0", "comfy_kitchen": "0.2.30", "prometheus_client": "0.26.0",
     "torch_build": {"path": "/opt/h3/lib/python3.11/site-packages/torch", "cuda": None, "hip": None, "libs": []},
     "env": {},
     "cann": {"home": "/usr/local/Ascend/ascend-toolkit/latest", "version": "9.2.0",

@@ -24,6 +24,7 @@ from tests.support.service_helpers import (StandinHome, free_port, h3kit, http_j
                                      pid_running, port_is_free, wait_for)
 from tests.support import jsondoc, requires
 
+from h3kit import monitoring
 from h3kit import proc as h3kit_proc
 from h3kit import service
 
@@ -171,6 +172,7 @@ def test_extra_args_reach_the_server_and_survive_restart(home):
     assert home.record()["extra_args"] == ["--preview-method", "auto"]
     assert home.run("restart").returncode == 0
     assert [b["argv"][-2:] for b in home.boots()] == [["--preview-method", "auto"]] * 2
+    assert monitoring.restarts(home.root) == {"manual": 1}  # h3kit_service_restarts_total on the server's /metrics
 
 
 def test_python_comes_from_the_install_state(home, tmp_path):
@@ -464,6 +466,7 @@ def test_watch_restarts_a_dead_server_and_ends_on_stop(home):
     assert watch.returncode == 0, errs
     assert "watch ended (stopped)" in out
     assert "the server is not running" in errs and "started" in errs
+    assert monitoring.restarts(home.root) == {"died": 1}
 
 
 def test_watch_restores_the_queue_after_a_kill_9(home):
@@ -510,6 +513,8 @@ def test_watch_restarts_after_consecutive_failed_health_checks(home):
     assert len(home.boots()) == 2
     assert watch.returncode == 0
     assert errs.count("health_failed") >= 3 and "3 failed health checks in a row" in errs
+    assert monitoring.restarts(home.root) == {"unhealthy": 1}
+    assert 'h3kit_service_restarts_total{reason="unhealthy"} 1' in (home.root / "metrics" / "h3kit_service.prom").read_text()
     assert "watch ended (interrupted)" in out
     assert not pid_running(pid) and pid_running(started_pid(home))  # ending watch leaves the server up
 

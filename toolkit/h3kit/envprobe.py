@@ -27,7 +27,8 @@ import re
 import sys
 
 PACKAGES = {"torch": ("torch",), "torch_npu": ("torch-npu", "torch_npu"), "torchaudio": ("torchaudio",),
-            "torchvision": ("torchvision",), "comfy_kitchen": ("comfy-kitchen",)}
+            "torchvision": ("torchvision",), "comfy_kitchen": ("comfy-kitchen",),
+            "prometheus_client": ("prometheus-client", "prometheus_client")}
 ENV_KEYS = ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "H3KIT_SIM_DEVICES", "ASCEND_HOME_PATH",
             "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")
 # where CANN puts its toolkit when no set_env.sh was sourced (the default root of its installer)

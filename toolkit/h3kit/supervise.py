@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from h3kit import health, locks, logscan, queuesave, service
+from h3kit import health, locks, logscan, monitoring, queuesave, service
 from h3kit.errors import H3kitError
 
 
@@ -281,6 +281,7 @@ class _Watch:
         if not self.pause(delay):
             return
         restarts.append(self.clock())
+        monitoring.count_restart(self.root, "died" if problem.startswith("the server is not running") else "unhealthy")
         self.streak += 1
         self.outcome.restarts += 1
         new = _restart_once(self.root, rec, policy, self.emit, self.outcome)

@@ -25,6 +25,7 @@ import datetime
 import logging
 import os
 import queue
+import resource
 import threading
 import time
 
@@ -403,6 +404,24 @@ class CollectiveProgress:
 
 
 PROGRESS = CollectiveProgress()
+
+
+def memory_stats(device: torch.device) -> dict:
+    """{"allocated", "reserved", "peak", "total"} bytes on `device` from its caching allocator and the device's size,
+    or on cpu this process's resident set (peak: its largest) and the host's memory; {} when unreadable. Cheap, no
+    sync: a worker sends it with each heartbeat beside PROGRESS (comfy.multinpu_group), for GET /metrics."""
+    try:
+        if device.type == "cpu":
+            page = os.sysconf("SC_PAGE_SIZE")
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * page
+            peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            return {"allocated": rss, "reserved": rss, "peak": peak, "total": os.sysconf("SC_PHYS_PAGES") * page}
+        module = torch.get_device_module(device)
+        return {"allocated": module.memory_allocated(device), "reserved": module.memory_reserved(device),
+                "peak": module.max_memory_allocated(device), "total": module.mem_get_info(device)[1]}
+    except Exception:
+        return {}
 
 
 class ProcessComm:

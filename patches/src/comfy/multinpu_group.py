@@ -85,10 +85,11 @@ def _heartbeat(spec: GroupSpec, context: WorkerContext, stop: threading.Event):
             if g is not None and ctl.peek(f"abort/{g}") is not None:
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
                 _leave(RECYCLED_EXIT)
-        # the rank's progress: its generation, the last command it took, and its collectives (how many it entered,
-        # the last one's op, whether it is inside it), which tells a rank blocked in a kernel from a slow one
+        # its progress (generation, last command taken, collectives: how many entered, the last one's op, whether inside
+        # it: a rank blocked in a kernel from a slow one) and its device memory (GET /metrics, comfy.multinpu_metrics)
         beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
              aborted, lambda: {"progress": {"g": context.generation, "n": context.command,
+                                            "memory": comfy.multinpu.memory_stats(context.device),
                                             **comfy.multinpu.PROGRESS.snapshot()}})
     except Exception as e:
         # the store or the driver is gone: the main loop notices and exits
@@ -141,8 +142,7 @@ def serve(context: WorkerContext):
     ctl.put(f"worker/{rank}", {"pid": os.getpid(), "host": socket.gethostname(), "device": str(context.device),
                                **process_identity(os.getpid())})
     stop = threading.Event()
-    threading.Thread(target=_heartbeat, args=(spec, context, stop), daemon=True,
-                     name="multinpu-heartbeat").start()
+    threading.Thread(target=_heartbeat, args=(spec, context, stop), daemon=True, name="multinpu-heartbeat").start()
     logging.info(f"MultiNPU: rank {rank} ({context.device}) pid {os.getpid()} waiting for the group")
     done = 0
     try:
@@ -300,8 +300,7 @@ def _next_command(context: WorkerContext, g: int, n: int) -> dict:
 
 
 def _post_result(context: WorkerContext, header: dict, g: int, n: int, result):
-    """Rank 0: the command's result to the driver on the channel, its tensors through shared memory
-    (header["out"])."""
+    """Rank 0: the command's result to the driver on the channel, its tensors through shared memory (header["out"])."""
     data, tensors = pack(result)
     try:
         metas, nbytes = shm_write(header["out"], tensors, f"the result of {header['name']}")

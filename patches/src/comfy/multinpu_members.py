@@ -12,6 +12,7 @@ import comfy.multinpu_launch as launch
 import comfy.multinpu_wire as wire
 
 WAITING_LOG = 10.0                   # while the group forms or loads, what it waits for is logged this often
+LISTENERS = []  # fn(state, why) at each change of the group's state (_put_state): what monitoring counts; never raise
 
 
 class GroupMonitor:
@@ -167,7 +168,9 @@ class GroupMonitor:
         self._put_state()
         return wire.GroupError(message)
 
-    def _put_state(self):
+    def _put_state(self, why: str = None):
+        for listener in LISTENERS:
+            listener(self.state, why)
         try:
             self._mon.put("state", {"state": self.state, "generation": self.generation, "error": self.error,
                                    "members": dict(self.members)})
@@ -245,8 +248,7 @@ class GroupMonitor:
 
 
 class Generations:
-    """Numbered generations of the group: formed with every rank (bounded by the join timeout), aborted
-    after a failure."""
+    """Numbered generations of the group: formed with every rank (bounded by the join timeout), aborted after a failure."""
 
     def _missing(self, ranks) -> str:
         """Who is missing, by node where a whole node is."""
@@ -297,7 +299,7 @@ class Generations:
         self._retired.update(self._identity(r, self._local.pid(r)) for r in self._local.ranks
                              if self._local.pid(r) is not None)
         self._local.recycle(f"generation {g} aborted: {why}")
-        self._put_state()
+        self._put_state(why)
         logging.warning(f"MultiNPU: generation {g} aborted ({why}); every rank is replaced by a fresh process")
 
     def _form(self):

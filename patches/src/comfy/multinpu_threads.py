@@ -151,8 +151,7 @@ class ThreadTransport:
     """The thread transport as a whole, before any component makes its ThreadRuntime."""
 
     def runtime_for(self, devices, primary, what: str, timeout: float) -> ThreadRuntime:
-        """A runtime of its own for one component: threads on `devices`; rank 0 must be `primary`, the device of
-        `what`."""
+        """A runtime of its own for one component: threads on `devices`; rank 0 must be `primary`, the device of `what`."""
         devices = [torch.device(d) for d in devices or ()]
         if not devices or devices[0] != torch.device(primary):
             raise ValueError(f"MultiNPU: rank 0 must be the {what}'s device {primary}, got "

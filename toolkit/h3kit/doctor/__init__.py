@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import socket
 
-from h3kit import manifest
+from h3kit import manifest, monitoring
 from h3kit.doctor.base import CHECKS, GB, Doctor, Finding, Options  # noqa: F401
 from h3kit.doctor.devices import check_devices, check_driver, check_memory, device_free_memory, tier_memory  # noqa: F401
 from h3kit.doctor.host import (  # noqa: F401
@@ -54,6 +54,7 @@ def run(opts: Options) -> dict:
         check_torch(d, python, info)
         if d.kind == "npu" or info.get("torch_npu"):
             check_cann(d, info)
+        d.add("metrics", *monitoring.doctor_finding(info, python))  # prometheus_client, for GET /metrics
     smi_info = check_driver(d)
     check_devices(d, info, smi_info)
     check_memory(d, info, smi_info)

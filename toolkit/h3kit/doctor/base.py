@@ -10,8 +10,8 @@ from pathlib import Path
 from h3kit import devices as h3devices
 from h3kit.errors import H3kitError
 
-CHECKS = ("interpreter", "torch", "cann", "driver", "devices", "memory", "tree", "service", "models", "disk", "shm",
-          "ram")
+CHECKS = ("interpreter", "torch", "cann", "metrics", "driver", "devices", "memory", "tree", "service", "models", "disk",
+          "shm", "ram")
 GB = 1e9
 
 

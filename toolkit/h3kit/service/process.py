@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h3kit import cliutil, comfyargs, group, health, logscan, proc, queuesave, testhooks
+from h3kit import cliutil, comfyargs, group, health, logscan, monitoring, proc, queuesave, testhooks
 from h3kit import devices as h3devices
 from h3kit.errors import NotAComfyTree, UsageError
 from h3kit.service.health import check, wait_healthy
@@ -297,6 +297,7 @@ def _prepare(root: Path, spec: StartSpec, settings: group.GroupSettings) -> tupl
     """The server's command line, its environment and its new log (whose first line says both)."""
     argv = server_argv(spec.python, spec)
     env = child_environment(spec.device_type, spec.devices)
+    env[monitoring.RUNTIME_ROOT_ENV] = str(root)  # where its /metrics reads the restarts watch and restart count
     shown = {k: env[k] for k in (h3devices.VISIBLE_ENV[spec.device_type],)}
     if settings.is_process:
         worker_args = (["--cpu"] if spec.device_type == "cpu" and "--cpu" not in spec.extra_args else []) + spec.extra_args

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3kit import health, logscan, queuesave
+from h3kit import health, logscan, monitoring, queuesave
 from h3kit.service.process import (StartResult, StopResult, _wait_port_or_name_holder, require_torch, start_locked,
                                    stop_locked, validated)
 from h3kit.service.records import (DEFAULT_GRACE, DEFAULT_START_TIMEOUT, BadRecord, NotStarted, Progress, QueueBusy,
@@ -63,6 +63,7 @@ def restart(root: Path, *, force: bool = False, requeue_running: bool = False, g
 
     with service_lock(root, home=rec.comfy_home, progress=progress):
         saved, queue = _queue_under_lock(root, rec, alive, saved, queue, force or requeue_running, comfy_home)
+        monitoring.count_restart(root, "manual")  # h3kit_service_restarts_total on the server's /metrics
         stopped, started, restored = _stop_start_restore(root, rec, alive, saved, blk, phases, grace=grace,
                                                          timeout=timeout, requeue_running=requeue_running,
                                                          progress=progress)

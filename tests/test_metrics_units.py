@@ -1,0 +1,234 @@
+"""GET /metrics without a server (patches/src/comfy/multinpu_metrics.py, issue 39): the text a scrape returns parsed
+back with prometheus_client's own parser, the families and labels, failures and replacements by cause, the time to
+recovery, the heartbeats and memory read from a driver's state without its lock, the restarts record, and the 503
+when prometheus_client is missing. The real server, Prometheus and a fault: tests/test_metrics_prometheus.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from tests.support import requires
+
+torch = requires.module("torch", requires.NO_TORCH_REASON, allow_module_level=True)
+prometheus_client = requires.module("prometheus_client", "prometheus_client is not installed in this interpreter: "
+                                    "run the tests with the environment from tools/ensure-venv.sh (make test)",
+                                    allow_module_level=True)
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "patches" / "src"))
+import comfy.multinpu as multinpu  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_members as members  # noqa: E402
+import comfy.multinpu_metrics as metrics  # noqa: E402
+import comfy.multinpu_process as mp  # noqa: E402
+import comfy.multinpu_wire as wire  # noqa: E402
+
+
+@pytest.fixture
+def record(monkeypatch):
+    fresh = metrics.Record()
+    monkeypatch.setattr(metrics, "RECORD", fresh)
+    monkeypatch.setattr(metrics, "_REGISTRY", None)
+    monkeypatch.setattr(metrics, "MIN_INTERVAL", 0.0)
+    monkeypatch.setattr(metrics, "_LAST", {})
+    monkeypatch.setattr(mp, "get_runtime", lambda: FakeDriver())
+    return fresh
+
+
+class FakeDriver:
+    """What a GroupRuntime keeps that a scrape reads: members, state, the progress watch's newest beats, the hosts.
+    Its _lock is held by another thread in the tests: a scrape must never wait for it."""
+
+    def __init__(self, state="ready", beats=None):
+        self.spec = wire.GroupSpec(nnodes=2, node_rank=0, local_size=1, device_type="cpu", devices=[0])
+        self.world_size = 2
+        self.state = state
+        self.members = {0: 101, 1: 202}
+        self._progress = types.SimpleNamespace(_beats=beats or {})
+        self._local = types.SimpleNamespace(info={0: {"host": "node0"}})
+        self._remote_seen = {1: {"host": "node1", "pid": 202}}
+        self._lock = threading.RLock()
+
+
+def scrape(server=None, root=None) -> dict:
+    """{family name: [(sample name, labels, value)]} of one exposition, parsed by prometheus_client."""
+    status, content_type, body = metrics.exposition(server)
+    assert status == 200 and content_type.startswith("text/plain; version=0.0.4"), (status, body[:300])
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        out[family.name] = [(s.name, s.labels, s.value) for s in family.samples]
+    return out
+
+
+def value(families, name, sample=None, **labels):
+    for s_name, s_labels, v in families[name]:
+        if s_name == (sample or name) and all(s_labels.get(k) == str(want) for k, want in labels.items()):
+            return v
+    raise AssertionError(f"no {sample or name} {labels} in {families[name]}")
+
+
+@pytest.mark.parametrize("exception_type, message, cause", [
+    ("torch.OutOfMemoryError", "MultiNPU: rank 1 (cpu), pid 7 ran out of memory in dit_forward: ...", "oom"),
+    ("RuntimeError", "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4611686018427387904", "oom"),
+    ("comfy.multinpu_wire.RankDied", "MultiNPU: rank 1 (cpu) died during dit_forward (pid 7: killed by SIGKILL)",
+     "rank_died"),
+    ("comfy.multinpu_wire.RankHung", "MultiNPU: rank 1 (cpu) hung during dit_forward (pid 7: hung: ...)", "rank_hung"),
+    ("comfy.multinpu_wire.SharedMemoryFull", "MultiNPU: /dev/shm has 1 MiB free", "shm_full"),
+    ("comfy.multinpu_wire.GroupError", "MultiNPU: the process group did not form within 300 s: timeout", "timeout"),
+    ("ValueError", "npu_count is 2 but ...", "other"),
+])
+def test_a_failed_prompt_is_counted_by_its_cause(exception_type, message, cause):
+    assert metrics.failure_cause(exception_type, message) == cause
+
+
+@pytest.mark.parametrize("why, cause", [
+    ("MultiNPU: rank 1 (cpu), host vm, pid 7 ran out of memory in dit_forward: boom", "oom"),
+    ("rank 1 (cpu) no heartbeat for 16 s (hung)", "rank_hung"),
+    ("MultiNPU: rank 1 (cpu) hung during dit_forward (pid 7: hung: no progress for 61 s ...)", "rank_hung"),
+    ("MultiNPU: rank 0 (cpu) died during te_forward (pid 7: killed by signal 9)", "rank_died"),
+    ("rank 1 (cpu) exited with code 1", "rank_died"),
+    ("the group's store ended", "store"),
+    ("generation 3 did not form", "join"),
+    ("MultiNPU: rank 0 failed in vae_decode: RuntimeError: injected", "other"),
+])
+def test_a_group_replacement_is_counted_by_its_cause(why, cause):
+    assert metrics.replacement_cause(why) == cause
+
+
+def test_prompts_failures_and_stages_appear_with_their_labels(record):
+    metrics.prompt_done(True, [("execution_start", {}), ("execution_success", {})], 12.0)
+    metrics.prompt_done(False, [("execution_error", {"exception_type": "torch.OutOfMemoryError",
+                                                     "exception_message": "ran out of memory"})], 3.0)
+    metrics.prompt_done(False, [("execution_interrupted", {})], 1.0)
+    dyn = types.SimpleNamespace(get_node=lambda nid: {"class_type": {"1": "UNETLoader", "2": "SamplerCustomAdvanced",
+                                                                     "3": "VAEDecodeHunyuan3D"}[nid]})
+    for nid, seconds in (("1", 2.0), ("2", 40.0), ("3", 0.3)):
+        metrics.node_done(dyn, nid, seconds)
+    got = scrape()
+    assert {o: value(got, "h3kit_prompts", "h3kit_prompts_total", outcome=o) for o in metrics.OUTCOMES} == \
+        {"success": 1, "error": 1, "interrupted": 1}
+    assert value(got, "h3kit_prompt_failures", "h3kit_prompt_failures_total", cause="oom") == 1
+    assert sum(v for n, _, v in got["h3kit_prompt_failures"] if n.endswith("_total")) == 1
+    assert value(got, "h3kit_prompt_seconds", "h3kit_prompt_seconds_count") == 3
+    assert value(got, "h3kit_prompt_seconds", "h3kit_prompt_seconds_sum") == 16.0
+    assert value(got, "h3kit_prompt_seconds", "h3kit_prompt_seconds_bucket", le="5.0") == 2
+    assert value(got, "h3kit_prompt_seconds", "h3kit_prompt_seconds_bucket", le="3600.0") == 3  # buckets to an hour
+    assert value(got, "h3kit_stage_seconds", "h3kit_stage_seconds_sum", stage="sample") == 40.0
+    assert {s["stage"] for _, s, _ in got["h3kit_stage_seconds"]} == {"load", "sample", "decode"}
+    assert value(got, "h3kit_build_info", torch=torch.__version__) == 1
+
+
+def test_a_replacement_and_the_recovery_time_to_the_next_generation(record):
+    record.group_state("forming", now=0.0)
+    record.group_state("ready", now=1.0)  # the first formation is no recovery
+    record.group_state("broken", "MultiNPU: rank 1 (cpu), pid 7 ran out of memory in dit_forward", now=10.0)
+    record.group_state("forming", now=10.1)
+    record.group_state("broken", "generation 2 did not form", now=20.0)  # still down: counted from the first
+    record.group_state("ready", now=32.5)
+    got = scrape()
+    assert value(got, "h3kit_group_replacements", "h3kit_group_replacements_total", cause="oom") == 1
+    assert value(got, "h3kit_group_replacements", "h3kit_group_replacements_total", cause="join") == 1
+    assert value(got, "h3kit_group_recovery_seconds", "h3kit_group_recovery_seconds_count") == 1
+    assert value(got, "h3kit_group_recovery_seconds", "h3kit_group_recovery_seconds_sum") == 22.5
+
+
+def test_the_driver_notifies_monitoring_at_each_state(record, monkeypatch):
+    assert metrics._group_state in members.LISTENERS
+    seen = []
+    monkeypatch.setattr(members, "LISTENERS", [lambda state, why: seen.append((state, why))])
+    driver = types.SimpleNamespace(state="broken", generation=3, error=None, members={},
+                                   _mon=types.SimpleNamespace(put=lambda *a: None))
+    members.GroupMonitor._put_state(driver, "rank 1 died")
+    assert seen == [("broken", "rank 1 died")]
+
+
+def test_ranks_heartbeats_and_memory_come_from_the_driver_without_its_lock(record, monkeypatch):
+    now = time.monotonic()
+    beats = {(0, 101): ({"g": 1, "memory": {"allocated": 5, "reserved": 6, "peak": 7}}, now - 0.5),
+             (1, 202): ({"g": 1, "memory": {"allocated": 8, "reserved": 9, "peak": 10}}, now - 3.0),
+             (1, 999): ({"g": 0, "memory": {"allocated": 1}}, now)}  # a retired worker: not a member
+    driver = FakeDriver(beats=beats)
+    monkeypatch.setattr(mp, "get_runtime", lambda: driver)
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold():
+        with driver._lock:
+            held.set()
+            release.wait(30)
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait(5)
+    try:
+        t0 = time.monotonic()
+        got = scrape()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        release.set()
+    assert value(got, "h3kit_group_ranks", state="joined") == 2
+    assert value(got, "h3kit_group_ranks", state="missing") == 0
+    assert 0.4 < value(got, "h3kit_rank_heartbeat_age_seconds", rank=0, host="node0") < 2.0
+    assert 2.9 < value(got, "h3kit_rank_heartbeat_age_seconds", rank=1, host="node1") < 5.0
+    assert value(got, "h3kit_device_memory_bytes", rank=1, device="cpu", kind="peak") == 10
+    assert len(got["h3kit_device_memory_bytes"]) == 6
+    driver.state, driver.members = "broken", {}  # replaced: nobody joined
+    got = scrape()
+    assert value(got, "h3kit_group_ranks", state="joined") == 0
+    assert value(got, "h3kit_group_ranks", state="missing") == 2
+
+
+def test_queue_shm_and_restarts(record, tmp_path, monkeypatch):
+    monkeypatch.setattr(mp, "get_runtime", lambda: FakeDriver())
+    server = types.SimpleNamespace(prompt_queue=types.SimpleNamespace(queue=[1, 2, 3], currently_running={7: 1}))
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "restarts.json").write_text(json.dumps({"restarts": {"died": 2, "manual": 1}}))
+    monkeypatch.setenv(metrics.RUNTIME_ROOT_ENV, str(tmp_path))
+    monkeypatch.setenv("H3KIT_SHM_DIR", str(tmp_path))
+    got = scrape(server)
+    assert value(got, "h3kit_queue_pending") == 3
+    assert value(got, "h3kit_queue_running") == 1
+    assert value(got, "h3kit_shm_free_bytes") > 0
+    assert value(got, "h3kit_service_restarts", "h3kit_service_restarts_total", reason="died") == 2
+    assert value(got, "h3kit_service_restarts", "h3kit_service_restarts_total", reason="manual") == 1
+    (tmp_path / "metrics" / "restarts.json").write_text("{not json")  # a damaged record: no series, no error
+    monkeypatch.setattr(metrics, "_REGISTRY", None)
+    assert {s["reason"]: v for n, s, v in scrape(server)["h3kit_service_restarts"] if n.endswith("_total")} == \
+        {"died": 0, "unhealthy": 0, "manual": 0}
+
+
+def test_without_a_process_group_the_servers_own_devices(record, monkeypatch):
+    monkeypatch.setattr(mp, "get_runtime", lambda: None)  # threads, or one device
+    monkeypatch.setitem(sys.modules, "comfy.multidevice", types.SimpleNamespace(get_devices=lambda: [torch.device("cpu")] * 2))
+    got = scrape()
+    assert value(got, "h3kit_group_ranks", state="joined") == 2
+    assert {s["rank"] for _, s, _ in got["h3kit_device_memory_bytes"]} == {"0", "1"}
+    assert not got["h3kit_rank_heartbeat_age_seconds"]  # ranks as threads do not beat
+
+
+def test_the_memory_a_worker_beats_with():
+    got = multinpu.memory_stats(torch.device("cpu"))
+    assert set(got) == {"allocated", "reserved", "peak", "total"} and 0 < got["allocated"] <= got["peak"] < got["total"]
+    assert multinpu.memory_stats(torch.device("meta")) == {}  # unreadable: nothing, never an error
+
+
+def test_a_storm_of_scrapes_renders_once_per_interval(record, monkeypatch):
+    monkeypatch.setattr(metrics, "MIN_INTERVAL", 30.0)
+    first = metrics.exposition()[2]
+    metrics.prompt_done(True, [], 1.0)
+    assert metrics.exposition()[2] == first  # within the interval: the same text
+    assert metrics.exposition(accept="application/openmetrics-text; version=1.0.0")[2].endswith(b"# EOF\n")
+    monkeypatch.setattr(metrics, "MIN_INTERVAL", 0.0)
+    assert b'h3kit_prompts_total{outcome="success"} 1.0' in metrics.exposition()[2]
+
+
+def test_without_prometheus_client_metrics_answers_503_naming_the_fix(record, monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
+    status, content_type, body = metrics.exposition()
+    assert status == 503 and content_type.startswith("text/plain")
+    assert b"prometheus_client" in body and b"pip install prometheus-client" in body
