@@ -47,7 +47,7 @@ class FakeDriver:
     Its _lock is held by another thread in the tests: a scrape must never wait for it."""
 
     def __init__(self, state="ready", beats=None):
-        self.spec = wire.GroupSpec(nnodes=2, node_rank=0, local_size=1, device_type="cpu", devices=[0])
+        self.spec = wire.GroupSpec(nnodes=2, node_rank=0, local_size=1, device_type="cpu")
         self.world_size = 2
         self.state = state
         self.members = {0: 101, 1: 202}
