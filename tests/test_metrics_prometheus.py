@@ -213,3 +213,13 @@ def test_the_shipped_alert_rules_and_dashboard_load_and_run(prometheus):
     assert len(exprs) >= 14
     empty = [e for e in exprs if not query(prometheus, e)]
     assert not empty, empty  # every panel has data after the test above
+
+
+def test_the_alerts_fire_on_what_should_page_and_not_otherwise(tools, tmp_path):
+    # promtool's own rule tests (tests/data/h3kit-alerts.test.yml): a failure rate over 20 %, a rank missing past the
+    # join timeout (not one replaced within it), a heartbeat past its bound, reserved memory above 95 % of a device
+    shutil.copy(LAUNCH / "h3kit-alerts.yml", tmp_path)
+    shutil.copy(ROOT / "tests" / "data" / "h3kit-alerts.test.yml", tmp_path)
+    checked = subprocess.run([tools["promtool"], "test", "rules", "h3kit-alerts.test.yml"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
