@@ -111,14 +111,7 @@ def test_te_fallback_layer_split_is_exact(checks):
     assert v["four_heads_3"]["ranges"] == [[0, 17], [17, 34], [34, 50]] and v["four_heads_3"]["bytes"] > 0
     assert "needs the query heads (4) divisible by the device count (3)" in v["forced_tensor_3"]
     assert "returns one hidden layer, not a list" in v["intermediate_list"]
-    if v["intermediate_max_abs"] != 0 or v["last_max_abs"] != 0:
-        # Found when the pin moved to 0f1fa67a (2026-12-05), not yet fixed: the layer split's hidden layer for a
-        # CLIPSetLastLayer (intermediate_output) differs from one device's (max_abs 20.2 at the old pin's 0); the
-        # layer split is the fallback for heads a device count does not divide, which H3's 64 heads on 1, 2, 4
-        # or 8 devices never take. Once the two agree the test passes as before and this branch goes; every other
-        # figure of the split is still asserted above.
-        pytest.xfail(f"layer split, intermediate layer off one device's at the new pin: intermediate max_abs "
-                     f"{v['intermediate_max_abs']}, last {v['last_max_abs']}")
+    assert v["intermediate_max_abs"] == 0 and v["last_max_abs"] == 0
 
 
 def test_te_uneven_gqa_groups(checks):
