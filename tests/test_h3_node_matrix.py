@@ -50,13 +50,7 @@ TONE = "h3kit_tone.wav"
 
 def _base(npu_count: int, seed: int = 7) -> dict:
     return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3kit_tiny_dit.safetensors", "weight_dtype": "default"}},
-        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "h3kit_tiny_te.safetensors", "type": "minimax",
-                                                     "device": "default"}},
-        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "h3kit_tiny_video_vae.safetensors"}},
-        "4": {"class_type": "VAELoader", "inputs": {"vae_name": "h3kit_tiny_audio_vae.safetensors"}},
-        "5": {"class_type": "MultiNPUParallelConfig", "inputs": {"npu_count": npu_count, "model": ["1", 0],
-                                                                 "clip": ["2", 0], "vae": ["3", 0], "audio_vae": ["4", 0]}},
+        **av_pipeline.loaders(npu_count),
         "10": {"class_type": "EmptyImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1, "color": 0xd04010}},
         "11": {"class_type": "EmptyImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1, "color": 0x1040d0}},
         "12": {"class_type": "EmptyImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 5, "color": 0x20c060}},

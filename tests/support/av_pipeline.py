@@ -51,7 +51,8 @@ def server_args(workdir: Path) -> tuple:
     return ("--extra-model-paths-config", str(config))
 
 
-def prompt(npu_count: int, seed: int, tag: str) -> dict:
+def loaders(npu_count: int) -> dict:
+    """Nodes 1-5: the four tiny checkpoints' loaders into MultiNPUParallelConfig (MODEL, CLIP, VAE, audio VAE)."""
     return {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "h3kit_tiny_dit.safetensors", "weight_dtype": "default"}},
         "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "h3kit_tiny_te.safetensors", "type": "minimax",
@@ -60,6 +61,12 @@ def prompt(npu_count: int, seed: int, tag: str) -> dict:
         "4": {"class_type": "VAELoader", "inputs": {"vae_name": "h3kit_tiny_audio_vae.safetensors"}},
         "5": {"class_type": "MultiNPUParallelConfig", "inputs": {"npu_count": npu_count, "model": ["1", 0],
                                                                  "clip": ["2", 0], "vae": ["3", 0], "audio_vae": ["4", 0]}},
+    }
+
+
+def prompt(npu_count: int, seed: int, tag: str) -> dict:
+    return {
+        **loaders(npu_count),
         "6": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0x8040c0}},
         "7": {"class_type": "MiniMaxH3ImageToVideo", "inputs": {"clip": ["5", 1], "vae": ["5", 2], "width": 64, "height": 64,
                                                                 "prompt": "A red fox trots through fresh snow.",
