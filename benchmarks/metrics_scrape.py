@@ -56,7 +56,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Scraper:
-    """`threads` threads scraping `url`, each waiting `every` seconds between scrapes (0: back to back), until stop()."""
+    """`threads` threads scraping `url` + `path`, each waiting `every` seconds between scrapes, until stop()."""
 
     def __init__(self, url: str, every: float, threads: int = 1, path: str = "/metrics"):
         self.url, self.every, self.path, self.times = url, every, path, []
@@ -81,7 +81,8 @@ class Scraper:
 def recoveries(url: str, text: str = None) -> float:
     """h3kit_group_recovery_seconds_count: the group's recoveries so far."""
     text = text if text is not None else get(f"{url}/metrics").decode()
-    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("h3kit_group_recovery_seconds_count")))
+    lines = text.splitlines()
+    return float(next(ln.split()[-1] for ln in lines if ln.startswith("h3kit_group_recovery_seconds_count")))
 
 
 def run_prompt(url: str, tag: str) -> tuple[str, float]:

@@ -204,7 +204,8 @@ def test_queue_shm_and_restarts(record, tmp_path, monkeypatch):
 
 def test_without_a_process_group_the_servers_own_devices(record, monkeypatch):
     monkeypatch.setattr(mp, "get_runtime", lambda: None)  # threads, or one device
-    monkeypatch.setitem(sys.modules, "comfy.multidevice", types.SimpleNamespace(get_devices=lambda: [torch.device("cpu")] * 2))
+    devices = types.SimpleNamespace(get_devices=lambda: [torch.device("cpu")] * 2)
+    monkeypatch.setitem(sys.modules, "comfy.multidevice", devices)
     got = scrape()
     assert value(got, "h3kit_group_ranks", state="joined") == 2
     assert {s["rank"] for _, s, _ in got["h3kit_device_memory_bytes"]} == {"0", "1"}

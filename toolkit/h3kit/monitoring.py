@@ -51,7 +51,7 @@ def count_restart(root: Path, reason: str) -> dict:
 
 def textfile(counts: dict) -> str:
     """The counts in Prometheus' text format, for node_exporter's --collector.textfile.directory."""
-    lines = ["# HELP h3kit_service_restarts_total Restarts of this service by h3kit watch and h3kit restart, by reason.",
+    lines = ["# HELP h3kit_service_restarts_total Restarts of this service by h3kit watch and restart, by reason.",
              "# TYPE h3kit_service_restarts_total counter"]
     lines += [f'h3kit_service_restarts_total{{reason="{r}"}} {n}' for r, n in sorted(counts.items())]
     return "\n".join(lines) + "\n"

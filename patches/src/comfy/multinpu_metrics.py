@@ -197,8 +197,9 @@ def group_view(runtime, now: float) -> dict:
     for rank, pid in sorted(members.items()):
         progress, at = beats.get((rank, pid), ({}, None))
         seen = runtime._local.info.get(rank) if runtime.spec.node_of(rank) == 0 else runtime._remote_seen.get(rank)
-        ranks.append({"rank": rank, "host": str((seen or {}).get("host") or ""), "device": runtime.spec.device_name(rank),
-                      "age": None if at is None else max(0.0, now - at), "memory": progress.get("memory") or {}})
+        ranks.append({"rank": rank, "host": str((seen or {}).get("host") or ""),
+                      "device": runtime.spec.device_name(rank), "age": None if at is None else max(0.0, now - at),
+                      "memory": progress.get("memory") or {}})
     joined = len(members) if runtime.state == "ready" else 0
     return {"world_size": runtime.world_size, "joined": joined, "ranks": ranks}
 
@@ -261,7 +262,8 @@ def build_info() -> dict:
 def _pin() -> str:
     """The commit the tree was installed at (h3kit install's state file), else ''."""
     try:
-        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".h3kit", "state.json")) as f:
+        home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ComfyUI tree this module is in
+        with open(os.path.join(home, ".h3kit", "state.json")) as f:
             return str(json.load(f).get("pin") or "")
     except (OSError, ValueError, AttributeError):
         return ""
