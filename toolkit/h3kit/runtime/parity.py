@@ -43,7 +43,7 @@ FAULTS = {"dit": ("shard", "rope", "heads", "noise", "noise-attention", "noise-m
 DEFAULT_TIMEOUT = 900.0
 # what either transport imports: the components ask comfy.multinpu_process.runtime_for for their runtime, and the
 # thread transport runs the process runtime's built-ins and wire code (and multidevice and model_cache, which the
-# series adds too); with PROCESS_FILES, every file under patches/src (tests/test_parity_cli.py)
+# series adds too); with PROCESS_FILES and SERVER_FILES, every file under patches/src (tests/test_parity_cli.py)
 PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_threads.py", "comfy/multinpu_dit.py", "comfy/multinpu_shard.py", "comfy/multinpu_te.py",
                  "comfy/multinpu_vae.py", "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py",
                  "comfy/npu_quant.py", "comfy/multinpu_process.py", "comfy/multinpu_group.py",
@@ -53,6 +53,7 @@ PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_threads.py", "comfy/multin
                  "comfy/multidevice.py", "comfy/model_cache.py")
 WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block linears in INT8 (ConvRot)
 PROCESS_FILES = ("comfy/multinpu_worker.py",)  # what only the process transport runs
+SERVER_FILES = ("comfy/multinpu_metrics.py",)  # what only the server imports (GET /metrics): no parity run needs it
 TRANSPORTS = ("threads", "process")
 # with processes a LoRA that differs on a worker stops the run at the handshake (ConfigMismatch, before any
 # forward): the parity worker holds no device copy a rank computes with, so there is none to break
