@@ -128,6 +128,25 @@ def test_verify_sees_an_unreaped_child_as_gone(sleeper):
     assert proc.verify(ident.pid, ident.create_time, ident.cmdline).state == proc.GONE
 
 
+def test_a_server_that_exits_before_its_record_is_written_still_gets_a_valid_record(tmp_path):
+    """Seen in CI: argparse refused an argument and the server was a zombie before h3kit read it; its command line
+    was unreadable and the record said create_time 0, which every later command refused as a bad record."""
+    from h3kit.service import process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "no zombie"
+        time.sleep(0.02)
+    started = psutil.Process(child.pid).create_time()
+    spec = service.StartSpec(str(tmp_path / "c"), [0], "cpu", port=8189, python=sys.executable)
+    argv = service.server_argv(sys.executable, spec)
+    rec = process._record_child(tmp_path, child, argv, spec, tmp_path / "logs" / "comfyui-1.log", None)
+    child.wait()
+    assert rec.cmdline == argv and rec.create_time == started > 0
+    assert service.read_record(tmp_path) == rec
+    assert proc.verify(rec.pid, rec.create_time, rec.cmdline).state == proc.GONE
+
+
 def test_terminate_group_reaches_children_and_escalates():
     code = ("import signal, subprocess, sys, time\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"

@@ -74,6 +74,14 @@ def identify(pid: int) -> Identity:
         return Identity(pid, proc.create_time(), tuple(proc.cmdline()))
 
 
+def start_time(pid: int, default: float) -> float:
+    """When a process started, readable for a zombie too (its command line is not); `default` when unreadable."""
+    try:
+        return psutil.Process(pid).create_time()
+    except PSUTIL_GONE:
+        return default
+
+
 def describe(pid: int) -> dict:
     """pid, name and command line of a process, as far as they are readable (for messages only)."""
     out: dict = {"pid": pid}

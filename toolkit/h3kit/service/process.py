@@ -332,8 +332,9 @@ def _record_child(root: Path, child: subprocess.Popen, argv: list[str], spec: St
             ident = proc.identify(child.pid)
             cmdline = list(ident.cmdline) or argv
             create_time = ident.create_time
-        except proc.PSUTIL_GONE:
-            cmdline, create_time = argv, 0.0
+        except proc.PSUTIL_GONE:  # it has exited already (seen in CI: argparse's refusal), unreaped; the record
+            # must still be valid, since it stays to say why the start failed
+            cmdline, create_time = argv, proc.start_time(child.pid, default=time.time())
         rec = Record(pid=child.pid, create_time=create_time, cmdline=cmdline, port=spec.port, listen=spec.listen,
                      device_type=spec.device_type, devices=list(spec.devices), python=spec.python,
                      comfy_home=str(spec.comfy_home), log=str(log), extra_args=list(spec.extra_args),
