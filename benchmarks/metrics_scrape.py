@@ -111,7 +111,16 @@ def summary(ms: list) -> str:
             f"max {ms[-1]:.1f} ms")
 
 
-def measure(url: str, server: int, trigger: Path, rounds: int) -> None:
+def spy(server: int, out: Path | None):
+    """py-spy recording the server's Python stacks while they hold the GIL (what a stalled route waits for), or None."""
+    if out is None:
+        return None
+    return subprocess.Popen(["py-spy", "record", "--pid", str(server), "--gil", "--threads", "--rate", "200",
+                             "--format", "raw", "--output", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | None = None) -> None:
     run_prompt(url, "warm")
     print(f"idle: {summary([scrape_ms(url) for _ in range(100)])}")
     c0 = cpu_seconds(server)
@@ -122,6 +131,7 @@ def measure(url: str, server: int, trigger: Path, rounds: int) -> None:
     status, _ = run_prompt(url, "during")
     print(f"during a prompt ({status}), one scrape every 100 ms: {summary(s.stop())}")
     before = recoveries(url)
+    recorder = spy(server, spy_out)
     trigger.touch()
     try:
         status, _ = run_prompt(url, "oom")
@@ -138,12 +148,20 @@ def measure(url: str, server: int, trigger: Path, rounds: int) -> None:
         time.sleep(0.1)
     print(f"during the group's replacement after a worker OOM (prompt {status}; serving again after "
           f"{time.monotonic() - t0:.1f} s): {summary(during)}; GET /prompt meanwhile: {summary(light)}")
+    slow = [(round(ms), i) for i, ms in enumerate(during) if ms > 250]
+    print(f"scrapes of the replacement over 250 ms (ms, index of {len(during)}): {slow or 'none'}")
+    if recorder is not None:
+        recorder.send_signal(2)  # py-spy writes its profile on SIGINT
+        recorder.wait(60)
+        print(f"the server's stacks holding the GIL from the OOM prompt to serving again: {spy_out}")
     # the same storm on upstream's lightest route (GET /prompt): what any HTTP storm costs on this host
     modes = {"no scraper": None, "a scrape every 100 ms": (0.1, 1), STORM: (0.05, 8),
              "the same storm on GET /prompt": (0.05, 8, "/prompt")}
     times = {m: [] for m in modes}
     cpu = {m: [] for m in modes}
     storm_scrapes = []
+    if not rounds:
+        return
     run_prompt(url, "warm-again")  # the OOM handler unloaded the models: loaded again here, not in a measured round
     for r in range(rounds):
         for mode, how in (list(modes.items()) if r % 2 == 0 else list(modes.items())[::-1]):  # ABC, CBA, ...
@@ -172,6 +190,8 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs ComfyUI")
     ap.add_argument("--port", type=int, default=8190)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spy", type=Path, help="record the server with py-spy (on PATH) through the replacement, here")
+    ap.add_argument("--no-prompts", action="store_true", help="latencies only: skip the side-by-side prompt rounds")
     args = ap.parse_args()
     from h3kit import demo
     demo.write_tiny_checkpoints(args.comfy_home, args.python)  # those missing
@@ -186,7 +206,8 @@ def main() -> int:
         print(f"{os.cpu_count()} cores; server {args.comfy_home}, 2 cpu ranks (process transport), "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         record = json.loads((args.comfy_home / ".h3kit" / "run" / "server.json").read_text())
-        measure(f"http://127.0.0.1:{args.port}", record["pid"], work / "oom-1", args.rounds)
+        measure(f"http://127.0.0.1:{args.port}", record["pid"], work / "oom-1", 0 if args.no_prompts else args.rounds,
+                args.spy)
     finally:
         subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home", str(args.comfy_home)],
                        capture_output=True)

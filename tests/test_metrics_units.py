@@ -233,3 +233,36 @@ def test_without_prometheus_client_metrics_answers_503_naming_the_fix(record, mo
     status, content_type, body = metrics.exposition()
     assert status == 503 and content_type.startswith("text/plain")
     assert b"prometheus_client" in body and b"pip install prometheus-client" in body
+
+
+def test_the_collectors_passes_are_timed_by_generation_without_a_lock(record, monkeypatch):
+    """h3kit_gc_pause_seconds: each pass of the collector, which holds every route of the server while it walks
+    (docs/performance.md, "Monitoring": upstream's gc.collect() after prompts was the stall of a replacement)."""
+    ticks = iter([10.0, 10.3, 20.0, 20.002, 30.0])
+    pauses = metrics.GcPauses(clock=lambda: next(ticks))
+    monkeypatch.setattr(metrics, "GC_PAUSES", pauses)
+    pauses("start", {"generation": 2})
+    pauses("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+    pauses("start", {"generation": 0})
+    pauses("stop", {"generation": 0, "collected": 5, "uncollectable": 0})
+    pauses("stop", {"generation": 1, "collected": 0, "uncollectable": 0})  # no start seen: not counted
+    got = scrape()
+    assert value(got, "h3kit_gc_pause_seconds", "h3kit_gc_pause_seconds_count", generation=2) == 1
+    assert value(got, "h3kit_gc_pause_seconds", "h3kit_gc_pause_seconds_sum", generation=2) == pytest.approx(0.3)
+    assert value(got, "h3kit_gc_pause_seconds", "h3kit_gc_pause_seconds_bucket", generation=2, le="0.25") == 0
+    assert value(got, "h3kit_gc_pause_seconds", "h3kit_gc_pause_seconds_bucket", generation=2, le="0.5") == 1
+    assert value(got, "h3kit_gc_pause_seconds", "h3kit_gc_pause_seconds_bucket", generation=0, le="0.005") == 1
+    assert value(got, "h3kit_gc_pause_seconds", "h3kit_gc_pause_seconds_count", generation=1) == 0
+    # attached once, whatever the number of servers a process builds; a real pass of the collector is counted
+    import gc
+    real = metrics.GcPauses()
+    monkeypatch.setattr(metrics, "GC_PAUSES", real)
+    try:
+        metrics.watch_gc()
+        metrics.watch_gc()
+        assert gc.callbacks.count(real) == 1
+        gc.collect()
+    finally:
+        while real in gc.callbacks:
+            gc.callbacks.remove(real)
+    assert real.by_generation[2].count == 1 and real.by_generation[2].sum > 0

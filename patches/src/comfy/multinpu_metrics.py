@@ -10,6 +10,7 @@ without it the server runs and /metrics answers 503 naming the fix.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import comfy.multinpu_wire
 PROMPT_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800, 2700, 3600)
 STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 RECOVERY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 OUTCOMES = ("success", "error", "interrupted")
 CAUSES = ("oom", "rank_died", "rank_hung", "shm_full", "timeout", "other")
 REPLACEMENT_CAUSES = CAUSES + ("store", "join")
@@ -113,6 +115,36 @@ def _frozen(h: Histogram) -> tuple:
 
 
 RECORD = Record()
+
+
+class GcPauses:
+    """How long each pass of Python's garbage collector held the GIL (and with it every route of the server), by
+    generation. A gc.callbacks entry: it runs inside the collector, which may have interrupted a thread holding any
+    lock, so it takes none (the collector runs one pass at a time; a scrape reads the counts before the count)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.by_generation = {g: Histogram(GC_BUCKETS) for g in range(3)}
+        self._started = None
+
+    def __call__(self, phase: str, info: dict):
+        if phase == "start":
+            self._started = self.clock()
+        elif self._started is not None:
+            self.by_generation[info["generation"]].observe(self.clock() - self._started)
+            self._started = None
+
+    def copy(self) -> dict:
+        return {g: _frozen(h) for g, h in self.by_generation.items()}
+
+
+GC_PAUSES = GcPauses()
+
+
+def watch_gc():
+    """Time the collector's passes from now on (once per process)."""
+    if GC_PAUSES not in gc.callbacks:
+        gc.callbacks.append(GC_PAUSES)
 
 
 def failure_cause(exception_type: str, message: str) -> str:
@@ -312,7 +344,11 @@ class Collector:
         recovery = HistogramMetricFamily("h3kit_group_recovery_seconds", "From a group replacement to the new "
                                          "generation serving, seconds.")
         recovery.add_metric([], *seen["recovery_seconds"])
-        yield from (prompts, failures, seconds, stages, replaced, recovery)
+        pauses = HistogramMetricFamily("h3kit_gc_pause_seconds", "Passes of the server's garbage collector, each "
+                                       "holding every route, seconds, by generation.", labels=["generation"])
+        for generation, (buckets, total) in GC_PAUSES.copy().items():
+            pauses.add_metric([str(generation)], buckets, total)
+        yield from (prompts, failures, seconds, stages, replaced, recovery, pauses)
         yield from self._group(GaugeMetricFamily)
         yield from self._service(CounterMetricFamily, GaugeMetricFamily)
 
@@ -389,6 +425,7 @@ def exposition(server=None, accept: str = "") -> tuple:
 def add_routes(server):
     """GET /metrics on the server's own address and port (main.py, before the routes are registered)."""
     from aiohttp import web
+    watch_gc()
 
     @server.routes.get("/metrics")
     async def get_metrics(request):
