@@ -22,8 +22,7 @@ torch = requires.module("torch", requires.NO_TORCH_REASON, allow_module_level=Tr
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "patches" / "src"))
-import comfy.multinpu_launch as launch  # noqa: E402  (namespace package: patches/src/comfy)
-import comfy.multinpu_members as members  # noqa: E402
+import comfy.multinpu_members as members  # noqa: E402  (namespace package: patches/src/comfy)
 import comfy.multinpu_process as mp  # noqa: E402
 import comfy.multinpu_wire as wire  # noqa: E402
 
