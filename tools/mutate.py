@@ -85,6 +85,11 @@ MODULES = {
                        "the same file's slow tests)"),
     "rebase": ("toolkit/h3kit/rebase.py", ["tests/test_patches_rebase.py"], None,
                "the series moved three-way onto a newer upstream (needs the pin: H3KIT_COMFY_SOURCE)"),
+    "members": ("patches/src/comfy/multinpu_members.py",
+                ["tests/test_multinpu_members_units.py",
+                 "tests/test_metrics_units.py::test_the_driver_notifies_monitoring_at_each_state"],
+                None, "the driver's membership and generations (GroupMonitor, Generations) on fakes of the store, "
+                      "the launcher and the clock (needs torch); the groups that run it are test_multinpu_process*"),
 }
 # modules whose tests run a tree that `h3kit install` patched: the patches/src file reaches them only through
 # its patch, so each mutant (and the baseline) is written into the patches by `h3kit patches refresh`
