@@ -141,9 +141,7 @@ class Workers:
 @pytest.fixture
 def fakes(monkeypatch):
     """The module's store, control, workers and beat replaced; what each was asked is in the namespace returned."""
-    seen = types.SimpleNamespace(connects=[], controls=[], beats=[], stores=[], script=[])
-    beaten = threading.Event()
-
+    seen = types.SimpleNamespace(connects=[], controls=[], beats=[], stores=[], script=[], threads=[])
     def connect_store(addr, port, timeout, deadline, stop):
         seen.connects.append((addr, port, timeout, deadline, stop))
         if not seen.stores:
@@ -161,14 +159,21 @@ def fakes(monkeypatch):
 
     def beat(address, signer, hello, stop):
         seen.beats.append((address, signer, hello, stop))
-        beaten.set()
+
+    class Thread:  # started at once, in the caller: the fake beat returns at once
+        def __init__(self, target, args, name, daemon):
+            seen.threads.append((name, daemon))
+            self.target, self.args = target, args
+
+        def start(self):
+            self.target(*self.args)
 
     monkeypatch.setattr(launch, "connect_store", connect_store)
     monkeypatch.setattr(launch, "Control", control)
     monkeypatch.setattr(launch, "beat", beat)
     Workers.made = []
     monkeypatch.setattr(launch, "LocalWorkers", lambda spec, key: Workers(spec, key, seen.script))
-    seen.beaten = beaten
+    monkeypatch.setattr(launch, "threading", types.SimpleNamespace(Thread=Thread, Event=threading.Event))
     return seen
 
 
@@ -272,7 +277,7 @@ def test_the_agent_beats_looks_for_the_master_within_the_join_timeout_and_stops_
     assert t0 + 120 <= deadline <= t1 + 120
     assert fakes.controls == [] and Workers.made == []
     assert os.environ["GLOO_SOCKET_IFNAME"].startswith("lo")  # a cpu group on the loopback
-    assert fakes.beaten.wait(60)  # bounds a beat thread that never started
+    assert fakes.threads == [("multinpu-agent-beat", True)]  # a daemon: it never holds the agent's exit
     [(address, signer, hello, stop)] = fakes.beats
     assert address == ("127.0.0.1", 29500 + wire.CHANNEL_PORT_OFFSET) and stop is agent.stop
     assert hello == {"role": "agent", "node": 1, "pid": os.getpid()} and signer is agent.signer
