@@ -85,6 +85,10 @@ MODULES = {
                        "the same file's slow tests)"),
     "rebase": ("toolkit/h3kit/rebase.py", ["tests/test_patches_rebase.py"], None,
                "the series moved three-way onto a newer upstream (needs the pin: H3KIT_COMFY_SOURCE)"),
+    "agent": ("patches/src/comfy/multinpu_launch.py", ["tests/test_multinpu_agent_units.py"],
+              ["write_ranks_file", "gloo_on_loopback", "Agent", "agent_main"],
+              "the launcher's agent side (a node R > 0): its workers, deaths and kill requests, the ranks file, "
+              "following the master (unit tests with a fake store and fake workers)"),
 }
 # modules whose tests run a tree that `h3kit install` patched: the patches/src file reaches them only through
 # its patch, so each mutant (and the baseline) is written into the patches by `h3kit patches refresh`
