@@ -42,6 +42,10 @@ def test_rebase_onto_context_drift_is_clean_and_the_refreshed_series_installs_an
     assert r.exit_code == 0, r.output
     rep = payload(r)
     assert rep["onto"] == later and rep["counts"] == {"clean": 1, "merged": 1, "conflict": 0}
+    # no tag, no comfyui_version.py: the pin's version, marked with the commit (git describe gave only its id)
+    pin_version = json.loads((refreshed / "source_deps_info.json").read_text())["upstream"]["version"]
+    assert rep["upstream"]["describe"] == f"{pin_version}+{later[:8]}"
+    assert (out / "report.json").read_text().startswith('{\n  "ok": true,\n')  # read by people too
     p1 = rep["patches"][0]
     assert p1["patch"] == "p1-change-a.patch" and p1["state"] == "merged"
     a = next(f for f in p1["files"] if f["file"] == "comfy/a.py")
@@ -196,6 +200,8 @@ def test_install_commit_takes_a_tag_a_branch_or_a_prefix_resolved_once_and_recor
     # patches rebase resolves --onto the same way: the tag reaches the same commit
     r = rebase(runner, up, "v9.9.9", tmp_path / "out")
     assert r.exit_code == 0 and payload(r)["onto"] == later, r.output
+    # the tag names the new upstream in the manifest: its version without the "v", git describe's words
+    assert (payload(r)["upstream"]["version"], payload(r)["upstream"]["describe"]) == ("9.9.9", "v9.9.9")
 
 
 def test_the_footprint_benchmark_counts_plain_three_way_and_conflict(refreshed, upstream, tmp_path):
@@ -217,3 +223,149 @@ def test_the_footprint_benchmark_counts_plain_three_way_and_conflict(refreshed, 
     (row,) = json.loads(proc.stdout)["rows"]
     assert [d["verdict"] for d in row["detail"]] == ["plain", "three-way", "conflict"]
     assert row["detail"][2]["conflicts"] == [f"p1-change-a.patch: comfy/a.py {HUNK}"]
+
+
+# ---- written for tools/mutate.py --module rebase's survivors (docs/testing.md, issue 40) ---------------------
+
+def test_the_upstream_commit_field_is_replaced_with_its_folded_lines_and_added_last():
+    from h3kit.rebase import header_with_commit
+    header = "Description: x\n long\nUpstream-Commit: 0ld\n folded\n\tand tabbed\nOrigin: vendor, h3kit\n"
+    assert header_with_commit(header, "c0ffee") == ("Description: x\n long\nOrigin: vendor, h3kit\n"
+                                                    "Upstream-Commit: c0ffee\n")
+
+
+def test_a_resolved_conflict_marks_its_hunk_resolved_and_leaves_the_others_as_they_were(refreshed, upstream, runner,
+                                                                                        tmp_path):
+    up, _ = upstream
+    clash = commit_change(up, "comfy/a.py", CLASH)
+    out = tmp_path / "out"
+    assert rebase(runner, up, clash, out).exit_code == 1
+    (out / "conflicts" / "p1-change-a.patch" / "comfy" / "a.py").write_text(CLASH.replace("line VII\n", "line 7b\n"))
+    r = rebase(runner, up, clash, tmp_path / "out2", "--resolved", out / "conflicts")
+    assert r.exit_code == 0, r.output
+    (p1, p2) = payload(r)["patches"]
+    assert [(f["file"], f["state"]) for f in p1["files"]] == [("comfy/a.py", "resolved"), ("comfy/new.py", "clean")]
+    assert [(h["hunk"], h["state"]) for h in p1["files"][0]["hunks"]] == [(HUNK, "resolved")]
+    assert p2["files"][0]["hunks"][0]["state"] == "clean"
+
+
+def test_a_file_upstream_removed_is_a_conflict_named_for_the_file(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    git("rm", "-q", "comfy/a.py", cwd=up)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "gone", cwd=up)
+    gone = git("rev-parse", "HEAD", cwd=up)
+    r = rebase(runner, up, gone, tmp_path / "out")
+    assert r.exit_code == 1, r.output
+    rep = payload(r)
+    assert rep["counts"] == {"clean": 1, "merged": 0, "conflict": 1}
+    p1 = rep["patches"][0]
+    assert p1["state"] == "conflict"
+    # only the file that is gone; the file the patch adds (comfy/new.py) is no conflict
+    assert [(f["file"], f["state"], f["message"]) for f in p1["files"]] == [
+        ("comfy/a.py", "conflict", "upstream has no comfy/a.py, which this patch changes")]
+    assert [(c["file"], c["hunk"]) for c in rep["conflicts"]] == [("comfy/a.py", None)]
+
+
+def test_a_conflicting_patch_keeps_the_hunks_that_merge_for_the_patches_after_it(kit, upstream, runner):
+    """Two hunks in p1: one meets context drift (merges three-way), one meets a change of its own line (conflicts):
+    the queue holds the first applied and upstream's text at the second."""
+    from h3kit import gitutil
+    from h3kit.patches import Series
+    from h3kit.rebase import replay
+    up, pin = upstream
+    second = ("@@ -14,7 +14,7 @@\n line 14\n line 15\n line 16\n-line 17\n+line seventeen\n line 18\n line 19\n"
+              " line 20\n")
+    (kit / "patches" / "p1-change-a.patch").write_text((kit / "patches" / "p1-change-a.patch").read_text() + second)
+    r = h3(runner, "patches", "refresh", "--source", up, "--add", "p1-change-a.patch:comfy/new.py")
+    assert r.exit_code == 0, r.output
+    series = Series.load(kit)
+    touched = series.touched_files()
+    pin_files = gitutil.read_blobs(up, pin, touched)
+
+    def onto(a_py):
+        rep = replay(series, pin_files, {**pin_files, "comfy/a.py": a_py.encode()}, "f" * 40)
+        [a] = [f for f in rep.patches[0].files if f.path == "comfy/a.py"]
+        assert rep.after["nodes.py"].decode().startswith("import os\n\nNODES = ['a', 'b', 'multinpu']\n")  # p2 tried
+        return rep.patches[0].state, [h.state for h in a.hunks], rep.after["comfy/a.py"].decode()
+    clash = A_PY.replace("line 17\n", "line XVII\n")
+    drift_and_clash = DRIFT.replace("line 17\n", "line XVII\n")
+    assert onto(drift_and_clash) == ("conflict", ["merged", "conflict"],
+                                     drift_and_clash.replace("line 7\n", "line seven\n"))
+    assert onto(clash) == ("conflict", ["clean", "conflict"], clash.replace("line 7\n", "line seven\n"))
+
+
+def test_a_refreshed_patch_of_an_executable_file_keeps_its_mode(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    git("update-index", "--chmod=+x", "nodes.py", cwd=up)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "executable", cwd=up)
+    later = git("rev-parse", "HEAD", cwd=up)
+    r = rebase(runner, up, later, tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "out" / "patches" / "p2-change-nodes.patch").read_text()
+    blob = git("rev-parse", f"{later}:nodes.py", cwd=up)
+    assert f"\nindex {blob}.." in text and text.split(f"\nindex {blob}..")[1].split("\n")[0].endswith(" 100755")
+
+
+def test_a_source_lacking_a_file_the_series_changes_is_refused_naming_it(refreshed, upstream, runner, tmp_path,
+                                                                          monkeypatch):
+    """A mirror without some blobs (upstream's LFS files) checks out without them: a missing file the series changes
+    refuses the rebase; one it does not change is only named, as the progress goes on."""
+    from h3kit import gitutil
+    up, _ = upstream
+    later = commit_change(up, "comfy/a.py", DRIFT)
+    checkout = gitutil.checkout_detached
+    lacks = []
+
+    def lacking(tree, commit, **kw):
+        checkout(tree, commit, **kw)
+        return list(lacks)
+    monkeypatch.setattr(gitutil, "checkout_detached", lacking)
+    lacks[:] = ["comfy/a.py", "nodes.py", "models/big.bin"]
+    r = rebase(runner, up, later, tmp_path / "out")
+    err = payload(r)["error"]
+    assert r.exit_code == 1 and err["code"] == "incomplete_source", r.output
+    assert err["message"] == "the source lacks files the series changes: comfy/a.py, nodes.py"
+    lacks[:] = ["models/big.bin"]
+    r = h3(runner, "patches", "rebase", "--onto", later, "--source", up, "--out", tmp_path / "out2")
+    assert r.exit_code == 0, r.output
+    progress = [ln for ln in r.stderr.splitlines() if ln.startswith("h3kit: ")]
+    assert progress[1:] == [f"h3kit: checking out {later[:12]} ...", "h3kit: warning: the source lacks models/big.bin",
+                            f"h3kit: applying 2 patches three-way onto {later[:12]} ...",
+                            "h3kit:   p1-change-a.patch: merged", "h3kit:   p2-change-nodes.patch: clean"], r.stderr
+
+
+def test_merge_file_counts_up_to_127_conflicts_and_its_fatal_exit_is_an_error(tmp_path, monkeypatch):
+    """git merge-file exits with the number of conflicts, at most 127; git's fatal errors exit 128, a signal is a
+    negative code: those are no merge result."""
+    import pytest
+
+    from h3kit import rebase as lib
+    labels = ("upstream 0123456789ab", "base", "p1.patch")
+    ours, base, theirs = b"a\nB\nc\n", b"a\nb\nc\n", b"a\nb2\nc\n"
+    clean, text = lib._merge(tmp_path, ours, base, ours, labels)
+    assert (clean, text) == (True, ours)
+    clean, text = lib._merge(tmp_path, ours, base, theirs, labels)
+    assert not clean and text == b"a\n<<<<<<< upstream 0123456789ab\nB\n=======\nb2\n>>>>>>> p1.patch\nc\n"
+    for code in (127, 128, -9):
+        monkeypatch.setattr(lib, "_git", lambda *a, code=code, **kw: subprocess.CompletedProcess(
+            a, code, b"merged text", b"fatal: out of memory"))
+        if code == 127:
+            assert lib._merge(tmp_path, ours, base, theirs, labels) == (False, b"merged text")
+            continue
+        with pytest.raises(lib.RebaseError, match="git merge-file failed: fatal: out of memory"):
+            lib._merge(tmp_path, ours, base, theirs, labels)
+
+
+def test_a_hunk_is_tried_alone_on_the_content_given_and_nothing_left_from_the_try_before(tmp_path):
+    from h3kit import rebase as lib
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    patch = ("diff --git a/comfy/a.py b/comfy/a.py\n--- a/comfy/a.py\n+++ b/comfy/a.py\n"
+             "@@ -6,3 +6,3 @@\n line 6\n-line 7\n+line seven\n line 8\n")
+    assert lib._apply_alone(scratch, "comfy/a.py", CLASH.encode(), patch) is None
+    assert lib._apply_alone(scratch, "comfy/a.py", A_PY.encode(), patch) == A_PY.replace("line 7\n",
+                                                                                        "line seven\n").encode()
+    other = patch.split("@@")[0] + "@@ -12,3 +12,3 @@\n line 12\n-line 13\n+line 13b\n line 14\n"
+    assert lib._apply_alone(scratch, "comfy/a.py", A_PY.encode(), other) == A_PY.replace("line 13\n",
+                                                                                        "line 13b\n").encode()
+    assert lib._apply_alone(scratch, "comfy/a.py", None, patch) is None  # no such file: the last try's is gone

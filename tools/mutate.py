@@ -90,6 +90,10 @@ MODULES = {
                  "tests/test_metrics_units.py::test_the_driver_notifies_monitoring_at_each_state"],
                 None, "the driver's membership and generations (GroupMonitor, Generations) on fakes of the store, "
                       "the launcher and the clock (needs torch); the groups that run it are test_multinpu_process*"),
+    "agent": ("patches/src/comfy/multinpu_launch.py", ["tests/test_multinpu_agent_units.py"],
+              ["write_ranks_file", "gloo_on_loopback", "Agent", "agent_main"],
+              "the launcher's agent side (a node R > 0): its workers, deaths and kill requests, the ranks file, "
+              "following the master (unit tests with a fake store and fake workers)"),
 }
 # modules whose tests run a tree that `h3kit install` patched: the patches/src file reaches them only through
 # its patch, so each mutant (and the baseline) is written into the patches by `h3kit patches refresh`
