@@ -292,6 +292,14 @@ def test_the_furthest_behind_of_the_ranks_behind_is_named():
         assert rank == 2, (none, why)
 
 
+def test_progress_without_a_collective_number_is_collective_0_throughout():
+    """Ranks inside a collective whose beats carry no collective number wait in #0 (the watch reads a missing number
+    as 0 in each place: until 2026-12-05 one did not, and check() raised IndexError in the driver's watch)."""
+    watch = progress.ProgressWatch(5.0)
+    t, (rank, why) = _run(watch, {0: lambda t: _p(3, None, True), 1: lambda t: _p(3, None, True)}, 60)
+    assert rank is None and 5 < t <= 7 and "collective #0 (all_reduce) of command 3 (forward) made no" in why, why
+
+
 def test_the_progress_bound_is_ordered_with_the_other_detectors():
     spec = wire.GroupSpec(local_size=2, timeout=300)
     detectors = wire.failure_detectors(spec)
