@@ -234,8 +234,70 @@ def test_where_a_rank_is_is_said_in_words():
 
 def test_a_collective_every_rank_is_stuck_in_is_named():
     watch = progress.ProgressWatch(5.0)
-    t, (rank, why) = _run(watch, {0: lambda t: _p(3, 7, True, "all_to_all"), 1: lambda t: _p(3, 7, True, "all_to_all")}, 60)
+    stuck = {0: lambda t: _p(3, 7, True, "all_to_all"), 1: lambda t: _p(3, 7, True, "all_to_all")}
+    t, (rank, why) = _run(watch, stuck, 60)
     assert rank is None and 5 < t <= 7 and "collective #7 (all_to_all) of command 3 (forward) made no progress" in why
+
+
+def test_a_forgotten_member_is_judged_afresh_when_its_beats_come_back():
+    """forget() (its beat connection ended: channel.beat makes it again, same pid) drops what the member's beats
+    showed: nobody is judged while it is gone, /metrics (multinpu_metrics.group_view reads the newest beats) shows no
+    beat of it, and once it beats again its own beats start anew: the bound runs from its return, not from the first
+    time it was seen there (issue 40: the mutation check found forget() untested)."""
+    watch = progress.ProgressWatch(10.0)
+    members = {0: 100, 1: 101, 2: 102}
+    behind = {0: _p(3, 7, True), 1: _p(3, 7, True), 2: _p(3, 6, False)}
+    verdict, t = None, 0.0
+    while t <= 40 and verdict is None:
+        for r, p in behind.items():
+            if t == int(t) and not (r == 2 and 5 <= t < 8):   # rank 2's link ends at t = 5 and is made again at 8
+                watch.beat(r, members[r], p, t)
+        if t == 5:
+            watch.forget(2, 102)
+            assert (2, 102) not in watch._beats and (2, 102) not in watch._since
+        verdict = watch.check(members, 1, 3, "forward", t)
+        t += 0.5
+    assert verdict is not None and verdict[0] == 2, verdict
+    assert 18 < t - 0.5 <= 20, (t, verdict)   # 10 s after its return at 8, not 10 s after 0
+
+
+def test_ranks_between_collectives_are_not_waiting_in_one():
+    """A rank that completed a collective and computes (not inside one), or is inside one of an earlier command,
+    waits in none: ranks that all compute are never judged, however long (slow and hung look alike from here)."""
+    watch = progress.ProgressWatch(5.0)
+    assert _run(watch, {0: lambda t: _p(3, 7, False), 1: lambda t: _p(3, 7, False)}, 60) is None
+    watch = progress.ProgressWatch(5.0)
+    assert _run(watch, {0: lambda t: _p(3, 7, False), 1: lambda t: _p(2, 9, True)}, 60) is None
+
+
+def test_a_rank_that_entered_no_collective_yet_is_behind_its_peers():
+    """A rank blocked before the first collective its process enters beats a count of 0 (multinpu.CollectiveProgress);
+    progress without a collective number counts the same. Either is behind peers waiting in #1, and is named."""
+    for none in (0, None):
+        watch = progress.ProgressWatch(5.0)
+        t, (rank, why) = _run(watch, {0: lambda t: _p(3, 1, True), 1: lambda t: _p(3, 1, True),
+                                      2: lambda t: _p(3, none, False, op=None)}, 60)
+        assert rank == 2 and 5 < t <= 7 and "ranks 0, 1 wait in collective #1 (all_reduce)" in why, (none, t, why)
+
+
+def test_the_furthest_behind_of_the_ranks_behind_is_named():
+    """Of two ranks behind the frontier for as long, the one in (or after) the earlier collective holds the other,
+    whatever their rank numbers; a rank that entered none (a count of 0, or no collective number) is the furthest."""
+    inside = {0: lambda t: _p(3, 7, True), 1: lambda t: _p(3, 6, True), 2: lambda t: _p(3, 5, True)}
+    t, (rank, why) = _run(progress.ProgressWatch(5.0), inside, 60)
+    assert rank == 2 and "it is inside collective #5" in why and "rank 0 waits in collective #7" in why, why
+    for none in (0, None):
+        computing = {0: lambda t: _p(3, 2, True), 1: lambda t: _p(3, 1, False), 2: lambda t: _p(3, none, False)}
+        t, (rank, why) = _run(progress.ProgressWatch(5.0), computing, 60)
+        assert rank == 2, (none, why)
+
+
+def test_progress_without_a_collective_number_is_collective_0_throughout():
+    """Ranks inside a collective whose beats carry no collective number wait in #0 (the watch reads a missing number
+    as 0 in each place: until 2026-12-05 one did not, and check() raised IndexError in the driver's watch)."""
+    watch = progress.ProgressWatch(5.0)
+    t, (rank, why) = _run(watch, {0: lambda t: _p(3, None, True), 1: lambda t: _p(3, None, True)}, 60)
+    assert rank is None and 5 < t <= 7 and "collective #0 (all_reduce) of command 3 (forward) made no" in why, why
 
 
 def test_the_progress_bound_is_ordered_with_the_other_detectors():

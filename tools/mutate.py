@@ -80,7 +80,12 @@ MODULES = {
                      "test_a_rank_whose_beats_stop_is_left_to_the_heartbeat",
                      "test_a_peer_held_by_a_silent_rank_is_not_named_for_it",
                      "test_a_collective_every_rank_is_stuck_in_is_named",
-                     "test_where_a_rank_is_is_said_in_words")],
+                     "test_where_a_rank_is_is_said_in_words",
+                     "test_a_forgotten_member_is_judged_afresh_when_its_beats_come_back",
+                     "test_ranks_between_collectives_are_not_waiting_in_one",
+                     "test_a_rank_that_entered_no_collective_yet_is_behind_its_peers",
+                     "test_the_furthest_behind_of_the_ranks_behind_is_named",
+                     "test_progress_without_a_collective_number_is_collective_0_throughout")],
                  None, "the progress watch: which rank holds a command (its unit tests; the groups that run it are "
                        "the same file's slow tests)"),
     "rebase": ("toolkit/h3kit/rebase.py", ["tests/test_patches_rebase.py"], None,

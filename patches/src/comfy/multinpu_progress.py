@@ -89,7 +89,7 @@ class ProgressWatch:
         start = max(self._command[1], self._frontier[1])
         # how long each rank's own beats have shown it at the same place since the peers began to wait
         stuck = {r: newest - max(start, since) for r, (_, newest, since) in reports.items()}
-        peers = sorted(r for r, p in waiting.items() if p.get("coll") == top)
+        peers = sorted(r for r, p in waiting.items() if (p.get("coll") or 0) == top)
         at = f"collective #{top} ({waiting[peers[0]].get('op')})"
         behind = [r for r, (p, _, _) in reports.items() if not (_in_command(p, g, n) and (p.get("coll") or 0) >= top)]
         if behind:
