@@ -281,7 +281,7 @@ def test_a_member_that_dies_before_go_makes_the_others_wait_for_the_next_generat
     assert not puts(store, "abort/") and group.workers.recycles == []  # nobody passed go: nothing to abort
 
 
-def test_a_member_that_reports_a_join_error_makes_the_others_wait_for_the_next_generation(group):
+def test_a_member_that_reports_a_join_error_makes_the_others_wait_for_the_next_generation(group, caplog):
     rt, store = group.rt, group.store
 
     def join_error():
@@ -289,8 +289,10 @@ def test_a_member_that_reports_a_join_error_makes_the_others_wait_for_the_next_g
         store.data["joinerr/1/2"] = {"type": "RuntimeError", "message": "device busy"}
     group.peers.on["gen/1"] = join_error
     group.peers.on["gen/2"] = lambda: group.peers.skip["joined"].clear()
-    rt._form()
+    with caplog.at_level(logging.ERROR):
+        rt._form()
     assert rt.state == "ready" and rt.generation == 2 and "go/1" not in store.data
+    assert "rank 2 (cpu, node 1) could not join generation 1: RuntimeError: device busy" in caplog.text
     assert group.clock.now - 1000.0 < JOIN  # at once, not at the join timeout
 
 
@@ -311,6 +313,22 @@ def test_a_generation_that_does_not_come_up_is_aborted_and_formed_again_with_fre
         assert (f"kill/{r}", kill) in store.history
     assert rt.state == "ready" and rt.generation == 2
     assert rt.members == {0: 1100, 1: 1101, 2: 2102, 3: 2103}  # none of generation 1's processes
+
+
+def test_a_member_that_dies_before_connecting_its_command_connection_is_replaced_at_once(group):
+    rt, store = group.rt, group.store
+    group.peers.skip["link"] = {2}
+    group.peers.on["gen/2"] = lambda: group.peers.skip["link"].clear()
+    wait_link = rt._wait_link
+
+    def dying(g, members, deadline):  # rank 2 came up, then ends before it connects
+        if g == 1:
+            exit_remote(store, 2, "killed by SIGKILL", new_pid=2102)
+        return wait_link(g, members, deadline)
+    rt._wait_link = dying
+    rt._form()
+    assert rt.state == "ready" and rt.generation == 2 and rt.members[2] == 2102 and "abort/1" in store.data
+    assert group.clock.now - 1000.0 < JOIN  # at once, not at the join timeout
 
 
 def test_the_join_timeout_fails_the_group_naming_the_ranks_that_did_not_join(group):
@@ -911,11 +929,14 @@ def test_the_ranks_file_holds_the_state_and_every_rank(group, tmp_path):
 
 # ---- aborting and ending a generation --------------------------------------------------------------------------
 
-def test_an_abort_is_posted_once_per_generation(group):
+def test_an_abort_is_posted_once_per_generation(group, caplog):
     rt, store = formed(group), group.store
-    rt._abort_generation("rank 1 (cpu, node 0) killed by SIGKILL")
-    rt.state = "forming"
-    rt._abort_generation("rank 2 (cpu, node 1) killed by SIGKILL")
+    with caplog.at_level(logging.WARNING):
+        rt._abort_generation("rank 1 (cpu, node 0) killed by SIGKILL")
+        rt.state = "forming"
+        rt._abort_generation("rank 2 (cpu, node 1) killed by SIGKILL")
+    assert caplog.text.count("MultiNPU: generation 1 aborted (rank 1 (cpu, node 0) killed by SIGKILL); every rank is "
+                             "replaced by a fresh process") == 1 and "rank 2" not in caplog.text
     assert rt.state == "broken"
     assert puts(store, "abort/") == [("abort/1", {"why": "rank 1 (cpu, node 0) killed by SIGKILL"})]
     assert len(group.workers.recycles) == 1 and len(puts(store, "kill/")) == 2
