@@ -281,7 +281,7 @@ def test_a_member_that_dies_before_go_makes_the_others_wait_for_the_next_generat
     assert not puts(store, "abort/") and group.workers.recycles == []  # nobody passed go: nothing to abort
 
 
-def test_a_member_that_reports_a_join_error_makes_the_others_wait_for_the_next_generation(group):
+def test_a_member_that_reports_a_join_error_makes_the_others_wait_for_the_next_generation(group, caplog):
     rt, store = group.rt, group.store
 
     def join_error():
@@ -289,8 +289,10 @@ def test_a_member_that_reports_a_join_error_makes_the_others_wait_for_the_next_g
         store.data["joinerr/1/2"] = {"type": "RuntimeError", "message": "device busy"}
     group.peers.on["gen/1"] = join_error
     group.peers.on["gen/2"] = lambda: group.peers.skip["joined"].clear()
-    rt._form()
+    with caplog.at_level(logging.ERROR):
+        rt._form()
     assert rt.state == "ready" and rt.generation == 2 and "go/1" not in store.data
+    assert "rank 2 (cpu, node 1) could not join generation 1: RuntimeError: device busy" in caplog.text
     assert group.clock.now - 1000.0 < JOIN  # at once, not at the join timeout
 
 
@@ -311,6 +313,22 @@ def test_a_generation_that_does_not_come_up_is_aborted_and_formed_again_with_fre
         assert (f"kill/{r}", kill) in store.history
     assert rt.state == "ready" and rt.generation == 2
     assert rt.members == {0: 1100, 1: 1101, 2: 2102, 3: 2103}  # none of generation 1's processes
+
+
+def test_a_member_that_dies_before_connecting_its_command_connection_is_replaced_at_once(group):
+    rt, store = group.rt, group.store
+    group.peers.skip["link"] = {2}
+    group.peers.on["gen/2"] = lambda: group.peers.skip["link"].clear()
+    wait_link = rt._wait_link
+
+    def dying(g, members, deadline):  # rank 2 came up, then ends before it connects
+        if g == 1:
+            exit_remote(store, 2, "killed by SIGKILL", new_pid=2102)
+        return wait_link(g, members, deadline)
+    rt._wait_link = dying
+    rt._form()
+    assert rt.state == "ready" and rt.generation == 2 and rt.members[2] == 2102 and "abort/1" in store.data
+    assert group.clock.now - 1000.0 < JOIN  # at once, not at the join timeout
 
 
 def test_the_join_timeout_fails_the_group_naming_the_ranks_that_did_not_join(group):
@@ -470,6 +488,18 @@ def test_a_remote_members_exit_report_is_read_and_named(group):
     assert rt._remote_exits[2] == {"pid": 2002, "reason": "killed by SIGKILL"}
 
 
+def test_an_exit_report_gone_from_the_store_is_no_new_death_and_no_error(group):
+    rt, store, clock = formed(group), group.store, group.clock
+    rt.inflight = ("dit_forward", 3)  # a command runs: the death is noted, the group kept
+    exit_remote(store, 2, "killed by SIGKILL")
+    rt._watch()
+    del store.data["exit/2"]  # a store client can delete any key
+    clock.now += 0.6
+    rt._watch()
+    assert rt._remote_exits[2] == {"pid": 2002, "reason": "killed by SIGKILL"}
+    assert rt.dead == {2: "pid 2002: killed by SIGKILL"} and rt.state == "ready"
+
+
 def test_a_death_during_a_command_is_noted_and_left_to_the_command(group):
     rt, store = formed(group), group.store
     rt.inflight = ("dit_forward", 4)
@@ -595,14 +625,26 @@ def test_a_member_the_progress_watch_names_is_killed_while_the_command_fails_by_
     assert rt.state == "ready" and not puts(store, "abort/")
 
 
-def test_a_collective_every_member_is_stuck_in_is_recorded_once_per_generation(group):
+def test_a_collective_every_member_is_stuck_in_is_recorded_once_per_generation(group, caplog):
     rt, store = formed(group), group.store
     rt._progress = Watch((None, "every rank waits in all_to_all #2 for 61 s"))
     rt.inflight = ("dit_forward", 5)
-    rt._check_progress(group.clock.now)
-    rt._check_progress(group.clock.now + 1)
+    with caplog.at_level(logging.ERROR):
+        rt._check_progress(group.clock.now)
+        rt._check_progress(group.clock.now + 1)
+    assert caplog.text.count("MultiNPU: every rank waits in all_to_all #2 for 61 s") == 1  # the operator's word
     assert rt._stalled == {1: "every rank waits in all_to_all #2 for 61 s"} and len(rt._progress.asked) == 1
     assert rt.dead == {} and not puts(store, "kill/")
+
+
+def test_the_monitors_look_at_the_ranks_asks_the_progress_watch_of_a_running_command(group):
+    rt, clock = formed(group), group.clock
+    why = "rank 2 (cpu, node 1) has not reached all_gather #3 its peers wait in for 61 s"
+    rt._progress = Watch((2, why))
+    rt.inflight = ("dit_forward", 5)
+    rt._watch()
+    assert rt._progress.asked == [({0: 1000, 1: 1001, 2: 2002, 3: 2003}, 1, 5, "dit_forward", clock.now)]
+    assert rt.dead == {2: f"pid 2002: {why}"}
 
 
 def test_the_progress_watch_is_asked_only_of_a_ready_group_with_members(group):
@@ -639,6 +681,23 @@ def test_a_host_whose_agent_is_silent_for_host_stale_is_lost_with_its_members(gr
     why = f"host lost: its agent has not been heard from for {wire.HOST_STALE + 1:.0f} s"
     assert rt.dead == {2: f"pid 2002: {why}", 3: f"pid 2003: {why}"}  # both named, this host's ranks not
     assert rt.state == "broken" and group.store.data["abort/1"] == {"why": f"rank 2 (cpu, node 1) {why}"}
+
+
+def test_the_monitors_look_at_the_ranks_reads_other_hosts_notes(group):
+    rt, store = formed(group), group.store
+    store.data["term/3"] = {"pid": 2003, "why": "ended by SIGTERM: its launcher (pid 77) ended"}
+    rt._watch()
+    assert rt.dead[3] == "pid 2003: ended by SIGTERM: its launcher (pid 77) ended" and rt.state == "broken"
+
+
+def test_a_kill_that_cannot_reach_another_host_is_logged_and_the_member_still_noted_dead(group, caplog):
+    rt, store = formed(group), group.store
+    rt.inflight = ("dit_forward", 5)
+    store.fail = True
+    with caplog.at_level(logging.WARNING):
+        rt._kill_hung(2, 2002, "no heartbeat for 21 s (hung)")
+    assert "could not ask node 1 to kill rank 2: the store is gone" in caplog.text
+    assert rt.dead == {2: "pid 2002: no heartbeat for 21 s (hung)"}
 
 
 # ---- the monitor's rounds --------------------------------------------------------------------------------------
@@ -870,11 +929,14 @@ def test_the_ranks_file_holds_the_state_and_every_rank(group, tmp_path):
 
 # ---- aborting and ending a generation --------------------------------------------------------------------------
 
-def test_an_abort_is_posted_once_per_generation(group):
+def test_an_abort_is_posted_once_per_generation(group, caplog):
     rt, store = formed(group), group.store
-    rt._abort_generation("rank 1 (cpu, node 0) killed by SIGKILL")
-    rt.state = "forming"
-    rt._abort_generation("rank 2 (cpu, node 1) killed by SIGKILL")
+    with caplog.at_level(logging.WARNING):
+        rt._abort_generation("rank 1 (cpu, node 0) killed by SIGKILL")
+        rt.state = "forming"
+        rt._abort_generation("rank 2 (cpu, node 1) killed by SIGKILL")
+    assert caplog.text.count("MultiNPU: generation 1 aborted (rank 1 (cpu, node 0) killed by SIGKILL); every rank is "
+                             "replaced by a fresh process") == 1 and "rank 2" not in caplog.text
     assert rt.state == "broken"
     assert puts(store, "abort/") == [("abort/1", {"why": "rank 1 (cpu, node 0) killed by SIGKILL"})]
     assert len(group.workers.recycles) == 1 and len(puts(store, "kill/")) == 2
