@@ -249,11 +249,16 @@ def test_a_resolved_conflict_marks_its_hunk_resolved_and_leaves_the_others_as_th
     assert p2["files"][0]["hunks"][0]["state"] == "clean"
 
 
+def upstream_commit(up, message: str, *change) -> str:
+    """Upstream's next commit: the git command `change` run in it, committed; its full commit id."""
+    git(*change, cwd=up)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message, cwd=up)
+    return git("rev-parse", "HEAD", cwd=up)
+
+
 def test_a_file_upstream_removed_is_a_conflict_named_for_the_file(refreshed, upstream, runner, tmp_path):
     up, _ = upstream
-    git("rm", "-q", "comfy/a.py", cwd=up)
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "gone", cwd=up)
-    gone = git("rev-parse", "HEAD", cwd=up)
+    gone = upstream_commit(up, "gone", "rm", "-q", "comfy/a.py")
     r = rebase(runner, up, gone, tmp_path / "out")
     assert r.exit_code == 1, r.output
     rep = payload(r)
@@ -296,9 +301,7 @@ def test_a_conflicting_patch_keeps_the_hunks_that_merge_for_the_patches_after_it
 
 def test_a_refreshed_patch_of_an_executable_file_keeps_its_mode(refreshed, upstream, runner, tmp_path):
     up, _ = upstream
-    git("update-index", "--chmod=+x", "nodes.py", cwd=up)
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "executable", cwd=up)
-    later = git("rev-parse", "HEAD", cwd=up)
+    later = upstream_commit(up, "executable", "update-index", "--chmod=+x", "nodes.py")
     r = rebase(runner, up, later, tmp_path / "out")
     assert r.exit_code == 0, r.output
     text = (tmp_path / "out" / "patches" / "p2-change-nodes.patch").read_text()
