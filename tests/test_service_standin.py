@@ -469,6 +469,30 @@ def test_watch_restarts_a_dead_server_and_ends_on_stop(home):
     assert monitoring.restarts(home.root) == {"died": 1}
 
 
+def test_a_server_that_stop_killed_before_removing_its_record_is_no_restart(home, monkeypatch):
+    # `h3kit stop` kills the server, waits for its port, then removes the record: a watch tick in between sees a
+    # dead server with a record. Its restart finds no record under the lock and must count nothing (CI once read
+    # {"died": 2} here). The tick's backoff pause is where the stop finishes, made certain by the patched sleep.
+    from h3kit import supervise
+    assert home.start().returncode == 0
+    pid = started_pid(home)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_running(pid), 10, "the server to die")
+    real_sleep = time.sleep
+
+    def stop_finishes(seconds):
+        service.remove_record(home.root)
+        real_sleep(0)
+
+    monkeypatch.setattr(supervise.time, "sleep", stop_finishes)
+    events: list[dict] = []
+    out = supervise.watch(home.root, supervise.WatchPolicy(interval=0.1, backoff=0.1, max_seconds=30),
+                          on_event=events.append)
+    assert [e["event"] for e in events] == ["watching", "restart"]
+    assert out.reason == "stopped" and out.restarts == 0
+    assert monitoring.restarts(home.root) == {}
+
+
 def test_watch_restores_the_queue_after_a_kill_9(home):
     home.configure(boots=[{"queue": [1, 2]}])
     assert home.start().returncode == 0

@@ -280,13 +280,12 @@ class _Watch:
                              f"({len(restarts) + 1} of {policy.crash_limit} allowed in {policy.crash_window:g} s)")
         if not self.pause(delay):
             return
-        restarts.append(self.clock())
-        monitoring.count_restart(self.root, "died" if problem.startswith("the server is not running") else "unhealthy")
-        self.streak += 1
-        self.outcome.restarts += 1
-        new = _restart_once(self.root, rec, policy, self.emit, self.outcome)
-        if new is None:  # the record vanished under the lock: stopped by the user
+        reason = "died" if problem.startswith("the server is not running") else "unhealthy"
+        new = _restart_once(self.root, rec, policy, self.emit, self.outcome, reason)
+        if new is None:  # the record vanished under the lock (h3kit stop ended it): no restart was made
             return
+        restarts.append(self.clock())
+        self.streak += 1
         self.watched, self.fails, self.healthy_since = new.pid, 0, None
         self.oom = _OomWatch(new, fresh=new.pid != rec.pid)
         self.pause(policy.interval)
@@ -303,18 +302,18 @@ def _save_queue(root: Path, rec: service.Record, policy: WatchPolicy) -> queuesa
         return None
 
 
-def _restart_once(root: Path, rec: service.Record, policy: WatchPolicy, emit, outcome: WatchOutcome
+def _restart_once(root: Path, rec: service.Record, policy: WatchPolicy, emit, outcome: WatchOutcome, reason: str
                   ) -> service.Record | None:
     """Stop (if needed) and start again under the locks. Returns the record now in force, or None."""
     try:
         with service.service_lock(root, wait=max(service.LOCK_WAIT, policy.grace + 30), home=rec.comfy_home):
-            return _restart_locked(root, rec, policy, emit, outcome)
+            return _restart_locked(root, rec, policy, emit, outcome, reason)
     except (locks.TreeBusy, service.LockBusy) as e:  # an install or a start holds the tree: try again later
         emit("busy", f"not restarting now: {e.message}")
         return rec
 
 
-def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit, outcome: WatchOutcome
+def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit, outcome: WatchOutcome, reason: str
                     ) -> service.Record | None:
     cur = service.read_record(root)
     if cur is None:
@@ -323,6 +322,10 @@ def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit, 
     if cur.pid != rec.pid and alive:
         emit("adopted", f"pid {cur.pid} was started meanwhile by another command")
         return cur
+    # counted here, under the lock, once the restart is certain: a server that `h3kit stop` killed just before it
+    # removed the record looked dead to the tick before, and is no restart
+    monitoring.count_restart(root, reason)
+    outcome.restarts += 1
     saved = None
     if not cur.group.is_agent:
         # a server that still answers is asked once more; else the save of the last healthy tick is used
