@@ -85,12 +85,12 @@ def recoveries(url: str, text: str = None) -> float:
     return float(next(ln.split()[-1] for ln in lines if ln.startswith("h3kit_group_recovery_seconds_count")))
 
 
-def run_prompt(url: str, tag: str) -> tuple[str, float]:
-    """The demo's prompt at npu_count 2, whole: the models unloaded first (POST /free), so it loads, encodes the text,
+def run_prompt(url: str, tag: str, npu_count: int = 2) -> tuple[str, float]:
+    """The demo's prompt at `npu_count`, whole: the models unloaded first (POST /free), so it loads, encodes the text,
     samples and decodes as `h3kit demo`'s prompt does (a new seed alone would rerun the sampler and the decode only)."""
     from h3kit import demo
     post(f"{url}/free", {"unload_models": True, "free_memory": True})
-    prompt = demo.demo_prompt(2, tag)
+    prompt = demo.demo_prompt(npu_count, tag)
     for node in prompt.values():
         if node["class_type"] == "RandomNoise":
             node["inputs"]["noise_seed"] = random.randint(0, 2**31)  # nothing from the cache
@@ -120,7 +120,14 @@ def spy(server: int, out: Path | None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | None = None) -> None:
+def own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process, its scraper threads included: what the storm's clients cost."""
+    t = os.times()
+    return t.user + t.system
+
+
+def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | None = None, npu_count: int = 2
+            ) -> None:
     run_prompt(url, "warm")
     print(f"idle: {summary([scrape_ms(url) for _ in range(100)])}")
     c0 = cpu_seconds(server)
@@ -159,17 +166,20 @@ def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | N
              "the same storm on GET /prompt": (0.05, 8, "/prompt")}
     times = {m: [] for m in modes}
     cpu = {m: [] for m in modes}
+    clients = {m: [] for m in modes}
     storm_scrapes = []
     if not rounds:
         return
+    print(f"side-by-side rounds: the demo prompt at npu_count {npu_count}")
     run_prompt(url, "warm-again")  # the OOM handler unloaded the models: loaded again here, not in a measured round
     for r in range(rounds):
         for mode, how in (list(modes.items()) if r % 2 == 0 else list(modes.items())[::-1]):  # ABC, CBA, ...
             s = Scraper(url, *how) if how else None
-            c0 = cpu_seconds(server)
-            status, seconds = run_prompt(url, f"{r}-{len(times[mode])}")
+            c0, o0 = cpu_seconds(server), own_cpu_seconds()
+            status, seconds = run_prompt(url, f"{r}-{len(times[mode])}", npu_count)
             cpu[mode].append(cpu_seconds(server) - c0)
             scraped = s.stop() if s else []
+            clients[mode].append(own_cpu_seconds() - o0)
             if mode == STORM:
                 storm_scrapes += scraped
             assert status == "success", status
@@ -180,7 +190,8 @@ def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | N
         ratio = statistics.median(x / b for x, b in zip(t, base))
         print(f"demo prompt, {mode}: median {statistics.median(t):.2f} s ({', '.join(f'{x:.2f}' for x in t)}); "
               f"median of the rounds' ratios to no scraper {100 * (ratio - 1):+.1f} %; the server's CPU per prompt "
-              f"median {statistics.median(cpu[mode]):.2f} s ({', '.join(f'{x:.2f}' for x in cpu[mode])})")
+              f"median {statistics.median(cpu[mode]):.2f} s ({', '.join(f'{x:.2f}' for x in cpu[mode])}); "
+              f"the clients' (this process') CPU per prompt median {statistics.median(clients[mode]):.2f} s")
     print(f"the storm's scrapes: {summary(storm_scrapes)}")
 
 
@@ -192,6 +203,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spy", type=Path, help="record the server with py-spy (on PATH) through the replacement, here")
     ap.add_argument("--no-prompts", action="store_true", help="latencies only: skip the side-by-side prompt rounds")
+    ap.add_argument("--npu-count", type=int, choices=(1, 2), default=2,
+                    help="the rounds' prompt: 2 ranks (both cores of a 2-core host busy) or 1 (a core left to the "
+                         "HTTP side, as a host with cores beyond its ranks has)")
     args = ap.parse_args()
     from h3kit import demo
     demo.write_tiny_checkpoints(args.comfy_home, args.python)  # those missing
@@ -207,7 +221,7 @@ def main() -> int:
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         record = json.loads((args.comfy_home / ".h3kit" / "run" / "server.json").read_text())
         measure(f"http://127.0.0.1:{args.port}", record["pid"], work / "oom-1", 0 if args.no_prompts else args.rounds,
-                args.spy)
+                args.spy, args.npu_count)
     finally:
         subprocess.run([sys.executable, "-m", "h3kit", "stop", "--comfy-home", str(args.comfy_home)],
                        capture_output=True)
