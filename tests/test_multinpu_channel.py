@@ -202,13 +202,27 @@ def test_the_unix_socket_is_private_and_takes_only_the_process_its_hello_names(t
     assert not os.path.exists(server.path)
 
 
+def _open_sockets():
+    """The inodes of the sockets this process holds open, read from /proc/self/fd. Inodes, not fd numbers: another
+    test's thread in this xdist worker may close an fd while this test runs and the server's socket reuse its number."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed between listdir and readlink
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
 def test_close_frees_the_sockets_and_the_port(tmp_path):
-    fds = set(os.listdir("/proc/self/fd"))
     server = channel.ChannelServer(str(tmp_path / channel.CHANNEL_DIR), wire.Signer(b"k" * 64), lambda link, h: None)
     port = server.listen_tcp("127.0.0.1", 0)
-    assert len(set(os.listdir("/proc/self/fd")) - fds) == 2
+    mine = {os.fstat(server.sock.fileno()).st_ino, os.fstat(server.tcp.fileno()).st_ino}
+    assert len(mine) == 2 and mine <= _open_sockets()
     server.close()
-    settled(lambda: set(os.listdir("/proc/self/fd")) <= fds)
+    settled(lambda: not (mine & _open_sockets()))
     with socket.socket() as s:  # free again at once, without SO_REUSEADDR's help for a listener still there
         s.bind(("127.0.0.1", port))
 
