@@ -38,6 +38,15 @@ def _err(e):
     return {"type": type(e).__name__, "message": str(e)}
 
 
+def _write_whole(path, text):
+    """Write `path` so that a reader never sees it half-written: aside, then renamed over it. A test that polls for
+    the file while this driver holds the group (--hold) reads it as soon as it exists; written in place, the
+    file exists, empty or cut short, between its open and the last write."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
+
+
 def _attempt(fn):
     t0 = time.monotonic()
     try:
@@ -764,7 +773,7 @@ def main(argv=None):
         result["port"] = rt.port
         if args.agent:
             AGENT[0] = start_agent(rt)
-        Path(args.out + ".port").write_text(str(rt.port))
+        _write_whole(args.out + ".port", str(rt.port))
         form = _attempt(lambda: mp.wait_ready(rt, args.join_timeout + 5))
         result["form"] = form
         if form["ok"]:
@@ -774,7 +783,7 @@ def main(argv=None):
     except BaseException as e:  # noqa: BLE001
         result["crash"] = {**_err(e), "traceback": traceback.format_exc()}
     result["seconds"] = time.monotonic() - t0
-    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    _write_whole(args.out, json.dumps(result, indent=2, default=str))
     time.sleep(args.hold)
     mp.stop_runtime()
     if AGENT[0] is not None:
