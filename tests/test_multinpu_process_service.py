@@ -231,6 +231,21 @@ def test_an_oom_on_a_worker_reaches_comfyui_as_an_oom(group):
     assert status["status_str"] == "success", status
 
 
+def still_running(pids) -> list:
+    """psutil.Process of each of `pids` still running (a zombie has ended), for psutil.wait_procs. One read per
+    pid: pid_running(p) and then psutil.Process(p) raced a process ending between the two (the ranks just after
+    a stop, killed as their launcher went): reaped in the gap, Process() raised NoSuchProcess as the test's error."""
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                procs.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
 def _next_prompt_runs_on_a_fresh_group(group, name, server, before):
     """After a failed prompt: the next one succeeds with nobody acting, the server the same process, every rank a fresh
     one, none of `before` ({rank: pid}) left running."""
@@ -239,7 +254,7 @@ def _next_prompt_runs_on_a_fresh_group(group, name, server, before):
     assert group.status(0)["pid"] == server
     after = {r["rank"]: r["pid"] for r in group.ranks()}
     assert not set(before.values()) & set(after.values()), "every rank is a fresh process"
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in before.values() if pid_running(p)], timeout=10)
+    gone, alive = psutil.wait_procs(still_running(before.values()), timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
@@ -310,7 +325,7 @@ def test_a_worker_killed_mid_prompt_is_named_and_replaced(group):
     # the whole group was replaced by fresh processes, on both hosts; the server and its queue lived on
     assert all(after[r]["pid"] != before[r] and after[r]["alive"] and after[r]["joined"] for r in range(4)), after
     assert group.status(0)["pid"] == server
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in before.values() if pid_running(p)], timeout=10)
+    gone, alive = psutil.wait_procs(still_running(before.values()), timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
@@ -435,6 +450,6 @@ def test_stop_leaves_no_process_behind(group):
     for node in (1, 0):
         r = group.stop(node)
         assert jsondoc.data(r.stdout, r.returncode)["stopped"], r.stderr
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if pid_running(p)], timeout=10)
+    gone, alive = psutil.wait_procs(still_running(pids), timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
     assert not health.check_health(f"http://127.0.0.1:{group.port}").ok
