@@ -1,7 +1,8 @@
 """What GET /metrics costs (issue 39 item 4): scrape latency with the server idle, during a prompt and during a group
 replacement, and a demo prompt's time with no scraper, with a scrape every 100 ms (a Prometheus at a 0.1 s interval,
-150x its default) and under a bounded local scrape storm (8 clients each scraping every 50 ms, about 160 a second),
-alternately (ABC, CBA, ...), side by side; the server's CPU per scrape and per prompt (/proc).
+150x its default) and under a bounded local scrape storm (8 clients each scraping again 50 ms after each answer; the
+route answers one scrape per 0.25 s in all, comfy/multinpu_metrics.Pacer), alternately (ABC, CBA, ...), side by side;
+the server's CPU per scrape and per prompt (/proc).
 
     PYTHONPATH=toolkit python benchmarks/metrics_scrape.py --comfy-home TREE [--rounds 3] [--port 8190]
 
@@ -28,6 +29,8 @@ from pathlib import Path
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 STORM = "storm: 8 clients, each every 50 ms"
+HARD_STORM = "storm: 32 clients, back to back"
+PAST_PACE = 0.3  # a single scraper's interval, beyond the route's pace: its latency is the route's own, no turn waited
 
 
 def get(url: str, timeout: float = 10.0) -> bytes:
@@ -120,6 +123,13 @@ def spy(server: int, out: Path | None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def server_cpu_rate(server: int, seconds: float) -> float:
+    """The server's CPU seconds per second while nobody asks it anything (heartbeats, the progress watch)."""
+    c0, t0 = cpu_seconds(server), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(server) - c0) / (time.monotonic() - t0)
+
+
 def own_cpu_seconds() -> float:
     """User + system CPU seconds of this process, its scraper threads included: what the storm's clients cost."""
     t = os.times()
@@ -129,14 +139,18 @@ def own_cpu_seconds() -> float:
 def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | None = None, npu_count: int = 2
             ) -> None:
     run_prompt(url, "warm")
-    print(f"idle: {summary([scrape_ms(url) for _ in range(100)])}")
-    c0 = cpu_seconds(server)
-    for _ in range(300):
-        scrape_ms(url)
-    print(f"the server's CPU per scrape (300 back to back, idle): {(cpu_seconds(server) - c0) / 300 * 1000:.2f} ms")
-    s = Scraper(url, 0.1)
+    idle_cpu = server_cpu_rate(server, 20.0)
+    c0, t0, idle = cpu_seconds(server), time.monotonic(), []
+    for _ in range(100):  # spaced beyond the route's pace (0.25 s), so that none waits its turn
+        idle.append(scrape_ms(url))
+        time.sleep(PAST_PACE)
+    spent = cpu_seconds(server) - c0 - idle_cpu * (time.monotonic() - t0)
+    print(f"idle, one scrape every {PAST_PACE * 1000:.0f} ms: {summary(idle)}")
+    print(f"the server's CPU per scrape (100 of them, less its own idle CPU, {idle_cpu * 1000:.1f} ms a second, "
+          f"over the same span): {spent / 100 * 1000:.2f} ms")
+    s = Scraper(url, PAST_PACE)
     status, _ = run_prompt(url, "during")
-    print(f"during a prompt ({status}), one scrape every 100 ms: {summary(s.stop())}")
+    print(f"during a prompt ({status}), one scrape every {PAST_PACE * 1000:.0f} ms: {summary(s.stop())}")
     before = recoveries(url)
     recorder = spy(server, spy_out)
     trigger.touch()
@@ -152,7 +166,7 @@ def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | N
         if recoveries(url, text) > before:
             break
         light.append(scrape_ms(url, "/prompt"))  # upstream's lightest route, beside it: what the process itself allows
-        time.sleep(0.1)
+        time.sleep(PAST_PACE)
     print(f"during the group's replacement after a worker OOM (prompt {status}; serving again after "
           f"{time.monotonic() - t0:.1f} s): {summary(during)}; GET /prompt meanwhile: {summary(light)}")
     slow = [(round(ms), i) for i, ms in enumerate(during) if ms > 250]
@@ -162,12 +176,12 @@ def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | N
         recorder.wait(60)
         print(f"the server's stacks holding the GIL from the OOM prompt to serving again: {spy_out}")
     # the same storm on upstream's lightest route (GET /prompt): what any HTTP storm costs on this host
-    modes = {"no scraper": None, "a scrape every 100 ms": (0.1, 1), STORM: (0.05, 8),
+    modes = {"no scraper": None, "a scrape every 100 ms": (0.1, 1), STORM: (0.05, 8), HARD_STORM: (0, 32),
              "the same storm on GET /prompt": (0.05, 8, "/prompt")}
     times = {m: [] for m in modes}
     cpu = {m: [] for m in modes}
     clients = {m: [] for m in modes}
-    storm_scrapes = []
+    storm_scrapes = {STORM: [], HARD_STORM: []}
     if not rounds:
         return
     print(f"side-by-side rounds: the demo prompt at npu_count {npu_count}")
@@ -180,8 +194,8 @@ def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | N
             cpu[mode].append(cpu_seconds(server) - c0)
             scraped = s.stop() if s else []
             clients[mode].append(own_cpu_seconds() - o0)
-            if mode == STORM:
-                storm_scrapes += scraped
+            if mode in (STORM, HARD_STORM):
+                storm_scrapes[mode] += scraped
             assert status == "success", status
             times[mode].append(seconds)
     base = times["no scraper"]
@@ -192,7 +206,8 @@ def measure(url: str, server: int, trigger: Path, rounds: int, spy_out: Path | N
               f"median of the rounds' ratios to no scraper {100 * (ratio - 1):+.1f} %; the server's CPU per prompt "
               f"median {statistics.median(cpu[mode]):.2f} s ({', '.join(f'{x:.2f}' for x in cpu[mode])}); "
               f"the clients' (this process') CPU per prompt median {statistics.median(clients[mode]):.2f} s")
-    print(f"the storm's scrapes: {summary(storm_scrapes)}")
+    for mode, ms in storm_scrapes.items():
+        print(f"{mode}, its scrapes (each waits its turn behind the others'): {summary(ms)}")
 
 
 def main() -> int:

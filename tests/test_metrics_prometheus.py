@@ -240,3 +240,30 @@ def test_the_alerts_fire_on_what_should_page_and_not_otherwise(tools, tmp_path):
     checked = subprocess.run([tools["promtool"], "test", "rules", "h3kit-alerts.test.yml"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_local_storm_of_scrapes_is_answered_at_the_routes_pace(service):
+    """8 local clients each scraping again as soon as answered: the route answers one scrape per PACE seconds in all
+    (comfy/multinpu_metrics.Pacer), so the storm costs the server's process, where rank 0 computes, that rate of
+    requests whatever its size, and each client is answered in turn. An upper bound on the count: a loaded host
+    answers fewer, never more; unpaced, this host answers hundreds. Last in the module: the test's Prometheus (1 s
+    timeout) misses the scrapes that wait behind the storm."""
+    import threading
+    pace = float(re.search(r"^PACE = ([0-9.]+)", (ROOT / "patches/src/comfy/multinpu_metrics.py").read_text(),
+                           re.M).group(1))
+    answered, stop = [0] * 8, threading.Event()
+
+    def client(i):
+        while not stop.is_set():
+            get(f"{service.url}/metrics", timeout=60)
+            answered[i] += 1
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    elapsed = time.monotonic() - t0
+    assert sum(answered) <= 1 + elapsed / pace + 2 and min(answered) >= 1, (answered, elapsed)

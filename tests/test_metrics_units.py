@@ -228,6 +228,38 @@ def test_a_storm_of_scrapes_renders_once_per_interval(record, monkeypatch):
     assert b'h3kit_prompts_total{outcome="success"} 1.0' in metrics.exposition()[2]
 
 
+def test_the_pacer_answers_a_storm_one_per_pace_first_come_first_served():
+    """GET /metrics' Pacer: 8 clients each asking again as soon as answered get their answers no closer than `every`
+    apart, each answered before any is answered twice. Lower bounds: a loaded host spaces them further, never closer."""
+    import asyncio
+    pacer, answers = metrics.Pacer(0.02), []
+
+    async def client(i):
+        for _ in range(3):
+            async with pacer.turn():
+                answers.append((time.monotonic(), i))
+
+    async def storm():
+        pacer._last = pacer.clock()  # a scrape just answered: the storm's first client waits, the others queue behind
+        await asyncio.gather(*(client(i) for i in range(8)))
+    asyncio.run(storm())
+    times = [t for t, _ in answers]
+    assert len(answers) == 24 and min(b - a for a, b in zip(times, times[1:])) >= 0.02 - 0.002
+    assert [i for _, i in answers] == list(range(8)) * 3
+
+
+def test_the_pacer_counts_its_interval_from_an_answer_that_failed():
+    import asyncio
+    pacer = metrics.Pacer(30.0, clock=lambda: 100.0)
+
+    async def failing():
+        with pytest.raises(RuntimeError):
+            async with pacer.turn():
+                raise RuntimeError("the render failed")
+    asyncio.run(failing())
+    assert pacer._last == 100.0  # the next scrape waits its turn after a failed one too
+
+
 def test_without_prometheus_client_metrics_answers_503_naming_the_fix(record, monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
     status, content_type, body = metrics.exposition()

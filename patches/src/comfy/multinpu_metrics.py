@@ -10,6 +10,8 @@ without it the server runs and /metrics answers 503 naming the fix.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -422,16 +424,50 @@ def exposition(server=None, accept: str = "") -> tuple:
     return 200, content_type, body
 
 
+class Pacer:
+    """One answer of GET /metrics per `every` seconds, whoever asks, in the order asked (asyncio.Lock wakes its waiters
+    first in, first out). Rank 0 computes in the server's process, so every request the event loop serves takes a
+    share of the GIL the prompt needs (0.2-0.3 ms a scrape, docs/performance.md "Monitoring"). A local client that
+    scrapes as fast as it is answered then costs the prompt `1 / every` requests a second however many threads it
+    runs; the wait itself is a timer, no CPU. Prometheus (1 s or more apart) never waits; a scrape that arrives
+    behind K others waits at most K * every."""
+
+    def __init__(self, every: float, clock=time.monotonic):
+        self.every, self.clock = every, clock
+        self._last = None  # when the last answer was given
+        self._lock = None  # made in the event loop that first uses it
+
+    @contextlib.asynccontextmanager
+    async def turn(self):
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._last is not None:
+                wait = self._last + self.every - self.clock()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            try:
+                yield
+            finally:
+                self._last = self.clock()
+
+
+PACE = 0.25  # seconds between two answers of GET /metrics: 4 a second at most, 60x Prometheus' default rate
+
+
 def add_routes(server):
     """GET /metrics on the server's own address and port (main.py, before the routes are registered)."""
     from aiohttp import web
     watch_gc()
+    pacer = Pacer(PACE)
 
     @server.routes.get("/metrics")
     async def get_metrics(request):
-        try:
-            status, content_type, body = exposition(server, request.headers.get("Accept", ""))
-        except Exception as e:
-            logging.exception("Metrics: a scrape failed")
-            status, content_type, body = 500, "text/plain; charset=utf-8", f"h3kit: the scrape failed: {e}\n".encode()
+        async with pacer.turn():
+            try:
+                status, content_type, body = exposition(server, request.headers.get("Accept", ""))
+            except Exception as e:
+                logging.exception("Metrics: a scrape failed")
+                status, content_type, body = (500, "text/plain; charset=utf-8",
+                                              f"h3kit: the scrape failed: {e}\n".encode())
         return web.Response(status=status, body=body, headers={"Content-Type": content_type})
