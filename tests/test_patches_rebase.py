@@ -11,9 +11,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-from tests.support.fakekit import (A_PY, commit_change, git, h3, install, kit, payload, refreshed,  # noqa: F401
-                                   snapshot, upstream)
+from tests.support.fakekit import (A_PY, NODES_PY, commit_change, git, h3, install, kit,  # noqa: F401
+                                   payload, refreshed, snapshot, upstream)
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIFT = A_PY.replace("line 5\n", "line five\n")    # a context line of p1's hunk: merges three-way
@@ -55,8 +56,11 @@ def test_rebase_onto_context_drift_is_clean_and_the_refreshed_series_installs_an
     assert " line five\n" in text and " line 5\n" not in text  # the new context
     assert f"index {git('rev-parse', f'{later}:comfy/a.py', cwd=up)}.." in text  # the new base
     assert f"Upstream-Commit: {later}\n" in text and "Description: Change a.py and add new.py\n long text\n" in text
+    assert (out / "source_deps_info.json").read_text().startswith('{\n  "')  # as the checkout's: diffs stay small
     data = json.loads((out / "source_deps_info.json").read_text())
     assert data["upstream"]["commit"] == later
+    assert (out / "patches" / "src" / "comfy" / "new.py").read_text() == (refreshed / "patches" / "src" / "comfy" /
+                                                                          "new.py").read_text()  # the series whole
     assert (out / "report.txt").read_text().startswith("h3kit patches rebase: the series from")
     # the checkout's series is untouched until asked; --write puts the refreshed one in place
     assert "line five" not in (refreshed / "patches" / "p1-change-a.patch").read_text()
@@ -97,6 +101,11 @@ def test_rebase_onto_a_real_conflict_names_the_hunk_and_changes_nothing_else(ref
     assert not (out / "patches").exists() and (out / "report.json").is_file()
     assert snapshot(refreshed) == kit_before  # the checkout's series and manifest
     assert source_state(up) == src_before  # the source tree and its refs
+    report = (out / "report.txt").read_text().splitlines()
+    assert report[1:] == ["1 clean, 0 merged three-way, 1 conflicting", "",
+                          "conflict p1-change-a.patch", "         conflict comfy/a.py", f"           conflict {HUNK}",
+                          *[f"             | {ln}" for ln in c["conflict"]], "clean    p2-change-nodes.patch", "",
+                          report[-1]] and report[-1].startswith("The files with conflict markers are under conflicts/")
     # the same without --json: the hunk is named for people too
     r = h3(runner, "patches", "rebase", "--onto", clash, "--source", up, "--out", tmp_path / "out3")
     assert r.exit_code == 1 and f"conflict {HUNK}" in " ".join(r.output.split())
@@ -271,6 +280,62 @@ def test_a_file_upstream_removed_is_a_conflict_named_for_the_file(refreshed, ups
     assert [(c["file"], c["hunk"]) for c in rep["conflicts"]] == [("comfy/a.py", None)]
 
 
+def test_a_file_upstream_now_has_that_the_series_adds_is_a_conflict_named_for_the_file(refreshed, upstream, runner,
+                                                                                          tmp_path):
+    up, _ = upstream
+    (up / "comfy" / "new.py").write_text("def hello():\n    return 'upstream'\n")
+    both = upstream_commit(up, "new.py upstream", "add", "comfy/new.py")
+    r = rebase(runner, up, both, tmp_path / "out")
+    assert r.exit_code == 1, r.output
+    rep = payload(r)
+    assert rep["counts"] == {"clean": 1, "merged": 0, "conflict": 1}  # p2 applied after it, on upstream's new.py
+    assert [(f["file"], f["state"], f["message"]) for f in rep["patches"][0]["files"]] == [
+        ("comfy/a.py", "clean", ""),
+        ("comfy/new.py", "conflict", "upstream already has comfy/new.py, which this patch adds")]
+    assert rep["written"] == ["conflicts/p1-change-a.patch/comfy/new.py", "report.json", "report.txt"]
+    marked = (tmp_path / "out" / "conflicts" / "p1-change-a.patch" / "comfy" / "new.py").read_text()
+    assert marked == (f"def hello():\n<<<<<<< upstream {both[:12]}\n    return 'upstream'\n=======\n"
+                      "    return 'new'\n>>>>>>> p1-change-a.patch\n")  # git's add/add merge: the common line once
+    assert "         conflict comfy/new.py: upstream already has comfy/new.py, which this patch adds" in (
+        tmp_path / "out" / "report.txt").read_text().splitlines()
+
+
+def test_a_deletion_of_a_file_upstream_changed_is_a_conflict_with_gits_reason(kit, upstream, runner, tmp_path):
+    """A deletion cannot merge three-way: git's own words name the file."""
+    from h3kit import gitutil
+    from h3kit.patches import Series
+    from h3kit.rebase import replay
+    up, pin = upstream
+    clone = tmp_path / "clone"
+    git("clone", "-q", str(up), str(clone), cwd=tmp_path)
+    git("rm", "-q", "comfy/cli_args.py", cwd=clone)
+    deletion = git("diff", "--cached", "--full-index", cwd=clone) + "\n"
+    header = "Description: Drop cli_args.py\nOrigin: vendor, h3kit\nForwarded: not-needed\nLast-Update: 2026-12-06\n"
+    (kit / "patches" / "p3-drop-cli-args.patch").write_text(header + "---\n" + deletion)
+    with (kit / "patches" / "series").open("a") as f:
+        f.write("p3-drop-cli-args.patch\n")
+    series = Series.load(kit)
+    pin_files = gitutil.read_blobs(up, pin, series.touched_files())
+    assert replay(series, pin_files, pin_files, "e" * 40).after["comfy/cli_args.py"] is None  # deleted on the pin
+    changed = pin_files["comfy/cli_args.py"] + b"# upstream's new line\n"
+    rep = replay(series, pin_files, {**pin_files, "comfy/cli_args.py": changed}, "f" * 40)
+    assert [p.state for p in rep.patches] == ["clean", "clean", "conflict"]
+    [f] = rep.patches[2].files
+    assert f.state == "conflict" and f.message.startswith("git apply --3way: error: ") and "cli_args.py" in f.message
+
+
+def test_out_may_be_an_empty_folder_and_never_a_file(refreshed, upstream, runner, tmp_path):
+    up, _ = upstream
+    later = commit_change(up, "comfy/a.py", DRIFT)
+    (tmp_path / "empty").mkdir()
+    r = rebase(runner, up, later, tmp_path / "empty")
+    assert r.exit_code == 0, r.output
+    (tmp_path / "afile").write_text("mine\n")
+    r = rebase(runner, up, later, tmp_path / "afile")
+    assert r.exit_code == 2 and "--out" in payload(r)["error"]["message"]
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
 def test_a_conflicting_patch_keeps_the_hunks_that_merge_for_the_patches_after_it(kit, upstream, runner):
     """Two hunks in p1: one meets context drift (merges three-way), one meets a change of its own line (conflicts):
     the queue holds the first applied and upstream's text at the second."""
@@ -300,13 +365,17 @@ def test_a_conflicting_patch_keeps_the_hunks_that_merge_for_the_patches_after_it
 
 
 def test_a_refreshed_patch_of_an_executable_file_keeps_its_mode(refreshed, upstream, runner, tmp_path):
+    """...and only the index line: a line of the file that ends like a mode is the file's."""
     up, _ = upstream
+    (up / "nodes.py").write_text(NODES_PY.replace("import os\n", "import os  # umask 100644\n"))
+    git("add", "nodes.py", cwd=up)
     later = upstream_commit(up, "executable", "update-index", "--chmod=+x", "nodes.py")
     r = rebase(runner, up, later, tmp_path / "out")
     assert r.exit_code == 0, r.output
     text = (tmp_path / "out" / "patches" / "p2-change-nodes.patch").read_text()
     blob = git("rev-parse", f"{later}:nodes.py", cwd=up)
     assert f"\nindex {blob}.." in text and text.split(f"\nindex {blob}..")[1].split("\n")[0].endswith(" 100755")
+    assert "\n import os  # umask 100644\n" in text
 
 
 def test_a_source_lacking_a_file_the_series_changes_is_refused_naming_it(refreshed, upstream, runner, tmp_path,
@@ -372,3 +441,94 @@ def test_a_hunk_is_tried_alone_on_the_content_given_and_nothing_left_from_the_tr
     assert lib._apply_alone(scratch, "comfy/a.py", A_PY.encode(), other) == A_PY.replace("line 13\n",
                                                                                         "line 13b\n").encode()
     assert lib._apply_alone(scratch, "comfy/a.py", None, patch) is None  # no such file: the last try's is gone
+
+
+def test_git_works_in_the_scratch_folder_whatever_repository_encloses_it_or_the_environment_names(tmp_path,
+                                                                                                  monkeypatch):
+    """A scratch folder inside another work tree (a comfy-home, a TMPDIR in a checkout) or an environment that names
+    another repository (h3kit run from a git hook: GIT_DIR, GIT_WORK_TREE, GIT_INDEX_FILE) changes nothing. Without
+    the ceiling, `git apply` in a subfolder of a work tree takes its paths from the work tree's top, skips them as
+    outside the folder and exits 0: the hunk would be called clean and not applied."""
+    from h3kit import rebase as lib
+    outer = tmp_path / "outer"
+    (outer / "scratch").mkdir(parents=True)
+    git("init", "-q", cwd=outer)
+    patch = ("diff --git a/comfy/a.py b/comfy/a.py\n--- a/comfy/a.py\n+++ b/comfy/a.py\n"
+             "@@ -6,3 +6,3 @@\n line 6\n-line 7\n+line seven\n line 8\n")
+    patched = A_PY.replace("line 7\n", "line seven\n").encode()
+    assert lib._apply_alone(outer / "scratch", "comfy/a.py", A_PY.encode(), patch) == patched
+    other = tmp_path / "other"
+    (other / "comfy").mkdir(parents=True)
+    git("init", "-q", cwd=other)
+    for name, value in (("GIT_DIR", other / ".git"), ("GIT_WORK_TREE", other),
+                        ("GIT_INDEX_FILE", other / ".git" / "index")):
+        monkeypatch.setenv(name, str(value))
+    assert lib._apply_alone(outer / "scratch", "comfy/a.py", A_PY.encode(), patch) == patched
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    head = lib._queue_repo(queue, ["comfy/a.py"], {"comfy/a.py": A_PY.encode()}, "0" * 40, [])
+    assert git("--git-dir", str(queue / ".git"), "show", f"{head}:comfy/a.py", cwd=queue) == A_PY.rstrip("\n")
+    assert not (other / ".git" / "index").exists() and not list((other / ".git" / "refs" / "heads").iterdir())
+
+
+def test_a_conflicting_hunk_with_no_message_of_its_file_says_upstream_changed_its_lines():
+    """The conflicts list (`--json` and the printed report): a hunk git marked carries the generic reason, a file
+    that could not be tried (no hunk) carries its own message."""
+    from h3kit import rebase as lib
+    region = ["<<<<<<< upstream 0123456789ab", "line VII", "=======", "line seven", ">>>>>>> p1-change-a.patch"]
+    a = lib.FileResult("comfy/a.py", "conflict", [lib.HunkResult("@@ -6,3 +6,3 @@", "conflict", region),
+                                                  lib.HunkResult("@@ -12,3 +12,3 @@", "merged")])
+    b = lib.FileResult("comfy/b.py", "conflict", message="upstream removed comfy/b.py")
+    replay = lib.Replay("0123456789ab" + "0" * 28, [lib.PatchResult("p1-change-a.patch", "conflict", [a, b]),
+                                                     lib.PatchResult("p2-change-nodes.patch", "clean")], {}, {})
+    assert replay.conflicting_hunks() == [
+        {"patch": "p1-change-a.patch", "file": "comfy/a.py", "hunk": "@@ -6,3 +6,3 @@",
+         "message": "upstream changed the lines this hunk changes", "conflict": region},
+        {"patch": "p1-change-a.patch", "file": "comfy/b.py", "hunk": None, "message": "upstream removed comfy/b.py",
+         "conflict": []}]
+
+
+def test_a_series_without_index_lines_merges_all_the_same(kit, upstream):
+    """An older h3kit's series (hand-written sections, no `index` line, so no mode) is replayed with the index lines
+    the pin's walk gives, the file's mode the default: p1 merges over the context drift, p2 applies as it is."""
+    from h3kit import gitutil
+    from h3kit.patches import Series
+    from h3kit.rebase import replay
+    up, pin = upstream
+    series = Series.load(kit)
+    assert [s.mode for p in series.patches for s in p.sections] == [None, None]
+    pin_files = gitutil.read_blobs(up, pin, series.touched_files())
+    rep = replay(series, pin_files, {**pin_files, "comfy/a.py": DRIFT.encode()}, "f" * 40)
+    assert [p.state for p in rep.patches] == ["merged", "clean"]
+    assert rep.after["comfy/a.py"].decode() == DRIFT.replace("line 7\n", "line seven\n")
+    assert "\nindex " in rep.texts["p1-change-a.patch"] and " line five\n" in rep.texts["p1-change-a.patch"]
+
+
+def test_a_file_is_a_conflict_where_git_leaves_it_unmerged_or_any_hunk_conflicts_alone(tmp_path, monkeypatch):
+    """git's whole-file merge and the hunks tried one by one each have a veto: a file git leaves unmerged is a
+    conflict though each hunk merged alone, and a hunk that conflicts alone is never dropped from a file git merged.
+    A resolution that still holds a separator line is refused like one that holds a whole marked region."""
+    import pytest
+
+    from h3kit import rebase as lib
+    from h3kit.errors import UsageError
+    repo = tmp_path / "queue"
+    repo.mkdir()
+    lib._git(repo, "init", "-q")
+    (repo / "a.py").write_bytes(b"<<<<<<< ours\nx\n=======\ny\n>>>>>>> theirs\n")
+    step = SimpleNamespace(patch=SimpleNamespace(name="p1.patch"), before={"a.py": b"base\n"})
+    section = SimpleNamespace(path="a.py")
+
+    def judged(states, unmerged, resolved=None):
+        hunks = [lib.HunkResult(f"@@ -{i},3 +{i},3 @@", state) for i, state in enumerate(states)]
+        monkeypatch.setattr(lib, "classify", lambda *a: (hunks, b"partial\n"))
+        return lib._merged_file(repo, tmp_path, step, section, {"a.py": b"ours\n"}, unmerged, "upstream 0123",
+                                resolved or {}).state
+    assert judged(["merged", "merged"], {"a.py"}) == "conflict"
+    assert judged(["merged", "conflict"], set()) == "conflict"
+    assert judged(["clean", "merged"], set()) == "merged"
+    assert judged(["clean", "clean"], set()) == "clean"
+    assert judged(["merged", "conflict"], {"a.py"}, {"p1.patch": {"a.py": b"x\ny\n"}}) == "resolved"
+    for leftover in (b"x\n=======\ny\n", b"<<<<<<< upstream 0123\nx\n=======\ny\n>>>>>>> p1.patch\n"):
+        with pytest.raises(UsageError, match="still holds conflict markers"):
+            judged(["merged", "conflict"], {"a.py"}, {"p1.patch": {"a.py": leftover}})

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from h3kit import gitutil, locks
 from h3kit.errors import H3kitError, UsageError
-from h3kit.patchfile import DEFAULT_MODE, Section, git_blob_id, render_patch, with_index
+from h3kit.patchfile import DEFAULT_MODE, Section, render_patch, with_index
 from h3kit.patches import Series, Step, walk
 
 GIT_TIMEOUT = 60
@@ -280,7 +280,7 @@ def _diff_sections(repo: Path, a: str, b: str, paths: list[str]) -> dict[str, st
     for chunk in re.split(r"(?m)^(?=diff --git )", text):
         m = re.match(r"diff --git a/(\S+) b/", chunk)
         if m:
-            out[m.group(1)] = chunk if chunk.endswith("\n") else chunk + "\n"
+            out[m.group(1)] = chunk  # git ends every line with a newline, the last one too
     return out
 
 
@@ -351,10 +351,23 @@ def _apply_step(repo: Path, scratch: Path, pfile: Path, st, label: str, resolved
     files = []
     for s in patch.sections:
         if s.new_file or s.deleted_file:
-            files.append(FileResult(s.path, "conflict" if s.path in unmerged else "clean"))
+            files.append(_whole_file(repo, s, before, unmerged, label, patch.name, err))
             continue
         files.append(_merged_file(repo, scratch, st, s, before, unmerged, label, resolved))
     return ("conflict" if any(f.state == "conflict" for f in files) else "merged"), files
+
+
+def _whole_file(repo: Path, s: Section, before: dict, unmerged: set, label: str, patch_name: str,
+                err: str) -> FileResult:
+    """A file the patch adds or deletes, in a three-way apply. Unmerged (upstream added the same file: git merges
+    the two as add/add; a deletion never merges three-way and fails the apply before), it is a conflict with git's
+    markers, and upstream's file stays in the queue for the patches after it."""
+    if s.path not in unmerged:
+        return FileResult(s.path, "clean")
+    marked = _relabel(_read(repo, s.path), label, patch_name)
+    _write(repo, s.path, before[s.path])
+    _git(repo, "add", "--", s.path)
+    return FileResult(s.path, "conflict", message=_file_message(s, before[s.path], err), marked=marked)
 
 
 def _merged_file(repo: Path, scratch: Path, st, s: Section, before: dict, unmerged: set, label: str,
@@ -419,10 +432,6 @@ def _file_message(sec: Section, current: bytes | None, stderr: str) -> str:
     if sec.path in stderr:
         return f"git apply --3way: {stderr.strip().splitlines()[-1][:300]}"
     return ""
-
-
-def blob_id(data: bytes | None) -> str | None:
-    return git_blob_id(data) if data is not None else None
 
 
 __all__ = ["replay", "Replay", "PatchResult", "FileResult", "HunkResult", "RebaseError", "classify",
