@@ -282,7 +282,7 @@ def test_a_file_upstream_removed_is_a_conflict_named_for_the_file(refreshed, ups
 
 def test_a_file_upstream_now_has_that_the_series_adds_is_a_conflict_named_for_the_file(refreshed, upstream, runner,
                                                                                           tmp_path):
-    up, _ = upstream
+    up, pin = upstream
     (up / "comfy" / "new.py").write_text("def hello():\n    return 'upstream'\n")
     both = upstream_commit(up, "new.py upstream", "add", "comfy/new.py")
     r = rebase(runner, up, both, tmp_path / "out")
@@ -298,6 +298,14 @@ def test_a_file_upstream_now_has_that_the_series_adds_is_a_conflict_named_for_th
                       "    return 'new'\n>>>>>>> p1-change-a.patch\n")  # git's add/add merge: the common line once
     assert "         conflict comfy/new.py: upstream already has comfy/new.py, which this patch adds" in (
         tmp_path / "out" / "report.txt").read_text().splitlines()
+    # the patches after it see upstream's file, not the markers
+    from h3kit import gitutil
+    from h3kit.patches import Series
+    from h3kit.rebase import replay
+    series = Series.load(refreshed)
+    rev_files = gitutil.read_blobs(up, both, series.touched_files())
+    after = replay(series, gitutil.read_blobs(up, pin, series.touched_files()), rev_files, both).after
+    assert after["comfy/new.py"] == rev_files["comfy/new.py"] == b"def hello():\n    return 'upstream'\n"
 
 
 def test_a_deletion_of_a_file_upstream_changed_is_a_conflict_with_gits_reason(kit, upstream, runner, tmp_path):
