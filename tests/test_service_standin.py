@@ -341,6 +341,8 @@ def test_a_record_naming_a_foreign_process_is_never_acted_on(home, tmp_path, cas
         if not other_python or os.path.realpath(other_python) == os.path.realpath(sys.executable):
             requires.skip("no second Python interpreter on this machine (/usr/bin/python3 other than this one)")
         foreign = subprocess.Popen([other_python, *argv], cwd=home.path)  # this tree's main.py, the stand-in
+        # it prints its banner before it listens: the restart below must find the port held
+        wait_for(lambda: http_status(f"http://127.0.0.1:{home.port}/") is not None, 30, "the foreign server to listen")
     else:
         foreign = subprocess.Popen([sys.executable, *argv] + (["--highvram"] if case == "cmdline" else []),
                                    cwd=decoy)
