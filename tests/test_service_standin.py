@@ -341,14 +341,14 @@ def test_a_record_naming_a_foreign_process_is_never_acted_on(home, tmp_path, cas
         if not other_python or os.path.realpath(other_python) == os.path.realpath(sys.executable):
             requires.skip("no second Python interpreter on this machine (/usr/bin/python3 other than this one)")
         foreign = subprocess.Popen([other_python, *argv], cwd=home.path)  # this tree's main.py, the stand-in
-        # it prints its banner before it listens: the restart below must find the port held
-        wait_for(lambda: http_status(f"http://127.0.0.1:{home.port}/") is not None, 30, "the foreign server to listen")
     else:
         foreign = subprocess.Popen([sys.executable, *argv] + (["--highvram"] if case == "cmdline" else []),
                                    cwd=decoy)
     try:
         proc = psutil.Process(foreign.pid)
         wait_for(lambda: "main.py" in proc.cmdline(), 10, "the decoy to run")
+        if case == "interpreter":  # the stand-in prints its banner before it listens: the restart must find it held
+            wait_for(lambda: http_status(f"{home.url}/") is not None, 30, "the foreign server to listen")
         record = _record_of(proc, home)
         if case == "create_time":
             record["create_time"] -= 3600  # the recorded server started an hour before this process
