@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from h3kit.workflow import catalog
+from tests.support import requires
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_REQUIREMENTS = ROOT / "toolkit" / "requirements" / "comfy-runtime-cpu.txt"
@@ -50,8 +51,9 @@ def test_the_rules_were_read_from_the_frontend_of_the_pins_requirements(comfy_so
 def frontend_sources():
     """{source path: text} of catalog.FRONTEND_SOURCES from the installed package's source maps."""
     spec = importlib.util.find_spec("comfyui_frontend_package")
-    if spec is None or not spec.origin:
-        pytest.skip("comfyui-frontend-package is not installed in this interpreter (the torch-free runs)")
+    if spec is None or not spec.origin:  # the ComfyUI environment has it (the pin's requirements); small ones do not
+        requires.skip("comfyui-frontend-package is not installed in this interpreter: the main run, in the ComfyUI "
+                      "environment, reads it", by_design=requires.TORCH_FREE_RUN)
     assert importlib.metadata.version("comfyui-frontend-package") == catalog.FRONTEND_VERSION
     assets = os.path.join(os.path.dirname(spec.origin), "static", "assets")
     wanted, found = set(catalog.FRONTEND_SOURCES), {}
