@@ -64,7 +64,7 @@ def test_loopback_urls_use_the_default_port_or_one_the_page_starts(doc):
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_relative_links_name_files_a_clone_or_the_wheel_has(doc):
     broken = [(n, target) for n, target in dc.relative_links(doc) if not dc.carried(doc, target)]
-    assert not broken, f"{doc.name}: {broken} (a file outside the repository is in no clone and no wheel)"
+    assert not broken, f"{doc.name}: {broken} (no such file in the checkout; a file beside it, outside the repository, is in no clone and no wheel)"
 
 
 NUMBERS = {"three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9, "ten": 10}
