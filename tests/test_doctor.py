@@ -24,6 +24,7 @@ from h3kit.cli import main
 from h3kit.runtime import costmodel
 from tests.conftest import MANIFEST, ROOT
 from tests.support import jsondoc
+from tests.support.hub_standin import manifest_with_figures
 
 SMI_DATA = ROOT / "tests" / "data" / "smi"
 GIB = 1024 ** 3
@@ -272,7 +273,9 @@ def test_shipped_workflows_name_the_h3_model_files():
     assert len(needed) == 7
 
 
-def test_model_files_missing_truncated_and_from_extra_model_paths(host, tmp_path, runner):
+def test_model_files_missing_truncated_and_from_extra_model_paths(host, tmp_path, runner, monkeypatch):
+    # small stand-in files: the published sizes (tens of GB) are tested in tests/test_models_pinned.py
+    monkeypatch.setenv("H3KIT_MODELS_MANIFEST", str(manifest_with_figures(tmp_path / "manifest.json")))
     home = tmp_path / "ComfyUI"
     (home / "models").mkdir(parents=True)
     (home / "main.py").write_text("")

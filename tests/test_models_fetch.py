@@ -24,7 +24,7 @@ import yaml
 from h3kit import modelpaths
 from tests.support import jsondoc, requires
 from tests.support.fakekit import REAL_ROOT, h3, install, kit, payload, refreshed, upstream  # noqa: F401
-from tests.support.hub_standin import HubStandin
+from tests.support.hub_standin import HubStandin, manifest_with_figures
 from tests.support.model_trees import home  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +58,7 @@ def hub(monkeypatch, tmp_path):
             h.add(repo, path, content(name))
         monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
         monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        monkeypatch.setenv("H3KIT_MODELS_MANIFEST", str(manifest_with_figures(tmp_path / "manifest.json")))
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -137,7 +137,8 @@ def test_models_list_shows_sizes_and_where_each_file_goes(runner, home):
     (home / "models" / "vae").mkdir()
     (home / "models" / "vae" / "minimax_h3_video_vae_fp16.safetensors").write_bytes(b"v" * 12_345)
     code, out, _ = run(runner, "list", SHIPPED, "--comfy-home", home)
-    assert code == 0
+    assert code == 1  # 12,345 bytes where 5,207,808,496 are published
+    assert "problem: 12345 bytes on disk, 5207808496 published" in out
     assert "ok      vae/minimax_h3_video_vae_fp16.safetensors  12.35 kB" in out or \
         "vae/minimax_h3_video_vae_fp16.safetensors  0.01 MB" in out, out
     assert f"fetch puts it at: {home / 'models' / 'diffusion_models' / DIT_NAME}" in out

@@ -48,8 +48,14 @@ def test_shipped_workflows_name_their_sources_like_upstreams_templates(runner):
     for f in files:
         first = f["sources"][0]
         assert first["origin"] == "workflow" and first["url"].startswith("https://huggingface.co/"), f
-        assert first["url"] == manifest[(f["kind"], f["name"])][0].url  # the workflow and the manifest agree
-        assert first["size"] is None and first["sha256"] is None  # nothing published: nothing invented
+        listed = manifest[(f["kind"], f["name"])][0]
+        assert first["url"] == listed.url  # the workflow and the manifest agree
+        assert (first["size"], first["sha256"]) == (listed.size, listed.sha256)  # the manifest's figures, no others
+    figures = {f["name"]: (f["sources"][0]["size"], f["sources"][0]["sha256"]) for f in files}
+    assert figures["qwen3vl_32b_minimax_h3_int8_convrot.safetensors"] == (
+        27_141_342_152, "bc2ced0fbea64757fa9acddccfc0b3f4819d1dcf1da6c124d690d368be283923")
+    assert figures["minimax_h3_ref2v_turbo_8step_v1.0_768p_comfyui_bf16.safetensors"] == (1_956_193_000, None)
+    assert figures["minimax_h3_fl2va_bf16.safetensors"] == (None, None)  # nothing published: nothing invented
     dit = next(f for f in files if f["name"] == "minimax_h3_fl2va_bf16.safetensors")
     assert dit["kind"] == "diffusion_models" and dit["loaders"] == ["UNETLoader.unet_name"]
     assert [Path(w).name for w in dit["workflows"]] == ["fl2va_8steps_lora.json", "t2va_8steps_lora.json"]
@@ -68,16 +74,19 @@ def test_list_against_a_tree_models_folders_and_extra_model_paths(runner, home, 
     (home / "extra_model_paths.yaml").write_text(f"nfs:\n    base_path: {shared}\n    loras: loras/\n")
     rc, doc = models_list(runner, wf, "--comfy-home", home)
     files = {f["name"]: f for f in doc["data"]["files"]}
-    assert rc == 0 and doc["data"]["missing"] == 3
+    assert rc == 1 and doc["data"]["missing"] == 3 and doc["data"]["bad"] == 1 and not doc["ok"]
     dit = files["minimax_h3_fl2va_bf16.safetensors"]
     assert dit["via"] == "models/" and dit["size"] == 123 and dit["found"].endswith("models/unet/minimax_h3_fl2va_bf16.safetensors")
+    assert "problem" not in dit  # no size is published for the bf16 DiT: nothing to compare
     lora = files["minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors"]
     assert lora["via"] == "extra_model_paths.yaml" and lora["size"] == 7 and str(shared / "loras") in lora["searched"]
+    assert lora["problem"].startswith("7 bytes on disk, 1956193000 published: an incomplete or other file")
     te = files["qwen3vl_32b_minimax_h3_int8_convrot.safetensors"]
     assert te["found"] is None and te["searched"] == [str(home / "models" / "text_encoders"), str(home / "models" / "clip")]
     # the text form says what is missing and how to fetch it
     r = runner.invoke(main, ["models", "list", str(wf), "--comfy-home", str(home)])
-    assert r.exit_code == 0 and "MISSING text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors" in r.stdout
+    assert r.exit_code == 1 and "MISSING text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors" in r.stdout
+    assert "3 missing, 1 not the published file" in r.stdout
     assert f"h3kit models fetch {wf} --comfy-home {home}" in r.stdout
 
 
@@ -118,7 +127,7 @@ def test_upstream_t2v_template_ui_with_subgraph_and_its_api_form(runner, templat
 
 def test_the_manifest_covers_every_local_h3_template_and_invents_nothing(templates_dir):
     """Every file a local H3 template lists is in the manifest under that URL (published_by names the
-    template); no entry claims a size or sha256 (the templates publish none)."""
+    template); a source no template lists says why it is listed; every size and sha256 says where it was read."""
     manifest = sources.load_manifest()
     paths = sorted({p for pattern in LOCAL_H3 for p in templates_dir.glob(pattern + ".json")})
     assert len(paths) == 10
@@ -131,9 +140,15 @@ def test_the_manifest_covers_every_local_h3_template_and_invents_nothing(templat
             assert match and path.name in match[0].published_by, (path.name, name)
     for srcs in manifest.values():
         for s in srcs:
-            assert s.size is None and s.sha256 is None
             if s.published_by:
                 assert all((templates_dir / t).is_file() for t in s.published_by)
+    raw = json.loads((ROOT / "workflows" / "models" / "manifest.json").read_text(encoding="utf-8"))
+    for entry in raw["files"]:
+        for s in entry["sources"]:
+            assert s["published_by"] or s.get("listed_because"), (entry["name"], s["repo"])
+            assert s.get("figures_from"), (entry["name"], s["repo"])
+            if "size" in s or "sha256" in s:
+                assert not s["figures_from"].startswith("none"), (entry["name"], s["repo"])
 
 
 @pytest.mark.parametrize("url, kind, repo, path, refused", [

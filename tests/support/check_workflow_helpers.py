@@ -69,7 +69,7 @@ def _data_type(v):
 def frontend_schema_errors(doc) -> list[str]:
     """Where a UI workflow breaks the pinned frontend's zComfyWorkflow (0.4) schema.
 
-    ComfyUI frontend 1.48.7, src/platform/workflow/validation/schemas/workflowSchema.ts: the fields a
+    ComfyUI frontend 1.49.6 (unchanged since 1.48.7), src/platform/workflow/validation/schemas/workflowSchema.ts: the fields a
     flat (subgraph-free) workflow uses.
     """
     errors = []

@@ -24,9 +24,11 @@ MARKS = {"ok": "ok", "info": "--", "warning": "WARN", "error": "FAIL"}
               help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--runtime-root", metavar="DIR", type=click.Path(),
               help="Where the service keeps its record (default <comfy-home>/.h3kit/run).")
+@click.option("--verify-hash", is_flag=True, help="Also compare each model file's sha256 with the published one "
+              "(reads every file: minutes per file of tens of GB); without it, model files are checked by size.")
 @json_option
 @handle_errors
-def doctor(comfy_home, devices, device_type, python, runtime_root, as_json):
+def doctor(comfy_home, devices, device_type, python, runtime_root, verify_hash, as_json):
     """Check that this machine is ready to run H3, and say how to fix what is not.
 
     Read-only. Checks the interpreter ComfyUI runs with (Python, torch, torch-npu, a CUDA build beside
@@ -37,7 +39,7 @@ def doctor(comfy_home, devices, device_type, python, runtime_root, as_json):
     Exit 0 when nothing is wrong (warnings allowed), 1 otherwise.
     """
     report = run(Options(comfy_home=comfy_home, devices=devices, device_type=device_type, python=python,
-                         runtime_root=runtime_root))
+                         runtime_root=runtime_root, verify_hash=verify_hash))
     if as_json:
         emit_json(report)
     else:

@@ -19,20 +19,26 @@ def models():
 @models.command("list")
 @workflows_argument
 @comfy_home_option(required=False)
+@click.option("--verify-hash", is_flag=True, help="Also read every file found and compare its sha256 with the "
+              "published one (minutes per file of tens of GB); without it, files are checked by size.")
 @json_option
 @handle_errors
-def list_(workflows, comfy_home, as_json):
+def list_(workflows, comfy_home, verify_hash, as_json):
     """Every model file the workflows' loaders name (UI or API format, subgraphs included): its folder,
-    whether ComfyUI at --comfy-home finds it (models/ or extra_model_paths.yaml), its size on disk, and its
-    source (the workflow's properties.models, else h3kit's manifest). Exit 0 when it could list them,
-    2 when a file is not a workflow or --comfy-home is not ComfyUI."""
+    whether ComfyUI at --comfy-home finds it (models/ or extra_model_paths.yaml), its size on disk against
+    the published size (h3kit's manifest), and its source (the workflow's properties.models, else the
+    manifest). Exit 0 when it could list them and no file found differs from the published one (missing
+    files are listed, not an error), 1 when one differs, 2 when a file is not a workflow or --comfy-home is
+    not ComfyUI."""
     from h3kit.weights import listing
 
-    data = listing.list_models(list(workflows), comfy_home)
+    data = listing.list_models(list(workflows), comfy_home, verify_hash=verify_hash)
     if as_json:
-        emit_json(data, ok=True)
+        emit_json(data, ok=not data["bad"])
     else:
         click.echo(listing.render_text(data))
+    if data["bad"]:
+        sys.exit(1)
 
 
 @models.command()

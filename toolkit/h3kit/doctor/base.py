@@ -39,6 +39,7 @@ class Options:
     device_type: str = "auto"
     python: str | None = None
     runtime_root: str | None = None
+    verify_hash: bool = False
 
 
 

@@ -67,6 +67,8 @@ def check_models(d: Doctor):
     except H3kitError as e:
         d.add("models", "error", e.message, e.hint)
         return
+    from h3kit.weights import sources
+
     needed = shipped_model_files()
     by_workflow: dict[str, list] = {}
     found, missing, broken = {}, {}, []
@@ -76,7 +78,8 @@ def check_models(d: Doctor):
             missing[(kind, name)] = workflows
         else:
             found[(kind, name)] = (path, os.path.getsize(path))
-            problem = safetensors_problem(path)
+            problem = (sources.disk_problem(path, sources.sources_for(kind, name), d.opts.verify_hash)
+                       or safetensors_problem(path))
             if problem:
                 broken.append(f"{path}: {problem}")
         for wf in workflows:
@@ -86,12 +89,15 @@ def check_models(d: Doctor):
     if missing:
         _missing_models(d, tree, missing, ready)
     for problem in broken:
-        d.add("models", "error", problem, "download the file again (compare its size and checksum with the source)")
+        d.add("models", "error", problem, "move the file away and run h3kit models fetch (it checks the published "
+              "size and sha256; h3kit models list --verify-hash compares a file's sha256)")
     lines = [f"{kind}/{name}: {size / GB:.2f} GB at {path}" for (kind, name), (path, size) in sorted(found.items())]
     if found:
+        checked = "sizes and sha256" if d.opts.verify_hash else "sizes"
         d.add("models", "ok" if not missing and not broken else "info",
-              f"{len(found)} of {len(needed)} model file(s) found, {sum(s for _, s in found.values()) / GB:.1f} GB; "
-              f"workflows ready: {', '.join(ready) or 'none'}", lines=lines)
+              f"{len(found)} of {len(needed)} model file(s) found, {sum(s for _, s in found.values()) / GB:.1f} GB "
+              f"({checked} checked against h3kit's manifest where published); workflows ready: "
+              f"{', '.join(ready) or 'none'}", lines=lines)
 
 
 def _missing_models(d: Doctor, tree, missing: dict, ready: list):

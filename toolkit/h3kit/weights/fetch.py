@@ -185,17 +185,15 @@ def _job(w, shared: str | None, home: str) -> Job:
     refused) with the reason."""
     root = shared if shared and w.kind in modelpaths.KINDS else os.path.join(home, "models")
     job = Job(w, root)
-    known = w.sources[0].size if w.sources else None
     if w.bad_name:
         job.status, job.reason = "refused", w.bad_name
     elif w.found or os.path.isfile(job.target):
         job.target = w.found or job.target
         job.size = os.path.getsize(job.target)
         job.status = "present"
-        if known is not None and job.size != known:
-            job.status = "wrong_size"
-            job.reason = (f"{job.size} bytes on disk, {known} published: move it away and run fetch again "
-                          "(h3kit never overwrites a file it did not write)")
+        problem = sources_mod.disk_problem(job.target, w.sources)
+        if problem:
+            job.status, job.reason = "wrong_size", problem
     elif not w.sources:
         job.status, job.reason = "no_source", w.note or sources_mod.describe([])
     elif not job.sources:
@@ -236,18 +234,29 @@ def _ordered(rows: list[Job], wanted) -> list[dict]:
 
 
 def _dry_run(paths, home, shared, rows, jobs, wanted, log) -> dict:
-    """What a fetch would do, asking the server for sizes only: nothing is written, no folder made."""
+    """What a fetch would do, asking the server for sizes only: nothing is written, no folder made. A file the
+    server does not answer for (offline, a mirror down) is counted with the size h3kit's manifest publishes,
+    said so, and the dry run is not ok (the fetch would fail now)."""
     _metadata([j for j in jobs if j.cached is None], log)
+    unreached = [j for j in jobs if j.status == "failed" and _published_size(j) is not None]
+    for job in unreached:
+        job.size, job.status = _published_size(job), "pending"
+        job.reason = f"the size published in h3kit's manifest ({job.size} bytes); {job.reason}"
     pending = [j for j in jobs if j.status == "pending"]
     disks = _space(pending, report=True)
     for job in pending:
         job.status = "would_" + ("download" if job.cached is None else _cache_mode(job))
     files = _ordered(rows + jobs, wanted)
     to_download = sum(j.left for j in pending if j.cached is None)
-    ok = all(f["status"] in DONE or f["status"].startswith("would_") for f in files) and all(d["enough"] for d in disks)
+    ok = all(f["status"] in DONE or f["status"].startswith("would_") for f in files) and all(d["enough"] for d in disks) \
+        and not unreached
     return {"ok": ok, "comfy_home": home, "models_dir": shared, "workflows": list(paths), "files": files,
             "downloaded_bytes": 0, "dry_run": True, "to_download_bytes": to_download, "disks": disks,
             "extra_model_paths": None}
+
+
+def _published_size(job: Job) -> int | None:
+    return next((s.size for s in job.sources if s.size is not None), None)
 
 
 # ----------------------------------------------------------------------------------- --models-dir, yaml

@@ -101,8 +101,9 @@ def locate(wanted: list[Wanted], install) -> None:
             w.size = None
 
 
-def list_models(paths: list[str], comfy_home: str | None = None) -> dict:
-    """What `h3kit models list` reports (its --json data)."""
+def list_models(paths: list[str], comfy_home: str | None = None, verify_hash: bool = False) -> dict:
+    """What `h3kit models list` reports (its --json data). A file on disk is checked against the published
+    size (and with `verify_hash` the published sha256, sources.disk_problem)."""
     wanted = collect(paths)
     install = None
     if comfy_home:
@@ -122,13 +123,16 @@ def list_models(paths: list[str], comfy_home: str | None = None) -> dict:
                 row["target"] = os.path.join(install.home, "models", w.kind, *w.name.replace("\\", "/").split("/"))
         if w.bad_name:
             row["problem"] = w.bad_name
-        elif install is not None and w.found and w.sources and w.sources[0].size is not None \
-                and w.size != w.sources[0].size:
-            row["problem"] = f"{w.size} bytes on disk, {w.sources[0].size} published: an incomplete or other file"
+        elif install is not None and w.found:
+            problem = sources_mod.disk_problem(w.found, w.sources, verify_hash)
+            if problem:
+                row["problem"] = problem
+            row["hash_checked"] = bool(verify_hash and not problem and any(s.sha256 for s in w.sources))
         rows.append(row)
     missing = [r for r in rows if install is not None and r["found"] is None]
     return {"comfy_home": install.home if install else None, "workflows": list(paths), "files": rows,
             "missing": len(missing), "no_source": sum(1 for r in rows if not r["sources"]),
+            "bad": sum(1 for r in rows if r.get("problem")),
             "problems": install.problems if install else []}
 
 
@@ -153,7 +157,8 @@ def render_text(data: dict) -> str:
             size = ""
         lines.append(f"{state} {where}{size}")
         if r["found"]:
-            lines.append(f"         at {r['found']} (via {r['via']})")
+            lines.append(f"         at {r['found']} (via {r['via']})" + ("; sha256 as published" if r.get("hash_checked")
+                                                                           else ""))
         elif checked:
             lines.append(f"         searched: {', '.join(r['searched']) or '(no folder)'}")
             if r.get("target"):
@@ -166,6 +171,7 @@ def render_text(data: dict) -> str:
     n = len(data["files"])
     if checked:
         lines.append(f"{n} model file(s), {n - data['missing']} found in {data['comfy_home']}, {data['missing']} missing"
+                     + (f", {data['bad']} not the published file" if data["bad"] else "")
                      + (f"; {data['no_source']} with no known source" if data["no_source"] else ""))
         if data["missing"]:
             lines.append(f"fetch them: h3kit models fetch {' '.join(data['workflows'])} --comfy-home {data['comfy_home']}")

@@ -10,6 +10,7 @@ machine), and so is every other scheme.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -19,6 +20,8 @@ from h3kit.errors import H3kitError
 from h3kit.paths import repo_root
 
 MANIFEST = ("workflows", "models", "manifest.json")
+# another manifest in place of h3kit's (a mirror with its own files; tests whose stand-in hub serves small files)
+MANIFEST_ENV = "H3KIT_MODELS_MANIFEST"
 HF_HOSTS = ("huggingface.co", "hf.co", "www.huggingface.co")
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # ComfyUI's legacy folder names in a `directory` (folder_paths.py at the pin)
@@ -164,7 +167,7 @@ _notes: dict = {}
 def load_manifest() -> dict[tuple[str, str], list[Source]]:
     """{(directory, name): [Source, ...]} from h3kit's manifest, in the order fetch tries them."""
     try:
-        path = repo_root().joinpath(*MANIFEST)
+        path = manifest_path()
     except H3kitError:  # no h3kit data at all: install and the rest say so; here, no manifest sources
         return {}
     key = (str(path), path.stat().st_mtime_ns if path.is_file() else None)
@@ -179,7 +182,8 @@ def load_manifest() -> dict[tuple[str, str], list[Source]]:
             for s in entry.get("sources", []):
                 sources.append(Source(origin="manifest", repo=s["repo"], path=s["path"],
                                       revision=s.get("revision", "main"), repo_type=s.get("repo_type", "model"),
-                                      size=_int_or_none(entry.get("size")), sha256=_sha_or_none(entry.get("sha256")),
+                                      size=_int_or_none(s.get("size", entry.get("size"))),
+                                      sha256=_sha_or_none(s.get("sha256", entry.get("sha256"))),
                                       published_by=s.get("published_by", ())))
             key_ = (normal_directory(entry["directory"]), entry["name"])
             out[key_] = sources
@@ -188,6 +192,14 @@ def load_manifest() -> dict[tuple[str, str], list[Source]]:
     _manifest_cache.clear()
     _manifest_cache[key] = out
     return out
+
+
+def manifest_path():
+    """h3kit's manifest (workflows/models/manifest.json of its data), or the file $H3KIT_MODELS_MANIFEST names."""
+    from pathlib import Path
+
+    env = os.environ.get(MANIFEST_ENV)
+    return Path(env) if env else repo_root().joinpath(*MANIFEST)
 
 
 def sources_for(kind: str, name: str, entries: dict | None = None) -> list[Source]:
@@ -236,3 +248,40 @@ def describe_dict(src: dict | None) -> str:
     if src.get("repo") and endpoint() != DEFAULT_ENDPOINT:
         text += f", fetched through HF_ENDPOINT={endpoint()}"
     return text + (f"; refused: {src['refused']}" if src.get("refused") else "")
+
+
+# ------------------------------------------------------------------------------------- a file on disk
+
+HASH_CHUNK = 8 * 2**20
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def disk_problem(path: str, sources: list[Source], verify_hash: bool = False) -> str | None:
+    """Why the file at `path` is not one its sources publish (None when it is, or when none publishes figures):
+    its size against every published size; with `verify_hash`, its sha256 against every published sha256 (reads
+    the whole file: minutes for tens of GB)."""
+    sizes = sorted({s.size for s in sources if s.size is not None})
+    shas = sorted({s.sha256 for s in sources if s.sha256})
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    if sizes and size not in sizes:
+        return (f"{size} bytes on disk, {' or '.join(map(str, sizes))} published: an incomplete or other file; move "
+                "it away and run h3kit models fetch (h3kit never overwrites a file it did not write)")
+    if verify_hash and shas:
+        try:
+            got = sha256_file(path)
+        except OSError as e:
+            return f"unreadable: {e.strerror or e}"
+        if got not in shas:
+            return (f"sha256 {got}, {' or '.join(shas)} published: another file of the same size; move it away "
+                    "and run h3kit models fetch")
+    return None

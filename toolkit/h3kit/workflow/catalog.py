@@ -8,10 +8,19 @@ tests/test_check_workflow_catalog.py compares it with a live pin server when one
 Why a catalogue: UI-format workflows store widget values as a bare list (`widgets_values`) in the order the
 frontend creates widgets, which is the node definition's input order (required, then optional) restricted
 to widget types, plus one extra "control_after_generate" value after each INT (or COMBO) input that asks
-for it (or, for INT, is named seed/noise_seed; ComfyUI frontend 1.48.7,
+for it (or, for INT, is named seed/noise_seed; ComfyUI frontend FRONTEND_VERSION,
 src/renderer/extensions/vueNodes/widgets/composables/useIntWidget.ts), and one "upload" value after a combo
 with image_upload/video_upload/audio_upload. Without the definition, values are not guessed: nodes absent
 from the catalogue get no widget mapping.
+
+The frontend these rules were read from is FRONTEND_VERSION, the one the pin's requirements.txt names
+(tests/test_frontend_rules.py fails when they differ). Read from the sources in the package's source maps
+(FRONTEND_SOURCES). 1.49.6 against 1.48.7, re-read 2026-12-06: useIntWidget.ts, useComboWidget.ts,
+useImageUploadWidget.ts, executionUtil.ts and ExecutableNodeDTO.ts are unchanged; widgets.ts adds a VIDEO_EDIT
+widget with a structured value ({trim, crop}: opaque here); LGraphNode.ts saves `widgets_values_named`
+({widget name: value}) beside the positional `widgets_values`, but restores from it only when
+LiteGraph.namedValuesRestore is set (default false), so the positional list still decides; SubgraphNode.ts
+appends widgets added by extensions after the promoted ones (the promoted order is unchanged).
 
 MultiNPUParallelConfig is not upstream: it comes from the h3kit patch series, and its entry below follows
 the interface fixed in issue 4 (inputs model, clip, vae, audio_vae, widget npu_count first; outputs MODEL,
@@ -25,12 +34,28 @@ import json
 import os
 
 PIN_CATALOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pin_nodes.json")
+# the ComfyUI frontend (comfyui-frontend-package) the widget rules below and graph.py's flattening were read from
+FRONTEND_VERSION = "1.49.6"
+FRONTEND_SOURCES = (
+    "src/renderer/extensions/vueNodes/widgets/composables/useIntWidget.ts",
+    "src/renderer/extensions/vueNodes/widgets/composables/useComboWidget.ts",
+    "src/renderer/extensions/vueNodes/widgets/composables/useImageUploadWidget.ts",
+    "src/scripts/widgets.ts",
+    "src/lib/litegraph/src/LGraphNode.ts",
+    "src/lib/litegraph/src/subgraph/SubgraphNode.ts",
+    "src/lib/litegraph/src/subgraph/ExecutableNodeDTO.ts",
+    "src/utils/executionUtil.ts",
+)
 
 WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
 # Input types whose widgets the frontend builds in ways this module does not model (dynamic combos add
-# widgets per option, 3D and colour pickers store structured values): widget mapping stops at the first one.
+# widgets per option, 3D and colour pickers, bounding boxes, painters and the video editor store structured
+# values): widget mapping stops at the first one that is not forceInput (a forceInput one is a socket).
+# Every type frontend FRONTEND_VERSION's ComfyWidgets builds (src/scripts/widgets.ts) is here or in WIDGET_TYPES.
 OPAQUE_TYPES = frozenset({"COMFY_DYNAMICCOMBO_V3", "COLOR", "WEBCAM", "AUDIO_RECORD", "LOAD_3D",
-                          "LOAD3D_CAMERA", "LOAD3D_MODEL_INFO", "CURVE", "IMAGECOMPARE"})
+                          "LOAD3D_CAMERA", "LOAD3D_MODEL_INFO", "CURVE", "IMAGECOMPARE", "VIDEO_EDIT",
+                          "BOUNDING_BOX", "BOUNDING_BOXES", "CHART", "COLORS", "COMPOSITOR", "GALLERIA",
+                          "IMAGEUPLOAD", "MARKDOWN", "PAINTER", "RANGE", "TEXTAREA"})
 # Socket-less structured inputs (autogrow groups, match types) are connected per slot, never widgets.
 GROUP_TYPES = frozenset({"COMFY_AUTOGROW_V3"})
 UPLOAD_FLAGS = ("image_upload", "video_upload", "audio_upload", "file_upload")
@@ -88,7 +113,7 @@ class NodeDef:
             slots: list[str | None] = []
             complete = True
             for name, kind, _required, opts in self.inputs:
-                if kind in OPAQUE_TYPES or opts.get("widgetType") or opts.get("component"):
+                if _is_opaque(kind, opts) or opts.get("widgetType") or opts.get("component"):
                     complete = False
                     break
                 if not _is_widget((name, kind, _required, opts)):
@@ -114,6 +139,10 @@ class NodeDef:
         return [item[0] for item in self.inputs if is_socket(item) and (item[2] or not required_only)]
 
 
+def _is_opaque(kind: str, opts: dict) -> bool:
+    return kind in OPAQUE_TYPES and not opts.get("forceInput")
+
+
 def _is_widget(item) -> bool:
     _name, kind, _required, opts = item
     return kind in WIDGET_TYPES and not opts.get("forceInput")
@@ -122,7 +151,7 @@ def _is_widget(item) -> bool:
 def is_socket(item) -> bool:
     """True for a pure link input; False for widgets, opaque widget types and autogrow groups."""
     _name, kind, _required, opts = item
-    if _is_widget(item) or kind in OPAQUE_TYPES or kind in GROUP_TYPES:
+    if _is_widget(item) or _is_opaque(kind, opts) or kind in GROUP_TYPES:
         return False
     return not (opts.get("widgetType") or opts.get("component"))
 

@@ -1,6 +1,6 @@
 """The checks. Each takes the executed graph and a Context and appends Findings; none raises on bad data.
 
-Facts behind them (../shared/H3_FACTS.md section 6, and the pinned source):
+Facts behind them (the H3 traps users report, listed in docs/check-workflow.md, and the pinned source):
 - comfy_extras/nodes_minimax_h3.py: EmptyMiniMaxH3LatentAV, MiniMaxH3ImageToVideo and
   MiniMaxH3ReferenceToVideo take width and height (INT, 32..MAX_RESOLUTION=16384, step 32) and length
   (INT, 5..3600, step 17). Width and height must be multiples of 32 (patchify fails otherwise), the

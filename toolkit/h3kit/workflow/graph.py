@@ -1,8 +1,8 @@
 """Turn a workflow into the graph the server would execute, with node paths for messages.
 
 The API form needs nothing but validation. The UI form is flattened the way the frontend's
-`graphToPrompt` does it (ComfyUI frontend 1.48.7, src/utils/executionUtil.ts and
-src/lib/litegraph/src/subgraph/ExecutableNodeDTO.ts):
+`graphToPrompt` does it (ComfyUI frontend catalog.FRONTEND_VERSION, src/utils/executionUtil.ts and
+src/lib/litegraph/src/subgraph/ExecutableNodeDTO.ts, both unchanged since 1.48.7):
 
 - Subgraph instances (nodes whose type is the id of an entry in definitions.subgraphs, nested to any
   depth) are replaced by their inner nodes, with execution ids "outer:inner" ("140:131").
