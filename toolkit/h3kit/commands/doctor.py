@@ -24,9 +24,11 @@ MARKS = {"ok": "ok", "info": "--", "warning": "WARN", "error": "FAIL"}
               help="Interpreter that runs ComfyUI (default: the one install recorded).")
 @click.option("--runtime-root", metavar="DIR", type=click.Path(),
               help="Where the service keeps its record (default <comfy-home>/.h3kit/run).")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Hosts the service will span (as for h3kit start): several need HCCL_IF_IP or HCCL_SOCKET_IFNAME.")
 @json_option
 @handle_errors
-def doctor(comfy_home, devices, device_type, python, runtime_root, as_json):
+def doctor(comfy_home, devices, device_type, python, runtime_root, nnodes, as_json):
     """Check that this machine is ready to run H3, and say how to fix what is not.
 
     Read-only. Checks the interpreter ComfyUI runs with (Python, torch, torch-npu, a CUDA build beside
@@ -37,7 +39,7 @@ def doctor(comfy_home, devices, device_type, python, runtime_root, as_json):
     Exit 0 when nothing is wrong (warnings allowed), 1 otherwise.
     """
     report = run(Options(comfy_home=comfy_home, devices=devices, device_type=device_type, python=python,
-                         runtime_root=runtime_root))
+                         runtime_root=runtime_root, nnodes=nnodes))
     if as_json:
         emit_json(report)
     else:
