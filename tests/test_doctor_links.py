@@ -78,3 +78,11 @@ def test_the_rules_are_the_workers():
     dl.check_timeouts(d)
     t = links.hccl_timeouts(dl.GROUP_TIMEOUT, {})
     assert f"exec {t['HCCL_EXEC_TIMEOUT']} s, connect {t['HCCL_CONNECT_TIMEOUT']} s" in d.findings[0].message
+
+
+def test_only_npu_gets_the_hccl_check():
+    for kind, found in (("npu", True), ("cuda", False), ("cpu", False)):
+        d = _doctor(HCCL_EXEC_TIMEOUT="30")
+        d.kind = kind
+        dl.check_links(d, 2)
+        assert bool(d.findings) is found, kind
