@@ -46,7 +46,9 @@ dispatch, the per-layer choice, the scales and the shapes are the ones an NPU ru
 with upstream's own dequantized result. H3KIT_NPU_INT8=reference selects it on any device (on an NPU: to
 compare the kernels with it), =npu requires torch_npu's kernels, =off leaves every call to upstream.
 
-INT8 weights in the kernels' layout, cast once per load (UNMEASURED ON HARDWARE). An INT8 weight that lands
+INT8 weights in the kernels' layout, cast once per load (UNMEASURED ON HARDWARE). An INT8 weight laid out for W8A8
+(load_mode: ConvRot, or H3KIT_NPU_INT8_LINEAR=w8a8; op-plugin's npu_weight_quant_batchmatmul takes no FRACTAL_NZ
+weight in eager mode, so a weight that may run W8A16 stays ND, and a cast weight runs W8A8 at any row count) that lands
 on an NPU (ComfyUI's load: module.to(device) reaches comfy.ops._quantized_apply, which calls landed() for
 each parameter it moved) is transposed to [K, N] and cast with torch_npu.npu_format_cast(w, 29) to
 FRACTAL_NZ, the layout vLLM-Ascend and MindIE give W8A8 weights once at load (vllm-ascend
