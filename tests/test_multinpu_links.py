@@ -112,3 +112,13 @@ def test_a_replacement_waits_for_its_devices_memory():
     assert out["ok"] is False and out["waited"] == 5.0
     assert links.before_device(torch.device("cpu"), {links.CORE_ENV: "1", links.REPLACEMENT_ENV: "1"}) == \
         {"core_dumps_off": False}, "no reader on the CPU: no wait"
+
+
+def test_one_rank_warms_only_its_all_reduce():
+    class One:
+        world_size, rank, device = 1, 0, torch.device("cpu")
+
+        def all_reduce(self, x):
+            return x
+    comm = One()
+    assert links.warm(comm, links.program_pairs(1)) == ["all_reduce"] and comm.warmed_pairs == set()

@@ -171,6 +171,9 @@ def warm(comm, pairs=()) -> list:
         ran.append(what)
     total = comm.all_reduce(torch.ones(1, device=dev))
     expect(int(total.item()) == p, "all_reduce")
+    if p == 1:  # one rank: no link to form
+        comm.warmed_pairs = set()
+        return ran
     send_rows, recv_rows = [r + 1] * p, [i + 1 for i in range(p)]  # uneven: rank i sends i + 1 rows to everyone
     recv = comm.all_to_all_single(torch.empty(sum(recv_rows), device=dev),
                                   torch.full((p * (r + 1),), float(r), device=dev), recv_rows, send_rows)
