@@ -25,6 +25,7 @@ def test_reported_ooms_are_no_crash_loop(tmp_path):
     for oom in r["ooms"]:
         assert not oom["ok"] and oom["error"]["type"] == "OutOfMemoryError", oom
     assert r["next"]["ok"] and r["next"]["value"] == [1.0] * 4, r["next"]
-    assert r["seconds"] < wire.CRASH_WINDOW + 300
+    # the OOMs fall inside one crash window (about 15 s here), or the test would prove nothing about the crash loop
+    assert sum(oom["seconds"] for oom in r["ooms"]) < wire.CRASH_WINDOW
     assert all(rank["alive"] and not rank.get("failed") for rank in r["ranks"]), r["ranks"]
     assert r["generation"] >= OOMS + 1, "each OOM replaced the group (a fresh process per rank)"
