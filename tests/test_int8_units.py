@@ -221,3 +221,39 @@ def test_landed_casts_an_int8_weight_once_and_keeps_its_meaning(nq, monkeypatch)
         assert nq.layout_stats()["x2"]["npu_quant_matmul/nz/plain"] == before + 1 and twin.casts == 1
     assert torch.equal(p.dequantize(), qt.dequantize())
     assert torch.equal(p.state_dict()[""], qt._qdata) and torch.equal(p.state_dict()["_scale"], qt._params.scale)
+
+
+def test_w8a16_never_gets_an_nz_weight(nq, monkeypatch):
+    """op-plugin: npu_weight_quant_batchmatmul takes no FRACTAL_NZ weight in eager mode, and the reference kernel
+    refuses one as torch_npu would. So only weights laid out for W8A8 are cast at load: a ConvRot weight (W8A8), not a
+    non-ConvRot one (its down projection runs W8A16) nor any under H3KIT_NPU_INT8_LINEAR=w8a16; a call of 16 rows or
+    fewer on a cast weight runs W8A8 (the kernel its layout was cast for), equal bit for bit to the ND weight's W8A8."""
+    import torch
+    from comfy_kitchen.tensor.base import QuantizedTensor
+    nq.register_layout()
+    monkeypatch.setenv(nq.MODE_ENV, "reference")
+    monkeypatch.delenv(nq.NZ_ENV, raising=False)
+    monkeypatch.delenv(nq.LINEAR_ENV, raising=False)
+    g = torch.Generator().manual_seed(5)
+    rot = QuantizedTensor.from_float(torch.randn(96, 128, generator=g), "TensorWiseINT8Layout", per_channel=True,
+                                     convrot=True, convrot_groupsize=64)
+    plain = QuantizedTensor.from_float(torch.randn(96, 128, generator=g), "TensorWiseINT8Layout", per_channel=True)
+    x = torch.randn(3, 128, generator=g).to(torch.bfloat16)  # 3 rows: W8A16 by the row rule on an ND weight
+    twin = nq.ReferenceLayout()
+    nz_w = twin.npu_format_cast(plain._qdata.t().contiguous(), nq.ACL_FORMAT_FRACTAL_NZ)
+    with pytest.raises(RuntimeError, match="graph mode"):
+        nq.ReferenceOps.npu_weight_quant_batchmatmul(x, nz_w, torch.ones(96, dtype=torch.bfloat16))
+    with nq.simulate_layout(twin):
+        assert nq.landed(plain) is plain, "non-ConvRot: its down projection runs W8A16, so it stays ND"
+        monkeypatch.setenv(nq.LINEAR_ENV, "w8a16")
+        assert nq.landed(rot) is rot, "every layer W8A16: nothing is cast"
+        monkeypatch.delenv(nq.LINEAR_ENV)
+        p = nq.landed(rot)
+        assert p._layout_cls == nq.NZ_LAYOUT and nq.npu_format(p._qdata) == nq.ACL_FORMAT_FRACTAL_NZ
+        before = nq.layout_stats()["x2"]
+        out = torch.nn.functional.linear(x, torch.nn.Parameter(p, requires_grad=False))
+        after = nq.layout_stats()["x2"]
+    assert after.get("npu_quant_matmul/nz/plain", 0) == before.get("npu_quant_matmul/nz/plain", 0) + 1
+    monkeypatch.setenv(nq.LINEAR_ENV, "w8a8")
+    ref = nq.int8_linear(x, rot._qdata, rot._params.scale, None, torch.bfloat16, True, 64)
+    assert torch.equal(out, ref)

@@ -209,3 +209,18 @@ def test_weight_gathers_run_on_a_group_of_their_own_gloo(tmp_path):
     for g in groups:
         for rank in g["ranks"]:
             assert rank["status"] == "ok", rank.get("traceback") or rank
+
+
+def test_bf16_all_reduce_is_one_fp32_all_reduce_gloo(tmp_path):
+    """Issue 45 item 7: the text encoder's tensor-parallel sum of bf16 partials is one all_reduce in fp32 (a ring moves
+    2 (P-1)/P x 4 bytes an element), not an all_gather of every partial summed on each rank ((P-1) x 2: 8x the bytes at
+    8 ranks), with the parity kept: the exact sum rounded once to bf16, bit-identical on every rank. Before: the ops
+    were one bf16 all_gather of P x 64 elements."""
+    groups = run_gloo(tmp_path, [2, 4, 8], "bf16_all_reduce")
+    for g in groups:
+        results = [rank["result"] for rank in g["ranks"]]
+        assert all(rank["status"] == "ok" for rank in g["ranks"]), g
+        for res in results:
+            assert res["ops"] == [["all_reduce", "float32", 64]], res["ops"]
+            assert res["dtype"] == "bfloat16" and res["exact"]
+        assert all(res["sum"] == results[0]["sum"] for res in results), "the same bits on every rank"

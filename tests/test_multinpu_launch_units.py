@@ -203,3 +203,20 @@ def test_a_small_hand_off_is_sized_in_kb_or_bytes():
     assert wire._size(4 << 20) == "4.2 MB"
     assert wire._size(3 * 10 ** 9) == "3.00 GB"
     assert "0.0 MB" not in wire.shm_full_message("/nonexistent-h3kit/x", 2000, "a test")
+
+
+def test_only_a_replacement_is_told_to_wait_for_its_devices_memory(monkeypatch):
+    """Issue 45 item 7: the launcher marks every start of a rank after its first (comfy.multinpu_links.before_device
+    then waits for the device's memory); the first start does not wait."""
+    import comfy.multinpu_links as links
+    workers = launch.LocalWorkers(wire.GroupSpec(local_size=2), "the-key")
+    seen = []
+
+    class Started:
+        pid = os.getpid()
+
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda argv, env, **kw: seen.append(env) or Started())
+    workers.spawn(0)
+    workers.info[0]["restarts"] += 1  # as poll() counts a replacement before it starts it
+    workers.spawn(0)
+    assert [env[links.REPLACEMENT_ENV] for env in seen] == ["0", "1"]

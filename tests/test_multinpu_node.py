@@ -280,3 +280,13 @@ def test_with_processes_the_servers_dit_copy_stays_on_the_host_unpatched(checks)
         assert v["server_patches"] == 0 and v["sent_patches"] > 0, (weights, v)  # the LoRA goes to the workers
     assert value(checks, "process_transport_server_copy")["sharded"]["shard_device"] == "cpu"
     assert value(checks, "process_transport_server_copy")["sharded"]["on_load"] == 0  # no slices built on the host
+
+
+def test_the_servers_share_of_device_0_is_freed_before_sampling_with_processes(checks):
+    """Issue 45 item 5 (unmeasured on hardware): the server's models on worker rank 0's device are unloaded (ComfyUI's
+    free_memory of everything on that device) before sampling with the process transport; nothing with threads or on
+    a CPU. Before: the server's text encoder stayed on device 0 through sampling, unseen by rank 0's memory manager."""
+    v = value(checks, "server_share_freed")
+    assert v["process_cuda0"] == [[1e30, "cuda:0"]]
+    assert v["process_cpu"] == [] and v["threads_cuda0"] == []
+    assert v["rank_memory_calls_it"]

@@ -369,6 +369,16 @@ def nz_precast():
     out["layers"] = len(layers)
     host = {n: m.weight.dequantize() for n, m in layers.items()}
     ref = _forward(dm)  # the unmodified ND path (the CPU simulation's reference kernels)
+    # a weight cast to NZ runs W8A8 at any row count (W8A16 takes no NZ weight in eager mode): its reference is the
+    # ND path with every layer W8A8
+    env = dict(os.environ)
+    try:
+        os.environ[nq.LINEAR_ENV] = "w8a8"
+        ref_w8a8 = _forward(dm)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    out["w8a8_differs_from_auto"] = not _same(ref, ref_w8a8)
 
     # the CPU simulation itself never casts: a ModelPatcher load on cpu, forwards
     casts0 = nq.layout_stats()["casts"]
@@ -393,7 +403,7 @@ def nz_precast():
             return real(x1, x2, *a, **k)
         nq.ReferenceOps.npu_quant_matmul = staticmethod(spy)
         try:
-            f = forwards(dm, 3, ref)
+            f = forwards(dm, 3, ref_w8a8)
         finally:
             nq.ReferenceOps.npu_quant_matmul = staticmethod(real)
         held = {m.weight._qdata.untyped_storage().data_ptr() for m in layers.values()}
@@ -409,7 +419,7 @@ def nz_precast():
     with nq.simulate_layout(twin):
         casts = twin.casts
         move(dm)  # reload
-        out["reload"] = dict(state(dm), casts=twin.casts - casts, **forwards(dm, 2, ref))
+        out["reload"] = dict(state(dm), casts=twin.casts - casts, **forwards(dm, 2, ref_w8a8))
 
     # the off switch, on a fresh copy
     dm2 = _private_model().model.diffusion_model

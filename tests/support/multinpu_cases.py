@@ -218,5 +218,36 @@ def case_side_group(comm, mn):
     return {"moved": moved}
 
 
-CASES = {"side_group": case_side_group, "collectives": case_collectives, "rank_dies": case_rank_dies, "stall": case_stall,
+def case_bf16_all_reduce(comm, mn):
+    """The text encoder's tensor-parallel sum of bf16 partials on a process group: which torch.distributed
+    collective runs, in which dtype, and the result (the exact sum rounded once, the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+    seen = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single")
+            if hasattr(dist, name)}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            t = args[0]
+            seen.append([name, str(t.dtype).removeprefix("torch."), t.numel()])
+            return real[name](*args, **kwargs)
+        return call
+    for name in real:
+        setattr(dist, name, spy(name))
+    try:
+        p, r = comm.world_size, comm.rank
+        g = torch.Generator().manual_seed(17)
+        halves = ((torch.rand((p, 64), generator=g) * 3.5 + 0.5) * (torch.randint(0, 2, (p, 64), generator=g) * 2 - 1)
+                  ).to(torch.bfloat16)
+        got = mn.all_reduce(halves[r].clone(), comm)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    exact = halves.double().sum(0).to(torch.bfloat16)
+    return {"ops": seen, "dtype": str(got.dtype).removeprefix("torch."), "exact": bool(torch.equal(got, exact)),
+            "sum": got.float().tolist()}
+
+
+CASES = {"bf16_all_reduce": case_bf16_all_reduce, "side_group": case_side_group, "collectives": case_collectives, "rank_dies": case_rank_dies, "stall": case_stall,
          "exchange_copies": case_exchange_copies}

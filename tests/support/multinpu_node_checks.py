@@ -82,6 +82,33 @@ def process_transport_server_copy():
 
 
 @check
+def server_share_freed():
+    """Issue 45 item 5: with the process transport the server's own models on device 0 (its text encoder embeddings
+    and vision tower, its VAE encoder) are unloaded before sampling, so worker rank 0's loads there see the memory;
+    not with threads (one memory manager) nor on a CPU. ComfyUI's free_memory recorded, not run."""
+    import torch
+    import comfy.model_management as mm
+    import comfy.multinpu_dit as md
+    import comfy.multinpu_process as mp
+    import comfy.multinpu_threads as mt
+    calls, real = [], mm.free_memory
+    mm.free_memory = lambda required, device, *a, **k: calls.append([required, str(device)])
+    try:
+        out = {}
+        for name, runtime, device in (("process_cuda0", object.__new__(mp.GroupRuntime), torch.device("cuda", 0)),
+                                      ("process_cpu", object.__new__(mp.GroupRuntime), torch.device("cpu")),
+                                      ("threads_cuda0", object.__new__(mt.ThreadRuntime), torch.device("cuda", 0))):
+            calls.clear()
+            md.free_server_share(runtime, device)
+            out[name] = list(calls)
+    finally:
+        mm.free_memory = real
+    import inspect
+    out["rank_memory_calls_it"] = "free_server_share(" in inspect.getsource(md.RankMemory.__call__)
+    return out
+
+
+@check
 def multidevice():
     import torch
     import comfy.multidevice as md

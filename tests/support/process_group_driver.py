@@ -108,6 +108,25 @@ def scenario_failures(rt, args):
     return out
 
 
+def scenario_links(rt, args):
+    """A prompt's links after the join formed the group: then what each rank formed, and when."""
+    out = {"prompt": _attempt(lambda: rt.run("prompt_links", {}))}
+    out["report"] = _attempt(lambda: rt.run("links_report", {}))
+    return out
+
+
+def scenario_oom_loop(rt, args):
+    """--repeat OOM commands in a row (each on rank --victim, which reports it itself), then a plain one: a failure a
+    rank reports is no crash, so no rank is given up on however often it happens."""
+    out = {"ooms": []}
+    for _ in range(args.repeat):
+        out["ooms"].append(_attempt(lambda: _fail(rt, rank=args.victim, kind="oom")))
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["generation"] = rt.generation
+    out["ranks"] = rt.ranks()
+    return out
+
+
 def _later(delay, fn):
     t = threading.Timer(delay, fn)
     t.daemon = True

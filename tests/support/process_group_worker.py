@@ -42,8 +42,11 @@ if os.environ.get(NO_COMMAND_LINK):
 # What this worker did to form its groups, in order: [(call, the last command it had taken)] (the "hccl" program
 # reads it): the side group of the weight gathers must be made at join, before any command
 GROUP_CALLS = []
-HCCL_VARS = ("HCCL_IF_BASE_PORT", "HCCL_EXEC_TIMEOUT")
+HCCL_VARS = ("HCCL_IF_BASE_PORT", "HCCL_EXEC_TIMEOUT", "HCCL_CONNECT_TIMEOUT", "HCCL_ASYNC_ERROR_HANDLING")
 CONTEXT = []
+# The send/recv pairs this worker used, each with the command it first appeared in (None: at join) and its group
+# (None: the main group): on HCCL (torch_npu 7.1.0 on) and NCCL each pair's communicator forms at its first use
+PAIRS = {}
 
 
 def _recording(name, fn):
@@ -54,6 +57,17 @@ def _recording(name, fn):
     return call
 
 
+def _pair_recording(fn):
+    def call(tensor, peer, group=None, *args, **kwargs):
+        me = torch.distributed.get_rank()
+        key = ("main" if group is None else "side", min(me, peer), max(me, peer))
+        PAIRS.setdefault(key, CONTEXT[0].command if CONTEXT else None)
+        return fn(tensor, peer, group, *args, **kwargs)
+    return call
+
+
+torch.distributed.send = _pair_recording(torch.distributed.send)
+torch.distributed.recv = _pair_recording(torch.distributed.recv)
 torch.distributed.init_process_group = _recording("init_process_group", torch.distributed.init_process_group)
 torch.distributed.new_group = _recording("new_group", torch.distributed.new_group)
 
@@ -64,6 +78,42 @@ def _hccl(context, comm, payload):
     side = comm.side()
     return {"calls": list(GROUP_CALLS), "same_side": side is comm.side(), "generation": context.generation,
             "pid": os.getpid()} if comm.rank == 0 else None
+
+
+@mp.program("prompt_links")
+def _prompt_links(context, comm, payload):
+    """The links a prompt's programs use, with the same primitives: the Ulysses all-to-all (uneven shards), the DiT's
+    last gather onto rank 0 (gather_v), the VAE's decoded chunks handed to rank 0, the text encoder's layer relays
+    (rank r to r + 1), its final broadcast from the last rank and its outputs to rank 0, the side group's weight
+    gathers."""
+    p, r = comm.world_size, comm.rank
+    sizes = [3 + i for i in range(p)]
+    comfy.multinpu.all_to_all_scatter_heads(torch.ones(1, p, sizes[r], 2), comm, sizes)
+    comfy.multinpu.gather_v(torch.ones(sizes[r], 2), comm, sizes=sizes, dst=0)
+    if r != 0:
+        comm.send(torch.full((4,), float(r)), 0)
+    else:
+        chunks = [comm.recv(torch.empty(4), src) for src in range(1, p)]
+        assert all(c[0].item() == i + 1 for i, c in enumerate(chunks))
+    for src in range(p - 1):
+        if r in (src, src + 1):
+            comfy.multinpu.peer_copy(torch.ones(2) if r == src else torch.empty(2), comm, src, src + 1)
+    comfy.multinpu.broadcast(torch.ones(2), comm, src=p - 1)
+    comm.side().all_gather_flat(torch.ones(3))
+    return os.getpid()
+
+
+@mp.program("links_report")
+def _links_report(context, comm, payload):
+    """Every rank's pairs and groups formed after join (a command's), gathered onto rank 0 as counts; rank 0's own
+    records in full."""
+    later_pairs = sum(1 for cmd in PAIRS.values() if cmd is not None)
+    later_groups = sum(1 for _, cmd, _ in GROUP_CALLS if cmd is not None)
+    counts = comm.all_gather_flat(torch.tensor([float(later_pairs), float(later_groups), float(len(PAIRS))]))
+    if comm.rank != 0:
+        return None
+    return {"counts": counts.view(comm.world_size, 3).tolist(), "pairs": [[*k, v] for k, v in sorted(PAIRS.items())],
+            "groups": [[name, cmd] for name, cmd, _ in GROUP_CALLS], "env": GROUP_CALLS[0][2]}
 
 
 @mp.program("close_link")

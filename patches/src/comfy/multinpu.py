@@ -446,16 +446,19 @@ class ProcessComm:
         self.bytes_moved = 0
         self._parent = parent     # a side communicator counts its bytes into its parent's
         self._side = None
+        self.pairs_used = set()   # the send/recv pairs (low, high) this rank has used on this group
+        self.warmed_pairs = None  # those formed at join (comfy.multinpu_links.warm)
 
-    def side(self):
+    def side(self, options=None):
         """The same ranks on a process group of their own, made once on first use (every rank must call this at
         the same point: making a group is collective). A backend runs one group's collectives in issue order on
         one queue (stream), so the sharded weights' gathers go here, where they do not wait behind the Ulysses
-        all-to-alls of the block before (nor those behind them)."""
+        all-to-alls of the block before (nor those behind them). options: its pg_options (its HCCL buffer)."""
         if self._side is None:
             ranks = (torch.distributed.get_process_group_ranks(self.pg) if self.pg is not None
                      else list(range(self.world_size)))
-            pg = self._call("new_group", lambda group=None: torch.distributed.new_group(ranks=ranks))
+            extra = {} if options is None else {"pg_options": options}
+            pg = self._call("new_group", lambda group=None: torch.distributed.new_group(ranks=ranks, **extra))
             self._side = ProcessComm(pg, self.device, self.timeout, parent=self)
         return self._side
 
@@ -516,13 +519,14 @@ class ProcessComm:
         return recv
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in ACCUMULATE_DTYPES:
-            # the partials themselves, summed here in fp32: the backend would add them in their own dtype
-            return _sum_in_rank_order(self.all_gather(x), x.dtype).reshape(x.shape)
-        out = x.clone()
+        # 16-bit partials (the text encoder's tensor-parallel sums) go to the backend's all_reduce in fp32 and are
+        # rounded once: a ring all_reduce receives 2 (P-1)/P x 4 bytes an element, where gathering every partial to
+        # sum them here received (P-1) x 2 (8x the bytes at 8 ranks: 14 against 3.5)
+        acc = ACCUMULATE_DTYPES.get(x.dtype)
+        out = x.to(acc, copy=True) if acc is not None else x.clone()
         self._call("all_reduce", torch.distributed.all_reduce, out)
-        self._count((self.world_size - 1) * x.numel() * x.element_size())
-        return out
+        self._count(2 * (self.world_size - 1) * out.numel() * out.element_size() // self.world_size)
+        return out.to(x.dtype) if acc is not None else out
 
     def reduce(self, x: torch.Tensor, dst: int):
         out = x.to(ACCUMULATE_DTYPES.get(x.dtype, x.dtype), copy=True)
@@ -550,10 +554,24 @@ class ProcessComm:
     def barrier(self):
         self._call("barrier", torch.distributed.barrier)
 
+    def _pair(self, peer: int):
+        """A send/recv with `peer`: HCCL (torch_npu 7.1.0 on) and NCCL make the pair's communicator at its first use.
+        The join warms the programs' pairs (comfy.multinpu_links.warm sets warmed_pairs); one formed after it is
+        logged once (docs/multinpu.md, "Links, buffers and the HCCL settings in force")."""
+        key = (min(self.rank, peer), max(self.rank, peer))
+        if key not in self.pairs_used:
+            self.pairs_used.add(key)
+            if self.warmed_pairs is not None and key not in self.warmed_pairs:
+                logging.warning(f"MultiNPU: rank {self.rank}: send/recv pair {key} was not formed at join: its "
+                                f"communicator forms now, inside a command (it may wait for its peer up to "
+                                f"HCCL_CONNECT_TIMEOUT)")
+
     def send(self, x: torch.Tensor, dst: int):
+        self._pair(dst)
         self._call("send", torch.distributed.send, x.contiguous(), self._global(dst))
 
     def recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        self._pair(src)
         self._call("recv", torch.distributed.recv, buf, self._global(src))
         self._count(buf.numel() * buf.element_size())
         return buf

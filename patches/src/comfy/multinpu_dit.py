@@ -681,6 +681,7 @@ class RankMemory:
         self.dit = dit
 
     def __call__(self, executor, model, noise_shape, conds, *args, **kwargs):
+        free_server_share(self.dit.runtime, self.dit.rank_device)
         shapes = rank_shapes(noise_shape, self.dit.world)
         self.dit.memory_estimates = [comfy.sampler_helpers.estimate_memory(model, s, conds) for s in shapes]
         self.dit.memory_estimate_one = comfy.sampler_helpers.estimate_memory(model, list(noise_shape), conds)
@@ -708,6 +709,17 @@ class RankMemory:
                             f"{self.dit.memory_estimates[r][0] / 1e9:.3g} GB) and has {free / 1e9:.3g} GB free: "
                             f"ComfyUI loads part of the weights and streams the rest every step. Fix: {fix}, a "
                             "smaller or shorter video, or more devices (h3kit plan --device-memory shows each tier)")
+
+
+def free_server_share(runtime, device):
+    """One device, two users (issue 45 item 5): with the process transport device 0 has two memory managers, the
+    server's (its text encoder's embeddings and vision tower, its VAE encoder, loaded there for its own encodes) and
+    worker rank 0's, each sizing its loads without the other. Before sampling, the server's models on device 0 are
+    unloaded (ComfyUI loads them again for the next encode); h3kit plan reserves their share in device 0's memory for
+    the encodes. Not on a CPU (no device is shared there); unmeasured on hardware."""
+    if device.type == "cpu" or not isinstance(runtime, comfy.multinpu_process.GroupRuntime):
+        return
+    comfy.model_management.free_memory(1e30, device)
 
 
 class EmptyCacheAfterSampling:

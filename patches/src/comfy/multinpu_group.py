@@ -16,8 +16,9 @@ import torch
 import torch.distributed
 
 import comfy.multinpu
+import comfy.multinpu_links as links
 from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RECYCLED_EXIT, REPORTED_EXIT,
-                                 SharedMemoryFull, Signer, hccl_environment, key_from_environment, pack, shm_read,
+                                 SharedMemoryFull, Signer, key_from_environment, pack, shm_read,
                                  shm_write, td, unflatten, unpack)
 from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, connect_channel, connect_store
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
@@ -183,16 +184,16 @@ def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -
             return False  # the driver gave up on g (a member died): wait for the next one
         time.sleep(POLL)
     try:
-        os.environ.update(hccl_environment(spec, g))  # this generation's own HCCL ports (read when HCCL connects)
-        _init_group(spec, torch.distributed.PrefixStore(f"pg{g}", base), rank, context.device)
+        os.environ.update(links.hccl_environment(spec, g))  # its own HCCL ports, timeouts in order (read at connect)
+        sizes = links.buffer_sizes()
+        _init_group(spec, torch.distributed.PrefixStore(f"pg{g}", base), rank, context.device,
+                    links.group_options(spec.backend, sizes["group"]))
         comm = comfy.multinpu.ProcessComm(device=context.device, timeout=spec.timeout)
-        total = comm.all_reduce(torch.ones(1, device=context.device))
-        if int(total.item()) != spec.world_size:
-            raise GroupError(f"MultiNPU: the warm-up all_reduce gave {total.item()}, not {spec.world_size}")
+        # every link the programs use, formed and proven here (HCCL connects a group at its first collective and a
+        # send/recv pair at its first use): the group's collectives and pairs, the side group's (weight gathers)
+        links.warm(comm, links.program_pairs(spec.world_size))
         if spec.world_size > 1:
-            # the side group of the sharded weights' gathers, formed and connected here (HCCL connects at a group's
-            # first collective), not inside the first sharded forward of a prompt
-            comm.side().all_reduce(torch.ones(1, device=context.device))
+            links.warm(comm.side(links.group_options(spec.backend, sizes["side"])))
         context.comm = comm
     except Exception as e:
         logging.exception(f"MultiNPU: rank {rank} could not join generation {g}")
@@ -202,10 +203,12 @@ def _join(ctl: Control, base, spec: GroupSpec, context: WorkerContext, g: int) -
     return True
 
 
-def _init_group(spec: GroupSpec, store, rank: int, device: torch.device):
+def _init_group(spec: GroupSpec, store, rank: int, device: torch.device, options=None):
     """init_process_group with the device bound (device_id: the communicator is created now, on this rank's
-    device, instead of lazily at the first collective; unmeasured on Ascend and CUDA hardware)."""
+    device, instead of lazily at the first collective; unmeasured on Ascend and CUDA hardware) and its pg_options."""
     kwargs = dict(store=store, rank=rank, world_size=spec.world_size, timeout=td(spec.timeout))
+    if options is not None:
+        kwargs["pg_options"] = options
     if device.type != "cpu":
         try:
             torch.distributed.init_process_group(spec.backend, device_id=device, **kwargs)

@@ -20,6 +20,7 @@ import psutil
 import torch
 import torch.distributed
 
+import comfy.multinpu_links as links
 from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupError, GroupSpec, KEY_ENV,
                                  LOCAL_RANK_ENV, PARENT_ENV, RANKS_FILE, RANK_ENV, RECYCLED_EXIT, REPORTED_EXIT,
                                  SECONDARY, Signer, TERM_EXIT, cpu_threads, key_from_environment, wait_or_kill)
@@ -140,6 +141,7 @@ class LocalWorkers:
         # NCCL's watchdog ends a worker whose collective passes the group timeout: a death like any other (never the
         # server's, which is in no collective); with 0 a collective stuck on every rank would hang while ranks beat
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        env[links.REPLACEMENT_ENV] = "1" if self.info[rank]["restarts"] else "0"  # waits for its device's memory
         if (threads := cpu_threads(self.spec)) is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)

@@ -27,6 +27,7 @@ import psutil
 import torch
 
 import comfy.multinpu
+import comfy.multinpu_links
 
 # The group contract: what h3kit's service side (toolkit/h3kit/group.py, another interpreter, which cannot import
 # this module) writes and this side reads. Both copies are pinned equal by tests/test_group_contract.py.
@@ -485,42 +486,9 @@ def check_timeouts(spec: GroupSpec):
     if progress_timeout(spec) <= HEARTBEAT_INTERVAL:  # progress comes with the beats: every rank would look hung
         raise GroupError(f"MultiNPU: the progress bound ({progress_timeout(spec):g} s) must be longer than the "
                          f"heartbeat interval ({HEARTBEAT_INTERVAL:g} s). Fix: a longer {PROGRESS_ENV}")
-    chosen = os.environ.get("HCCL_EXEC_TIMEOUT")  # else the workers take hccl_exec_timeout's (hccl_environment)
-    if spec.device_type == "npu" and not chosen and hccl_exec_timeout(spec.timeout) >= spec.timeout:
-        logging.warning(f"MultiNPU: HCCL_EXEC_TIMEOUT cannot be below a group timeout of {spec.timeout:g} s (HCCL "
-                        "takes 68 s at least): HCCL may not write its own diagnostics of a stuck collective")
+    comfy.multinpu_links.check(spec)  # HCCL's own timeouts in order below it, the buffer sizes
 
 
 def progress_timeout(spec: GroupSpec) -> float:
     """The progress bound: H3KIT_PROGRESS_TIMEOUT, else 60 s or half the group timeout when that is shorter."""
     return PROGRESS_STALE if PROGRESS_STALE is not None else min(60.0, spec.timeout / 2)
-
-
-HCCL_PORT_ENV = "H3KIT_HCCL_BASE_PORT"  # the first port of the band the generations' HCCL base ports rotate in
-HCCL_PORT_START = 60000              # HCCL's own default HCCL_IF_BASE_PORT
-HCCL_PORTS = 16                      # ports HCCL may take from its base port (one per device of a host; CANN docs)
-HCCL_PORT_SLOTS = 16                 # generations before a base port comes round again: a band of 256 ports
-
-
-def hccl_exec_timeout(timeout: float) -> int:
-    """HCCL_EXEC_TIMEOUT for a group timeout: the largest multiple of 68 below it (CANN takes [68, 17340] s, rounded
-    down to a multiple of 68), at least 68. Below the group's own timeout, as torch_npu's ProcessGroupHCCL advises,
-    so HCCL times out first and writes its own diagnostics."""
-    return min(17340, max(68, (math.ceil(timeout) - 1) // 68 * 68))
-
-
-def hccl_base_port(generation: int) -> int:
-    """HCCL_IF_BASE_PORT of a generation: one slot of HCCL_PORTS per generation in the band from H3KIT_HCCL_BASE_PORT,
-    round and round, so a replacement generation never meets the lingering listeners of the last ones (EJ0003)."""
-    start = int(os.environ.get(HCCL_PORT_ENV) or HCCL_PORT_START)
-    if not 1024 <= start <= 65535 - HCCL_PORTS * HCCL_PORT_SLOTS:
-        raise GroupError(f"MultiNPU: {HCCL_PORT_ENV}={start} leaves no band of {HCCL_PORTS * HCCL_PORT_SLOTS} ports. "
-                         f"Fix: a port from 1024 to {65535 - HCCL_PORTS * HCCL_PORT_SLOTS}")
-    return start + (max(1, generation) - 1) % HCCL_PORT_SLOTS * HCCL_PORTS
-
-
-def hccl_environment(spec: GroupSpec, generation: int) -> dict:
-    """What a worker sets before it forms generation `generation` (docs/multinpu.md, "HCCL across restarts"): its
-    own HCCL ports, and HCCL_EXEC_TIMEOUT unless the operator chose one."""
-    return {"HCCL_IF_BASE_PORT": str(hccl_base_port(generation)),
-            "HCCL_EXEC_TIMEOUT": os.environ.get("HCCL_EXEC_TIMEOUT") or str(hccl_exec_timeout(spec.timeout))}

@@ -19,6 +19,7 @@ signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 import torch  # noqa: E402
 
 import comfy.multinpu_group  # noqa: E402
+import comfy.multinpu_links  # noqa: E402
 import comfy.multinpu_wire  # noqa: E402
 import comfy.options  # noqa: E402
 
@@ -40,6 +41,7 @@ def main():
     rank = int(os.environ[comfy.multinpu_wire.RANK_ENV])  # set by its launcher (comfy.multinpu_launch.LocalWorkers)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s", stream=sys.stdout)
     device = bind_device(spec.device_type, rank % spec.local_size)
+    comfy.multinpu_links.before_device(device)  # core dumps off unless asked; a replacement waits for the memory
 
     # comfy.cli_args parses sys.argv when it is first imported, as in main.py: the server's own arguments
     comfy.options.enable_args_parsing()

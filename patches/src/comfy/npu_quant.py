@@ -46,7 +46,9 @@ dispatch, the per-layer choice, the scales and the shapes are the ones an NPU ru
 with upstream's own dequantized result. H3KIT_NPU_INT8=reference selects it on any device (on an NPU: to
 compare the kernels with it), =npu requires torch_npu's kernels, =off leaves every call to upstream.
 
-INT8 weights in the kernels' layout, cast once per load (UNMEASURED ON HARDWARE). An INT8 weight that lands
+INT8 weights in the kernels' layout, cast once per load (UNMEASURED ON HARDWARE). An INT8 weight laid out for W8A8
+(load_mode: ConvRot, or H3KIT_NPU_INT8_LINEAR=w8a8; op-plugin's npu_weight_quant_batchmatmul takes no FRACTAL_NZ
+weight in eager mode, so a weight that may run W8A16 stays ND, and a cast weight runs W8A8 at any row count) that lands
 on an NPU (ComfyUI's load: module.to(device) reaches comfy.ops._quantized_apply, which calls landed() for
 each parameter it moved) is transposed to [K, N] and cast with torch_npu.npu_format_cast(w, 29) to
 FRACTAL_NZ, the layout vLLM-Ascend and MindIE give W8A8 weights once at load (vllm-ascend
@@ -157,6 +159,10 @@ class ReferenceOps:
                  x, weight)
         _require(antiquant_scale.dtype == x.dtype and antiquant_scale.numel() in (1, weight.shape[1]),
                  "antiquant_scale must have x's dtype and (1,) or (N,) elements", antiquant_scale)
+        if npu_format(weight) == ACL_FORMAT_FRACTAL_NZ:
+            raise RuntimeError("npu_weight_quant_batchmatmul: a FRACTAL_NZ weight is supported in graph mode only, "
+                               "not in a single-operator (eager) call (op-plugin torch_npu-npu_weight_quant_batchmatmul"
+                               ".md); pass the ND weight")
         _x2_layout("npu_weight_quant_batchmatmul", weight)
         w = (weight.float() * antiquant_scale.float().reshape(1, -1)).to(x.dtype)
         out = x.float() @ w.float()
@@ -367,6 +373,10 @@ def landed(param):
     ops = layout_ops_for(q.device)
     if ops is None or ops.get_npu_format(q) == ACL_FORMAT_FRACTAL_NZ or max(q.shape) > MAX_DIM or not _owns_storage(q):
         return param
+    if load_mode(getattr(param._params, "convrot", False)) != W8A8:  # W8A16 takes no NZ weight in eager mode
+        with _stats_lock:
+            _layout_stats["nd_for_w8a16"] += 1
+        return param
     kn = q if param._layout_cls == NZ_LAYOUT else q.t().contiguous()
     nz = ops.npu_format_cast(kn, ACL_FORMAT_FRACTAL_NZ)
     del kn
@@ -384,10 +394,12 @@ def landed(param):
 
 
 def layout_stats() -> dict:
-    """{"casts": weights cast to NZ so far, "kept_nd": casts that came back ND} and how the kernels received their
+    """{"casts": weights cast to NZ so far, "kept_nd": casts that came back ND, "nd_for_w8a16": weights left ND
+    because their layer runs W8A16} and how the kernels received their
     weights ({"npu_quant_matmul/nz/plain": n, ...}; counted by the reference kernels)."""
     with _stats_lock:
         return {"casts": _layout_stats["casts"], "kept_nd": _layout_stats["kept_nd"],
+                "nd_for_w8a16": _layout_stats["nd_for_w8a16"],
                 "x2": dict(sorted(_x2_stats.items()))}
 
 
@@ -473,6 +485,18 @@ def linear_mode(rows: int, input_act=None, convrot=False, environ=None) -> str:
     return W8A8
 
 
+def load_mode(convrot: bool, environ=None) -> str:
+    """The mode a layer's weight is laid out for when it lands (FRACTAL_NZ for W8A8 only: op-plugin's
+    npu_weight_quant_batchmatmul takes no NZ weight outside graph mode). What is known at load: a forced mode, and
+    ConvRot. A ConvRot layer runs W8A8 (down projections included); a non-ConvRot one may be a down projection, which
+    runs W8A16 (linear_mode), and a load cannot tell which, so non-ConvRot weights stay ND (W8A8 takes an ND weight
+    as a transposed view)."""
+    forced = (os.environ if environ is None else environ).get(LINEAR_ENV, "").strip().lower()
+    if forced in (W8A8, W8A16):
+        return forced
+    return W8A8 if convrot else W8A16
+
+
 def int8_linear(x, weight, weight_scale, bias=None, out_dtype=torch.bfloat16, convrot=False, convrot_groupsize=256,
                 input_act=None, weight_kn=False):
     """comfy-kitchen's int8_linear on the NPU kernels: [..., K] activations, int8 [N, K] -> [..., N] out_dtype.
@@ -494,7 +518,9 @@ def int8_linear(x, weight, weight_scale, bias=None, out_dtype=torch.bfloat16, co
     kdtype = x.dtype if x.dtype in KERNEL_DTYPES else torch.bfloat16
     x2 = x.reshape(-1, shape[-1]).to(kdtype)
     scale = weight_scale.to(device=x.device, dtype=torch.float32).reshape(-1)
-    mode = linear_mode(x2.shape[0], input_act, convrot)
+    # a weight cast to FRACTAL_NZ was cast for W8A8 (load_mode) and runs it at any row count: W8A16 takes no NZ weight
+    nz = weight_kn and npu_format(w_kn) == ACL_FORMAT_FRACTAL_NZ
+    mode = W8A8 if nz else linear_mode(x2.shape[0], input_act, convrot)
     if mode == W8A8:
         x8, token_scale = ops.npu_dynamic_quant(x2)
         out = ops.npu_quant_matmul(x8, w_kn, scale, pertoken_scale=token_scale,

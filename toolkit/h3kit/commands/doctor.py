@@ -26,9 +26,11 @@ MARKS = {"ok": "ok", "info": "--", "warning": "WARN", "error": "FAIL"}
               help="Where the service keeps its record (default <comfy-home>/.h3kit/run).")
 @click.option("--verify-hash", is_flag=True, help="Also compare each model file's sha256 with the published one "
               "(reads every file: minutes per file of tens of GB); without it, model files are checked by size.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Hosts the service will span (as for h3kit start): several need HCCL_IF_IP or HCCL_SOCKET_IFNAME.")
 @json_option
 @handle_errors
-def doctor(comfy_home, devices, device_type, python, runtime_root, verify_hash, as_json):
+def doctor(comfy_home, devices, device_type, python, runtime_root, verify_hash, nnodes, as_json):
     """Check that this machine is ready to run H3, and say how to fix what is not.
 
     Read-only. Checks the interpreter ComfyUI runs with (Python, torch, torch-npu, a CUDA build beside
@@ -39,7 +41,7 @@ def doctor(comfy_home, devices, device_type, python, runtime_root, verify_hash, 
     Exit 0 when nothing is wrong (warnings allowed), 1 otherwise.
     """
     report = run(Options(comfy_home=comfy_home, devices=devices, device_type=device_type, python=python,
-                         runtime_root=runtime_root, verify_hash=verify_hash))
+                         runtime_root=runtime_root, verify_hash=verify_hash, nnodes=nnodes))
     if as_json:
         emit_json(report)
     else:

@@ -287,9 +287,9 @@ def format_plans(plans) -> list:
     if p0["sharding"] == "sharded":
         row("  resident slices and the rest", lambda p: _si(p["memory_per_device"]["weights_resident"], "B"))
         row("  two gathered blocks", lambda p: _si(p["memory_per_device"]["weights_gathered"], "B"))
-    row("HCCL buffers per device (2 groups)", lambda p: _si(p["memory_per_device"]["communicators"], "B"))
+    _link_rows(row)
     row("activations per device (estimate)", lambda p: _si(p["memory_per_device"]["activations"], "B"))
-    row("memory per device", lambda p: _si(p["memory_per_device"]["total"], "B"))
+    row("memory per device (device 0)", lambda p: _si(p["memory_per_device"]["total"], "B"))
     if "fit" in p0:
         row(f"fits a {p0['fit']['device_memory'] / 1e9:g} GB card (headroom)", lambda p: _fit_cell(p["fit"]))
     if p0["sharding"] == "sharded":
@@ -310,7 +310,33 @@ def format_plans(plans) -> list:
                      "per forward (one device holds the whole DiT).")
     else:
         lines.append("Every device holds the full DiT weights (--sharding sharded keeps 1/N of each block per device).")
-    return lines
+    return lines + _link_notes(plans)
+
+
+def _link_rows(row):
+    """The links' rows of the plan table (issue 45): HCCL buffers and pairs on device 0, the server's share."""
+    row("HCCL buffers, device 0 (2 groups + pairs)", lambda p: _si(p["memory_per_device"]["communicators"], "B"))
+    row("  pair communicators (device 0 / most)",
+        lambda p: f"{p['pair_communicators'][0]} / {max(p['pair_communicators'])}" if p["npu_count"] > 1 else "-")
+    row("  largest message (group / side)",
+        lambda p: " / ".join(_si(v, "B") for v in p["hccl"]["largest_message"].values()))
+    row("  HCCL buffer to hold it (MB)",
+        lambda p: "{group} / {side}".format(**p["hccl"]["buffsize_mb"]) if p["npu_count"] > 1 else "-")
+    row("server's share of device 0", lambda p: _si(p["memory_per_device"]["server_share"], "B"))
+
+
+def _link_notes(plans) -> list:
+    """The per-group HCCL buffers to export, and what device 0's figures include (docs/multinpu.md, "Links, buffers
+    and the HCCL settings in force"; unmeasured on hardware)."""
+    several = [p for p in plans if p["npu_count"] > 1]
+    if not several:
+        return []
+    return ["Memory per device is device 0's: it holds the most pair communicators (send/recv pairs formed at join, "
+            "2 x 20 MB each) and the server's share (text encoder embeddings and vision tower, VAE encoder and encode; "
+            "estimates).",
+            "HCCL buffers sized to the largest message of each group (each takes 2 x its size on every device; "
+            "unmeasured on hardware): "
+            + "; ".join(f"{p['npu_count']} devices: export {p['hccl']['env']}" for p in several)]
 
 
 def _fit_cell(f) -> str:

@@ -11,6 +11,7 @@ driver       npu-smi / nvidia-smi: present, answering, each card's health
 devices      the devices torch sees with the visible-device variable set as `h3kit start` sets it,
              against --devices (fewer than asked is an error) and the cards the driver lists
 memory       free memory per device against the cost model's need at 768p/5 s and 15 s for every tier
+hccl         HCCL's timeouts as the workers take them, HCCL_IF_IP / HCCL_SOCKET_IFNAME for several hosts (links.py)
 tree         `h3kit verify` of the installed tree
 service      `h3kit status` of its service
 models       the model files the shipped workflows load, in models/ and extra_model_paths.yaml, with
@@ -34,6 +35,7 @@ from h3kit.doctor.devices import check_devices, check_driver, check_memory, devi
 from h3kit.doctor.host import (  # noqa: F401
     DISK_ERROR_BYTES, DISK_WARN_BYTES, SHM_PATH, VAE_CHUNK_LATENTS, VAE_CHUNK_OVERLAP, VAE_TIME_STRIDE, VAE_TOKEN_DROP,
     check_disk, check_ram, check_shm, shipped_geometries, shm_handoff_bytes, shm_needs, shm_verdict, video_bytes)
+from h3kit.doctor.links import check_links  # noqa: F401
 from h3kit.doctor.installed import (  # noqa: F401
     check_models, check_service, check_tree, safetensors_problem, shipped_model_files)
 from h3kit.doctor.python_env import (  # noqa: F401
@@ -58,6 +60,7 @@ def run(opts: Options) -> dict:
     smi_info = check_driver(d)
     check_devices(d, info, smi_info)
     check_memory(d, info, smi_info)
+    check_links(d, opts.nnodes)
     if d.home is not None:
         check_tree(d)
         check_models(d)

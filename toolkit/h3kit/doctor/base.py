@@ -10,8 +10,8 @@ from pathlib import Path
 from h3kit import devices as h3devices
 from h3kit.errors import H3kitError
 
-CHECKS = ("interpreter", "torch", "cann", "metrics", "driver", "devices", "memory", "tree", "service", "models", "disk",
-          "shm", "ram")
+CHECKS = ("interpreter", "torch", "cann", "metrics", "driver", "devices", "memory", "hccl", "tree", "service", "models",
+          "disk", "shm", "ram")
 GB = 1e9
 
 
@@ -40,6 +40,7 @@ class Options:
     python: str | None = None
     runtime_root: str | None = None
     verify_hash: bool = False
+    nnodes: int = 1
 
 
 

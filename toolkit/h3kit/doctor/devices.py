@@ -87,6 +87,8 @@ def check_memory(d: Doctor, info: dict | None, smi_info: dict | None):
              f"{v['need_int8'] / GB:.1f} GB with INT8 weights"
              + (f" (sharded: {v['need_bf16_sharded'] / GB:.1f} / {v['need_int8_sharded'] / GB:.1f} GB)"
                 if v["npu_count"] > 1 else "")
+             + (f", device 0's including the server's share {v['server_share'] / GB:.1f} GB"
+                if v["server_share"] else "")
              + f"; smallest free {v['free'] / GB:.1f} GB: {v['verdict']}" for v in verdicts]
     mine = [v for v in verdicts if v["npu_count"] == max(v["npu_count"] for v in verdicts)]
     short = next((v for v in mine if v["geometry"] == "768p/5s"), mine[0])
@@ -134,15 +136,17 @@ def tier_memory(free: list) -> list:
         smallest = min(free[:n])
         for name, (w, h, f) in costmodel.GEOMETRIES.items():
             seq = costmodel.packed_sequence(w, h, f)["seq_len"]
-            mem = costmodel.memory_per_device(seq, n, "bf16")
-            act = mem["activations"] + mem["communicators"]  # and the HCCL communicators' buffers
+            server = costmodel.server_share(w, h, n)["total"]  # the server's own work on device 0 beside rank 0
+            mem = costmodel.memory_per_device(seq, n, "bf16", server=server)
+            act = mem["total"] - mem["weights"]  # activations, the HCCL communicators' buffers, the server's share
             bf16, int8 = costmodel.weight_bytes("bf16") + act, costmodel.weight_bytes("int8") + act
-            sharded = {w: costmodel.memory_per_device(seq, n, "bf16", weights=w, sharding="sharded")["total"]
-                       for w in ("bf16", "int8")}
+            sharded = {wt: costmodel.memory_per_device(seq, n, "bf16", weights=wt, sharding="sharded",
+                                                       server=server)["total"] for wt in ("bf16", "int8")}
             verdict = ("fits" if bf16 <= smallest else "INT8 weights fit; BF16 only with partial loading"
                        if int8 <= smallest else "BF16 and INT8 only with partial loading" if act < smallest
                        else "does not fit")
-            out.append({"npu_count": n, "geometry": name, "seq_len": seq, "need_bf16": bf16, "need_int8": int8,
+            out.append({"npu_count": n, "geometry": name, "seq_len": seq, "server_share": server,
+                        "need_bf16": bf16, "need_int8": int8,
                         "need_bf16_sharded": sharded["bf16"], "need_int8_sharded": sharded["int8"],
                         "free": smallest, "verdict": verdict})
     return out

@@ -50,6 +50,18 @@ SHARDINGS = ("replicated", "sharded")
 # gathers (comfy.multinpu.ProcessComm.side, formed at join). Unmeasured on hardware.
 HCCL_BUFFSIZE_MB = 200
 COMMUNICATORS = 2
+# Since torch_npu 7.1.0 each send/recv pair gets a communicator of its own with P2P_HCCL_BUFFSIZE (20 MB) each way; the
+# programs' pairs (comfy.multinpu_links.program_pairs: every rank to rank 0, each rank to the next) form at join
+P2P_BUFFSIZE_MB = 20
+# The server's own work on device 0, beside worker rank 0 (docs/multinpu.md, "What the server keeps on device 0"): the
+# text encoder's token embeddings (151936 x 5120 bf16) and vision tower, 2.8 GB together at bf16; the video VAE's
+# encoder, 0.43 GB at bf16 (counted from the pin's EncoderFCN3D: ch 128, ch_mult 1 2 2 4 4 8, 2 res blocks, 3x3x3
+# convolutions; an estimate from the configuration, the downsampling convolutions taken as 3x3x3), and its encode of
+# one reference image at the canvas: about 4 live tensors of 128 channels at full resolution (an estimate).
+# Unmeasured on hardware.
+SERVER_TE_BYTES = 2_800_000_000
+SERVER_VAE_ENCODER_BYTES = 431_000_000
+VAE_ENCODE_LIVE_TENSORS, VAE_ENCODE_CHANNELS = 4, 128
 SHARD_ALIGN = 512          # comfy.multinpu_shard.ALIGN: each tensor of a block's flat layout gets aligned(n) + 512
 
 
@@ -172,8 +184,44 @@ def communicator_bytes(world: int, buffsize_mb: int = HCCL_BUFFSIZE_MB) -> int:
     return 0 if world <= 1 else COMMUNICATORS * 2 * buffsize_mb * 2**20
 
 
+def pair_communicators(world: int) -> list:
+    """The send/recv pair communicators each rank holds (unordered pairs of comfy.multinpu_links.program_pairs: every
+    rank to rank 0, each rank to the next): rank 0 P - 1, the last rank 2, the others 3 (P = 2: one each)."""
+    pairs = {tuple(sorted(p)) for p in [(r, 0) for r in range(1, world)] + [(r, r + 1) for r in range(world - 1)]}
+    return [sum(r in p for p in pairs) for r in range(world)]
+
+
+def server_share(width: int, height: int, world: int) -> dict:
+    """What the server's own work holds on device 0 beside worker rank 0 (with several devices): the text encoder's
+    embeddings and vision tower, the VAE encoder and its encode of one reference at the canvas. Estimates
+    (SERVER_* above), unmeasured on hardware."""
+    if world <= 1:
+        return {"text_encoder": 0, "vae_encoder": 0, "vae_encode": 0, "total": 0}
+    encode = VAE_ENCODE_LIVE_TENSORS * VAE_ENCODE_CHANNELS * width * height * 2
+    out = {"text_encoder": SERVER_TE_BYTES, "vae_encoder": SERVER_VAE_ENCODER_BYTES, "vae_encode": encode}
+    out["total"] = sum(out.values())
+    return out
+
+
+def largest_messages(seq_len: int, world: int, dtype: str = "bf16", weights: str = None,
+                     sharding: str = "replicated", cfg: dict = H3) -> dict:
+    """Bytes of the largest single message on each group of one rank: the group's (the Ulysses q/k/v all-to-all's
+    send buffer, 3 x s x H D; the K/V gather's output in that mode) and the side group's (a sharded block's gather)."""
+    if world <= 1:
+        return {"group": 0, "side": 0}
+    e, s, inner = DTYPE_BYTES[dtype], max(shard_sizes(seq_len, world)), cfg["heads"] * cfg["head_dim"]
+    group = 3 * s * inner * e if attention_mode(cfg["heads"], world) == "ulysses" else 2 * world * s * inner * e
+    side = weights_per_device(world, weights or dtype, sharding, cfg, other=dtype)["block_padded"]
+    return {"group": group, "side": side}
+
+
+def hccl_buffers_mb(messages: dict) -> dict:
+    """Each group's HCCL buffer (MB) to hold its largest message whole, never below HCCL's 200 MB default."""
+    return {k: max(HCCL_BUFFSIZE_MB, math.ceil(v / 2**20)) for k, v in messages.items()}
+
+
 def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict = H3, weights: str = None,
-                      sharding: str = "replicated", hccl_buffsize_mb: int = HCCL_BUFFSIZE_MB) -> dict:
+                      sharding: str = "replicated", hccl_buffsize_mb: int = HCCL_BUFFSIZE_MB, server: int = 0) -> dict:
     """Bytes on each device: the DiT weights (the whole DiT, or with sharding the resident slices plus two
     gathered blocks), the HCCL communicators' buffers (communicator_bytes) and an estimate of the peak
     activations of one forward. weights: the weights' storage (default: dtype; "int8" for INT8 linears, the rest
@@ -201,9 +249,12 @@ def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict =
     gather = (p * s + seq_len) * h if world > 1 else 0
     activations = (max(embed, attention, mlp, gather) + s * h) * e
     held = w["resident"] + w["gathered"]
-    comms = communicator_bytes(world, hccl_buffsize_mb)
+    # on device 0 (the busiest: rank 0 holds P - 1 pair communicators and the server's share beside its own work)
+    pairs = pair_communicators(world)[0] * 2 * P2P_BUFFSIZE_MB * 2**20 if world > 1 else 0
+    comms = communicator_bytes(world, hccl_buffsize_mb) + pairs
     return {"weights": held, "weights_resident": w["resident"], "weights_gathered": w["gathered"],
-            "communicators": comms, "activations": activations, "total": held + comms + activations}
+            "communicators": comms, "pair_communicators": pairs, "server_share": server, "activations": activations,
+            "total": held + comms + activations + server}
 
 
 def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS,
@@ -233,8 +284,15 @@ def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int =
         "bytes_per_block": ex["per_block"] * e, "bytes_final_gather": ex["final_gather"] * e,
         "bytes_per_forward": ex["total"] * e, "bytes_per_step": ex["total"] * e * forwards,
         "bytes_per_device_step": ex["per_device_max"] * e * forwards,
-        "memory_per_device": memory_per_device(s_len, world, dtype, weights=weights, sharding=sharding),
+        "memory_per_device": memory_per_device(s_len, world, dtype, weights=weights, sharding=sharding,
+                                               server=server_share(width, height, world)["total"]),
+        "server_share": server_share(width, height, world),
+        "pair_communicators": pair_communicators(world),
     }
+    messages = largest_messages(s_len, world, dtype, weights, sharding)
+    sizes = hccl_buffers_mb(messages)
+    out["hccl"] = {"largest_message": messages, "buffsize_mb": sizes,
+                   "env": f"H3KIT_HCCL_BUFFSIZE={sizes['group']},{sizes['side']}" if world > 1 else None}
     w = weights_per_device(world, weights or dtype, sharding, other=dtype)
     # sharding as asked: on one device there is nothing to shard, and its figures are the replicated ones
     out.update({"weights": weights or dtype, "sharding": sharding,
