@@ -17,7 +17,8 @@ from h3kit import group
 
 ROOT = Path(__file__).resolve().parents[1]
 WIRE = ROOT / "patches" / "src" / "comfy" / "multinpu_wire.py"
-SAME = ("GROUP_ENV", "KEY_ENV", "RANKS_FILE", "WORKER_MODULE", "CHANNEL_PORT_OFFSET", "DEFAULT_JOIN_TIMEOUT")
+SAME = ("GROUP_ENV", "KEY_ENV", "RANKS_FILE", "WORKER_MODULE", "CHANNEL_PORT_OFFSET", "DEFAULT_JOIN_TIMEOUT",
+        "HCCL_PORT_ENV", "HCCL_PORT_START", "HCCL_PORTS", "HCCL_PORT_SLOTS")
 
 
 def _constants(tree) -> dict:
@@ -64,6 +65,11 @@ def test_what_h3kit_writes_is_what_the_runtime_reads(wire, tmp_path):
     spec = json.loads(env[wire["constants"]["GROUP_ENV"]])
     assert set(spec) <= set(wire["fields"]), sorted(set(spec) - set(wire["fields"]))
     assert wire["constants"]["KEY_ENV"] in env
+    # each server's HCCL band (issue 46): a start the runtime accepts, for every device of a 16-device host
+    assert int(env[wire["constants"]["HCCL_PORT_ENV"]]) == wire["constants"]["HCCL_PORT_START"]
+    for device in range(16):
+        band = group.hccl_band([device])
+        assert 1024 <= band <= 65535 - wire["constants"]["HCCL_PORTS"] * wire["constants"]["HCCL_PORT_SLOTS"], device
 
 
 def test_the_modules_a_host_runs_exist():

@@ -21,6 +21,7 @@ from pathlib import Path
 from h3kit import cliutil, comfyargs, group, health, logscan, monitoring, proc, queuesave, testhooks
 from h3kit import devices as h3devices
 from h3kit.errors import NotAComfyTree, UsageError
+from h3kit.service import servers
 from h3kit.service.health import check, wait_healthy
 from h3kit.service.records import (DEFAULT_GRACE, DEFAULT_START_TIMEOUT, KILL_WAIT, LATEST, LOG_DIR, PORT_WAIT,
                                    PortInUse, Progress, Record, ServiceError, StartFailed, StartSpec, StopFailed,
@@ -36,6 +37,8 @@ class StartResult:
     devices: list[dict]
     health: str = "healthy"      # for an already running server: what /system_stats said
     stale: str | None = None     # what a stale record said, when one replaced it
+    root: Path | None = None     # the server's own folder under the tree's runtime root (h3kit.service.servers)
+    restored: queuesave.Restored | None = None  # the queue `stop --keep-queue` kept, queued again
 
 
 def validate_listen(listen: str) -> str:
@@ -181,17 +184,35 @@ def _describe_holder(h: dict) -> str:
 
 def start(root: Path, spec: StartSpec, *, timeout: float = DEFAULT_START_TIMEOUT,
           progress: Progress = _noop, announce: str = "") -> StartResult:
-    """Start the server and return once /system_stats answers (with the expected devices on npu/cuda).
+    """Start a server of the tree whose runtime root is `root` and return once /system_stats answers (with the
+    expected devices on npu/cuda). The server gets its own folder there (h3kit.service.servers: the first server
+    `root` itself, another `root/servers/<port>`), named by the result's `root`.
 
     When the record names our live server on the same port, nothing starts and `already_running` is set.
-    Raises PortInUse when anything else holds the port, StartFailed when the child exits or the deadline
-    passes (the child is stopped first; the log's last lines are in the error's details). `announce` is
-    said (progress) once every check has passed, right before the server is launched.
+    Raises PortInUse when anything else holds the port, DevicesInUse when another server of the tree runs on one
+    of the devices, StartFailed when the child exits or the deadline passes (the child is stopped first; the
+    log's last lines are in the error's details). `announce` is said (progress) once every check has passed,
+    right before the server is launched. A queue `stop --keep-queue` kept is queued again once it is healthy.
     """
     spec = validated(spec)  # before the locks create anything under the runtime root
     require_torch(Path(spec.comfy_home), spec.python, spec.device_type, "ComfyUI")
-    with service_lock(root, home=spec.comfy_home, progress=progress):
-        return start_locked(root, spec, timeout=timeout, progress=progress, announce=announce)
+    with servers.start_slot(root, spec, progress=progress) as own:
+        res = start_locked(own, servers.own_folders(root, own, spec), timeout=timeout, progress=progress,
+                           announce=announce)
+        res.root = own
+        if not res.already_running and not res.record.group.is_agent:
+            res.restored = _restore_kept(own, res.record, progress)
+        return res
+
+
+def _restore_kept(root: Path, rec: Record, progress: Progress) -> queuesave.Restored | None:
+    """Queue again, running prompt first, what `h3kit stop --keep-queue` kept of this server's queue."""
+    kept = queuesave.load(root, queuesave.KEPT_NAME)
+    if kept is None or not (kept.running or kept.pending):
+        return None
+    progress(f"queueing again what the planned stop of {kept.saved_at} kept: {len(kept.running)} running, "
+             f"{len(kept.pending)} pending prompt(s)")
+    return queuesave.restore(root, rec.url, kept, requeue_running=True, name=queuesave.KEPT_NAME)
 
 
 def validated(spec: StartSpec) -> StartSpec:
@@ -285,8 +306,9 @@ def _free_ports(spec: StartSpec) -> group.GroupSettings:
     if not settings.is_agent:
         _wait_port_or_name_holder(spec.listen, spec.port)
     if settings.is_process and settings.node_rank == 0:
-        if settings.master_port == 0:  # one host (several need --master-port): a free one, at every start
-            settings = dataclasses.replace(settings, master_port=group.choose_port(settings.master_addr))
+        if settings.master_port == 0:  # one host (several need --master-port): a free one of its range, every start
+            settings = dataclasses.replace(settings, master_port=group.choose_store_port(settings.master_addr,
+                                                                                          spec.devices))
         else:  # honoured on one host too
             for port in group.rendezvous_ports(settings):
                 _wait_port_or_name_holder(settings.master_addr, port)
@@ -397,15 +419,21 @@ class StopResult:
     signals: list[str] = field(default_factory=list)
     seconds: float = 0.0
     note: str = ""
+    queue: tuple[int, int] | None = None   # (running, pending) when it stopped; None: unknown (no answer) or no server
+    kept: bool = False                     # `keep_queue`: saved for the next start
 
 
 def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop,
-         comfy_home: str | os.PathLike | None = None) -> StopResult:
+         comfy_home: str | os.PathLike | None = None, keep_queue: bool = False) -> StopResult:
     """Stop the recorded server if it is still the process h3kit started; return when its port is free.
 
     No record: nothing to do. A stale record (the process exited, or its pid now names another process)
     is removed and nothing is signalled. Raises StopFailed, keeping the record, when a process survives
     SIGKILL; raises StopFailed when the port stays busy after the process has gone.
+
+    The queue is read first: with `keep_queue` it is kept (queuesave.KEPT_NAME) and the next `start` of this
+    server queues it again, the prompt that was running first; without, it is discarded and counted (`queue`).
+    With `keep_queue`, a live server that does not answer GET /queue is not stopped (queue_unreadable).
     """
     rec = read_record(root, comfy_home)
     if rec is None:
@@ -414,9 +442,31 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
         rec = read_record(root, comfy_home)  # again, under the locks: another command may have acted
         if rec is None:
             return StopResult(False, note="no server recorded; nothing to stop")
+        saved = _queue_at_stop(root, rec, keep_queue)
         out = stop_locked(root, rec, grace=grace, progress=progress)
-        queuesave.discard(root)  # stopped on purpose: its queue goes with it, and no later restart revives it
+        queuesave.discard(root)  # stopped on purpose: watch's save goes, and no later restart revives it
+        if saved is not None:
+            out.queue = (len(saved.running), len(saved.pending))
+            if keep_queue and (saved.running or saved.pending):
+                queuesave.save(root, saved, name=queuesave.KEPT_NAME)
+                out.kept = True
         return out
+
+
+def _queue_at_stop(root: Path, rec: Record, keep_queue: bool) -> queuesave.Saved | None:
+    """The live server's queue right before it is stopped; None for no live HTTP server. With `keep_queue`, a live
+    server that does not answer refuses the stop (its prompts would be lost without a word)."""
+    if rec.group.is_agent or not rec.verify().alive:
+        return None
+    try:
+        return queuesave.read_queue(rec.url, rec.pid, rec.create_time)
+    except health.HttpError as e:
+        if keep_queue:
+            raise ServiceError(f"the server on port {rec.port} does not answer GET /queue ({e}): its queue cannot be "
+                               "kept", code="queue_unreadable",
+                               hint="retry once it answers, or h3kit stop without --keep-queue (its queue is lost)"
+                               ) from None
+        return None
 
 
 def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
