@@ -97,9 +97,9 @@ def require_torch(home: Path, python: str, device_type: str, what: str) -> None:
         return
     from h3kit import pyenv
 
-    from h3kit import doctor, manifest
+    from h3kit import manifest, pairing
 
-    hint = (f"{doctor.torch_install_line(manifest.load(), device_type, python)}; then h3kit doctor --comfy-home {home} "
+    hint = (f"{pairing.torch_install_line(manifest.load(), device_type, python)}; then h3kit doctor --comfy-home {home} "
             f"--python {python} --device-type {device_type} checks the rest; or pass --python the interpreter that "
             "runs ComfyUI")
     try:
