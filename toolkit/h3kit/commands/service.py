@@ -168,14 +168,15 @@ def stop(comfy_home, runtime_root, port, keep_queue, grace, as_json):
                    "discarded": 0 if res.kept or not queue else queue["running"] + queue["pending"]})
     elif res.stopped:
         click.echo(f"stopped: pid {res.pid} ({', then '.join(res.signals)}) in {res.seconds:.1f} s; port free")
-        click.echo(_queue_line(queue, res.kept))
+        click.echo(_queue_line(queue, res.kept, keep_queue))
     else:
         click.echo(f"not running: {res.note}")
 
 
-def _queue_line(queue: dict | None, kept: bool) -> str:
+def _queue_line(queue: dict | None, kept: bool, keep_queue: bool) -> str:
     if queue is None:
-        return "queue: unknown (the server did not answer GET /queue)"
+        return ("queue: unknown (the server did not answer GET /queue" +
+                (", and watch saved none of it): nothing kept" if keep_queue else ")"))
     what = f"{queue['pending']} pending and {queue['running']} running prompt(s)"
     if kept:
         return f"queue: kept {what}; the next h3kit start of this server queues them again, the running one first"

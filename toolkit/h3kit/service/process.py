@@ -433,7 +433,7 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
 
     The queue is read first: with `keep_queue` it is kept (queuesave.KEPT_NAME) and the next `start` of this
     server queues it again, the prompt that was running first; without, it is discarded and counted (`queue`).
-    With `keep_queue`, a live server that does not answer GET /queue is not stopped (queue_unreadable).
+    A server that does not answer GET /queue keeps watch's last save of it (or nothing, said: `queue` None).
     """
     rec = read_record(root, comfy_home)
     if rec is None:
@@ -454,19 +454,16 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
 
 
 def _queue_at_stop(root: Path, rec: Record, keep_queue: bool) -> queuesave.Saved | None:
-    """The live server's queue right before it is stopped; None for no live HTTP server. With `keep_queue`, a live
-    server that does not answer refuses the stop (its prompts would be lost without a word)."""
+    """The live server's queue right before it is stopped; None for no live HTTP server, or one that does not
+    answer. With `keep_queue`, what watch saved of this server at its last healthy check stands in for a server
+    that does not answer (a hung server is stopped all the same: systemd's ExecStop must not fail)."""
     if rec.group.is_agent or not rec.verify().alive:
         return None
     try:
-        return queuesave.read_queue(rec.url, rec.pid, rec.create_time)
-    except health.HttpError as e:
-        if keep_queue:
-            raise ServiceError(f"the server on port {rec.port} does not answer GET /queue ({e}): its queue cannot be "
-                               "kept", code="queue_unreadable",
-                               hint="retry once it answers, or h3kit stop without --keep-queue (its queue is lost)"
-                               ) from None
-        return None
+        return queuesave.read_queue(rec.url, rec.pid, rec.create_time, timeout=3.0)
+    except health.HttpError:
+        saved = queuesave.load(root) if keep_queue else None
+        return saved if saved is not None and saved.is_of(rec.pid, rec.create_time) else None
 
 
 def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
