@@ -14,6 +14,9 @@ What `GET /queue` does not show cannot be restored: ComfyUI keeps the sensitive 
 (`auth_token_comfy_org`, `api_key_comfy_org`) out of it, so a prompt that used a partner node's key fails
 again after the restore until its client submits it with the key.
 
+A planned stop (`h3kit stop --keep-queue`, which the systemd units run) keeps the queue in `queue.kept.json`; the
+next `h3kit start` of that server queues it again, the running prompt first (h3kit.service.process).
+
 After a restore the save becomes `queue.restored.json`, with each prompt's outcome, so a second restart
 does not submit the same prompts twice and a prompt the new server refused can still be read and resent.
 """
