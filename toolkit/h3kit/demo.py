@@ -376,7 +376,7 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
         report["stages"] = st.done
         if not started.already_running and not opts.keep_running:
             with st("stop") as s:
-                service.stop(root, progress=log)
+                service.stop(started.root or root, progress=log)  # its own folder: another server may run
                 s["detail"] = "stopped the server the demo started"
     report["stages"] = st.done
     report["ok"] = True
