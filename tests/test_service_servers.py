@@ -196,3 +196,20 @@ def test_servers_share_the_tree_lock_which_install_holds_alone(tmp_path):
     with locks.tree_lock(home, wait=0):  # while demo holds it alone, the start it runs takes it again
         with locks.tree_lock(home, shared=True):
             pass
+
+
+def test_keep_queue_on_a_server_that_no_longer_answers_keeps_watchs_last_save(two):
+    """systemd's ExecStop must not fail on a wedged server: it is stopped, keeping what watch saved of it."""
+    first, _ = two
+    first.configure(queue_broken=True)
+    assert first.start(devices="0").returncode == 0
+    r = first.run("stop", "--keep-queue")  # no save: stopped all the same, and said
+    assert r.returncode == 0 and "stopped" in r.stdout and "nothing kept" in r.stdout, r.stdout + r.stderr
+    assert first.start(devices="0").returncode == 0
+    rec = first.record()
+    item = queuesave.Item(1, "p-saved", {"1": {}}, {"client_id": "c"})
+    queuesave.save(first.root, queuesave.Saved(rec["pid"], rec["create_time"], first.url, "then", [], [item]))
+    r = first.run("stop", "--keep-queue", "--json")
+    assert r.returncode == 0, r.stderr
+    assert _json(r)["kept"] and _json(r)["queue"] == {"running": 0, "pending": 1}
+    assert [i.prompt_id for i in queuesave.load(first.root, queuesave.KEPT_NAME).pending] == ["p-saved"]
