@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
 
@@ -213,3 +214,12 @@ def test_keep_queue_on_a_server_that_no_longer_answers_keeps_watchs_last_save(tw
     assert r.returncode == 0, r.stderr
     assert _json(r)["kept"] and _json(r)["queue"] == {"running": 0, "pending": 1}
     assert [i.prompt_id for i in queuesave.load(first.root, queuesave.KEPT_NAME).pending] == ["p-saved"]
+
+
+def test_a_bad_hccl_base_port_is_refused_before_anything_starts(tmp_path):
+    home = StandinHome(tmp_path / "comfy", free_port(8410, 8469))
+    env = dict(os.environ, **{group.HCCL_PORT_ENV: "65000"})
+    r = home.run("start", "--devices", "4", "--device-type", "cpu", "--transport", "process", "--port", home.port,
+                 env=env)
+    assert r.returncode == 2 and "bad_hccl_port" in r.stderr and group.HCCL_PORT_ENV in r.stderr, r.stderr
+    assert home.boots() == [] and not (home.root / "server.json").exists()

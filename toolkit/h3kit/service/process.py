@@ -230,6 +230,8 @@ def validated(spec: StartSpec) -> StartSpec:
                     device_type=spec.device_type, port=spec.port, listen=validate_listen(spec.listen),
                     python=resolve_python(home, spec.python), extra_args=list(spec.extra_args), group=spec.group)
     out.extra_args = comfyargs.check(home, out.extra_args, _own_args(out), out.device_type)
+    if out.group.is_process:
+        group.hccl_band(out.devices)  # its HCCL band fits (H3KIT_HCCL_BASE_PORT), else a UsageError before anything
     return out
 
 
