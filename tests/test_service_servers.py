@@ -13,7 +13,7 @@ import os
 import pytest
 
 from tests.support import jsondoc
-from tests.support.service_helpers import StandinHome, free_port, h3kit, http_status, kill_started_under
+from tests.support.service_helpers import StandinHome, free_port, http_status, kill_started_under, wait_for
 
 from h3kit import group, queuesave
 from h3kit.errors import UsageError
@@ -223,3 +223,17 @@ def test_a_bad_hccl_base_port_is_refused_before_anything_starts(tmp_path):
                  env=env)
     assert r.returncode == 2 and "bad_hccl_port" in r.stderr and group.HCCL_PORT_ENV in r.stderr, r.stderr
     assert home.boots() == [] and not (home.root / "server.json").exists()
+
+
+def test_keep_queue_after_a_crash_keeps_watchs_last_save(two):
+    first, _ = two
+    assert first.start(devices="0").returncode == 0
+    rec = first.record()
+    item = queuesave.Item(1, "p-crash", {"1": {}}, {"client_id": "c"})
+    queuesave.save(first.root, queuesave.Saved(rec["pid"], rec["create_time"], first.url, "then", [], [item]))
+    os.kill(rec["pid"], 9)
+    wait_for(lambda: http_status(f"{first.url}/system_stats") is None, 30, "the server to die")
+    r = first.run("stop", "--keep-queue")
+    assert r.returncode == 0 and "not running" in r.stdout and "kept 1 pending" in r.stdout, r.stdout + r.stderr
+    r = first.start("--json", devices="0")
+    assert r.returncode == 0 and _json(r)["restored"]["restored"] == ["p-crash"], r.stdout + r.stderr

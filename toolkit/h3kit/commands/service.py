@@ -171,6 +171,8 @@ def stop(comfy_home, runtime_root, port, keep_queue, grace, as_json):
         click.echo(_queue_line(queue, res.kept, keep_queue))
     else:
         click.echo(f"not running: {res.note}")
+        if res.kept:  # a server that died: what watch last saved of it is kept
+            click.echo(_queue_line(queue, res.kept, keep_queue) + " (as watch last saved it)")
 
 
 def _queue_line(queue: dict | None, kept: bool, keep_queue: bool) -> str:

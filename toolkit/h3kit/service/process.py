@@ -435,7 +435,8 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
 
     The queue is read first: with `keep_queue` it is kept (queuesave.KEPT_NAME) and the next `start` of this
     server queues it again, the prompt that was running first; without, it is discarded and counted (`queue`).
-    A server that does not answer GET /queue keeps watch's last save of it (or nothing, said: `queue` None).
+    A server that does not answer GET /queue, or has died, keeps watch's last save of it (or nothing, said:
+    `queue` None).
     """
     rec = read_record(root, comfy_home)
     if rec is None:
@@ -456,16 +457,16 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
 
 
 def _queue_at_stop(root: Path, rec: Record, keep_queue: bool) -> queuesave.Saved | None:
-    """The live server's queue right before it is stopped; None for no live HTTP server, or one that does not
+    """The live server's queue right before it is stopped; None for an agent, or a server that is gone or does not
     answer. With `keep_queue`, what watch saved of this server at its last healthy check stands in for a server
-    that does not answer (a hung server is stopped all the same: systemd's ExecStop must not fail)."""
-    if rec.group.is_agent or not rec.verify().alive:
+    that does not answer or has died (a hung server is stopped all the same: systemd's ExecStop must not fail)."""
+    if rec.group.is_agent:
         return None
-    try:
-        return queuesave.read_queue(rec.url, rec.pid, rec.create_time, timeout=3.0)
-    except health.HttpError:
-        saved = queuesave.load(root) if keep_queue else None
-        return saved if saved is not None and saved.is_of(rec.pid, rec.create_time) else None
+    if rec.verify().alive:
+        with contextlib.suppress(health.HttpError):
+            return queuesave.read_queue(rec.url, rec.pid, rec.create_time, timeout=3.0)
+    saved = queuesave.load(root) if keep_queue else None
+    return saved if saved is not None and saved.is_of(rec.pid, rec.create_time) else None
 
 
 def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False
