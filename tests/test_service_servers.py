@@ -175,7 +175,8 @@ def test_servers_share_the_tree_lock_which_install_holds_alone(tmp_path):
 
     home = tmp_path / "comfy"
     home.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from h3kit import locks\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path\n"
+                               "from h3kit import locks\n"
                                "with locks.tree_lock(Path(sys.argv[1]), shared=True):\n"
                                "    print('held', flush=True); time.sleep(60)", str(home)],
                               stdout=subprocess.PIPE, text=True)

@@ -3,8 +3,9 @@
 tree_lock(home)
     `fcntl.flock` on `<home>/.h3kit/h3kit.lock`, held by install, revert and demo (exclusively) and by the
     service commands that start or stop a server (shared: the several servers of a tree start and stop at
-    once, while install and revert exclude them all), for as long as they change the tree or the service. A second command
-    waits (bounded, saying for whom), then is refused naming the holder (pid, command, since when). The
+    once, while install and revert exclude them all), for as long as they change the tree or the service.
+    A second command waits (bounded, saying for whom), then is refused naming the holder (pid, command,
+    since when). The
     kernel drops a flock when its holder dies, however it dies, so a lock is never stale. Within one process
     the lock is re-entrant (demo holds it and calls install and start, which take it too). Order, to rule
     out deadlocks: this lock first, then the service lock of the runtime root (h3kit.service).

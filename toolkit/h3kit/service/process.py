@@ -99,8 +99,8 @@ def require_torch(home: Path, python: str, device_type: str, what: str) -> None:
 
     from h3kit import manifest, pairing
 
-    hint = (f"{pairing.torch_install_line(manifest.load(), device_type, python)}; then h3kit doctor --comfy-home {home} "
-            f"--python {python} --device-type {device_type} checks the rest; or pass --python the interpreter that "
+    hint = (f"{pairing.torch_install_line(manifest.load(), device_type, python)}; then h3kit doctor "
+            f"--comfy-home {home} --python {python} --device-type {device_type} checks the rest; or pass --python the interpreter that "
             "runs ComfyUI")
     try:
         info = pyenv.probe(python)

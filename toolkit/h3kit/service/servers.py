@@ -151,7 +151,8 @@ def choose(tree: Path, spec: StartSpec, entries: list[Entry]) -> Path:
     tree runs on one of its devices."""
     for e in entries:
         if e.record is None and e.root == tree:
-            raise BadRecord(e.error, hint="nothing was signalled; if no server runs, delete the file (then h3kit start)")
+            raise BadRecord(e.error,
+                            hint="nothing was signalled; if no server runs, delete the file (then h3kit start)")
     mine = next((e.root for e in entries if e.port == spec.port), None)
     taken = [e for e in entries if e.alive and e.root != mine and set(e.record.devices) & set(spec.devices)]
     if taken:
