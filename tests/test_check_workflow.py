@@ -177,6 +177,19 @@ def test_npu_count_eight_only_against_eight_exposed_devices(tmp_path):
     assert "set npu_count to 8" in messages(check_doc(tmp_path, prompt, devices="0,1,2,3,4,5,6,7"), "H3102")[0]
 
 
+def test_npu_count_auto_is_the_count_of_the_devices_named(tmp_path):
+    """Issue 46: one workflow for a 4-card and an 8-card server; the report says what auto will be."""
+    prompt = deep(API)
+    prompt["6"]["inputs"]["npu_count"] = "auto"
+    for devices, n in (("0,1,2,3", 4), ("0,1,2,3,4,5,6,7", 8), ("4", 1)):
+        result = check_doc(tmp_path, prompt, devices=devices)
+        assert found(result) == [("H3112", "6")] and result.exit_code == 0, devices
+        assert messages(result, "H3112")[0] == f"npu_count is auto: {n} on --devices {devices}"
+    result = check_doc(tmp_path, prompt)  # no server named: said, and nothing compared
+    assert found(result) == [("H3105", "6"), ("H3112", "6")] and result.exit_code == 0
+    assert "--port" in messages(result, "H3112")[0]
+
+
 def test_npu_count_from_a_primitive_and_unresolvable(tmp_path):
     prompt = deep(API)
     prompt["40"] = {"class_type": "PrimitiveInt", "inputs": {"value": 2}}
@@ -611,6 +624,17 @@ def test_card_memory_from_the_running_service(tmp_path, fake_service):
     assert f"the cards have 32 GB (/system_stats of http://127.0.0.1:{fake_service.server_port})" in messages(result, "H3109")[0]
     # --device-memory wins over the service's figure
     assert found(check_doc(tmp_path, prompt, comfy_home=str(home), device_memory=80), "H3109") == []
+
+
+def test_npu_count_auto_on_a_server_of_three_cards_is_an_error(tmp_path, fake_service):
+    prompt = deep(API)
+    prompt["6"]["inputs"]["npu_count"] = "auto"
+    _FakeComfy.stats = {"system": {"argv": ["main.py"]}, "devices": [{"name": f"npu:{i}"} for i in range(3)]}
+    home = _home(tmp_path, {"port": fake_service.server_port, "listen": "127.0.0.1", "device_type": "npu",
+                            "devices": [0, 1, 2, 3]})
+    result = check_doc(tmp_path, prompt, comfy_home=str(home))
+    assert found(result, "H3101") == [("H3101", "6")] and result.exit_code == 1
+    assert "npu_count is auto, which is 3 on the running service at" in messages(result, "H3101")[0]
 
 
 def test_a_record_whose_process_is_gone_says_nothing(tmp_path, fake_service):

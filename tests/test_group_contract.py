@@ -1,5 +1,5 @@
 """The group contract is written twice, once per interpreter: toolkit/h3kit/group.py (h3kit's, which writes the
-environment a server or agent starts with) and patches/src/comfy/multinpu_wire.py (ComfyUI's, which reads it; it
+environment a server or agent starts with) and patches/src/comfy/multinpu_wire.py with multinpu_links.py (ComfyUI's, which read it; it
 imports torch, so h3kit never imports it). This test reads the second without importing it and fails when the two
 differ: environment names, the ranks file, the channel's port offset, the join
 timeout, the modules a host runs, and the fields of the JSON h3kit writes."""
@@ -17,7 +17,9 @@ from h3kit import group
 
 ROOT = Path(__file__).resolve().parents[1]
 WIRE = ROOT / "patches" / "src" / "comfy" / "multinpu_wire.py"
-SAME = ("GROUP_ENV", "KEY_ENV", "RANKS_FILE", "WORKER_MODULE", "CHANNEL_PORT_OFFSET", "DEFAULT_JOIN_TIMEOUT")
+LINKS = ROOT / "patches" / "src" / "comfy" / "multinpu_links.py"  # the HCCL constants live beside their helpers
+SAME = ("GROUP_ENV", "KEY_ENV", "RANKS_FILE", "WORKER_MODULE", "CHANNEL_PORT_OFFSET", "DEFAULT_JOIN_TIMEOUT",
+        "HCCL_PORT_ENV", "HCCL_PORT_START", "HCCL_PORTS", "HCCL_PORT_SLOTS")
 
 
 def _constants(tree) -> dict:
@@ -45,12 +47,13 @@ def _group_spec(tree) -> tuple:
 def wire():
     tree = ast.parse(WIRE.read_text())
     fields, defaults = _group_spec(tree)
-    return {"constants": _constants(tree), "fields": fields, "defaults": defaults}
+    constants = {**_constants(ast.parse(LINKS.read_text())), **_constants(tree)}
+    return {"constants": constants, "fields": fields, "defaults": defaults}
 
 
 @pytest.mark.parametrize("name", SAME)
 def test_both_sides_agree(wire, name):
-    assert wire["constants"][name] == getattr(group, name), f"{name} differs between group.py and multinpu_wire.py"
+    assert wire["constants"][name] == getattr(group, name), f"{name} differs between group.py and multinpu_wire.py / multinpu_links.py"
 
 
 def test_the_defaults_agree(wire):
@@ -64,6 +67,11 @@ def test_what_h3kit_writes_is_what_the_runtime_reads(wire, tmp_path):
     spec = json.loads(env[wire["constants"]["GROUP_ENV"]])
     assert set(spec) <= set(wire["fields"]), sorted(set(spec) - set(wire["fields"]))
     assert wire["constants"]["KEY_ENV"] in env
+    # each server's HCCL band (issue 46): a start the runtime accepts, for every device of a 16-device host
+    assert int(env[wire["constants"]["HCCL_PORT_ENV"]]) == wire["constants"]["HCCL_PORT_START"]
+    for device in range(16):
+        band = group.hccl_band([device])
+        assert 1024 <= band <= 65535 - wire["constants"]["HCCL_PORTS"] * wire["constants"]["HCCL_PORT_SLOTS"], device
 
 
 def test_the_modules_a_host_runs_exist():

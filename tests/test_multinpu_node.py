@@ -87,7 +87,7 @@ def test_node_schema(checks):
     assert v["node_id"] == "MultiNPUParallelConfig" and v["category"] == "advanced/multigpu"
     # weights (issue 14) is optional and last: a prompt or workflow saved without it runs with auto
     assert v["required"] == ["model", "npu_count"] and v["optional"] == ["clip", "vae", "audio_vae", "weights"]
-    assert v["npu_count"] == ["COMBO", [1, 2, 4, 8], 4]
+    assert v["npu_count"] == ["COMBO", ["auto", 1, 2, 4, 8], 4]
     assert v["weights"] == ["COMBO", ["auto", "replicated", "sharded"], "auto"]
     assert v["return_types"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
@@ -99,7 +99,9 @@ def test_node_device_check(checks):
         msg = v["verdicts"][n]
         assert f"npu_count is {n} but this ComfyUI process sees 3 simulated cpu devices (H3KIT_SIM_DEVICES=3)" in msg
         assert "Fix: set npu_count to 3" in msg and f"H3KIT_SIM_DEVICES={n}" in msg
-    assert "must be one of [1, 2, 4, 8], got 3" in v["verdicts"]["3"]
+    assert "must be auto or one of [1, 2, 4, 8], got 3" in v["verdicts"]["3"]
+    # auto is the server's own count: 3 simulated devices, which H3 cannot split across (issue 46)
+    assert "npu_count auto is this server's device count, 3" in v["verdicts"]["auto"]
     assert v["raised"] == v["verdicts"]["4"], "execute must refuse with the same message"
     assert v["work_before_check"] == 0, "the check runs before any model work"
     assert v["one_passes_through"]
@@ -227,7 +229,7 @@ def _prompt(npu_count):
 def test_server_lists_the_node(server):
     info = comfy_server.http("GET", server.url + "/object_info/MultiNPUParallelConfig")["MultiNPUParallelConfig"]
     assert info["category"] == "advanced/multigpu"
-    assert info["input"]["required"]["npu_count"][1]["options"] == [1, 2, 4, 8]
+    assert info["input"]["required"]["npu_count"][1]["options"] == ["auto", 1, 2, 4, 8]
     assert info["input"]["optional"]["weights"][1]["options"] == ["auto", "replicated", "sharded"]
     assert info["output"] == ["MODEL", "CLIP", "VAE", "VAE"]
 
@@ -243,6 +245,13 @@ def test_server_rejects_a_count_the_process_lacks(server):
 def test_server_runs_the_node(server):
     server.run_prompt(_prompt(2), timeout=120)
     assert "MultiNPU: MiniMax H3 DiT sequence-parallel on 2 simulated cpu devices" in server.log_text()
+
+
+def test_server_runs_npu_count_auto_on_its_own_devices(server):
+    """npu_count auto (issue 46) runs on the server's 2 devices, as npu_count 2 does."""
+    before = server.log_text().count("sequence-parallel on 2 simulated cpu devices")
+    server.run_prompt(_prompt("auto"), timeout=120)
+    assert server.log_text().count("sequence-parallel on 2 simulated cpu devices") == before + 1
 
 
 def test_server_two_devices_match_one_in_decoded_frames_and_audio(server):

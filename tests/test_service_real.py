@@ -326,3 +326,73 @@ def _host_refuses_huge_allocations() -> bool:
         return Path("/proc/sys/vm/overcommit_memory").read_text().strip() in ("0", "2")
     except OSError:
         return False
+
+
+# ---- several servers of one tree (issue 46) ---------------------------------------------------------------
+
+
+def tiny_h3_prompt(seed: int) -> dict:
+    """The demo's tiny H3 workflow (npu_count 1), its noise seed varied so no output is cached."""
+    prompt = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "api" / "demo_t2va_tiny.json").read_text())
+    prompt["8"]["inputs"]["noise_seed"] = seed
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def second(server, comfy_tree):
+    """A second server of the same tree and runtime root, on device 1 and a port of its own (one boot serves both
+    tests below); stopped at the end."""
+    from h3kit import demo
+    demo.write_tiny_checkpoints(comfy_tree, server.python)
+    home = Home(comfy_tree, free_port(8470, 8489, exclude=(server.port,)))
+    home.python = server.python
+    yield home
+    home.run("stop", "--port", home.port, "--grace", "5")
+
+
+def start_second(home: Home) -> dict:
+    r = home.start("--python", home.python, "--json", devices="1", timeout=BOOT_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    return jsondoc.data(r.stdout, r.returncode)
+
+
+def test_a_second_server_of_the_tree_runs_prompts_beside_the_first(server, second, comfy_tree):
+    ensure_running(server)
+    started = start_second(second)
+    assert started["runtime_root"] == str(server.root / "servers" / str(second.port))
+    assert server.record()["port"] == server.port  # the first server keeps its record
+    # the first server busy with a dozen blur prompts; the second runs the tiny H3 workflow meanwhile
+    seed = int(time.time() * 1000)
+    busy = [http_json(f"{server.url}/prompt", {"prompt": blur_prompt((seed + i) % 16777215)})["prompt_id"]
+            for i in range(12)]
+    wait_for(lambda: queue(server)[0] == 1, 60, "the first server to run a prompt")
+    mine = http_json(f"{second.url}/prompt", {"prompt": tiny_h3_prompt(seed)})["prompt_id"]
+    wait_for(lambda: completed(second, mine), 300, "the second server's prompt to complete")
+    running, pending = queue(server)
+    assert running + pending > 0, "the first server's work ended before the second's prompt: nothing ran at once"
+    assert not completed(server, busy[-1])
+    # each server wrote into its own output folder: the first into the tree's, the second into output/<port>
+    videos = list((comfy_tree / "output" / str(second.port) / "h3kit_demo").glob("video*"))
+    assert videos, sorted(p.name for p in (comfy_tree / "output").rglob("*"))[:20]
+    http_json(f"{server.url}/queue", {"clear": True})
+    http_json(f"{server.url}/interrupt", {})
+    # status lists both; the commands that act on one need --port while both run
+    r = server.run("status", "--json")
+    assert [s["port"] for s in jsondoc.data(r.stdout, r.returncode)["servers"]] == [server.port, second.port]
+    r = server.run("stop")
+    assert r.returncode == 1 and "several_servers" in r.stderr
+
+
+def test_stop_keep_queue_then_start_runs_every_prompt_it_kept(server, second):
+    start_second(second)  # already running after the test above: nothing starts
+    ids = queue_three(second)  # one running, two pending
+    r = second.run("stop", "--port", second.port, "--keep-queue", "--json")
+    assert r.returncode == 0, r.stderr
+    out = jsondoc.data(r.stdout, r.returncode)
+    assert out["stopped"] and out["kept"] and out["queue"] == {"running": 1, "pending": 2}
+    started = start_second(second)
+    assert started["restored"]["restored"] == ids and started["restored"]["failed"] == []  # the running one first
+    assert_ran_again(second, ids, [0, 1, 2])
+    # queued once: a plain stop now discards nothing and says so
+    r = second.run("stop", "--port", second.port)
+    assert r.returncode == 0 and "queue: empty, nothing discarded" in r.stdout, r.stdout

@@ -212,7 +212,7 @@ def device_check():
     import comfy.multinpu_dit
     import comfy_extras.nodes_multinpu as nm
     node = nm.MultiNPUParallelConfigNode
-    verdicts = {n: node.validate_inputs(npu_count=n) for n in (1, 2, 3, 4, 8)}
+    verdicts = {n: node.validate_inputs(npu_count=n) for n in (1, 2, 3, 4, 8, "auto")}
     patcher, _ = _tiny_patcher()
     applied = []
     real = comfy.multinpu_dit.apply_sequence_parallel

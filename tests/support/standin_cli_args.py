@@ -44,6 +44,8 @@ parser.add_argument("--preview-size", type=int, default=512)
 parser.add_argument("--front-end-root", type=existing_folder, default=None)
 parser.add_argument("--verbose", nargs="*", default=[])
 parser.add_argument("--disable-smart-memory", action="store_true")
+parser.add_argument("--output-directory", type=str, default=None)
+parser.add_argument("--temp-directory", type=str, default=None)
 
 vram_group = parser.add_mutually_exclusive_group()
 vram_group.add_argument("--highvram", action="store_true")

@@ -175,6 +175,8 @@ def main():
                                                    "comfyui_version": "stand-in"},
                                         "devices": device_entries(cfg)})
             if path == "/queue":
+                if cfg.get("queue_broken"):  # a server that no longer answers its queue (wedged)
+                    return self._json(500, {"error": "stand-in: queue_broken"})
                 running, pending = cfg.get("queue", [0, 0])
                 extra = {"client_id": "standin-client", "create_time": 1}
                 return self._json(200, {"queue_running": [[i, f"r{i}", {"1": {}}, extra, ["1"]] for i in range(running)],

@@ -155,7 +155,7 @@ def run_bench(comfy_home: str | None, runtime_root: str | None, workflow: Path, 
         for p in (prompt, other):
             if p is not None and not set_npu_count(p, npu_count):
                 raise UsageError("--npu-count: the workflow has no MultiNPUParallelConfig node to set")
-    root = service.runtime_root(comfy_home, runtime_root)
+    root = service.pick(service.runtime_root(comfy_home, runtime_root), None, comfy_home)  # several: refused
     rec = service.read_record(root)
     if rec is None or not rec.verify().alive:
         raise BenchError(f"no running h3kit server under {root}", code="not_running",

@@ -199,3 +199,14 @@ def check(comfy_home: Path, extra: list[str], own: list[str], device_type: str) 
         raise ExtraArgsError(f"ComfyUI would reject the arguments after -- together with h3kit's "
                              f"({' '.join(own)}): {e}", hint="remove the conflicting argument") from None
     return list(extra)
+
+
+def dests(comfy_home: Path, extra: list[str]) -> set[str]:
+    """The options (argparse dests, prefixes resolved as ComfyUI resolves them) that `extra` sets; extra is
+    assumed checked (`check`)."""
+    if not extra:
+        return set()
+    try:
+        return set(vars(load_rules(comfy_home).parse_args(extra)))
+    except _Refused:
+        return set()

@@ -279,7 +279,7 @@ def require_interpreter(home: Path, python: str, device_type: str) -> None:
     torchaudio, safetensors (torch-npu on npu) and, once the tree exists, its requirements.txt. The same
     metadata-only probe `h3kit start` refuses an interpreter without torch with (service.require_torch); the
     fix is the exact pip line `h3kit doctor` prints."""
-    from h3kit import doctor, manifest, pyenv
+    from h3kit import manifest, pairing, pyenv
 
     try:
         found = pyenv.probe(python, packages=True).get("packages") or []
@@ -294,7 +294,7 @@ def require_interpreter(home: Path, python: str, device_type: str) -> None:
         return
     fixes = []
     if {"torch", "torchaudio", "torch-npu"} & set(missing):
-        fixes.append(doctor.torch_install_line(manifest.load(), device_type, python))
+        fixes.append(pairing.torch_install_line(manifest.load(), device_type, python))
     if set(missing) - {"torch", "torchaudio", "torch-npu"}:
         fixes.append(f"{python} -m pip install -r {reqs}" if reqs.is_file() else
                      f"{python} -m pip install -r requirements.txt of the ComfyUI pin (ComfyUI's requirements; "
@@ -376,7 +376,7 @@ def _run_demo(opts: DemoOptions, home: Path, log) -> dict:
         report["stages"] = st.done
         if not started.already_running and not opts.keep_running:
             with st("stop") as s:
-                service.stop(root, progress=log)
+                service.stop(started.root or root, progress=log)  # its own folder: another server may run
                 s["detail"] = "stopped the server the demo started"
     report["stages"] = st.done
     report["ok"] = True

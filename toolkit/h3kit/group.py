@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import socket
 import stat
 from dataclasses import dataclass
@@ -116,11 +117,66 @@ def _check_local(addr: str):
 
 
 def choose_port(addr: str) -> int:
-    """A free port on `addr` for the group's store (the kernel's choice, so it never takes one by force)."""
+    """A free port on `addr` (the kernel's choice, so it never takes one by force)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+# The ports of the servers of one host, in ranges of their own (docs/service.md, "Several servers on one host"):
+# a server's ranges follow from the lowest device id it runs on, and servers of one host run on disjoint devices.
+HCCL_PORT_ENV = "H3KIT_HCCL_BASE_PORT"  # read by comfy/multinpu_wire.py: the first port of this server's HCCL band
+HCCL_PORT_START = 60000              # HCCL's own default HCCL_IF_BASE_PORT: the host's first band
+HCCL_PORTS = 16                      # ports HCCL may take from its base port
+HCCL_PORT_SLOTS = 16                 # generations before a base port comes round again
+HCCL_BAND = HCCL_PORTS * HCCL_PORT_SLOTS
+STORE_PORT_START = 29500             # torch.distributed's customary store port: the host's first store range
+STORE_PORTS = 64                     # a server's store range (one host, no --master-port): below the kernel's
+#                                      ephemeral ports (32768 and up), so no outgoing connection lands in it
+
+
+def hccl_band(devices: list[int], env: dict | None = None) -> int:
+    """The first port of the HCCL band of the server on `devices`: the host's base (H3KIT_HCCL_BASE_PORT in
+    h3kit's environment, else 60000) plus one band of 256 ports per device id below the server's lowest; the
+    runtime rotates each generation's HCCL_IF_BASE_PORT within it. UsageError when it does not fit."""
+    raw = (os.environ if env is None else env).get(HCCL_PORT_ENV) or str(HCCL_PORT_START)
+    try:
+        base = int(raw)
+    except ValueError:
+        base = -1
+    start = base + min(devices) * HCCL_BAND
+    if base < 1024 or start + HCCL_BAND - 1 > 65535:
+        raise UsageError(f"{HCCL_PORT_ENV}={raw} leaves no HCCL band of {HCCL_BAND} ports for device {min(devices)}",
+                         code="bad_hccl_port",
+                         hint=f"unset it (60000), or give the host's first HCCL port, from 1024 to "
+                              f"{65536 - HCCL_BAND * (min(devices) + 1)}: each server takes {HCCL_BAND} ports per "
+                              "device id below its lowest")
+    return start
+
+
+def store_ports(devices: list[int]) -> range:
+    """The range the store port of the server on `devices` is chosen from on one host (no --master-port)."""
+    first = STORE_PORT_START + min(devices) * STORE_PORTS
+    return range(first, first + STORE_PORTS)
+
+
+def choose_store_port(addr: str, devices: list[int]) -> int:
+    """A free port of the server's store range on `addr`, at random among the free ones (two starts at once seldom
+    meet); UsageError naming --master-port when the whole range is taken. Never a port by force."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    ports = list(store_ports(devices))
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    raise UsageError(f"every port of the group's store range {ports and min(ports)}-{ports and max(ports)} on {addr} "
+                     "is in use", code="no_store_port",
+                     hint="pass --master-port with a free port; h3kit never takes a port by force")
 
 
 CHANNEL_PORT_OFFSET = 1  # comfy.multinpu_wire's: the command channel's TCP listener for the other hosts
@@ -164,7 +220,7 @@ def environment(settings: GroupSettings, device_type: str, devices: list[int], r
             "device_type": device_type, "master_addr": settings.master_addr,
             "master_port": settings.master_port, "join_timeout": settings.join_timeout,
             "runtime_root": str(root), "worker_args": list(worker_args)}
-    return {GROUP_ENV: json.dumps(spec), KEY_ENV: key}
+    return {GROUP_ENV: json.dumps(spec), KEY_ENV: key, HCCL_PORT_ENV: str(hccl_band(devices))}
 
 
 def agent_argv(python: str) -> list[str]:

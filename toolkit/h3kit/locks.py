@@ -1,9 +1,11 @@
 """One lock per ComfyUI home, and temporary folders the next run can tell are abandoned.
 
 tree_lock(home)
-    `fcntl.flock` on `<home>/.h3kit/h3kit.lock`, held by install, revert, demo and the service commands
-    that start or stop the server, for as long as they change the tree or the service. A second command
-    waits (bounded, saying for whom), then is refused naming the holder (pid, command, since when). The
+    `fcntl.flock` on `<home>/.h3kit/h3kit.lock`, held by install, revert and demo (exclusively) and by the
+    service commands that start or stop a server (shared: the several servers of a tree start and stop at
+    once, while install and revert exclude them all), for as long as they change the tree or the service.
+    A second command waits (bounded, saying for whom), then is refused naming the holder (pid, command,
+    since when). The
     kernel drops a flock when its holder dies, however it dies, so a lock is never stale. Within one process
     the lock is re-entrant (demo holds it and calls install and start, which take it too). Order, to rule
     out deadlocks: this lock first, then the service lock of the runtime root (h3kit.service).
@@ -45,9 +47,10 @@ class TreeBusy(H3kitError):
 
 
 class _Held:
-    def __init__(self, fd: int | None):
+    def __init__(self, fd: int | None, shared: bool = False):
         self.fd = fd
         self.depth = 1
+        self.shared = shared
 
 
 _held: dict[str, _Held] = {}
@@ -120,27 +123,8 @@ def _open_lock(path: Path, create: bool) -> int | None:
         raise
 
 
-@contextlib.contextmanager
-def tree_lock(home: Path, *, wait: float | None = None, create: bool = True,
-              progress: Callable[[str], None] | None = None):
-    """Hold the lock of `home` (see the module docstring). `create=False` takes it only if the lock file
-    already exists (dry runs and verify change nothing). A home that does not exist yet is not locked: there
-    is nothing in it to protect (install creates it first when it needs the lock)."""
-    home = Path(home).expanduser().resolve()  # one key per tree, however the caller spelled its path
-    path = lock_path(home)
-    key = str(path)
-    held = _held.get(key)
-    if held is not None:
-        held.depth += 1
-        try:
-            yield
-        finally:
-            held.depth -= 1
-        return
-    if not home.is_dir():
-        yield
-        return
-    wait = lock_wait() if wait is None else wait
+def _acquire(home: Path, path: Path, create: bool, wait: float, progress, shared: bool) -> int | None:
+    """The descriptor holding the lock of `home` (None: it cannot exist here); TreeBusy after `wait` seconds."""
     deadline = time.monotonic() + wait
     said = False
     while True:
@@ -150,9 +134,9 @@ def tree_lock(home: Path, *, wait: float | None = None, create: bool = True,
             raise H3kitError(f"cannot open the lock {path}: {e.strerror or e}", code="lock_failed",
                              hint="check the permissions of the folder") from None
         if fd is None:
-            break
+            return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
@@ -171,9 +155,36 @@ def tree_lock(home: Path, *, wait: float | None = None, create: bool = True,
         except FileNotFoundError:
             same = False
         if same:
-            break
+            return fd
         os.close(fd)
-    _held[key] = _Held(fd)
+
+
+@contextlib.contextmanager
+def tree_lock(home: Path, *, wait: float | None = None, create: bool = True,
+              progress: Callable[[str], None] | None = None, shared: bool = False):
+    """Hold the lock of `home` (see the module docstring). `create=False` takes it only if the lock file
+    already exists (dry runs and verify change nothing). A home that does not exist yet is not locked: there
+    is nothing in it to protect (install creates it first when it needs the lock). `shared`: the service
+    commands' hold (several servers of one tree start and stop at once; install, revert and demo, which hold
+    it exclusively, exclude them all)."""
+    home = Path(home).expanduser().resolve()  # one key per tree, however the caller spelled its path
+    path = lock_path(home)
+    key = str(path)
+    held = _held.get(key)
+    if held is not None:
+        if held.shared and not shared:
+            raise RuntimeError(f"{path}: an exclusive hold inside a shared one")  # a programming error, not a user's
+        held.depth += 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+        return
+    if not home.is_dir():
+        yield
+        return
+    fd = _acquire(home, path, create, lock_wait() if wait is None else wait, progress, shared)
+    _held[key] = _Held(fd, shared)
     try:
         yield
     finally:

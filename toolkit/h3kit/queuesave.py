@@ -14,6 +14,9 @@ What `GET /queue` does not show cannot be restored: ComfyUI keeps the sensitive 
 (`auth_token_comfy_org`, `api_key_comfy_org`) out of it, so a prompt that used a partner node's key fails
 again after the restore until its client submits it with the key.
 
+A planned stop (`h3kit stop --keep-queue`, which the systemd units run) keeps the queue in `queue.kept.json`; the
+next `h3kit start` of that server queues it again, the running prompt first (h3kit.service.process).
+
 After a restore the save becomes `queue.restored.json`, with each prompt's outcome, so a second restart
 does not submit the same prompts twice and a prompt the new server refused can still be read and resent.
 """
@@ -31,6 +34,7 @@ from h3kit import health
 
 SAVE_NAME = "queue.json"
 RESTORED_NAME = "queue.restored.json"
+KEPT_NAME = "queue.kept.json"   # `h3kit stop --keep-queue`: the next `h3kit start` of that server queues it again
 MAX_SAVE = 256 << 20          # a queue of a few hundred large workflows; anything larger is not ours
 # ComfyUI adds these to extra_data itself when a prompt is posted; sending them back would be refused or
 # duplicated
@@ -121,18 +125,18 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def save(root: Path, saved: Saved, *, unless_same: bool = False) -> Path:
+def save(root: Path, saved: Saved, *, unless_same: bool = False, name: str = SAVE_NAME) -> Path:
     """Write the save atomically, readable by its owner only (prompts are the users' work). With
     `unless_same` (watch, every few seconds) a save that already holds the same server and prompt ids is
     left as it is: a queue of large workflows is not rewritten every tick, and its saved_at stays the time
     the queue was last seen to change."""
-    path = root / SAVE_NAME
+    path = root / name
     if unless_same and path.is_file():
-        now = load(root)
+        now = load(root, name)
         if now is not None and now.is_of(saved.pid, saved.create_time) and now.summary() | {"saved_at": 0} == \
                 saved.summary() | {"saved_at": 0}:
             return path
-    tmp = path.with_name(f".{SAVE_NAME}.{os.getpid()}")
+    tmp = path.with_name(f".{name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(saved.to_dict(), f)
@@ -141,10 +145,10 @@ def save(root: Path, saved: Saved, *, unless_same: bool = False) -> Path:
     return path
 
 
-def load(root: Path) -> Saved | None:
+def load(root: Path, name: str = SAVE_NAME) -> Saved | None:
     """The save under `root`, or None when there is none or it is not one h3kit wrote (then it is left
     alone for the operator to read; a restart never posts what it cannot vouch for)."""
-    path = root / SAVE_NAME
+    path = root / name
     try:
         if not path.is_file() or path.stat().st_size > MAX_SAVE:
             return None
@@ -159,9 +163,9 @@ def load(root: Path) -> Saved | None:
         return None
 
 
-def discard(root: Path) -> None:
+def discard(root: Path, name: str = SAVE_NAME) -> None:
     with contextlib.suppress(FileNotFoundError):
-        (root / SAVE_NAME).unlink()
+        (root / name).unlink()
 
 
 @dataclass
@@ -198,7 +202,7 @@ class Restored:
 
 
 def restore(root: Path, url: str, saved: Saved, *, requeue_running: bool = False, first_error: str | None = None,
-            timeout: float = 30.0) -> Restored:
+            timeout: float = 30.0, name: str = SAVE_NAME) -> Restored:
     """Post the saved prompts to the server at `url` in order (the running one first, when asked), skip any
     the server already holds, then keep the save, with the outcome, as queue.restored.json."""
     out = Restored(saved.saved_at, running=[i.prompt_id for i in saved.running], requeued_running=requeue_running,
@@ -230,7 +234,7 @@ def restore(root: Path, url: str, saved: Saved, *, requeue_running: bool = False
         json.dump({**saved.to_dict(), "outcome": out.to_dict()}, f)
         f.write("\n")
     os.replace(tmp, path)
-    discard(root)
+    discard(root, name)
     return out
 
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-HCCL_PORT_ENV = "H3KIT_HCCL_BASE_PORT"  # the first port of the band the generations' HCCL base ports rotate in
+HCCL_PORT_ENV = "H3KIT_HCCL_BASE_PORT"  # the first port of this server's band (h3kit.group.hccl_band: one per server)
 HCCL_PORT_START = 60000              # HCCL's own default HCCL_IF_BASE_PORT
 HCCL_PORTS = 16                      # ports HCCL may take from its base port (one per device of a host; CANN docs)
 HCCL_PORT_SLOTS = 16                 # generations before a base port comes round again: a band of 256 ports

@@ -18,7 +18,21 @@ import comfy.multinpu_te
 import comfy.multinpu_vae
 
 NPU_COUNTS = [1, 2, 4, 8]
+AUTO = "auto"                        # the server's own device count: one workflow for a 4-card and an 8-card server
+NPU_CHOICES = [AUTO] + NPU_COUNTS
 WEIGHTS = ["auto", "replicated", "sharded"]
+
+
+def server_npu_count() -> int:
+    """The devices this server runs on: the ranks of its process group, or the devices this process sees."""
+    transport = comfy.multinpu_process.transport()
+    ranks = getattr(transport, "world_size", None)  # a process group's; the thread transport has none
+    return ranks if isinstance(ranks, int) else len(comfy.multidevice.get_devices())
+
+
+def resolve_npu_count(npu_count):
+    """npu_count with "auto" replaced by this server's device count."""
+    return server_npu_count() if npu_count == AUTO else npu_count
 
 
 def check_npu_count(npu_count) -> str | None:
@@ -26,10 +40,16 @@ def check_npu_count(npu_count) -> str | None:
 
     npu_count 1 always runs (on the model's own device). 2, 4 and 8 must equal the ranks of the server's
     process group (one process per device, on one host or several) or, with the thread transport, the
-    devices this process sees: the service exposes exactly the cards the workflow is meant for.
+    devices this process sees: the service exposes exactly the cards the workflow is meant for. "auto" is
+    that count, which must itself be 1, 2, 4 or 8.
     """
+    if npu_count == AUTO:
+        n = server_npu_count()
+        return None if n in NPU_COUNTS else (
+            f"MultiNPU Parallel Config: npu_count auto is this server's device count, {n}, and H3 runs on 1, 2, 4 "
+            "or 8 devices. Fix: restart the service on 1, 2, 4 or 8 devices, or set npu_count to 1.")
     if npu_count not in NPU_COUNTS:
-        return f"MultiNPU Parallel Config: npu_count must be one of {NPU_COUNTS}, got {npu_count!r}."
+        return f"MultiNPU Parallel Config: npu_count must be auto or one of {NPU_COUNTS}, got {npu_count!r}."
     problem = comfy.multinpu_process.transport().npu_count_error(npu_count)
     return f"MultiNPU Parallel Config: {problem}" if problem else None
 
@@ -72,7 +92,8 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
 
     npu_count must equal the number of devices this ComfyUI server runs on: the processes of its group
     (h3kit start --devices, on one host or several), or the devices it sees with the thread transport. On a
-    server with a different count the prompt is rejected before any work, with the fix.
+    server with a different count the prompt is rejected before any work, with the fix. npu_count auto takes
+    that count, whatever it is: one workflow for a 4-card and an 8-card server.
     Put this node last in the model chain, after LoRA and model-sampling nodes, and use its outputs
     everywhere the workflow needs the model, text encoder and VAEs. A text encoder with a LoRA, or a
     VAE that is not the H3 video VAE, passes through on one device (logged).
@@ -90,8 +111,9 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
                 io.Clip.Input("clip", optional=True),
                 io.Vae.Input("vae", optional=True),
                 io.Vae.Input("audio_vae", optional=True),
-                io.Combo.Input("npu_count", options=NPU_COUNTS, default=4,
-                               tooltip="Devices to run on: 1, 2, 4 or 8, equal to the devices this server runs on."),
+                io.Combo.Input("npu_count", options=NPU_CHOICES, default=4,
+                               tooltip="Devices to run on: 1, 2, 4 or 8, equal to the devices this server runs on; "
+                                       "auto: the devices this server runs on."),
                 io.Combo.Input("weights", options=WEIGHTS, default="auto", optional=True,
                                tooltip="Where the DiT weights live: replicated (the whole DiT on every device), "
                                        "sharded (1/npu_count of every block on each device, gathered per block), "
@@ -110,11 +132,12 @@ class MultiNPUParallelConfigNode(io.ComfyNode):
         return check_npu_count(npu_count) or True
 
     @classmethod
-    def execute(cls, model: ModelPatcher, npu_count: int, clip: CLIP = None, vae: VAE = None,
+    def execute(cls, model: ModelPatcher, npu_count: int | str, clip: CLIP = None, vae: VAE = None,
                 audio_vae: VAE = None, weights: str = "auto") -> io.NodeOutput:
         problem = check_npu_count(npu_count)
         if problem is not None:
             raise ValueError(problem)
+        npu_count = resolve_npu_count(npu_count)
         if npu_count > 1:
             # on the ranks of this server's runtime (comfy.multinpu_process.runtime_for)
             model = comfy.multinpu_dit.apply_sequence_parallel(

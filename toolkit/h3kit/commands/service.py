@@ -23,6 +23,9 @@ runtime_root_option = click.option(
          "default <comfy-home>/.h3kit/run).")
 grace_option = click.option("--grace", type=click.FloatRange(min=0), default=service.DEFAULT_GRACE,
                             show_default=True, metavar="S", help="Seconds between SIGTERM and SIGKILL.")
+port_option = click.option(
+    "--port", type=click.IntRange(1, 65535), default=None, metavar="PORT",
+    help="The server of this tree on PORT (needed when several of its servers run; h3kit status lists them).")
 timeout_option = click.option("--timeout", type=click.FloatRange(min=1), default=service.DEFAULT_START_TIMEOUT,
                               show_default=True, metavar="S", help="Seconds to wait for the server to be healthy.")
 
@@ -120,12 +123,13 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
                 err(f"  | {line}")
         raise
     rec = res.record
-    ranks = group.ranks_view(root, rec.pid, rec.node_rank, rec.comfy_home)["ranks"] if rec.group.is_process else []
+    ranks = group.ranks_view(res.root, rec.pid, rec.node_rank, rec.comfy_home)["ranks"] if rec.group.is_process else []
     if as_json:
         emit_json({"ok": True, "already_running": res.already_running, "pid": rec.pid, "url": rec.url,
                    "port": rec.port, "device_type": rec.device_type, "devices": res.devices, "health": res.health,
                    "seconds": round(res.seconds, 2), "log": rec.log, "stale_record": res.stale,
-                   "group": rec.group.as_dict(), "ranks": ranks})
+                   "group": rec.group.as_dict(), "ranks": ranks, "runtime_root": str(res.root),
+                   "restored": res.restored.to_dict() if res.restored else None})
         return
     where = f"node {rec.node_rank} agent" if rec.group.is_agent else rec.url
     if res.already_running:
@@ -134,32 +138,53 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
     else:
         click.echo(f"started: pid {rec.pid} on {where}, healthy after {res.seconds:.1f} s")
     click.echo(f"log: {rec.log}")
-    for line in _device_lines(res.devices) + _rank_lines(ranks):
+    for line in _device_lines(res.devices) + _rank_lines(ranks) + (res.restored.lines() if res.restored else []):
         click.echo(line)
 
 
 @click.command()
 @comfy_home_option(required=False)
 @runtime_root_option
+@port_option
+@click.option("--keep-queue", is_flag=True,
+              help="Keep the pending prompts, and the running one, for the next h3kit start of this server, which "
+                   "queues them again (a planned stop: systemctl restart, an upgrade, a reboot).")
 @grace_option
 @json_option
 @handle_errors
-def stop(comfy_home, runtime_root, grace, as_json):
-    """Stop the server h3kit started.
+def stop(comfy_home, runtime_root, port, keep_queue, grace, as_json):
+    """Stop a server h3kit started.
 
     Only the recorded process is signalled, after checking its start time and command line: SIGTERM to
     its process group, SIGKILL after --grace seconds. Returns when the port is free. A stale record is
-    removed without signalling anything.
+    removed without signalling anything. Without --keep-queue its queue is discarded, and counted.
     """
-    root = service.runtime_root(comfy_home, runtime_root)
-    res = service.stop(root, grace=grace, progress=_progress, comfy_home=comfy_home)
+    root = service.pick(service.runtime_root(comfy_home, runtime_root), port, comfy_home)
+    res = service.stop(root, grace=grace, progress=_progress, comfy_home=comfy_home, keep_queue=keep_queue)
+    queue = dict(zip(("running", "pending"), res.queue)) if res.queue else None
     if as_json:
         emit_json({"ok": True, "stopped": res.stopped, "pid": res.pid, "signals": res.signals,
-                   "seconds": round(res.seconds, 2), "note": res.note})
+                   "seconds": round(res.seconds, 2), "note": res.note, "queue": queue, "kept": res.kept,
+                   "discarded": 0 if res.kept or not queue else queue["running"] + queue["pending"]})
     elif res.stopped:
         click.echo(f"stopped: pid {res.pid} ({', then '.join(res.signals)}) in {res.seconds:.1f} s; port free")
+        click.echo(_queue_line(queue, res.kept, keep_queue))
     else:
         click.echo(f"not running: {res.note}")
+        if res.kept:  # a server that died: what watch last saved of it is kept
+            click.echo(_queue_line(queue, res.kept, keep_queue) + " (as watch last saved it)")
+
+
+def _queue_line(queue: dict | None, kept: bool, keep_queue: bool) -> str:
+    if queue is None:
+        return ("queue: unknown (the server did not answer GET /queue" +
+                (", and watch saved none of it): nothing kept" if keep_queue else ")"))
+    what = f"{queue['pending']} pending and {queue['running']} running prompt(s)"
+    if kept:
+        return f"queue: kept {what}; the next h3kit start of this server queues them again, the running one first"
+    if not queue["pending"] and not queue["running"]:
+        return "queue: empty, nothing discarded"
+    return f"queue: discarded {what} (h3kit stop --keep-queue keeps them for the next start)"
 
 
 requeue_running_option = click.option(
@@ -170,13 +195,14 @@ requeue_running_option = click.option(
 @click.command()
 @comfy_home_option(required=False)
 @runtime_root_option
+@port_option
 @click.option("--force", is_flag=True, help="Restart even while a prompt runs (it is dropped; pending ones are kept).")
 @requeue_running_option
 @grace_option
 @timeout_option
 @json_option
 @handle_errors
-def restart(comfy_home, runtime_root, force, requeue_running, grace, timeout, as_json):
+def restart(comfy_home, runtime_root, port, force, requeue_running, grace, timeout, as_json):
     """Restart the server (after an OOM, say) with the same settings, keeping its queue.
 
     Saves the pending prompts (GET /queue), shows the first error of the previous run's log, stops the
@@ -184,7 +210,7 @@ def restart(comfy_home, runtime_root, force, requeue_running, grace, timeout, as
     order, with their client ids. Refuses while a prompt runs unless --requeue-running or --force. After a
     crash, the last save of that server (watch refreshes it every tick) is restored.
     """
-    root = service.runtime_root(comfy_home, runtime_root)
+    root = service.pick(service.runtime_root(comfy_home, runtime_root), port, comfy_home)
     res = service.restart(root, force=force, requeue_running=requeue_running, grace=grace, timeout=timeout,
                           progress=_progress, comfy_home=comfy_home)
     phases = {k: round(v, 2) for k, v in res.phases.items()}
@@ -210,24 +236,32 @@ def restart(comfy_home, runtime_root, force, requeue_running, grace, timeout, as
 @click.command()
 @comfy_home_option(required=False)
 @runtime_root_option
+@port_option
 @json_option
 @handle_errors
-def status(comfy_home, runtime_root, as_json):
-    """Show whether the server runs, its devices and its queue.
+def status(comfy_home, runtime_root, port, as_json):
+    """Show whether the tree's servers run, their devices and their queues.
 
-    Exits 0 when the recorded process runs, 1 when it does not, 4 when it runs with the process transport
-    but its group cannot run prompts now (failed, re-forming, a rank down).
+    With one server (or --port), exits 0 when the recorded process runs, 1 when it does not, 4 when it runs
+    with the process transport but its group cannot run prompts now (failed, re-forming, a rank down). With
+    several, lists each (--json: {"servers": [...]}) and exits with the worst of their codes.
     """
     if comfy_home and not (Path(comfy_home) / "main.py").is_file():
         raise NotAComfyTree(Path(comfy_home).expanduser().absolute())  # as every other command says it
-    root = service.runtime_root(comfy_home, runtime_root)
-    st = service.status(root, comfy_home=comfy_home)
-    code = service.status_code(st)
+    tree = service.runtime_root(comfy_home, runtime_root)
+    entries = service.list_servers(tree, comfy_home) if port is None else []
+    roots = [e.root for e in entries] if len(entries) > 1 else [service.pick(tree, port, comfy_home)]
+    states = [service.status(root, comfy_home=comfy_home) for root in roots]
+    codes = [service.status_code(st) for st in states]
+    code = 0 if all(c == 0 for c in codes) else max(codes)
     if as_json:
-        emit_json(st, ok=code == 0)
+        emit_json(states[0] if len(states) == 1 else {"runtime_root": str(tree), "servers": states}, ok=code == 0)
     else:
-        for line in _status_lines(st):
-            click.echo(line)
+        for st in states:
+            if len(states) > 1:
+                click.echo(f"== server on port {st.get('port', '?')} ({st['runtime_root']}) ==")
+            for line in _status_lines(st):
+                click.echo(line)
     raise SystemExit(code)
 
 
@@ -261,17 +295,18 @@ def _status_lines(st: dict) -> list[str]:
 @click.command()
 @comfy_home_option(required=False)
 @runtime_root_option
+@port_option
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines, across restarts, until Ctrl-C.")
 @click.option("--errors", is_flag=True, help="Only error blocks: tracebacks, failed prompts, OOMs.")
 @click.option("-n", "--lines", type=click.IntRange(min=0), default=0, help="Only the last N lines (0: all).")
 @handle_errors
-def logs(comfy_home, runtime_root, follow, errors, lines):
+def logs(comfy_home, runtime_root, port, follow, errors, lines):
     """Print or follow the server log.
 
     ComfyUI's colours are kept on a terminal, unless NO_COLOR is set (https://no-color.org), and dropped
     when the output is not a terminal.
     """
-    root = service.runtime_root(comfy_home, runtime_root)
+    root = service.pick(service.runtime_root(comfy_home, runtime_root), port, comfy_home)
     rec = service.read_record(root, comfy_home)
     path = Path(rec.log) if rec else service.latest_log(root)
     if not path.exists():
@@ -356,6 +391,7 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
 @click.command()
 @comfy_home_option(required=False)
 @runtime_root_option
+@port_option
 @click.option("--interval", type=click.FloatRange(min=0.05), default=5.0, show_default=True, metavar="S",
               help="Seconds between checks.")
 @click.option("--failures", type=click.IntRange(min=1), default=3, show_default=True, metavar="N",
@@ -377,7 +413,7 @@ def _follow(root: Path, path: Path, errors: bool, lines: int) -> None:
 @requeue_running_option
 @json_option
 @handle_errors
-def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, crash_limit, crash_window,
+def watch(comfy_home, runtime_root, port, interval, failures, backoff, backoff_max, crash_limit, crash_window,
           stable_after, grace, timeout, max_seconds, requeue_running, as_json):
     """Keep the server up: restart it when it dies or stops answering.
 
@@ -386,7 +422,7 @@ def watch(comfy_home, runtime_root, interval, failures, backoff, backoff_max, cr
     loop (the server is stopped and the reason printed). Saves the queue on every healthy check and
     queues the pending prompts again after a restart (the running one only with --requeue-running).
     """
-    root = service.runtime_root(comfy_home, runtime_root)
+    root = service.pick(service.runtime_root(comfy_home, runtime_root), port, comfy_home)
     policy = supervise.WatchPolicy(interval=interval, failures=failures, backoff=backoff,
                                    backoff_max=backoff_max, crash_limit=crash_limit, crash_window=crash_window,
                                    stable_after=stable_after, grace=grace, start_timeout=timeout,

@@ -17,12 +17,14 @@ from h3kit.cliutil import comfy_home_option, emit_json, handle_errors, json_opti
 @comfy_home_option(required=False)
 @click.option("--runtime-root", metavar="DIR", type=click.Path(),
               help="Where the service record is (default <comfy-home>/.h3kit/run).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, metavar="PORT",
+              help="The server of --comfy-home on PORT, when the tree runs several (npu_count auto is its count).")
 @click.option("--device-memory", type=click.FloatRange(min=0, min_open=True), metavar="GB",
               help="Memory of one card in GB (64 for a 910B, 32 for a 910B4), to check that the workflow's tier "
                    "fits. Default: the smallest card the running service of --comfy-home reports.")
 @json_option
 @handle_errors
-def check_workflow(files, devices, comfy_home, runtime_root, device_memory, as_json):
+def check_workflow(files, devices, comfy_home, runtime_root, port, device_memory, as_json):
     """Check H3 workflows (UI, API or /prompt body) before they reach the NPUs.
 
     Finds a wrong npu_count, a tier (devices, BF16/INT8 weights, replicated/sharded) that does not fit the
@@ -34,7 +36,7 @@ def check_workflow(files, devices, comfy_home, runtime_root, device_memory, as_j
     from h3kit.workflow import check_paths, report
 
     result = check_paths(list(files), devices=devices, comfy_home=comfy_home, runtime_root=runtime_root,
-                         device_memory=device_memory)
+                         device_memory=device_memory, port=port)
     if as_json:
         emit_json({"findings": [f.to_dict() for f in result.findings], "summary": result.summary},
                   ok=result.exit_code == 0)

@@ -4,7 +4,6 @@ envprobe.py in a subprocess: nothing here imports torch), and the pairing in sou
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,7 @@ from pathlib import Path
 from h3kit import cliutil, install, pyenv
 from h3kit import service as h3service
 from h3kit.doctor.base import Doctor
+from h3kit.pairing import torch_install_line  # noqa: F401 (doctor's interface keeps it)
 from h3kit.errors import H3kitError
 
 PROBE_TIMEOUT = 180.0          # importing torch_npu and touching every card can take a minute
@@ -141,27 +141,6 @@ def torch_versions(data: dict, kind: str) -> str:
                 f"and CANN {entry['cann']}{compatible}")
     build = "a CUDA build of " if kind == "cuda" else ""
     return f"{build}torch {cpu['torch']}, torchvision {cpu['torchvision']} and torchaudio {cpu['torchaudio']}"
-
-
-def torch_install_line(data: dict, kind: str, python: str, only_audio: bool = False) -> str:
-    """The exact pip command that puts source_deps_info.json's pairing for `kind` into `python` (the commands
-    of docs/deployment.md, section 0). torchaudio goes in with --no-deps: the newest on the registry declares
-    an older torch but imports and resamples fine with the paired one."""
-    cpu = data["torch"]["cpu"]
-    py = shlex.quote(str(python))
-    audio = f"{py} -m pip install --no-deps torchaudio=={cpu['torchaudio']}"
-    if only_audio:
-        return audio
-    index = "--index-url https://download.pytorch.org/whl/cpu"
-    if kind == "npu":
-        entry = data["torch"]["npu"][0]
-        return (f"{py} -m pip install torch=={entry['torch']} {index} && {py} -m pip install "
-                f"torch-npu=={entry['torch_npu']} && {audio}; then install CANN {entry['cann']} and pass --python a "
-                "wrapper that sources its set_env.sh (docs/deployment.md, 'A new machine')")
-    if kind == "cuda":
-        return (f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']} (the CUDA build "
-                f"for this driver: https://pytorch.org/get-started/locally/) && {audio}")
-    return f"{py} -m pip install torch=={cpu['torch']} torchvision=={cpu['torchvision']} {index} && {audio}"
 
 
 def cann_pairing(version: str, entry: dict) -> str | None:

@@ -6,6 +6,7 @@ Layout under the runtime root (`<comfy-home>/.h3kit/run` unless overridden):
     service.lock                 held (fcntl.flock) while a command starts or stops the server
     logs/comfyui-<stamp>.log     one file per start: the server's stdout and stderr
     logs/latest                  link to the newest log
+    servers/<port>/              the same files for each further server of the tree (servers.py: several servers)
 
 With the process transport (h3kit.group) the server is rank 0 of a process group and starts one worker per
 other device; on the other hosts of a group the record names the host's agent instead of ComfyUI, and the
@@ -27,7 +28,8 @@ This module never imports click; progress goes through an optional `progress(mes
 
 Where each concern lives: records.py (the layout, server.json and its checks, the settings a server starts with,
 service.lock, the constants and errors), process.py (start and stop), health.py (health checks, the wait for a
-starting server, status), restart_policy.py (restart, keeping the queue). Import them from here: `h3kit.service`
+starting server, status), restart_policy.py (restart, keeping the queue), servers.py (several servers of one tree: their folders, which
+one a command means, and what each has of its own). Import them from here: `h3kit.service`
 is the interface the commands, supervise and the tests use.
 """
 
@@ -44,3 +46,5 @@ from h3kit.service.process import (  # noqa: F401
     StartResult, StopResult, child_environment, is_public, require_torch, resolve_python, start, start_locked,
     stop, stop_locked, validate_listen, validated)
 from h3kit.service.restart_policy import RestartResult, restart, start_keeping_queue  # noqa: F401
+from h3kit.service.servers import (  # noqa: F401
+    SERVERS_DIR, DevicesInUse, Entry, SeveralServers, list_servers, pick, server_root, server_roots)

@@ -21,6 +21,7 @@ from pathlib import Path
 from h3kit import cliutil, comfyargs, group, health, logscan, monitoring, proc, queuesave, testhooks
 from h3kit import devices as h3devices
 from h3kit.errors import NotAComfyTree, UsageError
+from h3kit.service import servers
 from h3kit.service.health import check, wait_healthy
 from h3kit.service.records import (DEFAULT_GRACE, DEFAULT_START_TIMEOUT, KILL_WAIT, LATEST, LOG_DIR, PORT_WAIT,
                                    PortInUse, Progress, Record, ServiceError, StartFailed, StartSpec, StopFailed,
@@ -36,6 +37,8 @@ class StartResult:
     devices: list[dict]
     health: str = "healthy"      # for an already running server: what /system_stats said
     stale: str | None = None     # what a stale record said, when one replaced it
+    root: Path | None = None     # the server's own folder under the tree's runtime root (h3kit.service.servers)
+    restored: queuesave.Restored | None = None  # the queue `stop --keep-queue` kept, queued again
 
 
 def validate_listen(listen: str) -> str:
@@ -94,10 +97,10 @@ def require_torch(home: Path, python: str, device_type: str, what: str) -> None:
         return
     from h3kit import pyenv
 
-    from h3kit import doctor, manifest
+    from h3kit import manifest, pairing
 
-    hint = (f"{doctor.torch_install_line(manifest.load(), device_type, python)}; then h3kit doctor --comfy-home {home} "
-            f"--python {python} --device-type {device_type} checks the rest; or pass --python the interpreter that "
+    hint = (f"{pairing.torch_install_line(manifest.load(), device_type, python)}; then h3kit doctor "
+            f"--comfy-home {home} --python {python} --device-type {device_type} checks the rest; or pass --python the interpreter that "
             "runs ComfyUI")
     try:
         info = pyenv.probe(python)
@@ -181,17 +184,35 @@ def _describe_holder(h: dict) -> str:
 
 def start(root: Path, spec: StartSpec, *, timeout: float = DEFAULT_START_TIMEOUT,
           progress: Progress = _noop, announce: str = "") -> StartResult:
-    """Start the server and return once /system_stats answers (with the expected devices on npu/cuda).
+    """Start a server of the tree whose runtime root is `root` and return once /system_stats answers (with the
+    expected devices on npu/cuda). The server gets its own folder there (h3kit.service.servers: the first server
+    `root` itself, another `root/servers/<port>`), named by the result's `root`.
 
     When the record names our live server on the same port, nothing starts and `already_running` is set.
-    Raises PortInUse when anything else holds the port, StartFailed when the child exits or the deadline
-    passes (the child is stopped first; the log's last lines are in the error's details). `announce` is
-    said (progress) once every check has passed, right before the server is launched.
+    Raises PortInUse when anything else holds the port, DevicesInUse when another server of the tree runs on one
+    of the devices, StartFailed when the child exits or the deadline passes (the child is stopped first; the
+    log's last lines are in the error's details). `announce` is said (progress) once every check has passed,
+    right before the server is launched. A queue `stop --keep-queue` kept is queued again once it is healthy.
     """
     spec = validated(spec)  # before the locks create anything under the runtime root
     require_torch(Path(spec.comfy_home), spec.python, spec.device_type, "ComfyUI")
-    with service_lock(root, home=spec.comfy_home, progress=progress):
-        return start_locked(root, spec, timeout=timeout, progress=progress, announce=announce)
+    with servers.start_slot(root, spec, progress=progress) as own:
+        res = start_locked(own, servers.own_folders(root, own, spec), timeout=timeout, progress=progress,
+                           announce=announce)
+        res.root = own
+        if not res.already_running and not res.record.group.is_agent:
+            res.restored = _restore_kept(own, res.record, progress)
+        return res
+
+
+def _restore_kept(root: Path, rec: Record, progress: Progress) -> queuesave.Restored | None:
+    """Queue again, running prompt first, what `h3kit stop --keep-queue` kept of this server's queue."""
+    kept = queuesave.load(root, queuesave.KEPT_NAME)
+    if kept is None or not (kept.running or kept.pending):
+        return None
+    progress(f"queueing again what the planned stop of {kept.saved_at} kept: {len(kept.running)} running, "
+             f"{len(kept.pending)} pending prompt(s)")
+    return queuesave.restore(root, rec.url, kept, requeue_running=True, name=queuesave.KEPT_NAME)
 
 
 def validated(spec: StartSpec) -> StartSpec:
@@ -209,6 +230,8 @@ def validated(spec: StartSpec) -> StartSpec:
                     device_type=spec.device_type, port=spec.port, listen=validate_listen(spec.listen),
                     python=resolve_python(home, spec.python), extra_args=list(spec.extra_args), group=spec.group)
     out.extra_args = comfyargs.check(home, out.extra_args, _own_args(out), out.device_type)
+    if out.group.is_process:
+        group.hccl_band(out.devices)  # its HCCL band fits (H3KIT_HCCL_BASE_PORT), else a UsageError before anything
     return out
 
 
@@ -285,8 +308,9 @@ def _free_ports(spec: StartSpec) -> group.GroupSettings:
     if not settings.is_agent:
         _wait_port_or_name_holder(spec.listen, spec.port)
     if settings.is_process and settings.node_rank == 0:
-        if settings.master_port == 0:  # one host (several need --master-port): a free one, at every start
-            settings = dataclasses.replace(settings, master_port=group.choose_port(settings.master_addr))
+        if settings.master_port == 0:  # one host (several need --master-port): a free one of its range, every start
+            settings = dataclasses.replace(settings, master_port=group.choose_store_port(settings.master_addr,
+                                                                                          spec.devices))
         else:  # honoured on one host too
             for port in group.rendezvous_ports(settings):
                 _wait_port_or_name_holder(settings.master_addr, port)
@@ -397,15 +421,22 @@ class StopResult:
     signals: list[str] = field(default_factory=list)
     seconds: float = 0.0
     note: str = ""
+    queue: tuple[int, int] | None = None   # (running, pending) when it stopped; None: unknown (no answer) or no server
+    kept: bool = False                     # `keep_queue`: saved for the next start
 
 
 def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop,
-         comfy_home: str | os.PathLike | None = None) -> StopResult:
+         comfy_home: str | os.PathLike | None = None, keep_queue: bool = False) -> StopResult:
     """Stop the recorded server if it is still the process h3kit started; return when its port is free.
 
     No record: nothing to do. A stale record (the process exited, or its pid now names another process)
     is removed and nothing is signalled. Raises StopFailed, keeping the record, when a process survives
     SIGKILL; raises StopFailed when the port stays busy after the process has gone.
+
+    The queue is read first: with `keep_queue` it is kept (queuesave.KEPT_NAME) and the next `start` of this
+    server queues it again, the prompt that was running first; without, it is discarded and counted (`queue`).
+    A server that does not answer GET /queue, or has died, keeps watch's last save of it (or nothing, said:
+    `queue` None).
     """
     rec = read_record(root, comfy_home)
     if rec is None:
@@ -414,9 +445,28 @@ def stop(root: Path, *, grace: float = DEFAULT_GRACE, progress: Progress = _noop
         rec = read_record(root, comfy_home)  # again, under the locks: another command may have acted
         if rec is None:
             return StopResult(False, note="no server recorded; nothing to stop")
+        saved = _queue_at_stop(root, rec, keep_queue)
         out = stop_locked(root, rec, grace=grace, progress=progress)
-        queuesave.discard(root)  # stopped on purpose: its queue goes with it, and no later restart revives it
+        queuesave.discard(root)  # stopped on purpose: watch's save goes, and no later restart revives it
+        if saved is not None:
+            out.queue = (len(saved.running), len(saved.pending))
+            if keep_queue and (saved.running or saved.pending):
+                queuesave.save(root, saved, name=queuesave.KEPT_NAME)
+                out.kept = True
         return out
+
+
+def _queue_at_stop(root: Path, rec: Record, keep_queue: bool) -> queuesave.Saved | None:
+    """The live server's queue right before it is stopped; None for an agent, or a server that is gone or does not
+    answer. With `keep_queue`, what watch saved of this server at its last healthy check stands in for a server
+    that does not answer or has died (a hung server is stopped all the same: systemd's ExecStop must not fail)."""
+    if rec.group.is_agent:
+        return None
+    if rec.verify().alive:
+        with contextlib.suppress(health.HttpError):
+            return queuesave.read_queue(rec.url, rec.pid, rec.create_time, timeout=3.0)
+    saved = queuesave.load(root) if keep_queue else None
+    return saved if saved is not None and saved.is_of(rec.pid, rec.create_time) else None
 
 
 def stop_locked(root: Path, rec: Record, *, grace: float, progress: Progress, keep_record: bool = False

@@ -374,16 +374,17 @@ def _not_writable(root: Path, e: OSError) -> ServiceError:
 
 @contextlib.contextmanager
 def service_lock(root: Path, wait: float = LOCK_WAIT, *, home: str | os.PathLike | None = None,
-                 progress: Progress | None = None):
-    """Hold the tree lock of `home` (when given), then `<root>/service.lock`, while starting or stopping;
-    another holder makes this wait, then fail naming it."""
+                 progress: Progress | None = None, name: str = LOCK_NAME):
+    """Hold the tree lock of `home` (when given; shared, so the other servers of the tree start and stop
+    meanwhile, but install and revert wait), then `<root>/service.lock` (this server's own), while starting or
+    stopping; another holder makes this wait, then fail naming it."""
     # the tree lock is created only in a ComfyUI tree: a record naming another folder must not litter it
     tree = Path(home) if home else None
-    with (locks.tree_lock(tree, create=(tree / "main.py").is_file(), progress=progress) if tree
+    with (locks.tree_lock(tree, create=(tree / "main.py").is_file(), progress=progress, shared=True) if tree
           else contextlib.nullcontext()):
         try:
             root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise _not_writable(root, e) from None
         try:

@@ -20,11 +20,13 @@ class Result:
 
 
 def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str | None = None,
-                runtime_root: str | None = None, environ=None, device_memory: float | None = None) -> Result:
+                runtime_root: str | None = None, environ=None, device_memory: float | None = None,
+                port: int | None = None) -> Result:
     """Check each file; exit code 2 if any could not be read, else 1 if any error was found, else 0.
 
     Devices: `devices` (a device list, as `h3kit start --devices`), else ASCEND_RT_VISIBLE_DEVICES (or
-    CUDA_VISIBLE_DEVICES) in `environ`, else the running service of `comfy_home`. Memory of one card (GB):
+    CUDA_VISIBLE_DEVICES) in `environ`, else the running service of `comfy_home` (the one on `port` when several
+    run). Memory of one card (GB):
     `device_memory`, else the smallest card the running service's /system_stats lists. Bad device lists and
     a --comfy-home that is not ComfyUI raise UsageError.
     """
@@ -47,7 +49,7 @@ def check_paths(paths: list[str], *, devices: str | None = None, comfy_home: str
     if comfy_home:
         from h3kit.workflow import models, service as service_mod
 
-        service, why = service_mod.connect(comfy_home, runtime_root)
+        service, why = service_mod.connect(comfy_home, runtime_root, port)
         object_info = service.object_info() if service else None
         if object_info:
             catalog.merge_object_info(object_info)

@@ -63,7 +63,7 @@ UPLOAD_FLAGS = ("image_upload", "video_upload", "audio_upload", "file_upload")
 H3KIT_NODES = {
     "MultiNPUParallelConfig": {
         "inputs": [
-            ["npu_count", "INT", True, {}],
+            ["npu_count", "COMBO", True, {"options": ["auto", 1, 2, 4, 8], "default": 4}],
             ["model", "MODEL", True, {}],
             ["clip", "CLIP", False, {}],
             ["vae", "VAE", False, {}],

@@ -9,7 +9,7 @@ Facts behind them (the H3 traps users report, listed in docs/check-workflow.md, 
   SageAttention degrade H3's audio; the audio VAE must stay fp32; one device at BF16 768p/15 s is not a
   supported setting.
 - MultiNPUParallelConfig (h3kit patch series): npu_count must be 1, 2, 4 or 8 and equal the devices the
-  service exposes; exactly one may be active and its MODEL output must reach a sampler. Its weights input
+  service exposes, or auto (the service's own count, which must itself be 1, 2, 4 or 8); exactly one may be active and its MODEL output must reach a sampler. Its weights input
   (auto, replicated, sharded; a workflow saved before it existed runs with auto) says where the DiT's
   weights live, and with the card memory known the tier (devices, BF16 or INT8 weights, replicated or
   sharded, the geometry) must fit a card (h3kit.runtime.costmodel, the model `h3kit plan` prints).
@@ -27,6 +27,7 @@ from h3kit.workflow.resolve import UNKNOWN, as_int, value
 
 CONFIG = "MultiNPUParallelConfig"
 NPU_COUNTS = (1, 2, 4, 8)  # the node's npu_count choices (8: an 8-card service or a group of hosts)
+AUTO = "auto"              # npu_count auto: the server's own device count (issue 46)
 WEIGHTS_CHOICES = ("auto", "replicated", "sharded")  # the node's weights choices (a missing value is auto)
 GEOMETRY_NODES = ("EmptyMiniMaxH3LatentAV", "MiniMaxH3ImageToVideo", "MiniMaxH3ReferenceToVideo")
 GUIDE = "MiniMaxH3AddGuide"  # upstream since 0.33.0: anchors an image, a clip and/or audio at frame_idx
@@ -278,24 +279,7 @@ def check_parallel_config(graph: Graph, ctx: Context, index: _Index):
              "running service for --comfy-home): npu_count was not compared with the devices; pass "
              "--devices to check it")
     for cfg in configs:
-        raw = value(graph, cfg, "npu_count")
-        npu = _count(raw)
-        if raw is UNKNOWN:
-            _add(graph, "H3106", cfg, "npu_count comes from a node whose value is only known at run time: "
-                 "it was not checked; set it on the node to have it checked")
-        elif npu not in NPU_COUNTS:
-            _add(graph, "H3101", cfg, f"npu_count is {_show(raw)}; H3 runs on 1, 2, 4 or 8 NPUs: "
-                 f"set it to {_fit(len(devices)) if devices else 4}")
-        elif npu == 8 and devices is None:
-            # 8 ranks exist only on an 8-card server or a group of hosts: never assume them
-            _add(graph, "H3108", cfg, "npu_count is 8, which needs 8 exposed devices (one 8-card service, or a "
-                 "process group of several hosts), and no device list says so: pass --devices with 8 ids, or "
-                 "--comfy-home of the running 8-rank service")
-        elif devices is not None and npu != len(devices):
-            fix = (f"set npu_count to {len(devices)}" if len(devices) in NPU_COUNTS
-                   else "expose 1, 2, 4 or 8 devices")
-            _add(graph, "H3102", cfg, f"npu_count is {npu} but {len(devices)} device(s) are exposed "
-                 f"({ctx.device_source}): {fix}, or expose {npu} device(s) (h3kit start --devices ...)")
+        npu = _check_npu_count(graph, cfg, ctx)
         weights = value(graph, cfg, "weights")
         if weights is not UNKNOWN and weights is not None and weights not in WEIGHTS_CHOICES:
             _add(graph, "H3110", cfg, f"weights is {_show(weights)}; MultiNPUParallelConfig takes "
@@ -310,6 +294,47 @@ def check_parallel_config(graph: Graph, ctx: Context, index: _Index):
             _add(graph, "H3104", cfg, "the MODEL output of MultiNPUParallelConfig reaches no sampler "
                  "(KSampler, SamplerCustom, or a guider into SamplerCustomAdvanced), so it configures nothing: "
                  "connect its MODEL output on the path to the sampler")
+
+
+def _check_npu_count(graph: Graph, cfg: Node, ctx: Context):
+    """The findings of one MultiNPUParallelConfig's npu_count; the count it runs with (auto: the exposed devices',
+    None when unknown)."""
+    raw = value(graph, cfg, "npu_count")
+    devices = ctx.devices
+    npu = _npu_count(raw, devices)
+    if raw is UNKNOWN:
+        _add(graph, "H3106", cfg, "npu_count comes from a node whose value is only known at run time: "
+             "it was not checked; set it on the node to have it checked")
+    elif raw == AUTO:
+        if devices is None:
+            _add(graph, "H3112", cfg, "npu_count is auto: the prompt runs on every device of the server that takes "
+                 "it; pass --devices, or --comfy-home (and --port) of that server, to see how many")
+        elif npu not in NPU_COUNTS:
+            _add(graph, "H3101", cfg, f"npu_count is auto, which is {npu} on {ctx.device_source}; H3 runs on 1, 2, 4 "
+                 f"or 8 NPUs: expose 1, 2, 4 or 8 devices, or set npu_count to {_fit(npu)}")
+        else:
+            _add(graph, "H3112", cfg, f"npu_count is auto: {npu} on {ctx.device_source}")
+    elif npu not in NPU_COUNTS:
+        _add(graph, "H3101", cfg, f"npu_count is {_show(raw)}; H3 runs on 1, 2, 4 or 8 NPUs: "
+             f"set it to {_fit(len(devices)) if devices else 4}, or auto (the server's own count)")
+    elif npu == 8 and devices is None:
+        # 8 ranks exist only on an 8-card server or a group of hosts: never assume them
+        _add(graph, "H3108", cfg, "npu_count is 8, which needs 8 exposed devices (one 8-card service, or a "
+             "process group of several hosts), and no device list says so: pass --devices with 8 ids, or "
+             "--comfy-home of the running 8-rank service")
+    elif devices is not None and npu != len(devices):
+        fix = (f"set npu_count to {len(devices)} (or auto)" if len(devices) in NPU_COUNTS
+               else "expose 1, 2, 4 or 8 devices")
+        _add(graph, "H3102", cfg, f"npu_count is {npu} but {len(devices)} device(s) are exposed "
+             f"({ctx.device_source}): {fix}, or expose {npu} device(s) (h3kit start --devices ...)")
+    return npu
+
+
+def _npu_count(raw, devices):
+    """The count npu_count `raw` runs with: auto is the exposed devices' (None when they are unknown)."""
+    if raw == AUTO:
+        return len(devices) if devices is not None else None
+    return _count(raw)
 
 
 def _count(raw):
@@ -620,7 +645,7 @@ def check_single_device_load(graph: Graph, ctx: Context, index: _Index):
         return
     configs = [n for n in graph.nodes.values() if n.class_type == CONFIG]
     if configs:
-        count = _count(value(graph, configs[0], "npu_count"))
+        count = _npu_count(value(graph, configs[0], "npu_count"), ctx.devices)
         if count != 1:
             return
     bf16 = None
@@ -672,7 +697,7 @@ def check_tier_fits(graph: Graph, ctx: Context, index: _Index):
         return
     configs = sorted((n for n in graph.nodes.values() if n.class_type == CONFIG), key=lambda n: _natural(n.id))
     cfg = configs[0] if configs else None
-    npu = _count(value(graph, cfg, "npu_count")) if cfg is not None else 1
+    npu = _npu_count(value(graph, cfg, "npu_count"), ctx.devices) if cfg is not None else 1
     mode = value(graph, cfg, "weights") if cfg is not None else "replicated"
     if cfg is not None and mode in (None, UNKNOWN):
         mode = "auto"  # a workflow saved before the input existed, or one whose value is set at run time

@@ -26,6 +26,7 @@ CODES = {
     "H3109": (WARNING, "the workflow's tier does not fit the service's cards"),
     "H3110": (ERROR, "weights is not auto, replicated or sharded"),
     "H3111": (ERROR, "a diffusion-model wrapper node (EasyCache) after MultiNPUParallelConfig"),
+    "H3112": (NOTE, "npu_count auto: the count it takes on the server named"),
     "H3201": (ERROR, "width or height not a multiple of 32"),
     "H3202": (WARNING, "canvas area above 768x1344"),
     "H3203": (WARNING, "length off the 17k+5 frame grid"),

@@ -62,10 +62,10 @@ class Service:
         return data if isinstance(data, dict) else None
 
 
-def connect(comfy_home: str, root: str | None = None) -> tuple[Service | None, str]:
-    """The running service of this home, or None and why not."""
-    rroot = h3service.runtime_root(comfy_home, root)
+def connect(comfy_home: str, root: str | None = None, port: int | None = None) -> tuple[Service | None, str]:
+    """The running service of this home (the one on `port` when several run), or None and why not."""
     try:
+        rroot = h3service.pick(h3service.runtime_root(comfy_home, root), port, comfy_home)
         record = h3service.read_record(rroot)
     except H3kitError as e:
         return None, e.message
