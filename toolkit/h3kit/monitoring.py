@@ -17,6 +17,8 @@ RESTARTS_FILE = "restarts.json"          # {"restarts": {reason: count}}: the se
 TEXTFILE = "h3kit_service.prom"          # the same counts for node_exporter's textfile collector
 REASONS = ("died", "unhealthy", "manual")
 RUNTIME_ROOT_ENV = "H3KIT_RUNTIME_ROOT"  # set for the server by h3kit start: where its /metrics reads the counts
+DEVICES_ENV = "H3KIT_DEVICES"            # set by h3kit start: its --devices list (the physical ids on /metrics)
+VERSION_ENV = "H3KIT_VERSION"            # set by h3kit start: h3kit's version (h3kit_build_info)
 # what the server's interpreter needs for /metrics, as toolkit/requirements/comfy-runtime-cpu.txt pins it
 PROMETHEUS_CLIENT = "prometheus-client==0.26.0"
 
