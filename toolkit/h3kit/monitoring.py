@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 
 METRICS_DIR = "metrics"                  # under the runtime root
@@ -51,11 +52,17 @@ def count_restart(root: Path, reason: str) -> dict:
         return restarts(root)
 
 
-def textfile(counts: dict) -> str:
-    """The counts in Prometheus' text format, for node_exporter's --collector.textfile.directory."""
+def textfile(counts: dict, now: float | None = None) -> str:
+    """The counts in Prometheus' text format, for node_exporter's --collector.textfile.directory: every reason, 0
+    before its first (so that the first restart is an increase H3kitCrashLoop sees), and when the last was counted.
+    node_exporter serves it while the server cannot be scraped (a crash loop)."""
     lines = ["# HELP h3kit_service_restarts_total Restarts of this service by h3kit watch and restart, by reason.",
              "# TYPE h3kit_service_restarts_total counter"]
-    lines += [f'h3kit_service_restarts_total{{reason="{r}"}} {n}' for r, n in sorted(counts.items())]
+    lines += [f'h3kit_service_restarts_total{{reason="{r}"}} {n}'
+              for r, n in sorted({**dict.fromkeys(REASONS, 0), **counts}.items())]
+    lines += ["# HELP h3kit_service_last_restart_timestamp_seconds When h3kit watch or restart last restarted this "
+              "service, Unix time.", "# TYPE h3kit_service_last_restart_timestamp_seconds gauge",
+              f"h3kit_service_last_restart_timestamp_seconds {time.time() if now is None else now:.3f}"]
     return "\n".join(lines) + "\n"
 
 
