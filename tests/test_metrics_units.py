@@ -239,6 +239,23 @@ def test_a_replacement_and_the_recovery_time_to_the_next_generation(record):
     assert value(got, "h3kit_group_recovery_seconds", "h3kit_group_recovery_seconds_sum") == 22.5
 
 
+def test_the_time_since_the_group_last_served(record, monkeypatch):
+    driver = FakeDriver(state="forming")
+    monkeypatch.setattr(mp, "get_runtime", lambda: driver)
+    monkeypatch.setattr(record, "started", time.monotonic() - 50.0)  # never served since the server started
+    assert 50.0 <= value(scrape(), "h3kit_group_unready_seconds") < 52.0
+    driver.state = "ready"  # ready before monitoring heard of it (its listener came later): serving is serving
+    assert value(scrape(), "h3kit_group_unready_seconds") == 0
+    record.group_state("broken", "rank 1 died", now=time.monotonic() - 20.0)
+    driver.state = "broken"
+    assert 20.0 <= value(scrape(), "h3kit_group_unready_seconds") < 22.0  # from the break, not the server's start
+    record.group_state("forming", now=time.monotonic() - 10.0)  # still down: counted from the first
+    assert 20.0 <= value(scrape(), "h3kit_group_unready_seconds") < 22.0
+    record.group_state("ready")
+    driver.state = "ready"
+    assert value(scrape(), "h3kit_group_unready_seconds") == 0
+
+
 def test_the_driver_notifies_monitoring_at_each_state(record, monkeypatch):
     assert metrics._group_state in members.LISTENERS
     seen = []
@@ -307,7 +324,8 @@ def test_ranks_heartbeats_and_memory_come_from_the_driver_without_its_lock(recor
 def test_each_prompts_memory_peak_from_the_beats_reset_per_prompt(record, monkeypatch):
     """A worker's beat carries its allocator's peak since its previous beat (memory_stats(reset_peak=True)); the
     server keeps each rank's largest while a prompt runs, and starts again with the next prompt."""
-    driver = FakeDriver(beats={(0, 101): ({"memory": {}}, time.monotonic()), (1, 202): ({"memory": {}}, time.monotonic())})
+    now = time.monotonic()
+    driver = FakeDriver(beats={(0, 101): ({"memory": {}}, now), (1, 202): ({"memory": {}}, now)})
     monkeypatch.setattr(mp, "get_runtime", lambda: driver)
     assert metrics._beat in multinpu.BEAT_LISTENERS
 

@@ -141,7 +141,8 @@ class Record:
         self.replacements = dict.fromkeys(REPLACEMENT_CAUSES, 0)
         self.recovery_seconds = Histogram(RECOVERY_BUCKETS)
         self.down_since = None               # monotonic time of the first replacement since the group last served
-        self.unready_since = time.monotonic()  # since when the group has not served (None while ready)
+        self.started = time.monotonic()
+        self.unready_since = None            # since when the group has not served (None while ready, or not yet told)
         self.current = None                  # the Prompt running
         self.last_peaks = {}                 # the last finished prompt's peaks
 
@@ -229,7 +230,8 @@ class Record:
                     "stage_seconds": {s: _frozen(h) for s, h in self.stage_seconds.items()},
                     "commands": {p: _frozen(h) for p, h in self.commands.items()}, "steps": self.steps,
                     "loads": {k: _frozen(h) for k, h in self.loads.items()},
-                    "recovery_seconds": _frozen(self.recovery_seconds), "unready_since": self.unready_since}
+                    "recovery_seconds": _frozen(self.recovery_seconds),
+                    "unready_since": self.started if self.unready_since is None else self.unready_since}
 
 
 def _frozen(h: Histogram) -> tuple:
@@ -582,8 +584,8 @@ class Collector:
             commands.add_metric([program], b, total)
         steps = counter("h3kit_sampling_steps", "DiT forwards the ranks ran (one per sampling step and guidance pass).")
         steps.add_metric([], seen["steps"])
-        loads = histogram("h3kit_model_load_seconds", "Reads of a model by the server (a model cache miss), seconds, by "
-                          "kind (diffusion_model, clip, vae).", labels=["kind"])
+        loads = histogram("h3kit_model_load_seconds", "Reads of a model by the server (a model cache miss), seconds, "
+                          "by kind (diffusion_model, clip, vae).", labels=["kind"])
         for kind, (b, total) in sorted(seen["loads"].items()):
             loads.add_metric([kind], b, total)
         cache = comfy.model_cache.stats()
