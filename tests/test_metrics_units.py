@@ -177,6 +177,9 @@ def test_queue_wait_end_to_end_and_the_running_prompt(record, monkeypatch):
     assert value(got, "h3kit_queue_oldest_pending_age_seconds") == 500.0
     assert value(got, "h3kit_queue_pending") == 2
     assert value(got, "h3kit_prompt_queue_wait_seconds", "h3kit_prompt_queue_wait_seconds_sum") == 40.0
+    # H3kitPromptStuck's bounds, as this server runs them: longer than the ranks' longest weight read by default
+    assert value(got, "h3kit_rank_stall_bound_seconds") == 1800.0 >= wire.LOAD_TIMEOUT
+    assert value(got, "h3kit_prompt_stuck_bound_seconds") == 7200.0
     metrics.prompt_done(True, [], 600.0)
     queue.queue, queue.currently_running = [], {}
     got = scrape()

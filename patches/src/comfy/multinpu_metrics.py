@@ -61,7 +61,7 @@ RUNTIME_ROOT_ENV = "H3KIT_RUNTIME_ROOT"
 VERSION_ENV = "H3KIT_VERSION"  # h3kit start sets it: the toolkit's version, on h3kit_build_info
 RESTART_REASONS = ("died", "unhealthy", "manual")  # h3kit.monitoring.REASONS: each is exposed, 0 before the first
 # the alerts' bounds, exposed so that the rules compare against what this server runs with
-STALL_ENV, STALL_DEFAULT = "H3KIT_STALL_ALERT_SECONDS", 900.0          # a rank's device without progress in a prompt
+STALL_ENV, STALL_DEFAULT = "H3KIT_STALL_ALERT_SECONDS", 1800.0  # a device without progress in a prompt (a read: LOAD_TIMEOUT)
 STUCK_ENV, STUCK_DEFAULT = "H3KIT_PROMPT_STUCK_SECONDS", 7200.0        # a prompt running this long
 HOST = socket.gethostname()
 
