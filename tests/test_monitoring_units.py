@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import time
 
 import pytest
 
@@ -22,9 +23,14 @@ def test_restarts_are_counted_by_reason_in_both_records(tmp_path):
     assert monitoring.count_restart(tmp_path, "manual") == {"died": 2, "manual": 1}
     assert monitoring.restarts(tmp_path) == {"died": 2, "manual": 1}
     text = (tmp_path / "metrics" / monitoring.TEXTFILE).read_text()
-    assert text.splitlines()[1:] == ["# TYPE h3kit_service_restarts_total counter",
-                                     'h3kit_service_restarts_total{reason="died"} 2',
-                                     'h3kit_service_restarts_total{reason="manual"} 1']
+    # every reason from 0: the first restart is an increase for H3kitCrashLoop (a series born at 1 is none)
+    assert text.splitlines()[1:5] == ["# TYPE h3kit_service_restarts_total counter",
+                                      'h3kit_service_restarts_total{reason="died"} 2',
+                                      'h3kit_service_restarts_total{reason="manual"} 1',
+                                      'h3kit_service_restarts_total{reason="unhealthy"} 0']
+    stamp = float(text.splitlines()[-1].split()[-1])
+    assert text.splitlines()[-1].startswith("h3kit_service_last_restart_timestamp_seconds ")
+    assert abs(stamp - time.time()) < 3600
     assert sorted(p.name for p in (tmp_path / "metrics").iterdir()) == [".lock", "h3kit_service.prom", "restarts.json"]
 
 

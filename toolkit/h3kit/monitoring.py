@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 
 METRICS_DIR = "metrics"                  # under the runtime root
@@ -17,6 +18,8 @@ RESTARTS_FILE = "restarts.json"          # {"restarts": {reason: count}}: the se
 TEXTFILE = "h3kit_service.prom"          # the same counts for node_exporter's textfile collector
 REASONS = ("died", "unhealthy", "manual")
 RUNTIME_ROOT_ENV = "H3KIT_RUNTIME_ROOT"  # set for the server by h3kit start: where its /metrics reads the counts
+DEVICES_ENV = "H3KIT_DEVICES"            # set by h3kit start: its --devices list (the physical ids on /metrics)
+VERSION_ENV = "H3KIT_VERSION"            # set by h3kit start: h3kit's version (h3kit_build_info)
 # what the server's interpreter needs for /metrics, as toolkit/requirements/comfy-runtime-cpu.txt pins it
 PROMETHEUS_CLIENT = "prometheus-client==0.26.0"
 
@@ -49,11 +52,17 @@ def count_restart(root: Path, reason: str) -> dict:
         return restarts(root)
 
 
-def textfile(counts: dict) -> str:
-    """The counts in Prometheus' text format, for node_exporter's --collector.textfile.directory."""
+def textfile(counts: dict, now: float | None = None) -> str:
+    """The counts in Prometheus' text format, for node_exporter's --collector.textfile.directory: every reason, 0
+    before its first (so that the first restart is an increase H3kitCrashLoop sees), and when the last was counted.
+    node_exporter serves it while the server cannot be scraped (a crash loop)."""
     lines = ["# HELP h3kit_service_restarts_total Restarts of this service by h3kit watch and restart, by reason.",
              "# TYPE h3kit_service_restarts_total counter"]
-    lines += [f'h3kit_service_restarts_total{{reason="{r}"}} {n}' for r, n in sorted(counts.items())]
+    lines += [f'h3kit_service_restarts_total{{reason="{r}"}} {n}'
+              for r, n in sorted({**dict.fromkeys(REASONS, 0), **counts}.items())]
+    lines += ["# HELP h3kit_service_last_restart_timestamp_seconds When h3kit watch or restart last restarted this "
+              "service, Unix time.", "# TYPE h3kit_service_last_restart_timestamp_seconds gauge",
+              f"h3kit_service_last_restart_timestamp_seconds {time.time() if now is None else now:.3f}"]
     return "\n".join(lines) + "\n"
 
 

@@ -25,6 +25,7 @@ import enum
 import logging
 import os
 import threading
+import time
 import weakref
 
 import psutil
@@ -40,6 +41,7 @@ _entries: collections.OrderedDict = collections.OrderedDict()
 _stats = {"hits": 0, "misses": 0, "evictions": 0}
 _sources = weakref.WeakKeyDictionary()  # loaded module -> the LoadSource it came from
 _clear_listeners = []
+load_listeners = []  # fn(kind, seconds) after each read of a model (a miss): GET /metrics' load times by kind
 # what every cached load runs inside: comfy.multinpu_models sets its mapped_loads here when it is imported (the
 # weights then map the file instead of a private copy beside the file's mapping)
 load_context = contextlib.nullcontext
@@ -155,8 +157,14 @@ def load(kind, paths, loader, *args, **kwargs):
         _stats["misses"] += 1
     # one line per file read, cached or not (a model over the budget is read and returned uncached)
     logging.info(f"Model cache: reading {kind} {os.path.basename(paths[0]) if paths else ''}")
+    started = time.perf_counter()
     with load_context():
         value = loader(*args, **kwargs)
+    for listener in load_listeners:
+        try:
+            listener(kind, time.perf_counter() - started)
+        except Exception as e:  # monitoring never fails a load
+            logging.warning(f"Model cache: a load listener failed: {e}")
     source = LoadSource(kind, paths, args, kwargs)
     for module in _modules(value):
         _sources[module] = source

@@ -21,6 +21,7 @@ naming it. This module needs torch only (no comfy imports), so it can be tested 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import logging
 import os
@@ -406,22 +407,106 @@ class CollectiveProgress:
 PROGRESS = CollectiveProgress()
 
 
-def memory_stats(device: torch.device) -> dict:
-    """{"allocated", "reserved", "peak", "total"} bytes on `device` from its caching allocator and the device's size,
-    or on cpu this process's resident set (peak: its largest) and the host's memory; {} when unreadable. Cheap, no
-    sync: a worker sends it with each heartbeat beside PROGRESS (comfy.multinpu_group), for GET /metrics."""
+def memory_stats(device: torch.device, reset_peak: bool = False) -> dict:
+    """This process's memory on `device`, each figure its own key (GET /metrics, comfy.multinpu_metrics):
+    "used" and "capacity": the device's own view (total minus free, and total: HCCL/NCCL buffers, workspaces and other
+    processes on the card included); "allocated" and "reserved": its caching allocator's; "peak": the allocator's
+    largest allocated since the last reset_peak call (then reset: a worker's heartbeat sends each interval's peak,
+    the server keeps the largest of a prompt); "host_rss": this process's resident set on the host. On cpu the host is
+    the device: used is its total minus available, allocated and reserved the resident set, peak the largest resident
+    set since the last reset (Linux' VmHWM, reset through /proc/self/clear_refs). {} when unreadable; cheap, no sync."""
     try:
+        rss = _resident_bytes()
         if device.type == "cpu":
-            page = os.sysconf("SC_PAGE_SIZE")
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * page
-            peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            return {"allocated": rss, "reserved": rss, "peak": peak, "total": os.sysconf("SC_PHYS_PAGES") * page}
+            total, available = _host_memory()
+            peak = max(rss, _peak_resident_bytes())
+            if reset_peak:
+                _reset_peak_resident()
+            return {"allocated": rss, "reserved": rss, "peak": peak, "used": total - available, "capacity": total,
+                    "host_rss": rss}
         module = torch.get_device_module(device)
-        return {"allocated": module.memory_allocated(device), "reserved": module.memory_reserved(device),
-                "peak": module.max_memory_allocated(device), "total": module.mem_get_info(device)[1]}
+        free, total = module.mem_get_info(device)
+        peak = module.max_memory_allocated(device)
+        if reset_peak:
+            module.reset_peak_memory_stats(device)
+        return {"allocated": module.memory_allocated(device), "reserved": module.memory_reserved(device), "peak": peak,
+                "used": total - free, "capacity": total, "host_rss": rss}
     except Exception:
         return {}
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_resident_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_resident():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set (Linux 4.0+)
+    except OSError:
+        pass
+
+
+def _host_memory() -> tuple:
+    """(total, available) bytes of the host, from /proc/meminfo."""
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values["MemTotal"], values.get("MemAvailable", values["MemTotal"])
+
+
+BEAT_LISTENERS = []     # fn(rank, progress) at each worker beat the driver receives (comfy.multinpu_process)
+COMMAND_LISTENERS = []  # fn(program, seconds) after each command that succeeded (comfy.multinpu_runtime_base.run)
+
+
+def notify(listeners, *args):
+    """Call each of `listeners` (monitoring's) with args: one that raises is logged and never fails the caller."""
+    for listener in listeners:
+        try:
+            listener(*args)
+        except Exception as e:
+            logging.warning(f"MultiNPU: a monitoring listener failed: {e}")
+
+
+@contextlib.contextmanager
+def timed(program: str, installed: dict = None):
+    """COMMAND_LISTENERS hear `program`'s seconds when the block ends without an error; with `installed` (a config's
+    ranks that hold it) only when the block changed it: a weight install that ran, not one the ranks already held."""
+    before, t0 = (None if installed is None else dict(installed)), time.perf_counter()
+    yield
+    if installed is None or installed != before:
+        notify(COMMAND_LISTENERS, program, time.perf_counter() - t0)
+
+
+VISIBLE_ENVS = ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "H3KIT_DEVICES")  # H3KIT_DEVICES: h3kit start's list
+
+
+def physical_device(local_index: int, environ=None) -> str:
+    """The device id the host's tools (npu-smi, npu-exporter, nvidia-smi) give the device this process sees as
+    `local_index`: the entry of the visible-devices list the runtime was started with (ASCEND_RT_VISIBLE_DEVICES,
+    CUDA_VISIBLE_DEVICES, or the --devices list h3kit start passes as H3KIT_DEVICES, read in that order), else the
+    index itself."""
+    environ = os.environ if environ is None else environ
+    for name in VISIBLE_ENVS:
+        items = [x.strip() for x in (environ.get(name) or "").split(",") if x.strip()]
+        if items:
+            return items[local_index] if 0 <= local_index < len(items) else str(local_index)
+    return str(local_index)
 
 
 class ProcessComm:

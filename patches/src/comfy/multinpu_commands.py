@@ -1,6 +1,5 @@
 """The driver's command path (CommandPath), a mixin of comfy.multinpu_process.GroupRuntime: docs/multinpu.md, "A
-failure costs one prompt".
-"""
+failure costs one prompt"."""
 
 from __future__ import annotations
 

@@ -87,11 +87,12 @@ def _heartbeat(spec: GroupSpec, context: WorkerContext, stop: threading.Event):
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
                 _leave(RECYCLED_EXIT)
         # its progress (generation, last command taken, collectives: how many entered, the last one's op, whether inside
-        # it: a rank blocked in a kernel from a slow one) and its device memory (GET /metrics, comfy.multinpu_metrics)
+        # it: a rank blocked in a kernel from a slow one), its memory and physical device (comfy.multinpu_metrics)
+        physical = comfy.multinpu.physical_device(context.rank % spec.local_size)
         beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
              aborted, lambda: {"progress": {"g": context.generation, "n": context.command,
-                                            "memory": comfy.multinpu.memory_stats(context.device),
-                                            **comfy.multinpu.PROGRESS.snapshot()}})
+                                            "memory": comfy.multinpu.memory_stats(context.device, reset_peak=True),
+                                            "physical_device": physical, **comfy.multinpu.PROGRESS.snapshot()}})
     except Exception as e:
         # the store or the driver is gone: the main loop notices and exits
         logging.warning(f"MultiNPU: rank {context.rank}: the heartbeat stopped: {e}")

@@ -1,6 +1,5 @@
 """Who starts, watches and replaces the workers (LocalWorkers; the Agent of another host) and how a worker's end is
-told (watch_termination). docs/multinpu.md, "The launcher".
-"""
+told (watch_termination). docs/multinpu.md, "The launcher"."""
 
 from __future__ import annotations
 

@@ -178,6 +178,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
                         beats[who] = beat["seq"]
                         if role == "beat":
                             self._progress.beat(hello["rank"], pid, beat.get("progress"), time.monotonic())
+                            comfy.multinpu.notify(comfy.multinpu.BEAT_LISTENERS, hello["rank"], beat.get("progress"))
                         else:
                             self._agent_heard[hello["node"]] = time.monotonic()
             finally:

@@ -1,6 +1,5 @@
 """What both transports' runtimes share (run, the frees and drops, check_digests, MODEL_LOCK and unload).
-Design: docs/multinpu.md, "Which transport runs where, and why".
-"""
+Design: docs/multinpu.md, "Which transport runs where, and why"."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import threading
 import weakref
 
 import comfy.model_cache
+import comfy.multinpu
 import comfy.multinpu_wire as wire
 
 # Serialises what the ranks' programs do with ComfyUI's model management (load_models_gpu, unloads, the model
@@ -65,8 +65,10 @@ class Runtime:
             self._ensure_ready(name)
             self._housekeeping()
             for cfg in configs:
-                self._install(cfg)
-            return self._execute(name, payload)
+                with comfy.multinpu.timed("install", cfg.installed):  # a weight install on the ranks, when one ran
+                    self._install(cfg)
+            with comfy.multinpu.timed(name):
+                return self._execute(name, payload)
 
     def _track(self, cfg):
         """The ranks let go of `cfg` with the server (a drop before the next command once it is collected)."""

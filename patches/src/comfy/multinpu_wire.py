@@ -1,7 +1,6 @@
 """What every process of the group shares: its settings (GroupSpec, the environment names, timings and exit codes),
 the signed wire format (pickle runs code when it loads: nothing unsigned is unpickled) and the /dev/shm hand-off.
-Design: docs/multinpu.md, "The process transport".
-"""
+Design: docs/multinpu.md, "The process transport"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A worker process of the group, `python -B -m comfy.multinpu_worker [the server's ComfyUI arguments]`, started by a
 launcher (comfy.multinpu_launch): it binds its device before comfy.model_management picks one, and parses the
-server's ComfyUI arguments.
-"""
+server's ComfyUI arguments."""
 
 from __future__ import annotations
 

@@ -114,13 +114,18 @@ def require_torch(home: Path, python: str, device_type: str, what: str) -> None:
 
 
 def child_environment(device_type: str, devices: list[int], base: dict | None = None) -> dict:
-    """The environment the server runs with: the visible-device variable for the device kind, and
-    unbuffered output so `h3kit logs -f` shows print() output as it happens."""
+    """The environment the server runs with: the visible-device variable for the device kind, the --devices list
+    itself (H3KIT_DEVICES: GET /metrics names each rank's physical device by it, also on cpu), h3kit's version
+    (h3kit_build_info), and unbuffered output so `h3kit logs -f` shows print() output as it happens."""
+    from h3kit import __version__
+
     env = dict(os.environ if base is None else base)
     if device_type == "cpu":
         env[h3devices.SIM_DEVICES_ENV] = str(len(devices))
     else:
         env[h3devices.VISIBLE_ENV[device_type]] = h3devices.format_device_list(devices)
+    env[monitoring.DEVICES_ENV] = h3devices.format_device_list(devices)
+    env[monitoring.VERSION_ENV] = __version__
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
