@@ -202,7 +202,8 @@ def main():
         _app["worker"] = asyncio.ensure_future(s.worker())
     app.on_startup.append(start_worker)
     print(f"front stand-in on {args.port}, pid {os.getpid()}", flush=True)
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None,
+                shutdown_timeout=0.5)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ class Front:
         job = await asyncio.to_thread(self.store.add, kind="video", user=request["user"], prompt=prompt,
                                       extra={"video": params, "client_id": None}, npu_count=npu_count,
                                       job_id="video_" + st.uuid.uuid4().hex)
+        self.dispatcher.poke()
         return web.json_response(videos.video_object(job, await asyncio.to_thread(self.store.position, job)))
 
     async def _own_video(self, request: web.Request):
@@ -226,7 +227,15 @@ def build_app(front: Front) -> web.Application:
 
 async def _start(front: Front) -> None:
     front.session = ClientSession(timeout=ClientTimeout(total=30), auto_decompress=True)
+    front.relay.on_end = lambda: _poke_soon(front)
     front.dispatcher_task = asyncio.ensure_future(_loop(front))
+
+
+def _poke_soon(front: Front) -> None:
+    """A server reported a prompt's end: its history entry is filed just after, so look now and shortly after."""
+    loop = asyncio.get_running_loop()
+    for delay in (0.0, 0.05, 0.2):
+        loop.call_later(delay, front.dispatcher.poke)
 
 
 async def _loop(front: Front) -> None:
@@ -266,10 +275,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(settings: Settings) -> None:
     auth.check_bind(settings.host, settings.tokens)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
     front = Front(settings)
     sock = bind(settings.host, settings.port)
     url = f"http://{settings.host}:{sock.getsockname()[1]}"
     print(f"h3kit front: listening on {url} (database {_redacted(settings.database)}, "
           f"data {front.data_dir}, {'tokens' if settings.tokens else 'no tokens: loopback only'})",
           file=sys.stderr, flush=True)
-    web.run_app(build_app(front), sock=sock, print=None, handle_signals=True, access_log=None)
+    web.run_app(build_app(front), sock=sock, print=None, handle_signals=True, access_log=None,
+                shutdown_timeout=5.0)

@@ -104,6 +104,7 @@ class ComfyApi:
             return error(400, f"prompt_id {job_id} is taken")
         job = await self._db(self.front.store.add, kind="comfy", user=request["user"], prompt=prompt, extra=extra,
                              npu_count=npu_count, job_id=job_id)
+        self.front.dispatcher.poke()
         number = await self._db(self.front.store.position, job)
         return web.json_response({"prompt_id": job.id, "number": number, "node_errors": {}})
 

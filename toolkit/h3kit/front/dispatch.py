@@ -112,22 +112,31 @@ class Dispatcher:
         self.session = None
         self.inputs_dir = self.data_dir / "inputs"
         self.outputs_dir = self.data_dir / "outputs"
-        self._stopping = asyncio.Event()
+        self._stopping = False
+        self._wake: asyncio.Event | None = None
 
     async def run(self, session) -> None:
         self.session = session
-        while not self._stopping.is_set():
+        self._wake = asyncio.Event()
+        while not self._stopping:
+            self._wake.clear()
             try:
                 await self.tick()
             except Exception:  # one bad turn (the database restarting, say) must not end the front
                 log.exception("front: dispatch turn failed; next turn in %.1f s", self.timing.tick)
             try:
-                await asyncio.wait_for(self._stopping.wait(), self.timing.tick)
+                await asyncio.wait_for(self._wake.wait(), self.timing.tick)
             except asyncio.TimeoutError:
                 pass
 
+    def poke(self) -> None:
+        """Take the next turn now (a job was accepted, a server reported a prompt's end), not at the next tick."""
+        if self._wake is not None:
+            self._wake.set()
+
     def stop(self) -> None:
-        self._stopping.set()
+        self._stopping = True
+        self.poke()
 
     async def tick(self) -> None:
         await self.pool.poll(self.session)
@@ -267,7 +276,8 @@ class Dispatcher:
     async def dispatch_idle(self) -> None:
         busy = await asyncio.to_thread(self.store.busy_servers)
         for server in self.pool.servers.values():
-            if server.state != UP or server.queue or busy.get(server.url) or server.url in self.stale:
+            if server.state != UP or not server.fresh or server.queue or busy.get(server.url) or \
+                    server.url in self.stale:
                 continue
             job = await asyncio.to_thread(self.store.claim, server=server.url, devices=server.devices,
                                           owner=self.owner, lease=self.timing.lease)

@@ -29,6 +29,7 @@ class Relay:
         self.current: dict[str, str] = {}                   # server url -> attempt it runs (from its events)
         self.tasks: dict[str, asyncio.Task] = {}
         self.queue_remaining = 0
+        self.on_end = lambda: None                          # called when a server reports a prompt's end
 
     # --------------------------------------------------------------------------------- client side
 
@@ -114,6 +115,8 @@ class Relay:
             event = json.loads(msg.data)
         except ValueError:
             return
+        if _is_end(event):
+            self.on_end()
         mapped = self.map_event(url, event)
         if mapped is not None:
             await self._to_client(mapped[0], json.dumps(mapped[1]))
@@ -135,6 +138,13 @@ class Relay:
         if kind == "executed" and isinstance(data.get("output"), dict):
             data["output"] = rewrite_outputs({"n": data["output"]}, job_id, attempt)["n"]
         return client, {"type": kind, "data": data}
+
+
+def _is_end(event) -> bool:
+    kind = event.get("type") if isinstance(event, dict) else None
+    data = event.get("data") if isinstance(event, dict) else None
+    return kind in ("execution_success", "execution_error", "execution_interrupted") or (
+        kind == "executing" and isinstance(data, dict) and data.get("node") is None and "prompt_id" in data)
 
 
 async def _send(ws, payload) -> None:

@@ -15,10 +15,12 @@ grace period before it moves that server's jobs elsewhere.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+log = logging.getLogger("h3kit.front")
 UP, DOWN, HUNG = "up", "down", "hung"
 SERVER_STATES = (UP, DOWN, HUNG)
 
@@ -34,10 +36,13 @@ class Server:
     running_ids: set = field(default_factory=set)
     pending_ids: set = field(default_factory=set)
     polled: bool = False
+    fresh: bool = False            # its last poll ended within this turn (a slow one goes on in the background)
     error: str = ""
 
     def set_state(self, state: str, error: str = "") -> None:
         if state != self.state:
+            if self.polled or state != DOWN:
+                log.warning("front: server %s is %s%s", self.url, state, f" ({error})" if error else "")
             self.state, self.since = state, time.monotonic()
         self.error = error
 
@@ -87,6 +92,7 @@ class Pool:
         self.timeout = timeout
         self.servers: dict[str, Server] = {u: Server(u, "url") for u in self.fixed}
         self._discovered = 0.0
+        self._inflight: dict[str, asyncio.Future] = {}
 
     def discover(self) -> None:
         if time.monotonic() - self._discovered < 5.0:
@@ -97,9 +103,18 @@ class Pool:
             url = normalize_url(url)
             self.servers.setdefault(url, Server(url, source))
 
-    async def poll(self, session) -> None:
+    async def poll(self, session, wait: float = 1.0) -> None:
+        """Poll every server, waiting at most `wait` seconds: a server slower than that (hung, say) goes on being
+        polled in the background, is not `fresh` this turn, and holds up no other server."""
         self.discover()
-        await asyncio.gather(*(self._poll_one(session, s) for s in list(self.servers.values())))
+        for s in list(self.servers.values()):
+            task = self._inflight.get(s.url)
+            if task is None or task.done():
+                self._inflight[s.url] = asyncio.ensure_future(self._poll_one(session, s))
+        tasks = [self._inflight[u] for u in self.servers]
+        await asyncio.wait(tasks, timeout=wait)
+        for s in self.servers.values():
+            s.fresh = self._inflight[s.url].done()
 
     async def _poll_one(self, session, s: Server) -> None:
         import aiohttp
