@@ -283,3 +283,19 @@ def test_the_cli_stays_light_with_the_front_registered():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert "front" in out.stdout and out.stdout.strip().endswith("[]"), out.stdout + out.stderr
+
+
+def test_a_prompt_sends_only_the_fronts_own_uploads(tmp_path):
+    """A string input naming a file outside the front's inputs folder (absolute, "..", a symlink) uploads
+    nothing: a prompt must not carry the front host's files to a server. Fails without the check (the
+    dispatcher then uploaded /etc/passwd)."""
+    from h3kit.front.dispatch import named_uploads
+
+    inputs = tmp_path / "inputs"
+    (inputs / "h3front").mkdir(parents=True)
+    (inputs / "h3front" / "ref.png").write_bytes(b"png")
+    (inputs / "link.png").symlink_to("/etc/passwd")
+    prompt = {"1": {"class_type": "LoadImage", "inputs": {"image": "h3front/ref.png"}},
+              "2": {"class_type": "X", "inputs": {"a": "/etc/passwd", "b": "../../etc/passwd", "c": "link.png",
+                                                  "d": "h3front/ref.png [input]", "e": 3}}}
+    assert named_uploads(prompt, inputs) == [("h3front/ref.png", inputs / "h3front" / "ref.png")]

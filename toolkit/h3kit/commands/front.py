@@ -70,6 +70,9 @@ def front(port, host, comfy_home, runtime_root, servers, data_dir, db_url, token
     if not servers and not comfy_home and not runtime_root:
         raise FrontUsageError("no server to dispatch to", hint="pass --comfy-home DIR (its h3kit servers) and/or "
                                                                "--server http://HOST:PORT")
+    if comfy_home and not os.path.isdir(comfy_home):
+        raise FrontUsageError(f"--comfy-home {comfy_home} is not a folder", hint="give the ComfyUI tree h3kit "
+                                                                                  "installed, or only --server URLs")
     tokens = auth.load_tokens(tokens_file) if tokens_file else None
     auth.check_bind(host, tokens)
     if data_dir is None:

@@ -24,7 +24,9 @@ from h3kit.front.relay import Relay
 from h3kit.front.servers import Pool
 
 log = logging.getLogger("h3kit.front")
-OPEN_PATHS = ("/healthz",)   # answered without a token: a load balancer's liveness probe (no data in it)
+OPEN_PATHS = ("/healthz",)
+# the page's writes the front passes to a server (a user's settings and saved workflows; kept on that server)
+WRITABLE = ("/api/userdata", "/userdata", "/api/settings", "/settings", "/api/users", "/users")   # answered without a token: a load balancer's liveness probe (no data in it)
 
 
 @dataclass
@@ -164,6 +166,12 @@ class Front:
                                   "owner": self.dispatcher.owner, "database": _redacted(self.settings.database)})
 
     async def catch_all(self, request: web.Request) -> web.StreamResponse:
+        """The page's other requests go to a server: reads, and writes of the user's settings and saved workflows
+        only (anything else, /free say, would act on a server under the queue's feet)."""
+        if request.method not in ("GET", "HEAD") and not request.path.startswith(WRITABLE):
+            return web.json_response({"error": {"type": "h3kit_front", "message": f"{request.method} "
+                                                f"{request.path} is not passed to the servers by the front"}},
+                                     status=405)
         return await self.proxy(request)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -162,8 +163,9 @@ class ComfyApi:
             ids += [j.id for j in await self._db(self.front.store.list, user=request["user"], states=st.FINAL)]
         for job_id in ids:
             job = await self._db(self.front.store.get, str(job_id))
-            if job is not None and job.user == request["user"]:
+            if job is not None and job.user == request["user"] and job.state in st.FINAL:
                 await self._db(self.front.store.delete, job.id)
+                shutil.rmtree(self.front.outputs_dir / safe_rel(job.id), ignore_errors=True)
         return web.Response(status=200)
 
     # ------------------------------------------------------------------------------------------ files

@@ -328,10 +328,7 @@ class Dispatcher:
         that runs it first."""
         import aiohttp
 
-        for name in _string_inputs(prompt):
-            path = self.inputs_dir / name
-            if not name or ".." in Path(name).parts or not path.is_file():
-                continue
+        for name, path in named_uploads(prompt, self.inputs_dir):
             sub, _, fname = name.rpartition("/")
             form = aiohttp.FormData()
             form.add_field("image", path.read_bytes(), filename=fname)
@@ -340,6 +337,21 @@ class Dispatcher:
             async with self.session.post(server.url + "/upload/image", data=form) as r:
                 if r.status != 200:
                     raise OSError(f"uploading {name} answered {r.status}")
+
+
+def named_uploads(prompt: dict, inputs_dir: Path) -> list[tuple[str, Path]]:
+    """(name, file) of every upload in the front's inputs folder that a string input of the prompt names; a name
+    that leaves the folder (absolute, "..") names nothing: a prompt must not send the front's own files."""
+    out = []
+    for name in _string_inputs(prompt):
+        try:
+            rel = safe_rel(name)
+        except ValueError:
+            continue
+        path = inputs_dir / rel
+        if name and path.is_file() and not path.is_symlink() and (name, path) not in out:
+            out.append((name, path))
+    return out
 
 
 def _string_inputs(prompt: dict):
