@@ -225,8 +225,10 @@ def test_requests_without_a_valid_token_get_401_and_queue_nothing(procs, tmp_pat
     cookie = r.getheader("Set-Cookie", "")
     assert r.status == 302 and cookie.startswith("h3front_token=") and "HttpOnly" in cookie   # the page's login
     r.read()
-    conn.request("GET", "/queue", headers={"Cookie": cookie.split(";")[0]})
-    assert conn.getresponse().status == 200
+    conn.request("GET", "/", headers={"Cookie": cookie.split(";")[0]})
+    page = conn.getresponse()
+    assert page.status == 200 and f"front stand-in {a.port}" in page.read().decode()   # the page, by proxy
+    assert f.call("POST", "/free", {"unload_models": True})[0] == 405     # no write to a server past the queue
     assert http("GET", f.url + "/healthz")[0] == 200
 
 
@@ -264,3 +266,15 @@ def test_v1_videos_runs_the_shipped_workflows(procs, tmp_path):
     assert f.call("DELETE", f"/v1/videos/{video['id']}")[1]["deleted"] is True
     assert f.call("GET", f"/v1/videos/{video['id']}")[0] == 404
     assert f.call("POST", "/v1/videos", {"prompt": "x", "size": "1x1"})[0] == 400
+    boundary = uuid.uuid4().hex
+    form = b"".join([f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nform\r\n".encode(),
+                     f"--{boundary}\r\nContent-Disposition: form-data; name=\"seconds\"\r\n\r\n2\r\n".encode(),
+                     f"--{boundary}\r\nContent-Disposition: form-data; name=\"input_reference\"; "
+                     f"filename=\"me.png\"\r\nContent-Type: image/png\r\n\r\n".encode(), png + b"form",
+                     f"\r\n--{boundary}--\r\n".encode()])
+    status, multi = f.call("POST", "/v1/videos", data=form, content_type=f"multipart/form-data; boundary={boundary}")
+    assert status == 200, multi
+    wait_for("the multipart job completed", lambda: f.call("GET", f"/v1/videos/{multi['id']}")[1]["status"] == "completed")
+    last = [r for r in a.runs() if r["event"] == "start"][-1]["prompt"]
+    load = next(n for n in last.values() if n["class_type"] == "LoadImage")["inputs"]["image"]
+    assert (a.home / "input" / load).read_bytes() == png + b"form" and multi["seconds"] == "2.0"
