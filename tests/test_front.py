@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
@@ -278,3 +280,21 @@ def test_v1_videos_runs_the_shipped_workflows(procs, tmp_path):
     last = [r for r in a.runs() if r["event"] == "start"][-1]["prompt"]
     load = next(n for n in last.values() if n["class_type"] == "LoadImage")["inputs"]["image"]
     assert (a.home / "input" / load).read_bytes() == png + b"form" and multi["seconds"] == "2.0"
+
+
+def test_a_request_from_another_sites_page_is_refused(procs, tmp_path):
+    """Without tokens the front trusts loopback; a page of another site open in the user's browser must not
+    queue work through it (ComfyUI refuses such requests the same way). Its own page's requests pass."""
+    a = standin(procs, tmp_path, "a")
+    f = front(procs, tmp_path, [a])
+    body = json.dumps({"prompt": sleep_prompt(0.1, "csrf")}).encode()
+    for origin, status in (("http://evil.example", 403), (f"http://127.0.0.1:{f.port}", 200)):
+        req = urllib.request.Request(f.url + "/prompt", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "Origin": origin})
+        try:
+            got = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30).status
+        except urllib.error.HTTPError as e:
+            got = e.code
+        assert got == status, origin
+    jobs = f.call("GET", "/front/status")[1]["jobs"]
+    assert sum(jobs.values()) == 1                   # the refused request queued nothing

@@ -17,7 +17,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 
 from h3kit.front import FrontError, auth, videos
 from h3kit.front import store as st
-from h3kit.front.comfyapi import HOP_HEADERS, ComfyApi
+from h3kit.front.comfyapi import HOP_HEADERS, REQUEST_ONLY, ComfyApi
 from h3kit.front.dispatch import Dispatcher, Timing
 from h3kit.front.metrics import Metrics
 from h3kit.front.relay import Relay
@@ -78,7 +78,7 @@ class Front:
         url = server or self.pick_server()
         if url is None:
             return web.json_response({"error": {"type": "h3kit_front", "message": "no server is up"}}, status=503)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS | REQUEST_ONLY}
         body = await request.read() if request.can_read_body else None
         try:
             async with self.session.request(request.method, url + (path or request.path),
@@ -202,11 +202,26 @@ def _redacted(url: str) -> str:
     return re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", url)
 
 
+def foreign_origin(request: web.Request) -> str | None:
+    """A browser's request from another site (its Origin is not the front's own address), as ComfyUI refuses
+    them: without it a web page open in a team member's browser could queue work on the front at 127.0.0.1."""
+    from urllib.parse import urlsplit
+
+    origin = request.headers.get("Origin")
+    if not origin:
+        return None
+    return None if urlsplit(origin).netloc.lower() == (request.host or "").lower() else origin
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     tokens = request.app["tokens"]
     if request.path in OPEN_PATHS:
         return web.json_response({"ok": True})
+    origin = foreign_origin(request)
+    if origin is not None:
+        return web.json_response({"error": {"type": "forbidden", "message": f"a request from {origin[:200]} is "
+                                            f"not from this front's own page ({request.host})"}}, status=403)
     user = auth.user_of(request.headers, request.cookies, request.query, tokens)
     if user is None:
         return web.json_response({"error": {"type": "unauthorized", "message": "a valid bearer token is needed "

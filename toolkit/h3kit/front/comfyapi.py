@@ -24,6 +24,9 @@ from h3kit.front.dispatch import OUTPUT_PREFIX, safe_rel
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 HOP_HEADERS = {"host", "authorization", "cookie", "connection", "keep-alive", "transfer-encoding", "upgrade",
                "content-length", "accept-encoding", "proxy-authorization", "te", "trailer"}
+# not passed to a server either: the front checked the origin itself (ComfyUI would refuse the front's own
+# origin as foreign: its host is the server's, the origin the front's)
+REQUEST_ONLY = {"origin", "referer"}
 
 
 def error(status: int, message: str, **extra) -> web.Response:
