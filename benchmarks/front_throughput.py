@@ -46,7 +46,10 @@ def real_servers(args, tmp: Path) -> list:
     demo.write_tiny_checkpoints(home, args.python)
     servers = []
     for name in ("a", "b"):
-        s = comfy_server.Server(home, tmp / name, args.python, free_port(*BAND))
+        env = {"OMP_WAIT_POLICY": "PASSIVE"}  # two torch processes on two cores: spinning threads starve each other
+        if args.threads:
+            env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+        s = comfy_server.Server(home, tmp / name, args.python, free_port(*BAND), env=env)
         for comp, (rel, _seed) in demo.tiny_components().items():
             (s.models / rel).parent.mkdir(parents=True, exist_ok=True)
             (s.models / rel).symlink_to(home / "models" / rel)
@@ -104,6 +107,7 @@ def main() -> int:
     ap.add_argument("--comfy-home", help="an installed tree: real servers instead of stand-ins")
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs ComfyUI")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--threads", type=int, default=0, help="real servers: OMP_NUM_THREADS of each (0: torch's default)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="h3kit-front-bench-"))
     servers = real_servers(args, tmp) if args.comfy_home else \
@@ -129,7 +133,7 @@ def report(args, walls: dict) -> None:
     med = {m: statistics.median(v) for m, v in walls.items()}
     ratios = [b / a for a, b in zip(walls["front-2"], walls["front-1"])]
     overheads = [(f - d) / n for f, d in zip(walls["front-1"], walls["direct-1"])]
-    out = {"servers": "real (tiny H3, --cpu)" if args.comfy_home else f"stand-in ({args.standin_seconds:g} s a job)",
+    out = {"servers": f"real (tiny H3, --cpu, threads {args.threads or 'default'})" if args.comfy_home else f"stand-in ({args.standin_seconds:g} s a job)",
            "jobs": n, "rounds": args.rounds, "load_average": os.getloadavg(),
            "wall_s": {m: [round(x, 2) for x in v] for m, v in walls.items()},
            "jobs_per_minute": {m: round(60 * n / v, 2) for m, v in med.items()},
