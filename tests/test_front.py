@@ -298,3 +298,32 @@ def test_a_request_from_another_sites_page_is_refused(procs, tmp_path):
         assert got == status, origin
     jobs = f.call("GET", "/front/status")[1]["jobs"]
     assert sum(jobs.values()) == 1                   # the refused request queued nothing
+
+
+def test_the_trees_server_is_found_from_its_service_record(procs, tmp_path):
+    """--comfy-home: the front reads the tree's service record (read-only) and dispatches to the server h3kit
+    started there (the service tests' stand-in: it answers /system_stats and /queue, and runs no prompt)."""
+    from tests.support.service_helpers import StandinHome
+
+    home = StandinHome(tmp_path / "comfy", port())
+    home.configure(devices=2)
+    started = home.start()
+    assert started.returncode == 0, started.stderr
+    try:
+        record = (home.root / "server.json").read_bytes()
+        f = front(procs, tmp_path, [], extra=["--comfy-home", str(home.path)])
+        up = wait_for("the tree's server up", lambda: [s for s in f.call("GET", "/front/status")[1]["servers"]
+                                                       if s["state"] == "up"], timeout=60)
+        assert [(s["url"], s["devices"]) for s in up] == [(home.url, 2)]
+        job = f.submit(sleep_prompt(0.1, "tree", npu_count=2))
+        wait_for("the job on the tree's server", lambda: any(e.get("prompt_id") for e in _standin_prompts(home)),
+                 timeout=60)
+        assert f.call("GET", "/queue")[1]["queue_running"][0][1] == job
+        assert (home.root / "server.json").read_bytes() == record       # read, never written
+    finally:
+        home.run("stop")
+
+
+def _standin_prompts(home) -> list:
+    path = home.path / "standin-prompts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
