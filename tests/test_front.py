@@ -113,6 +113,11 @@ def test_jobs_spread_over_both_servers_fitted_to_their_devices(procs, tmp_path):
     assert {e["data"]["prompt_id"] for e in executed} == set(ids.values())   # mapped back to the job ids
     assert all(e["data"]["output"]["images"][0]["subfolder"].startswith(f"h3front/{e['data']['prompt_id']}/")
                for e in executed)
+    jobs = f.call("GET", "/api/jobs?status=completed,failed&limit=5")[1]       # the page's queue panel
+    assert jobs["pagination"]["total"] == 7 and len(jobs["jobs"]) == 5 and jobs["pagination"]["has_more"]
+    assert {j["status"] for j in jobs["jobs"]} == {"completed"}
+    assert all(j["preview_output"]["subfolder"].startswith(f"h3front/{j['id']}/") for j in jobs["jobs"])
+    assert f.call("GET", f"/api/jobs/{ids['two']}")[1]["workflow"]["prompt"]["2"]["inputs"]["npu_count"] == 2
     text = f.metrics()
     assert metric_value(text, "h3front_jobs", 'state="done"') == 7
     assert metric_value(text, "h3front_dispatches_total", 'cause="new"') == 7
@@ -327,3 +332,19 @@ def test_the_trees_server_is_found_from_its_service_record(procs, tmp_path):
 def _standin_prompts(home) -> list:
     path = home.path / "standin-prompts.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_interrupt_and_delete_reach_the_job_wherever_it_is(procs, tmp_path):
+    """POST /interrupt {prompt_id} stops the running job on its server (it ends cancelled, not run again);
+    POST /queue {delete} drops a queued one before it runs."""
+    a = standin(procs, tmp_path, "a")
+    f = front(procs, tmp_path, [a], extra=FAST)
+    running = f.submit(sleep_prompt(5, "stop-me"))
+    queued = f.submit(sleep_prompt(0.1, "drop-me"))
+    wait_for("the first job running", lambda: running_on([a], "stop-me"), timeout=60)
+    assert f.call("POST", "/queue", {"delete": [queued]})[0] == 200
+    assert f.call("POST", "/interrupt", {"prompt_id": running})[0] == 200
+    hist = f.wait_done([running, queued], timeout=60)
+    assert hist[running]["h3front"]["state"] == "cancelled" and hist[queued]["h3front"]["state"] == "cancelled"
+    assert [r["event"] for r in a.runs() if r["event"] in ("start", "interrupted")] == ["start", "interrupted"]
+    assert set(starts(a)) == {"stop-me"}

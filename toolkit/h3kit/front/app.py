@@ -19,6 +19,7 @@ from h3kit.front import FrontError, auth, videos
 from h3kit.front import store as st
 from h3kit.front.comfyapi import HOP_HEADERS, REQUEST_ONLY, ComfyApi
 from h3kit.front.dispatch import Dispatcher, Timing
+from h3kit.front.jobsapi import JobsApi
 from h3kit.front.metrics import Metrics
 from h3kit.front.relay import Relay
 from h3kit.front.servers import Pool
@@ -240,7 +241,7 @@ def build_app(front: Front) -> web.Application:
     app = web.Application(middlewares=[auth_middleware], client_max_size=64 << 20)
     app["tokens"] = front.settings.tokens
     api = ComfyApi(front)
-    app.add_routes(api.routes() + front.v1_routes())
+    app.add_routes(api.routes() + JobsApi(front).routes() + front.v1_routes())
     app.add_routes([web.get("/metrics", front.metrics_route), web.get("/front/status", front.status_route)])
     app.router.add_route("*", "/{tail:.*}", front.catch_all)
     app.on_startup.append(lambda _app: _start(front))
