@@ -305,28 +305,35 @@ def test_a_request_from_another_sites_page_is_refused(procs, tmp_path):
     assert sum(jobs.values()) == 1                   # the refused request queued nothing
 
 
-def test_the_trees_server_is_found_from_its_service_record(procs, tmp_path):
-    """--comfy-home: the front reads the tree's service record (read-only) and dispatches to the server h3kit
-    started there (the service tests' stand-in: it answers /system_stats and /queue, and runs no prompt)."""
+def test_the_trees_servers_are_found_from_their_service_records(procs, tmp_path):
+    """--comfy-home: the front reads the tree's service records (read-only: the runtime root's and those under
+    servers/<port>/, where a tree keeps its other servers) and dispatches to the servers h3kit started there
+    (the service tests' stand-in: it answers /system_stats and /queue, and runs no prompt)."""
     from tests.support.service_helpers import StandinHome
 
     home = StandinHome(tmp_path / "comfy", port())
     home.configure(devices=2)
-    started = home.start()
-    assert started.returncode == 0, started.stderr
+    other = StandinHome(tmp_path / "comfy", port())
+    other.root = home.root / "servers" / str(other.port)
+    other.root.mkdir(parents=True)
+    for h in (home, other):
+        started = h.start()
+        assert started.returncode == 0, started.stderr
     try:
-        record = (home.root / "server.json").read_bytes()
+        records = [(h.root / "server.json").read_bytes() for h in (home, other)]
         f = front(procs, tmp_path, [], extra=["--comfy-home", str(home.path)])
-        up = wait_for("the tree's server up", lambda: [s for s in f.call("GET", "/front/status")[1]["servers"]
-                                                       if s["state"] == "up"], timeout=60)
-        assert [(s["url"], s["devices"]) for s in up] == [(home.url, 2)]
+        up = wait_for("the tree's servers up", lambda: [s for s in f.call("GET", "/front/status")[1]["servers"]
+                                                        if s["state"] == "up"][1:], timeout=60)
+        up = [s for s in f.call("GET", "/front/status")[1]["servers"] if s["state"] == "up"]
+        assert sorted((s["url"], s["devices"]) for s in up) == sorted([(home.url, 2), (other.url, 2)])
         job = f.submit(sleep_prompt(0.1, "tree", npu_count=2))
-        wait_for("the job on the tree's server", lambda: any(e.get("prompt_id") for e in _standin_prompts(home)),
+        wait_for("the job on a tree's server", lambda: any(e.get("prompt_id") for e in _standin_prompts(home)),
                  timeout=60)
         assert f.call("GET", "/queue")[1]["queue_running"][0][1] == job
-        assert (home.root / "server.json").read_bytes() == record       # read, never written
+        assert [(h.root / "server.json").read_bytes() for h in (home, other)] == records   # read, never written
     finally:
-        home.run("stop")
+        for h in (other, home):
+            h.run("stop")
 
 
 def _standin_prompts(home) -> list:

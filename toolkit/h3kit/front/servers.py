@@ -68,18 +68,26 @@ def normalize_url(url: str) -> str:
 
 
 def tree_server_urls(comfy_home: str | None, runtime_root: str | None) -> list[str]:
-    """The URL of the tree's recorded server, read-only (none when no record); a broken record is skipped (the
-    tree's own `h3kit status` reports it)."""
+    """The URLs of the tree's recorded servers, read-only: the record of the runtime root R and those of
+    R/servers/<port>/ (several servers of one tree, h3kit.service.servers' layout). A broken record is skipped
+    (the tree's own `h3kit status` reports it)."""
     if not comfy_home and not runtime_root:
         return []
     from h3kit.service import records
 
-    root = records.runtime_root(comfy_home, runtime_root)
-    try:
-        rec = records.read_record(Path(root), comfy_home)
-    except records.ServiceError:
-        return []
-    return [rec.url] if rec else []
+    root = Path(records.runtime_root(comfy_home, runtime_root))
+    extra = root / "servers"
+    roots = [root] + (sorted((p for p in extra.iterdir() if p.name.isdigit() and p.is_dir()),
+                             key=lambda p: int(p.name)) if extra.is_dir() else [])
+    urls = []
+    for r in roots:
+        try:
+            rec = records.read_record(r, comfy_home)
+        except records.ServiceError:
+            continue
+        if rec is not None and rec.url not in urls:
+            urls.append(rec.url)
+    return urls
 
 
 class Pool:
