@@ -50,9 +50,10 @@ LONGEST_FIRST = ("test_multinpu_process.py", "test_multinpu_process_service.py",
                  "test_h3_node_matrix.py",
                  "test_service_real.py", "test_multinpu_shm.py", "test_demo.py", "test_parity_te_vae.py",
                  "test_model_cache.py", "test_multinpu_te_vae.py", "test_probes.py", "test_tiny_models.py",
-                 "test_multinpu_node.py", "test_service_standin.py", "test_patch_engine.py", "test_patches_rebase.py",
+                 "test_multinpu_node.py", "test_service_standin.py", "test_front.py", "test_patch_engine.py",
+                 "test_patches_rebase.py",
                  "test_crash_safety.py", "test_patches_rebase_upstream.py", "test_multinpu_collectives.py",
-                 "test_hostile_inputs.py", "test_multinpu_status.py")
+                 "test_hostile_inputs.py", "test_multinpu_status.py", "test_front_postgres.py")
 
 
 def pytest_collection_modifyitems(config, items):

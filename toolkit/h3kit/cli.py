@@ -35,6 +35,7 @@ COMMANDS = {
     "calibrate": ("calibrate", "calibrate", "Measure links, collectives and a real-width DiT block; project each tier."),
     "demo": ("demo", "demo", "Run a real H3 prompt with tiny weights through the patched server."),
     "bench": ("demo", "bench", "Time a workflow on the running server, cold then warm."),
+    "front": ("front", "front", "Serve a team: one queue and entry point (ComfyUI API, /v1/videos) over several servers."),
 }
 
 
