@@ -25,12 +25,23 @@ import datetime
 import logging
 import os
 import queue
-import resource
 import threading
 import time
 
 import torch
 import torch.distributed
+
+try:
+    from comfy import multinpu_clock as clock
+except ImportError:  # this file loaded on its own by path (unit tests without ComfyUI): its sibling, the same way
+    import importlib.util as _util
+    import sys as _sys
+    _spec = _util.spec_from_file_location("h3kit_multinpu_clock", os.path.join(os.path.dirname(__file__),
+                                                                               "multinpu_clock.py"))
+    clock = _sys.modules.get(_spec.name)
+    if clock is None:
+        clock = _sys.modules[_spec.name] = _util.module_from_spec(_spec)
+        _spec.loader.exec_module(clock)
 
 # Long enough for the slowest rank to reach the next collective in a real 38k-token H3 forward
 # (a block is well under a second); short enough that a hung card surfaces as an error, not a hang.
@@ -381,47 +392,20 @@ class ThreadComm:
         return buf
 
 
-class CollectiveProgress:
-    """This process's collectives, counted for its heartbeat (comfy.multinpu_group): how many it entered (every rank
-    enters the same collectives in the same order, so the count says who has not reached the one its peers wait
-    in), the last one's op and whether it is inside it now. send/recv are counted apart (their number differs from
-    rank to rank)."""
-
-    def __init__(self):
-        self.seq = self.p2p = 0
-        self.op = None
-        self.inside = False
-
-    def enter(self, op: str):
-        if op in ("send", "recv"):
-            self.p2p += 1
-        else:
-            self.seq += 1
-        self.op, self.inside = op, True
-
-    def snapshot(self) -> dict:
-        return {"coll": self.seq, "p2p": self.p2p, "op": self.op, "inside": self.inside}
+# what this process queued and what its device completed, for its heartbeat (comfy.multinpu_clock)
+CollectiveProgress = clock.CollectiveProgress
+PROGRESS = clock.PROGRESS
+memory_stats = clock.memory_stats
+synchronize = clock.synchronize
 
 
-PROGRESS = CollectiveProgress()
-
-
-def memory_stats(device: torch.device) -> dict:
-    """{"allocated", "reserved", "peak", "total"} bytes on `device` from its caching allocator and the device's size,
-    or on cpu this process's resident set (peak: its largest) and the host's memory; {} when unreadable. Cheap, no
-    sync: a worker sends it with each heartbeat beside PROGRESS (comfy.multinpu_group), for GET /metrics."""
-    try:
-        if device.type == "cpu":
-            page = os.sysconf("SC_PAGE_SIZE")
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * page
-            peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            return {"allocated": rss, "reserved": rss, "peak": peak, "total": os.sysconf("SC_PHYS_PAGES") * page}
-        module = torch.get_device_module(device)
-        return {"allocated": module.memory_allocated(device), "reserved": module.memory_reserved(device),
-                "peak": module.max_memory_allocated(device), "total": module.mem_get_info(device)[1]}
-    except Exception:
-        return {}
+def tick(comm, label: str):
+    """The device advanced without a collective (a DiT block, a VAE decoder block, a text encoder layer): a marker the
+    heartbeat reports once the device has done the work queued before it. Ranks that are threads have no own device
+    progress (the process's is the server's): nothing."""
+    record = getattr(comm, "tick", None)
+    if record is not None:
+        record(label)
 
 
 class ProcessComm:
@@ -462,21 +446,38 @@ class ProcessComm:
     def _global(self, rank: int) -> int:
         return rank if self.pg is None else torch.distributed.get_global_rank(self.pg, rank)
 
-    def _call(self, op: str, fn, *args, **kwargs):
+    def _call(self, op: str, fn, *args, reads: bool = True, **kwargs):
+        """Run collective `op` (fn(*args, group=..., **kwargs)) as the device runs it: the host's count moves now, a
+        marker before it (the device reached it) and one after it (completed) tell the heartbeat what the device did
+        (comfy.multinpu_clock). On the twin it returns at enqueue; the host waits for it when it `reads` the result
+        (a barrier does). Returns fn's value, or with reads False on the twin the stream's Work (wait() gives it)."""
         t0 = time.monotonic()
-        PROGRESS.enter(op)
+        seq = PROGRESS.enter(op)
+        PROGRESS.sample(self.device)
         try:
-            return fn(*args, group=self.pg, **kwargs)
+            clock.DEVICE.before_collective()
+            PROGRESS.record(self.device, ("reach", seq, op))
+            work = clock.DEVICE.run(lambda: fn(*args, group=self.pg, **kwargs))
+            PROGRESS.record(self.device, ("done", seq, op))
+            if not reads and clock.DEVICE.stream is not None:
+                return work
+            return work.wait()
         except RuntimeError as e:
-            if os.environ.get(EMULATE_NO_RELEASE_ENV) == "1":
-                # HCCL/NCCL semantics on gloo: a peer's error, destroy or death releases nobody; the
-                # collective returns only at the group timeout
-                time.sleep(max(0.0, t0 + self.timeout - time.monotonic()))
-                raise CollectiveTimeout(f"{op} on rank {self.rank} of {self.world_size} timed out after "
-                                        f"{self.timeout:g} s ({EMULATE_NO_RELEASE_ENV}=1; the backend said: {e})") from e
-            raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {e}") from e
+            raise self._failed(op, e, t0) from e
         finally:
             PROGRESS.inside = False
+
+    def _failed(self, op: str, e: RuntimeError, t0: float) -> CollectiveError:
+        if os.environ.get(EMULATE_NO_RELEASE_ENV) == "1":
+            # HCCL/NCCL semantics on gloo: a peer's error, destroy or death releases nobody; the
+            # collective returns only at the group timeout
+            time.sleep(max(0.0, t0 + self.timeout - time.monotonic()))
+            return CollectiveTimeout(f"{op} on rank {self.rank} of {self.world_size} timed out after "
+                                     f"{self.timeout:g} s ({EMULATE_NO_RELEASE_ENV}=1; the backend said: {e})")
+        return CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {e}")
+
+    def tick(self, label: str):
+        PROGRESS.tick(self.device, label)
 
     def _count(self, nbytes: int):
         self.bytes_moved += nbytes
@@ -494,13 +495,14 @@ class ProcessComm:
         # the concatenated form [P * n, ...]: gloo rejects the stacked one
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-        work = self._call("all_gather", gather, out, x, async_op=async_op)
+        work = self._call("all_gather", gather, out, x, async_op=async_op, reads=not async_op)
         self._count((self.world_size - 1) * x.numel() * x.element_size())
         if not async_op:
             return out
 
         def wait():
-            self._call("all_gather", lambda group=None: work.wait())
+            # on the twin, `work` is its stream's item, which holds the backend's
+            self._call("all_gather", lambda group=None: (work.wait() if isinstance(work, clock.Work) else work).wait())
             return out
         return out, wait
 
@@ -551,7 +553,8 @@ class ProcessComm:
         self._call("barrier", torch.distributed.barrier)
 
     def send(self, x: torch.Tensor, dst: int):
-        self._call("send", torch.distributed.send, x.contiguous(), self._global(dst))
+        # returns at enqueue on the twin (and on a device): nothing to read
+        self._call("send", torch.distributed.send, x.contiguous(), self._global(dst), reads=False)
 
     def recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         self._call("recv", torch.distributed.recv, buf, self._global(src))

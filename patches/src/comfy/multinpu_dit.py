@@ -224,6 +224,7 @@ class SequenceParallelBlock:
             if state.weights is not None:
                 state.weights.after(self.index)
         state.blocks_run += 1
+        comfy.multinpu.tick(state.comm, f"dit block {self.index}")  # the device advanced without a collective
         if self.last:
             out = comfy.multinpu.gather_v(out, state.comm, sizes=state.sizes, dst=0)  # [s_r, hidden] -> [S, hidden] on rank 0
             if out is None:
