@@ -93,6 +93,15 @@ def test_a_collective_whose_result_the_host_reads_waits_for_the_device(world1, t
     assert time.monotonic() - t0 >= 0.4 and out.tolist() == [1.0, 1.0, 1.0]
 
 
+def test_the_stream_runs_each_collective_in_the_modes_of_the_thread_that_queued_it(world1, twin):
+    """Workers run programs in inference mode (thread-local): a backend writing into an inference tensor from the
+    stream's thread outside it is refused ("Inplace update to inference tensor outside InferenceMode")."""
+    with torch.inference_mode():
+        x = torch.ones(3)
+        out, wait = world1.all_gather_flat(x, async_op=True)
+        assert wait().tolist() == [1.0] * 3 and world1.all_reduce(x).tolist() == [1.0] * 3
+
+
 def test_the_slow_fault_is_device_time_that_keeps_completing(world1, twin):
     """slow=2: two steps of a second, each a tick the beat reports, the host long past them (it queued them)."""
     t0 = time.monotonic()

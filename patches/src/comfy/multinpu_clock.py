@@ -116,7 +116,7 @@ class TwinStream:
         self._lock = threading.Lock()
 
     def submit(self, fn) -> Work:
-        work = Work(fn)
+        work = Work(fn if fn is None else _in_modes_of_this_thread(fn))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="multinpu-twin-stream")
@@ -130,6 +130,17 @@ class TwinStream:
 
     def synchronize(self):
         self.submit(None).wait()
+
+
+def _in_modes_of_this_thread(fn):
+    """fn to run on the stream in the grad and inference modes of the thread that queued it (they are per thread: a
+    backend writing into an inference tensor outside inference mode is refused)."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def run():
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn()
+    return run
 
 
 class Device:
