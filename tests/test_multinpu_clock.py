@@ -137,6 +137,22 @@ def test_an_error_on_the_stream_reaches_the_host_that_reads(world1, twin):
         world1._call("all_reduce", broken)
 
 
+def test_an_install_waits_for_the_device_before_it_reports_the_model_ready(twin):
+    """WorkerContext.place (the built-in install, before ready/{id}/{rank}): a host sync, so a late loader's device
+    time is spent under the load bound, not inside the first command's collectives. Before, a load reported ready
+    with its device work still queued."""
+    ctx = group.WorkerContext(wire.GroupSpec(local_size=1), 0, "cpu")
+    gate = threading.Event()
+    clock.DEVICE.run(gate.wait)
+    placed = threading.Thread(target=ctx.place, args=(object(),))
+    placed.start()
+    time.sleep(0.3)
+    assert placed.is_alive(), "reported before the device finished"
+    gate.set()
+    placed.join(30)
+    assert not placed.is_alive()
+
+
 # ---- faults ------------------------------------------------------------------------------------------------------
 
 def test_faults_are_parsed_and_an_unknown_kind_is_refused_naming_the_kinds():

@@ -60,8 +60,8 @@ class WorkerContext:
         in the first command (a late loader would hold its peers inside a collective)."""
         patcher = getattr(held, "patcher", None)
         if patcher is not None:
-            import comfy.model_management
-            comfy.model_management.load_models_gpu([patcher])
+            import comfy.model_management as model_management  # ComfyUI's: not in the bare workers of the tests
+            model_management.load_models_gpu([patcher])
         comfy.multinpu.synchronize(self.device)
 
     def loaded(self, config_id: str, held):
