@@ -107,6 +107,7 @@ def test_a_late_loader_is_waited_for_and_the_prompt_runs(server):
     assert b"[rank 1] WARNING MultiNPU: rank 1: H3KIT_MULTINPU_FAULT=dit_config:slow=15:" in text, "the fault fired"
     assert b"[rank 0] WARNING MultiNPU: rank 0: H3KIT_MULTINPU_FAULT=dit_config:" not in text, "on rank 1 alone"
     assert seconds >= SLOW
+    print(f"late loader (rank 1's load +{SLOW} s device time): prompt ok in {seconds:.1f} s")
 
 
 def test_the_slow_fault_on_every_rank_in_the_dit_and_the_vae_decode_keeps_the_prompt(server):
@@ -123,6 +124,7 @@ def test_the_slow_fault_on_every_rank_in_the_dit_and_the_vae_decode_keeps_the_pr
     assert status["status_str"] == "success", status
     assert seconds >= 2 * SLOW, f"{seconds:.1f} s: both slow calls ran"
     assert server.workers() == before, "nobody was killed"
+    print(f"slow={SLOW} on every rank in the DiT forward and the VAE decode: prompt ok in {seconds:.1f} s")
 
 
 def test_a_stuck_device_fails_its_prompt_naming_rank_1_and_the_next_prompt_runs(server):
@@ -151,6 +153,7 @@ def test_a_stuck_device_fails_its_prompt_naming_rank_1_and_the_next_prompt_runs(
     assert "its host queued collective #" in message and "its device did not complete collective #" in message
     assert "while rank 0 waits in collective #" in message, message
     assert to_error < BOUND + 10, f"{to_error:.1f} s from the stuck device to the error"
+    print(f"stuck device on rank 1: prompt error {to_error:.1f} s after the fault (bound {BOUND} s)")
     after = server.finished(server.prompt("after_stuck"))
     assert after["status_str"] == "success", after
     assert set(server.workers().values()).isdisjoint(before.values()), "a fresh group"
