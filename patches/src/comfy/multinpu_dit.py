@@ -456,7 +456,7 @@ def _forward_rank(comm, payload, held, hook):
             shards = comfy.multinpu_shard.of(dm)
             if hook is not None and shards is not None:
                 # h3kit parity's fault runs: the install loaded the slices before this forward's hook was known
-                shards.build(held.patcher, fault=_fault, loaded_only=True)
+                shards.build(held.patcher, fault=_fault, loaded_only=True, again=True)
         out = dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev),
                           options, *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
     except _RankDone:
