@@ -46,7 +46,8 @@ def pytest_configure(config):
 # test's xdist workers take a file at a time (--dist loadfile --no-loadscope-reorder: in this order, not by test count), so a long file is never
 # the last one started while the other workers have nothing left. Files not named keep their order, after these.
 LONGEST_FIRST = ("test_multinpu_process.py", "test_multinpu_process_service.py", "test_multinpu_process_faults.py",
-                 "test_parity_dit.py", "test_parity_process.py", "test_multinpu_process_hang.py", "test_int8.py",
+                 "test_parity_dit.py", "test_parity_process.py", "test_multinpu_process_hang.py",
+                 "test_multinpu_clock_service.py", "test_int8.py",
                  "test_h3_node_matrix.py",
                  "test_service_real.py", "test_multinpu_shm.py", "test_demo.py", "test_parity_te_vae.py",
                  "test_model_cache.py", "test_multinpu_te_vae.py", "test_probes.py", "test_tiny_models.py",

@@ -331,12 +331,34 @@ def test_every_collective_of_the_process_comm_is_counted(tmp_path):
 
 # ---- with real processes ------------------------------------------------------------------------------------
 
-# the default bound (60 s) is measured through the real server by benchmarks/multinpu_hangs.py --server
-@pytest.fixture(scope="module")
-def hangs(tmp_path_factory):
+# the default bound (60 s) is measured through the real server by benchmarks/multinpu_hangs.py --server. Two runs: plain
+# gloo (a collective returns when done), and the twin of the accelerator's clock (H3KIT_EMULATE_ASYNC_DEVICE=1: every
+# collective but barrier returns at enqueue and completes on the rank's stream; comfy/multinpu_clock.py), which also
+# runs the device-clock faults (the slow fault on every rank, a late loader, a stuck device, a stats call blocked).
+# The twin leaves out blocked_send (a channel send: no collective, nothing the device's clock changes; 45 s) and
+# slow_progress (a slow host reaching each collective: device_slow is the twin's slow rank, on every rank; 18 s).
+SLOW_DEVICE = 2 * PROGRESS  # the slow fault's extra device time: twice the progress bound, in 1 s steps
+TWIN_HANGS = "hung_in_kernel,stuck_collective,device_slow,late_loader,device_stuck,blocked_stats"
+
+
+@pytest.fixture(scope="module", params=["gloo", "twin"])
+def hangs(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"hangs-{request.param}")
     env = _env(H3KIT_EMULATE_NO_RELEASE="1", H3KIT_PROGRESS_TIMEOUT=str(PROGRESS), H3KIT_SEND_TIMEOUT=str(SEND))
-    return drive(tmp_path_factory.mktemp("hangs"), "hangs", "--world", 2, "--timeout", GROUP_TIMEOUT,
-                 "--sleep", 45, "--slow", 3, env=env, timeout=900)
+    args = ["--sleep", 45]
+    if request.param == "twin":
+        env.update(H3KIT_EMULATE_ASYNC_DEVICE="1", H3KIT_TEST_FAULT_DIR=str(folder), H3KIT_MULTINPU_FAULT=(
+            f"sum:slow={SLOW_DEVICE}:{folder}/slow-all,config:slow={SLOW_DEVICE}:{folder}/late-{{rank}},"
+            f"fail:stuck:{folder}/stuck-{{rank}}"))
+        args = ["--sleep", 20, "--faults", TWIN_HANGS]
+    return drive(folder, "hangs", "--world", 2, "--timeout", GROUP_TIMEOUT, "--slow", 3, *args, env=env,
+                 timeout=900) | {"clock": request.param}
+
+
+def _ran(hangs, name):
+    if name not in hangs:
+        pytest.skip(f"{name} runs under the twin only" if hangs["clock"] == "gloo" else f"{name}: not in TWIN_HANGS")
+    return hangs[name]
 
 
 def _fresh_group(f):
@@ -351,7 +373,7 @@ def test_a_rank_that_stops_reading_its_commands_cannot_hold_the_driver(hangs):
     """Rank 1 holds after a command (a hang between commands, its heartbeat beating); the next command's 16 MiB
     header fills its connection. The driver's blocking sendall waited out the hold (45 s) with the run lock
     held; now the send fails after SEND seconds without a byte taken, naming rank 1, and the next command runs."""
-    f = hangs["blocked_send"]
+    f = _ran(hangs, "blocked_send")
     assert f["stall"]["ok"], f["stall"]
     assert not f["error"]["ok"], f["error"]
     message = f["error"]["error"]["message"]
@@ -374,7 +396,10 @@ def test_a_rank_blocked_in_a_kernel_is_named_within_the_progress_bound(hangs):
     message = error["message"]
     assert "rank 1 (cpu), host " in message and "hung during fail" in message, message
     assert f"pid {f['pids_before']['1']}" in message, message
-    assert "it last completed collective #" in message and "while rank 0 waits in collective #" in message, message
+    # what its host queued and what its device completed, apart (issue 45: never "completed" for what was only queued)
+    assert "its device last completed collective #" in message and "its host queued collective #" in message, message
+    assert "its device did not complete collective #" in message, message
+    assert "while rank 0 waits in collective #" in message, message
     assert "(all_reduce)" in message and "no progress for" in message, message
     assert PROGRESS <= f["fault_to_error"] < PROGRESS + 20 < GROUP_TIMEOUT, f["fault_to_error"]
     _fresh_group(f)
@@ -440,3 +465,45 @@ def test_a_collective_every_rank_is_stuck_in_fails_the_command_naming_it(hangs):
     assert "(stuck) made no progress for" in error["message"] and "every rank is inside it" in error["message"], error
     assert PROGRESS <= f["fault_to_error"] < PROGRESS + 20 < GROUP_TIMEOUT, f["fault_to_error"]
     _fresh_group(f)
+
+
+# ---- the device's clock (issue 45), under the twin ------------------------------------------------------------------
+
+def test_the_slow_fault_on_every_rank_keeps_completing_and_the_command_succeeds(hangs):
+    """Every rank's device needs SLOW_DEVICE s (twice the bound) more for one command, each second completing, while
+    every host waits inside the command's collective: the command succeeds on the same processes. The host-position
+    watch failed it after the bound ("every rank is inside it")."""
+    f = _ran(hangs, "device_slow")
+    assert f["error"]["ok"] and f["error"]["value"] == [1.0] * 4, f["error"]
+    assert f["fault_to_error"] >= SLOW_DEVICE - 1 and f["pids_after"] == f["pids_before"]
+
+
+def test_a_late_loader_is_waited_for_in_its_install(hangs):
+    """The last rank's load needs SLOW_DEVICE s more device time: the install waits for its device (a host sync)
+    under the load bound, and the command that uses the model runs with every rank loaded, on the same processes."""
+    f = _ran(hangs, "late_loader")
+    assert f["error"]["ok"], f["error"]
+    assert f["fault_to_error"] >= SLOW_DEVICE - 1 and f["pids_after"] == f["pids_before"]
+
+
+def test_a_stuck_device_is_named_with_the_collective_it_did_not_complete(hangs):
+    """The last rank's device never completes its next collective while its host runs on and beats (the stuck
+    fault): the command fails after the progress bound naming that rank, what its host queued and the collective its
+    device did not complete; the next command runs on a fresh group."""
+    f = _ran(hangs, "device_stuck")
+    assert not f["error"]["ok"] and f["error"]["error"]["type"] == "RankHung", f["error"]
+    message = f["error"]["error"]["message"]
+    assert "rank 1 (cpu), host " in message and "hung during fail" in message, message
+    assert "its host queued collective #" in message and "its device did not complete collective #" in message
+    assert "(all_reduce), while rank 0 waits in collective #" in message, message
+    assert PROGRESS <= f["fault_to_error"] < PROGRESS + 20 < GROUP_TIMEOUT, f["fault_to_error"]
+    _fresh_group(f)
+
+
+def test_beats_go_on_while_a_stats_call_waits_for_the_allocator(hangs):
+    """Every rank holds its allocator's mutex for 20 s while it computes (a device sync during an OOM retry) and a
+    memory stats call would wait for it: the beats carry the last sample and go on, nobody is killed for silence
+    (heartbeat bound 3 s here). Before, the heartbeat thread read the stats itself and every rank was killed."""
+    f = _ran(hangs, "blocked_stats")
+    assert f["error"]["ok"], f["error"]
+    assert f["fault_to_error"] >= 20 and f["pids_after"] == f["pids_before"]

@@ -405,7 +405,8 @@ def test_a_rank_blocked_in_a_kernel_costs_one_prompt_naming_it(group):
     # the progress detector fired (not the heartbeat's 15 s, nor the group timeout): rank 1's own beats placed it
     # after a collective it completed while the three others wait in the next one
     assert "no progress for" in message and "in command" in message and "(dit_forward)" in message, message
-    assert "it last completed collective #" in message and "while ranks 0, 2, 3 wait in collective #" in message
+    assert "its device last completed collective #" in message and "its host queued collective #" in message
+    assert "while ranks 0, 2, 3 wait in collective #" in message, message
     assert f"(progress bound {PROGRESS_BOUND} s, H3KIT_PROGRESS_TIMEOUT)" in message, message
     assert PROGRESS_BOUND - 2 <= to_error < PROGRESS_BOUND + 90 < BOOT, f"{to_error:.1f} s from the hang to the error"
     _next_prompt_runs_on_a_fresh_group(group, "after_hang", server, before)

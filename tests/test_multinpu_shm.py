@@ -121,8 +121,8 @@ finally:
 """
 
 
-def _env():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(SUPPORT)]))
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(SUPPORT)]), **extra)
     env.setdefault(wire.KEY_ENV, wire.new_key())
     return env
 
@@ -269,7 +269,9 @@ def test_a_driver_removes_its_lock_at_shutdown(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_full_dev_shm_fails_one_command_and_the_group_lives_on(tmp_path):
+# also under the twin of the accelerator's clock (H3KIT_EMULATE_ASYNC_DEVICE=1, comfy/multinpu_clock.py)
+@pytest.mark.parametrize("clock", ["gloo", "twin"])
+def test_a_full_dev_shm_fails_one_command_and_the_group_lives_on(tmp_path, clock):
     """A 2-rank group on cpu/gloo whose hand-off folder is a 16 MiB tmpfs. Before the start, a driver killed -9
     left a hand-off file there (gone after the start) and a live one has its file (kept). Filled by another
     program, the next command's inputs fail within seconds with the message, and a command whose result does not
@@ -278,7 +280,7 @@ def test_a_full_dev_shm_fails_one_command_and_the_group_lives_on(tmp_path):
     folder = tmp_path / "shm"
     folder.mkdir()
     out = tmp_path / "result.json"
-    env = _env()
+    env = _env(**({"H3KIT_EMULATE_ASYNC_DEVICE": "1"} if clock == "twin" else {}))
     env[wire.SHM_DIR_ENV] = str(folder)
     proc = in_small_tmpfs(folder, 16, [sys.executable, "-c", DRIVER, str(out), str(folder), HOLDER], 400, env=env)
     (tmp_path / "driver.log").write_text(proc.stdout + proc.stderr)

@@ -27,8 +27,8 @@ SPLIT_PENDING = set()
 RUNTIME_MODULES = ("multinpu_process", "multinpu_threads", "multinpu_group", "multinpu_channel", "multinpu_launch",
                    "multinpu_wire", "multinpu_worker", "multinpu_members", "multinpu_commands", "multinpu_installs",
                    "multinpu_progress", "multinpu_runtime_base")
-COMPONENT_MODULES = ("multinpu", "multinpu_dit", "multinpu_te", "multinpu_vae", "multinpu_shard", "multinpu_models",
-                     "multinpu_weights", "multinpu_links")  # _links: the collectives' HCCL settings and links (issue 45)
+COMPONENT_MODULES = ("multinpu", "multinpu_clock", "multinpu_dit", "multinpu_te", "multinpu_vae", "multinpu_shard",
+                     "multinpu_models", "multinpu_weights", "multinpu_links")  # _links: HCCL settings and links (issue 45)
 # Monitoring (GET /metrics, issue 39): reads the runtime's state, is no part of it and no component
 MONITORING_MODULES = ("multinpu_metrics",)
 RUNTIME_LINES_AT_AF60090 = 3270

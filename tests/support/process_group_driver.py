@@ -214,6 +214,8 @@ def _hang_fault(rt, name, args):
         out["error"] = _attempt(lambda: _fail(rt, rank=0, kind="sleep", seconds=3.0, steps=2, at=0))
     elif name == "stuck_collective":
         out["error"] = _attempt(lambda: rt.run("stuck", {"seconds": 600}))
+    elif name in DEVICE_CLOCK:
+        return _device_clock_fault(rt, name, args, out)
     elif name == "slow_progress":
         # the last rank takes args.slow seconds before each of 6 all_reduces: much longer than the progress bound in
         # all, never that long without reaching a collective
@@ -230,6 +232,38 @@ def _hang_fault(rt, name, args):
 
 
 HANGS = ("hung_in_kernel", "stuck_collective", "slow_progress", "blocked_send")
+# the device's clock (issue 45), run with H3KIT_EMULATE_ASYNC_DEVICE=1 and H3KIT_MULTINPU_FAULT naming files in
+# $H3KIT_TEST_FAULT_DIR (tests/test_multinpu_process_hang.py, hangs_twin): the slow fault on every rank, a late loader,
+# a stuck device, a stats call blocked for 20 s
+DEVICE_CLOCK = ("device_slow", "late_loader", "device_stuck", "blocked_stats")
+
+
+def _device_clock_fault(rt, name, args, out):
+    folder = Path(os.environ["H3KIT_TEST_FAULT_DIR"])
+    last = rt.world_size - 1
+    t0 = time.monotonic()
+    if name == "device_slow":  # every rank's device needs args.slow s more for `sum`, each second completing
+        (folder / "slow-all").touch()
+        out["error"] = _attempt(lambda: _sum(rt))
+        (folder / "slow-all").unlink()
+    elif name == "late_loader":  # the last rank's load takes args.slow s more device time than its peers'
+        (folder / f"late-{last}").touch()
+        digest = {"files": "late", "options": "-"}
+        late = mp.RemoteConfig("config", {"digest": digest, "name": "late.safetensors"}, digest, "a late model")
+        out["error"] = _attempt(lambda: rt.run("uses_config", {"id": late.id}, configs=[late]))
+        (folder / f"late-{last}").unlink()
+    elif name == "device_stuck":  # the last rank's device never completes its next collective while its host beats
+        (folder / f"stuck-{last}").touch()
+        out["error"] = _attempt(lambda: _fail(rt, rank=-1, kind="raise", steps=4, at=0))
+        (folder / f"stuck-{last}").unlink()
+    elif name == "blocked_stats":  # every rank's allocator counters blocked for args.sleep s while it computes
+        out["error"] = _attempt(lambda: rt.run("blocked_stats", {"seconds": args.sleep}))
+    out["fault_to_error"] = time.monotonic() - t0
+    out["next"] = _attempt(lambda: _sum(rt))
+    out["pids_after"] = dict(rt.members)
+    time.sleep(0.5)
+    out["left_behind"] = [pid for pid in out["pids_before"].values() if _alive(pid)]
+    return out
 
 
 def scenario_hangs(rt, args):

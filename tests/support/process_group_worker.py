@@ -202,6 +202,30 @@ def _stuck(context, comm, payload):
     return os.getpid()
 
 
+@mp.program("blocked_stats")
+def _blocked_stats(context, comm, payload):
+    """Every rank computes for payload["seconds"] holding its allocator's mutex (a device sync during an OOM retry):
+    a call of the memory stats waits for it meanwhile. Then one all_reduce."""
+    import threading
+    import comfy.multinpu_clock as clock
+    mutex = threading.Lock()
+    real = clock.memory_stats
+
+    def stats(device, reset_peak=False):
+        with mutex:
+            return real(device, reset_peak)
+    for module in (clock, comfy.multinpu):
+        module.memory_stats = stats
+    try:
+        with mutex:
+            time.sleep(payload["seconds"])
+    finally:
+        for module in (clock, comfy.multinpu):
+            module.memory_stats = real
+    comfy.multinpu.all_reduce(torch.ones(4), comm)
+    return os.getpid()
+
+
 @mp.program("blob")
 def _blob(context, comm, payload):
     """A command whose header is big (payload["blob"] bytes travel in the pickle, not through shared memory)."""

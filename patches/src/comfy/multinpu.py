@@ -26,12 +26,23 @@ import datetime
 import logging
 import os
 import queue
-import resource
 import threading
 import time
 
 import torch
 import torch.distributed
+
+try:
+    from comfy import multinpu_clock as clock
+except ImportError:  # this file loaded on its own by path (unit tests without ComfyUI): its sibling, the same way
+    import importlib.util as _util
+    import sys as _sys
+    _spec = _util.spec_from_file_location("h3kit_multinpu_clock", os.path.join(os.path.dirname(__file__),
+                                                                               "multinpu_clock.py"))
+    clock = _sys.modules.get(_spec.name)
+    if clock is None:
+        clock = _sys.modules[_spec.name] = _util.module_from_spec(_spec)
+        _spec.loader.exec_module(clock)
 
 # Long enough for the slowest rank to reach the next collective in a real 38k-token H3 forward
 # (a block is well under a second); short enough that a hung card surfaces as an error, not a hang.
@@ -382,92 +393,20 @@ class ThreadComm:
         return buf
 
 
-class CollectiveProgress:
-    """This process's collectives, counted for its heartbeat (comfy.multinpu_group): how many it entered (every rank
-    enters the same collectives in the same order, so the count says who has not reached the one its peers wait
-    in), the last one's op and whether it is inside it now. send/recv are counted apart (their number differs from
-    rank to rank)."""
-
-    def __init__(self):
-        self.seq = self.p2p = 0
-        self.op = None
-        self.inside = False
-
-    def enter(self, op: str):
-        if op in ("send", "recv"):
-            self.p2p += 1
-        else:
-            self.seq += 1
-        self.op, self.inside = op, True
-
-    def snapshot(self) -> dict:
-        return {"coll": self.seq, "p2p": self.p2p, "op": self.op, "inside": self.inside}
+# what this process queued and what its device completed, for its heartbeat (comfy.multinpu_clock)
+CollectiveProgress = clock.CollectiveProgress
+PROGRESS = clock.PROGRESS
+memory_stats = clock.memory_stats
+synchronize = clock.synchronize
 
 
-PROGRESS = CollectiveProgress()
-
-
-def memory_stats(device: torch.device, reset_peak: bool = False) -> dict:
-    """This process's memory on `device`, each figure its own key (GET /metrics, comfy.multinpu_metrics):
-    "used" and "capacity": the device's own view (total minus free, and total: HCCL/NCCL buffers, workspaces and other
-    processes on the card included); "allocated" and "reserved": its caching allocator's; "peak": the allocator's
-    largest allocated since the last reset_peak call (then reset: a worker's heartbeat sends each interval's peak,
-    the server keeps the largest of a prompt); "host_rss": this process's resident set on the host. On cpu the host is
-    the device: used is its total minus available, allocated and reserved the resident set, peak the largest resident
-    set since the last reset (Linux' VmHWM, reset through /proc/self/clear_refs). {} when unreadable; cheap, no sync."""
-    try:
-        rss = _resident_bytes()
-        if device.type == "cpu":
-            total, available = _host_memory()
-            peak = max(rss, _peak_resident_bytes())
-            if reset_peak:
-                _reset_peak_resident()
-            return {"allocated": rss, "reserved": rss, "peak": peak, "used": total - available, "capacity": total,
-                    "host_rss": rss}
-        module = torch.get_device_module(device)
-        free, total = module.mem_get_info(device)
-        peak = module.max_memory_allocated(device)
-        if reset_peak:
-            module.reset_peak_memory_stats(device)
-        return {"allocated": module.memory_allocated(device), "reserved": module.memory_reserved(device), "peak": peak,
-                "used": total - free, "capacity": total, "host_rss": rss}
-    except Exception:
-        return {}
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_resident_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak_resident():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident set (Linux 4.0+)
-    except OSError:
-        pass
-
-
-def _host_memory() -> tuple:
-    """(total, available) bytes of the host, from /proc/meminfo."""
-    values = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values["MemTotal"], values.get("MemAvailable", values["MemTotal"])
+def tick(comm, label: str):
+    """The device advanced without a collective (a DiT block, a VAE decoder block, a text encoder layer): a marker the
+    heartbeat reports once the device has done the work queued before it. Ranks that are threads have no own device
+    progress (the process's is the server's): nothing."""
+    record = getattr(comm, "tick", None)
+    if record is not None:
+        record(label)
 
 
 BEAT_LISTENERS = []     # fn(rank, progress) at each worker beat the driver receives (comfy.multinpu_process)
@@ -550,21 +489,38 @@ class ProcessComm:
     def _global(self, rank: int) -> int:
         return rank if self.pg is None else torch.distributed.get_global_rank(self.pg, rank)
 
-    def _call(self, op: str, fn, *args, **kwargs):
+    def _call(self, op: str, fn, *args, reads: bool = True, **kwargs):
+        """Run collective `op` (fn(*args, group=..., **kwargs)) as the device runs it: the host's count moves now, a
+        marker before it (the device reached it) and one after it (completed) tell the heartbeat what the device did
+        (comfy.multinpu_clock). On the twin it returns at enqueue; the host waits for it when it `reads` the result
+        (a barrier does). Returns fn's value, or with reads False on the twin the stream's Work (wait() gives it)."""
         t0 = time.monotonic()
-        PROGRESS.enter(op)
+        seq = PROGRESS.enter(op)
+        PROGRESS.sample(self.device)
         try:
-            return fn(*args, group=self.pg, **kwargs)
+            clock.DEVICE.before_collective()
+            PROGRESS.record(self.device, ("reach", seq, op))
+            work = clock.DEVICE.run(lambda: fn(*args, group=self.pg, **kwargs))
+            PROGRESS.record(self.device, ("done", seq, op))
+            if not reads and clock.DEVICE.stream is not None:
+                return work
+            return work.wait()
         except RuntimeError as e:
-            if os.environ.get(EMULATE_NO_RELEASE_ENV) == "1":
-                # HCCL/NCCL semantics on gloo: a peer's error, destroy or death releases nobody; the
-                # collective returns only at the group timeout
-                time.sleep(max(0.0, t0 + self.timeout - time.monotonic()))
-                raise CollectiveTimeout(f"{op} on rank {self.rank} of {self.world_size} timed out after "
-                                        f"{self.timeout:g} s ({EMULATE_NO_RELEASE_ENV}=1; the backend said: {e})") from e
-            raise CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {e}") from e
+            raise self._failed(op, e, t0) from e
         finally:
             PROGRESS.inside = False
+
+    def _failed(self, op: str, e: RuntimeError, t0: float) -> CollectiveError:
+        if os.environ.get(EMULATE_NO_RELEASE_ENV) == "1":
+            # HCCL/NCCL semantics on gloo: a peer's error, destroy or death releases nobody; the
+            # collective returns only at the group timeout
+            time.sleep(max(0.0, t0 + self.timeout - time.monotonic()))
+            return CollectiveTimeout(f"{op} on rank {self.rank} of {self.world_size} timed out after "
+                                     f"{self.timeout:g} s ({EMULATE_NO_RELEASE_ENV}=1; the backend said: {e})")
+        return CollectiveError(f"{op} on rank {self.rank} of {self.world_size} failed: {e}")
+
+    def tick(self, label: str):
+        PROGRESS.tick(self.device, label)
 
     def _count(self, nbytes: int):
         self.bytes_moved += nbytes
@@ -582,13 +538,14 @@ class ProcessComm:
         # the concatenated form [P * n, ...]: gloo rejects the stacked one
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-        work = self._call("all_gather", gather, out, x, async_op=async_op)
+        work = self._call("all_gather", gather, out, x, async_op=async_op, reads=not async_op)
         self._count((self.world_size - 1) * x.numel() * x.element_size())
         if not async_op:
             return out
 
         def wait():
-            self._call("all_gather", lambda group=None: work.wait())
+            # on the twin, `work` is its stream's item, which holds the backend's
+            self._call("all_gather", lambda group=None: (work.wait() if isinstance(work, clock.Work) else work).wait())
             return out
         return out, wait
 
@@ -653,7 +610,8 @@ class ProcessComm:
 
     def send(self, x: torch.Tensor, dst: int):
         self._pair(dst)
-        self._call("send", torch.distributed.send, x.contiguous(), self._global(dst))
+        # returns at enqueue on the twin (and on a device): nothing to read
+        self._call("send", torch.distributed.send, x.contiguous(), self._global(dst), reads=False)
 
     def recv(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         self._pair(src)

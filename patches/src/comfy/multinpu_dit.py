@@ -224,6 +224,7 @@ class SequenceParallelBlock:
             if state.weights is not None:
                 state.weights.after(self.index)
         state.blocks_run += 1
+        comfy.multinpu.tick(state.comm, f"dit block {self.index}")  # the device advanced without a collective
         if self.last:
             out = comfy.multinpu.gather_v(out, state.comm, sizes=state.sizes, dst=0)  # [s_r, hidden] -> [S, hidden] on rank 0
             if out is None:
@@ -452,6 +453,10 @@ def _forward_rank(comm, payload, held, hook):
         with comfy.multinpu_runtime_base.MODEL_LOCK:  # model management is one per process, not thread-safe
             comfy.model_management.load_models_gpu([held.patcher], memory_required=memory[0],
                                                    minimum_memory_required=memory[1])
+            shards = comfy.multinpu_shard.of(dm)
+            if hook is not None and shards is not None:
+                # h3kit parity's fault runs: the install loaded the slices before this forward's hook was known
+                shards.build(held.patcher, fault=_fault, loaded_only=True, again=True)
         out = dm._forward(_to(payload["x"], dev), _to(payload["timestep"], dev), _to(payload["context"], dev),
                           options, *_to(payload["args"], dev), **_to(payload["kwargs"], dev))
     except _RankDone:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed
 
 import comfy.multinpu
+import comfy.multinpu_clock as clock
 import comfy.multinpu_links as links
 from comfy.multinpu_wire import (END, GroupError, GroupSpec, POLL, RECYCLED_EXIT, REPORTED_EXIT,
                                  SharedMemoryFull, Signer, key_from_environment, pack, shm_read,
@@ -24,7 +25,6 @@ from comfy.multinpu_channel import ChannelClosed, Control, _store_gone, beat, co
 from comfy.multinpu_launch import agent_main, process_identity, watch_termination
 from comfy.multinpu_runtime_base import MODEL_LOCK, unload
 
-FAULT_ENV = "H3KIT_MULTINPU_FAULT"  # fault injection for tests: docs/multinpu.md, "Fault injection"
 
 
 PROGRAMS = {}                        # name -> fn(context, comm, payload) run by the workers
@@ -56,6 +56,15 @@ class WorkerContext:
         self.comm = None        # its generation's ProcessComm (made at join, with its side group)
         self.free = None  # unloads this rank's models (set by comfy.multinpu_worker)
 
+    def place(self, held):
+        """The weights on this rank's device in the install, under the load bound, and waited for (a host sync), not
+        in the first command (a late loader would hold its peers inside a collective)."""
+        patcher = getattr(held, "patcher", None)
+        if patcher is not None:
+            import comfy.model_management as model_management  # ComfyUI's: not in the bare workers of the tests
+            model_management.load_models_gpu([patcher])
+        comfy.multinpu.synchronize(self.device)
+
     def loaded(self, config_id: str, held):
         """The built-in install's report of a configuration set up here (the driver reads ready/{id}/{rank})."""
         self.ctl.put(f"ready/{config_id}/{self.rank}", {"pid": os.getpid(), "digest": held.digest})
@@ -86,16 +95,20 @@ def _heartbeat(spec: GroupSpec, context: WorkerContext, stop: threading.Event):
             if g is not None and ctl.peek(f"abort/{g}") is not None:
                 logging.warning(f"MultiNPU: rank {context.rank}: generation {g} was aborted; this process leaves")
                 _leave(RECYCLED_EXIT)
-        # its progress (generation, last command taken, collectives: how many entered, the last one's op, whether inside
-        # it: a rank blocked in a kernel from a slow one), its memory and physical device (comfy.multinpu_metrics)
-        physical = comfy.multinpu.physical_device(context.rank % spec.local_size)
+        physical = comfy.multinpu.physical_device(context.rank % spec.local_size)  # the host tools' id (GET /metrics)
         beat(spec.channel_address(), signer, {"role": "beat", "rank": context.rank, "pid": os.getpid()}, stop,
-             aborted, lambda: {"progress": {"g": context.generation, "n": context.command,
-                                            "memory": comfy.multinpu.memory_stats(context.device, reset_peak=True),
-                                            "physical_device": physical, **comfy.multinpu.PROGRESS.snapshot()}})
+             aborted, lambda: beat_news(context, physical))
     except Exception as e:
         # the store or the driver is gone: the main loop notices and exits
         logging.warning(f"MultiNPU: rank {context.rank}: the heartbeat stopped: {e}")
+
+
+def beat_news(context: WorkerContext, physical: str = None) -> dict:
+    """A beat: its progress (command; what its host queued, what its device completed), the memory sample taken where
+    it computes (never the allocator, whose mutex a device sync during an OOM retry holds: comfy.multinpu_clock) and
+    its physical device (comfy.multinpu_metrics)."""
+    return {"progress": {"g": context.generation, "n": context.command, "memory": comfy.multinpu.PROGRESS.beat_memory(),
+                         "physical_device": physical, **comfy.multinpu.PROGRESS.snapshot()}}
 
 
 def _error(exc: BaseException) -> dict:
@@ -133,6 +146,8 @@ def serve(context: WorkerContext):
     or is gone. A worker whose command or join fails reports it and exits."""
     spec, rank = context.spec, context.rank
     watch_termination(spec, rank)
+    clock.parse_faults(os.environ.get(clock.FAULT_ENV, ""))  # a fault this worker does not know is refused
+    comfy.multinpu.PROGRESS.sample(context.device, force=True)
     signer = Signer(key_from_environment())
     deadline = time.monotonic() + spec.join_timeout
     base = connect_store(spec.master_addr, spec.master_port, spec.timeout, deadline)
@@ -230,6 +245,7 @@ def _commands(ctl: Control, context: WorkerContext, g: int):
     while True:
         header = _next_command(context, g, n)
         context.command = n
+        comfy.multinpu.PROGRESS.sample(context.device, force=True)
         name = header["name"]
         if name == END:
             try:
@@ -277,7 +293,7 @@ def run_command(context: WorkerContext, comm, header: dict, rank0_bytes):
     fn = BUILTINS.get(name) or PROGRAMS.get(name)
     if fn is None:
         raise GroupError(f"MultiNPU: rank {context.rank} has no program {name!r}")
-    inject_fault(context, name)
+    clock.inject_faults(name, context.rank, context.device)
     with torch.inference_mode(header.get("inference", True)), torch.set_grad_enabled(header.get("grad", False)):
         result = fn(context, comm, payload)
     after = None
@@ -316,24 +332,6 @@ def _post_result(context: WorkerContext, header: dict, g: int, n: int, result):
     context.link.send({"g": g, "n": n, "pid": os.getpid(), "data": data, "metas": metas, "nbytes": nbytes})
 
 
-def inject_fault(context: WorkerContext, name: str):
-    for fault in os.environ.get(FAULT_ENV, "").split(","):
-        program, _, rest = fault.partition(":")
-        kind, _, trigger = rest.partition(":")
-        trigger = trigger.replace("{rank}", str(context.rank))  # one rank of a host faulted: its own file
-        if program != name or not trigger or not os.path.exists(trigger):
-            continue
-        if kind == "oom":
-            logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: allocating what no host has")
-            torch.empty(1 << 62, dtype=torch.uint8, device=context.device)
-        if kind == "raise":
-            raise RuntimeError(f"{FAULT_ENV}={fault}: injected failure in {name} on rank {context.rank}")
-        if kind in ("hold", "hang"):  # a slow disk, or a rank blocked in a kernel (the GIL released, beating on)
-            logging.warning(f"MultiNPU: rank {context.rank}: {FAULT_ENV}={fault}: {kind}ing {name}")
-            while os.path.exists(trigger):
-                time.sleep(POLL)
-
-
 # The built-in commands, the same functions for every runtime (comfy.multinpu_runtime_base): what differs between a
 # worker process and a rank thread is the context's (how a load is reported, what freeing memory means).
 
@@ -345,9 +343,10 @@ def _install(context: WorkerContext, comm, payload):
         # after the closing barrier (reading model files must not hold the group); one rank at a time through
         # model management (uncontended in a worker process)
         try:
-            inject_fault(context, payload["program"])
+            clock.inject_faults(payload["program"], context.rank, context.device)
             with MODEL_LOCK:
                 held = PROGRAMS[payload["program"]](context, comm, payload["payload"])
+                context.place(held)
             context.configs[payload["id"]] = held
             context.loaded(payload["id"], held)
         except Exception as e:

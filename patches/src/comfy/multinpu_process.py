@@ -17,6 +17,7 @@ import uuid
 import torch
 
 import comfy.multinpu
+import comfy.multinpu_clock as clock
 import comfy.multinpu_channel as channel
 import comfy.multinpu_launch as launch
 import comfy.multinpu_progress as progress
@@ -95,6 +96,7 @@ class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtim
     def start(self):
         spec = self.spec
         wire.check_timeouts(spec)
+        clock.parse_faults(os.environ.get(clock.FAULT_ENV, ""))  # an unknown fault kind is refused, naming the kinds
         self._shm_claim = wire.shm_claim(self._token)  # first, what killed drivers left in /dev/shm is removed
         launch.gloo_on_loopback(spec)
         # the command channel first: a folder other users could enter is refused before anything starts

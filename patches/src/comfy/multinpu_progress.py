@@ -2,16 +2,16 @@
 
 A rank blocked in a kernel keeps beating (a device wait releases the GIL). Every rank enters the same collectives in
 the same order: one whose own beats show it short of the collective its peers wait in for the progress bound is hung;
-a slow rank moves with each collective it reaches and never is.
+a slow rank moves with each collective it reaches and never is: by what its device completed (comfy.multinpu_clock).
 """
 
 from __future__ import annotations
 
 import threading
 
+from comfy.multinpu_clock import device_view, device_words, position
 from comfy.multinpu_wire import HEARTBEAT_INTERVAL, PROGRESS_ENV
 
-P2P = ("send", "recv")           # point-to-point ops: a rank in one waits for one peer, not for the group
 SILENT = 1.5 * HEARTBEAT_INTERVAL  # a member whose newest beat is older has gone silent: the heartbeat's to judge
 
 
@@ -24,12 +24,7 @@ def describe(progress: dict, g: int, n: int) -> str:
     if not _in_command(progress, g, n):
         return (f"it has not taken command {n}" + (f" (its last was command {progress.get('n')})"
                                                    if progress.get("n") is not None else ""))
-    op, coll = progress.get("op"), progress.get("coll")
-    if progress.get("inside") and op in P2P:
-        return f"it waits in {op}, after collective #{coll}"
-    if progress.get("inside"):
-        return f"it is inside collective #{coll} ({op})"
-    return f"it last completed collective #{coll} ({op}) and has entered none since"
+    return device_words(progress)
 
 
 class ProgressWatch:
@@ -47,12 +42,12 @@ class ProgressWatch:
     def beat(self, rank: int, pid: int, progress, now: float):
         if not isinstance(progress, dict):
             return
-        position = tuple(progress.get(k) for k in ("g", "n", "coll", "p2p", "inside"))
+        where = position(progress)
         with self._lock:
             self._beats[(rank, pid)] = (progress, now)
             seen = self._since.get((rank, pid))
-            if seen is None or seen[0] != position:
-                self._since[(rank, pid)] = (position, now)
+            if seen is None or seen[0] != where:
+                self._since[(rank, pid)] = (where, now)
 
     def forget(self, rank: int, pid: int):
         with self._lock:
@@ -73,38 +68,38 @@ class ProgressWatch:
 
     def check(self, members: dict, g: int, n: int, name: str, now: float):
         """(rank, why) of the member that holds command n of generation g, (None, why) of a collective every
-        member is stuck in, or None."""
+        member is stuck in, or None. Where a rank is: what its device completed (device_view)."""
         reports = self._reports(members, g, n, now)
         # no verdict while a member is silent (stopped, lost): the peers it holds in a collective look stuck here
         if not reports or any(now - newest > SILENT for _, newest, _ in reports.values()):
             return None
-        waiting = {r: p for r, (p, _, _) in reports.items()
-                   if _in_command(p, g, n) and p.get("inside") and p.get("op") not in P2P}
+        views = {r: device_view(p) for r, (p, _, _) in reports.items()}
+        # how far each device got in this command: the collective it is inside or completed last (-1: not in it)
+        far = {r: max(v.get("dev_in") or 0, v.get("dev_coll") or 0) if _in_command(reports[r][0], g, n) else -1
+               for r, v in views.items()}
+        waiting = {r: v for r, v in views.items() if far[r] >= 0 and v.get("dev_in") is not None}
         if not waiting:
             self._frontier = None
-            return None  # every rank computes (or waits for one peer): slow and hung look alike from here
-        top = max(p.get("coll") or 0 for p in waiting.values())
+            return None  # every device computes (or waits for one peer): slow and hung look alike from here
+        top = max(v["dev_in"] for v in waiting.values())
         if self._frontier is None or self._frontier[0] != top:
             self._frontier = (top, now)
         start = max(self._command[1], self._frontier[1])
-        # how long each rank's own beats have shown it at the same place since the peers began to wait
+        # how long each rank's own beats have shown its device at the same place since the peers began to wait
         stuck = {r: newest - max(start, since) for r, (_, newest, since) in reports.items()}
-        peers = sorted(r for r, p in waiting.items() if (p.get("coll") or 0) == top)
-        at = f"collective #{top} ({waiting[peers[0]].get('op')})"
-        behind = [r for r, (p, _, _) in reports.items() if not (_in_command(p, g, n) and (p.get("coll") or 0) >= top)]
-        if behind:
-            hung = [r for r in behind if stuck[r] > self.bound]
-            if not hung:
-                return None
+        peers = sorted(r for r, v in waiting.items() if v["dev_in"] == top)
+        at = f"collective #{top} ({waiting[peers[0]].get('dev_in_op')})"
+        hung = [r for r in reports if far[r] < top and stuck[r] > self.bound]
+        if hung:
             # the furthest behind holds the others: a rank inside an earlier collective waits there for it
-            r = min(hung, key=lambda r: (_in_command(reports[r][0], g, n), reports[r][0].get("coll") or 0,
-                                         bool(reports[r][0].get("inside")), -stuck[r], r))
-            return r, (f"hung: no progress for {stuck[r]:.0f} s in command {n} ({name}): "
-                       f"{describe(reports[r][0], g, n)}, while rank{'s' if len(peers) > 1 else ''} "
-                       f"{', '.join(map(str, peers))} wait{'' if len(peers) > 1 else 's'} in {at} (progress bound "
-                       f"{self.bound:g} s, {PROGRESS_ENV})")
-        if all(s > self.bound for s in stuck.values()):
+            r = min(hung, key=lambda r: (far[r], views[r].get("dev_in") is not None, -stuck[r], r))
+            p = reports[r][0]
+            missed = f"; its device did not complete {at}" if "dev_steps" in p and far[r] >= 0 else ""
+            return r, (f"hung: no progress for {stuck[r]:.0f} s in command {n} ({name}): {describe(p, g, n)}{missed}, "
+                       f"while rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))} "
+                       f"wait{'' if len(peers) > 1 else 's'} in {at} (progress bound {self.bound:g} s, {PROGRESS_ENV})")
+        if all(far[r] >= top for r in reports) and all(s > self.bound for s in stuck.values()):
             return None, (f"{at} of command {n} ({name}) made no progress for {min(stuck.values()):.0f} s: every "
-                          f"rank is inside it (a broken link, or a collective stuck on a device; progress bound "
-                          f"{self.bound:g} s, {PROGRESS_ENV})")
+                          f"rank is inside it on its device (a broken link, or a collective stuck on a device; "
+                          f"progress bound {self.bound:g} s, {PROGRESS_ENV})")
         return None

@@ -207,14 +207,15 @@ class ShardedBlocks(torch.nn.Module):
         """The ModelPatcher that loaded the model last: slices built on use take its weight patches."""
         self._patcher = weakref.ref(patcher)
 
-    def build(self, patcher: ModelPatcher, fault=None, loaded_only: bool = False):
+    def build(self, patcher: ModelPatcher, fault=None, loaded_only: bool = False, again: bool = False):
         """Make the slices on the device from the host weights with `patcher`'s weight patches: every block's,
-        or (loaded_only) those ComfyUI's loader placed on the device (comfy_patched_weights on their module)."""
+        or (loaded_only) those ComfyUI's loader placed on the device (comfy_patched_weights on their module);
+        again: also those built already (a fault run's hook)."""
         self.loaded_by(patcher)
         for i, b in enumerate(self.slices()):
             if loaded_only and not getattr(b, "comfy_patched_weights", False):
                 continue
-            if b.built_for != patcher.patches_uuid:
+            if again or b.built_for != patcher.patches_uuid:
                 b.set(self.build_block(i, patcher, fault), patcher.patches_uuid)
 
     def build_block(self, i: int, patcher: ModelPatcher, fault=None) -> torch.Tensor:

@@ -201,6 +201,18 @@ class _Relay(torch.nn.Module):
         return _fault("copy", received, comm), None
 
 
+class _Tick:
+    """Forward hook on each layer a rank runs: the device advanced (comfy.multinpu_clock; the layer split's last rank
+    waits for the others' layers without completing a collective of its own)."""
+
+    def __init__(self, ctx: _RankContext, index: int):
+        self.ctx = ctx
+        self.index = index
+
+    def __call__(self, module, args, output):
+        comfy.multinpu.tick(self.ctx.get(), f"te layer {self.index}")
+
+
 class _HandOver:
     """Forward hook on the last layer a rank holds in a layer split: pass its output on (the last rank
     broadcasts the final hidden states to every rank)."""
@@ -227,9 +239,10 @@ def _shard_decoder(llama, ctx: _RankContext, mode: str):
     """Rank ctx.rank's copy of a Llama2_: its shard of every layer (tensor) or its layers (layers)."""
     dec = comfy.multinpu_weights.share_module(llama)
     if mode == "tensor":
-        for layer, source in zip(dec.layers, llama.layers):
+        for i, (layer, source) in enumerate(zip(dec.layers, llama.layers)):
             layer.self_attn = _shard_attention(source.self_attn, ctx)
             layer.mlp = _shard_mlp(source.mlp, ctx)
+            layer.register_forward_hook(_Tick(ctx, i))
     else:
         count = len(llama.layers)
         start, stop = layer_ranges(count, ctx.world_size)[ctx.rank]
@@ -237,6 +250,7 @@ def _shard_decoder(llama, ctx: _RankContext, mode: str):
         relays = []
         for i in range(count):
             if start <= i < stop:
+                dec.layers[i].register_forward_hook(_Tick(ctx, i))
                 relays.append(dec.layers[i])
             elif i == start - 1:
                 relays.append(_Relay(ctx, source=ctx.rank - 1))

@@ -41,6 +41,9 @@ class ThreadContext(group.WorkerContext):
         super().__init__(spec, rank, device)
         self.ready = {}  # config id -> {"digest"} or {"error"}: what the process workers post as ready/{id}/{rank}
 
+    def place(self, held):
+        """Nothing: rank threads share the server's model management, which loads in the forward."""
+
     def loaded(self, config_id: str, held):
         self.ready[config_id] = {"digest": held.digest}
 

@@ -198,6 +198,13 @@ class _WorkerVAE:
         self.digest = digest
 
 
+def _tick_blocks(model, comm):
+    """A tick after each of the decoder's transformer blocks: a decoding rank's device advances within a chunk, where
+    it completes no collective for as long as the chunk takes (comfy.multinpu_clock)."""
+    for i, block in enumerate(getattr(model.decoder, "transformer_blocks", None) or []):
+        block.register_forward_hook(lambda module, args, output, i=i: comfy.multinpu.tick(comm, f"vae block {i}"))
+
+
 @comfy.multinpu_group.program("vae_config")
 def _load_on_worker(context, comm, payload):
     src = payload["source"]
@@ -207,6 +214,7 @@ def _load_on_worker(context, comm, payload):
     # the rank's own modules over the shared host weights: ranks that are threads of one process get the same VAE
     # from the loader, and loading rank r's copy onto device r must not move rank q's
     model = worker_model(vae.first_stage_model)
+    _tick_blocks(model, comm)
     comfy.multinpu_weights.reset_load_state(model)
     patcher = comfy.multinpu_weights.device_patcher(vae.patcher, model, context.device)
     return _WorkerVAE(model, patcher, comfy.multinpu_models.digest(src, vae.first_stage_model))
@@ -223,7 +231,9 @@ def _decode_on_worker(context, comm, payload):
 
     def decode(i):
         z = chunks[i].to(held.patcher.load_device)
-        return comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(held.model, z)
+        out = comfy.ldm.minimax.vae.MiniMaxH3VideoVAE._adaptive_decode(held.model, z)
+        comfy.multinpu.tick(comm, f"vae chunk {i}")
+        return out
 
     if comm.rank != 0:
         for i in range(comm.rank, len(chunks), comm.world_size):
