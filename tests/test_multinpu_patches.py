@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_PATCHES = {
     "multidevice-npu-device-layer.patch": ["comfy/multidevice.py", "comfy/model_management.py"],
     "npu-int8-linear.patch": ["comfy/npu_quant.py", "comfy/quant_ops.py", "comfy/ops.py"],
-    "multinpu-collectives.patch": ["comfy/multinpu.py"],
+    "multinpu-collectives.patch": ["comfy/multinpu.py", "comfy/multinpu_clock.py"],
     "multinpu-weights-read-once.patch": ["comfy/multinpu_weights.py"],
     "h3-dit-sharded-weights.patch": ["comfy/multinpu_shard.py"],
     "h3-dit-sequence-parallel.patch": ["comfy/multinpu_dit.py"],

@@ -341,6 +341,9 @@ class ThreadComm:
     def barrier(self):
         self._rendezvous("barrier", None, lambda slots: None)
 
+    def tick(self, label: str):
+        """Ranks that are threads have no device progress of their own (the process's is the server's): nothing."""
+
     def send(self, x: torch.Tensor, dst: int):
         # synchronous send: returns once dst has copied x, so the caller may reuse x afterwards
         g = self.group
@@ -403,10 +406,8 @@ synchronize = clock.synchronize
 def tick(comm, label: str):
     """The device advanced without a collective (a DiT block, a VAE decoder block, a text encoder layer): a marker the
     heartbeat reports once the device has done the work queued before it. Ranks that are threads have no own device
-    progress (the process's is the server's): nothing."""
-    record = getattr(comm, "tick", None)
-    if record is not None:
-        record(label)
+    progress (the process's is the server's): ThreadComm.tick does nothing."""
+    comm.tick(label)
 
 
 BEAT_LISTENERS = []     # fn(rank, progress) at each worker beat the driver receives (comfy.multinpu_process)

@@ -722,7 +722,7 @@ def free_server_share(runtime, device):
     worker rank 0's, each sizing its loads without the other. Before sampling, the server's models on device 0 are
     unloaded (ComfyUI loads them again for the next encode); h3kit plan reserves their share in device 0's memory for
     the encodes. Not on a CPU (no device is shared there); unmeasured on hardware."""
-    if device.type == "cpu" or not isinstance(runtime, comfy.multinpu_process.GroupRuntime):
+    if device.type == "cpu" or runtime.SERVER_IS_RANK0:  # one memory manager: the server's is rank 0's
         return
     comfy.model_management.free_memory(1e30, device)
 

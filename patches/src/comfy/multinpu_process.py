@@ -46,6 +46,7 @@ class RemoteConfig:
 
 class GroupRuntime(GroupMonitor, Generations, CommandPath, Installs, base.Runtime):
     """The driver of the process group; its concerns are the mixins, sharing its state."""
+    SERVER_IS_RANK0 = False  # every rank is a worker process: device 0 has the server's memory manager and rank 0's
 
     def __init__(self, spec: wire.GroupSpec, key: str):
         if spec.node_rank != 0:

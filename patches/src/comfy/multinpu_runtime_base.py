@@ -21,6 +21,7 @@ _LIVE = weakref.WeakSet()  # every runtime of this process, asked to free when C
 class Runtime:
     """The ranks of one group and the commands they run, one at a time. A transport provides _ensure_ready(name),
     _execute(name, payload), _install(cfg) and describe()."""
+    SERVER_IS_RANK0 = True  # rank 0 computes in the server's process, under its memory manager (the threads)
 
     def __init__(self, spec: wire.GroupSpec):
         self.spec = spec

@@ -44,10 +44,11 @@ DEFAULT_TIMEOUT = 900.0
 # what either transport imports: the components ask comfy.multinpu_process.runtime_for for their runtime, and the
 # thread transport runs the process runtime's built-ins and wire code (and multidevice and model_cache, which the
 # series adds too); with PROCESS_FILES and SERVER_FILES, every file under patches/src (tests/test_parity_cli.py)
-PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_clock.py", "comfy/multinpu_threads.py", "comfy/multinpu_dit.py", "comfy/multinpu_shard.py", "comfy/multinpu_te.py",
+PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_clock.py", "comfy/multinpu_threads.py", "comfy/multinpu_dit.py",
+                 "comfy/multinpu_shard.py", "comfy/multinpu_te.py",
                  "comfy/multinpu_vae.py", "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py",
                  "comfy/npu_quant.py", "comfy/multinpu_process.py", "comfy/multinpu_group.py",
-                 "comfy/multinpu_models.py", "comfy/multinpu_wire.py", "comfy/multinpu_channel.py",
+                 "comfy/multinpu_models.py", "comfy/multinpu_wire.py", "comfy/multinpu_links.py", "comfy/multinpu_channel.py",
                  "comfy/multinpu_launch.py", "comfy/multinpu_progress.py", "comfy/multinpu_members.py",
                  "comfy/multinpu_commands.py", "comfy/multinpu_installs.py", "comfy/multinpu_runtime_base.py",
                  "comfy/multidevice.py", "comfy/model_cache.py")
