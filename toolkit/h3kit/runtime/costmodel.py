@@ -229,7 +229,9 @@ def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict =
 
     Activation phases (the largest one counts): the full sequence every device embeds before block 0;
     attention on the shard with the Ulysses buffers (or the gathered K/V); the SwiGLU MLP on the shard;
-    the final all-gather (padded parts plus the result). Backend workspaces are not included.
+    the final all-gather (padded parts plus the result). Backend workspaces are not included. `server` (device 0
+    only: the server's own encodes beside worker rank 0) is held before sampling and freed when it starts
+    (comfy.multinpu_dit.free_server_share), so device 0's peak is the larger of it and the forward's activations.
     """
     e = DTYPE_BYTES[dtype]
     w = weights_per_device(world, weights or dtype, sharding, cfg, other=dtype)
@@ -254,7 +256,7 @@ def memory_per_device(seq_len: int, world: int, dtype: str = "bf16", cfg: dict =
     comms = communicator_bytes(world, hccl_buffsize_mb) + pairs
     return {"weights": held, "weights_resident": w["resident"], "weights_gathered": w["gathered"],
             "communicators": comms, "pair_communicators": pairs, "server_share": server, "activations": activations,
-            "total": held + comms + activations + server}
+            "total": held + comms + max(activations, server)}
 
 
 def plan(width: int, height: int, frames: int, world: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS,
