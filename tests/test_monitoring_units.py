@@ -50,6 +50,9 @@ def test_the_server_reads_what_the_toolkit_writes():
     assert files == (monitoring.METRICS_DIR, monitoring.RESTARTS_FILE)
     assert f'RUNTIME_ROOT_ENV = "{monitoring.RUNTIME_ROOT_ENV}"' in SERVER_SIDE
     assert ast.literal_eval(re.search(r"RESTART_REASONS = (\(.*?\))", SERVER_SIDE).group(1)) == monitoring.REASONS
+    assert ast.literal_eval(re.search(r"LOST_REASONS = (\(.*?\))", SERVER_SIDE).group(1)) == monitoring.LOST_REASONS
+    assert ast.literal_eval(re.search(r"REQUEUED_STATES = (\(.*?\))", SERVER_SIDE).group(1)) == \
+        monitoring.REQUEUED_STATES
     runtime = (ROOT / "toolkit" / "requirements" / "comfy-runtime-cpu.txt").read_text().splitlines()
     assert monitoring.PROMETHEUS_CLIENT in runtime
 
