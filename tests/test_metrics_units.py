@@ -355,7 +355,9 @@ def test_queue_shm_and_restarts(record, tmp_path, monkeypatch):
     monkeypatch.setattr(mp, "get_runtime", lambda: FakeDriver())
     server = types.SimpleNamespace(prompt_queue=types.SimpleNamespace(queue=[1, 2, 3], currently_running={7: 1}))
     (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "restarts.json").write_text(json.dumps({"restarts": {"died": 2, "manual": 1}}))
+    (tmp_path / "metrics" / "restarts.json").write_text(json.dumps({"restarts": {"died": 2, "manual": 1},
+                                                                    "prompts_lost": {"crash": 1},
+                                                                    "prompts_requeued": {"pending": 3}}))
     monkeypatch.setenv(metrics.RUNTIME_ROOT_ENV, str(tmp_path))
     monkeypatch.setenv("H3KIT_SHM_DIR", str(tmp_path))
     got = scrape(server)
@@ -364,6 +366,11 @@ def test_queue_shm_and_restarts(record, tmp_path, monkeypatch):
     assert 0 < value(got, "h3kit_shm_free_bytes") <= value(got, "h3kit_shm_capacity_bytes")
     assert value(got, "h3kit_service_restarts", "h3kit_service_restarts_total", reason="died") == 2
     assert value(got, "h3kit_service_restarts", "h3kit_service_restarts_total", reason="manual") == 1
+    # the prompts a restart's restore could not queue again, and those it did (issue 47), every label from 0
+    assert {s["reason"]: v for n, s, v in got["h3kit_prompts_lost"] if n.endswith("_total")} == \
+        {"crash": 1, "dropped": 0, "refused": 0}
+    assert {s["state"]: v for n, s, v in got["h3kit_prompts_requeued"] if n.endswith("_total")} == \
+        {"running": 0, "pending": 3}
     (tmp_path / "metrics" / "restarts.json").write_text("{not json")  # a damaged record: no series, no error
     monkeypatch.setattr(metrics, "_REGISTRY", None)
     assert {s["reason"]: v for n, s, v in scrape(server)["h3kit_service_restarts"] if n.endswith("_total")} == \

@@ -156,6 +156,10 @@ def test_a_restore_posts_the_pending_prompts_in_the_saved_order_and_keeps_the_ou
     assert lines[1].endswith(": 3 pending prompt(s) queued again (a, renamed, z)"), lines
     assert "  prompt renamed is now fresh (this server does not take client prompt ids)" in lines
     assert any(line.startswith("  NOT restored: prompt bad: POST /prompt: HTTP 400") for line in lines), lines
+    # what /metrics counts (issue 47): "held" the new server already had is back too; "run" is lost, "bad" refused
+    assert out.present == ["held"]
+    assert out.fates(died=True) == ({"crash": 1, "refused": 1}, {"pending": 4})
+    assert out.fates(died=False) == ({"dropped": 1, "refused": 1}, {"pending": 4})
 
 
 def test_a_restore_with_requeue_running_posts_the_running_prompt_first(tmp_path, monkeypatch):
@@ -167,6 +171,7 @@ def test_a_restore_with_requeue_running_posts_the_running_prompt_first(tmp_path,
     assert out.lines()[0] == ("running when the server went down: prompt run (first error: OOM); "
                               "queued again first (--requeue-running)")
     assert ": 2 pending prompt(s) queued again (run, a, b)" in out.lines()[1]
+    assert out.fates(died=True) == ({}, {"running": 1, "pending": 2})  # run again from the start: not lost
     # nothing was running: no first error is reported, whatever the log said
     assert queuesave.restore(tmp_path, "u", save_of([], []), first_error="OOM").running_error is None
 
@@ -218,5 +223,5 @@ def test_the_outcome_of_a_restore_as_json(tmp_path, monkeypatch):
     Server(monkeypatch, answers={"b": {"prompt_id": "b2"}})
     out = queuesave.restore(tmp_path, "u", save_of([entry(0, "r")], [entry(1, "a"), entry(2, "b")], saved_at="t0"))
     assert out.to_dict() == {"saved_at": "t0", "restored": ["a", "b"], "renamed": {"b": "b2"}, "failed": [],
-                             "running": ["r"], "requeued_running": False, "running_error": None}
+                             "running": ["r"], "requeued_running": False, "running_error": None, "present": []}
     assert (tmp_path / queuesave.RESTORED_NAME).read_text().endswith("}\n")

@@ -262,6 +262,9 @@ def test_a_running_prompt_refuses_restart_unless_forced_and_pending_prompts_are_
     kept = home.root / "queue.restored.json"
     assert oct(kept.stat().st_mode & 0o777) == "0o600"
     assert json.loads(kept.read_text())["outcome"]["restored"] == ["p0", "p1", "p2"]
+    # /metrics (issue 47): the running prompt the forced restart stopped is lost, "dropped"; the pending ones are back
+    got = monitoring.record(home.root)
+    assert (got["prompts_lost"], got["prompts_requeued"]) == ({"dropped": 1}, {"pending": 3})
 
 
 def test_requeue_running_queues_the_running_prompt_first_and_a_refused_prompt_is_reported(home):
@@ -278,6 +281,8 @@ def test_requeue_running_queues_the_running_prompt_first_and_a_refused_prompt_is
     assert "NOT restored: prompt p1: " in r.stdout and "Prompt outputs failed validation" in r.stdout
     saved = json.loads((home.root / "queue.restored.json").read_text())
     assert [i["prompt_id"] for i in saved["pending"]] == ["p0", "p1"]  # the refused prompt can still be read
+    got = monitoring.record(home.root)  # r0 runs again: not lost; p1 is, refused by the new server
+    assert (got["prompts_lost"], got["prompts_requeued"]) == ({"refused": 1}, {"running": 1, "pending": 1})
 
 
 def test_restart_after_a_crash_restores_what_watch_saved_last(home):
@@ -294,6 +299,8 @@ def test_restart_after_a_crash_restores_what_watch_saved_last(home):
     out = jsondoc.data(r.stdout, r.returncode)
     assert out["was_running"] is False and out["restored"]["restored"] == ["p0", "p1"]
     assert pending_ids(home) == ["p0", "p1"]
+    got = monitoring.record(home.root)  # r0 died with the server and was not queued again
+    assert (got["prompts_lost"], got["prompts_requeued"]) == ({"crash": 1}, {"pending": 2})
     # h3kit stop ends the service on purpose: no save is left for a later restart to revive. A short watch saves
     # on its first healthy tick; on a loaded host that tick's check can time out, so watch again until one saves
     wait_for(lambda: home.run("watch", "--interval", "0.2", "--max-seconds", "0.5").returncode == 0
@@ -516,6 +523,11 @@ def test_watch_restores_the_queue_after_a_kill_9(home):
     assert "queue_saved: 1 running, 2 pending prompt(s) (saved by the last healthy check" in errs
     assert "running when the server went down: prompt r0" in errs and "not queued again" in errs
     assert "2 prompt(s) queued again" in out
+    # both records (issue 47): the server's /metrics and node_exporter's textfile count r0 lost to the crash
+    got = monitoring.record(home.root)
+    assert (got["prompts_lost"], got["prompts_requeued"]) == ({"crash": 1}, {"pending": 2})
+    assert 'h3kit_prompts_lost_total{reason="crash"} 1' in \
+        (home.root / "metrics" / monitoring.TEXTFILE).read_text().splitlines()
 
 
 def test_watch_restarts_after_consecutive_failed_health_checks(home):

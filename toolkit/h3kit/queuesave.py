@@ -19,6 +19,16 @@ next `h3kit start` of that server queues it again, the running prompt first (h3k
 
 After a restore the save becomes `queue.restored.json`, with each prompt's outcome, so a second restart
 does not submit the same prompts twice and a prompt the new server refused can still be read and resent.
+
+Counted (issue 47; `Restored.fates`, h3kit.monitoring): after a restart by watch or `h3kit restart`, each prompt of
+the save is either queued again (`h3kit_prompts_requeued_total{state}`: posted by the restore, or already in the new
+server's queue) or lost (`h3kit_prompts_lost_total{reason}`: the running prompt not queued again, "crash" when the
+server had died and "dropped" when the restart stopped it; a prompt the new server refused, "refused"). What no save
+held cannot be counted: prompts queued after the last save (at most one watch tick) that never finished, any queue
+of a crash with no watch running and no save, and the queue of an agent (it serves no HTTP). A prompt that finished
+after the last save and before the crash is taken as the save shows it: queued again and counted requeued though it
+ran, or, when it was the running one and not queued again, counted lost though it finished (the new server has no
+history of the old one to tell).
 """
 
 from __future__ import annotations
@@ -178,11 +188,37 @@ class Restored:
     running: list[str] = field(default_factory=list)                # what ran when the server went down
     requeued_running: bool = False
     running_error: str | None = None                                # the previous log's first error
+    present: list[str] = field(default_factory=list)                # already in the new server's queue: not posted
 
     def to_dict(self) -> dict:
         return {"saved_at": self.saved_at, "restored": self.restored, "renamed": self.renamed,
                 "failed": self.failed, "running": self.running, "requeued_running": self.requeued_running,
-                "running_error": self.running_error}
+                "running_error": self.running_error, "present": self.present}
+
+    def fates(self, *, died: bool) -> tuple[dict, dict]:
+        """({reason: n} lost, {state: n} queued again) of the saved prompts (h3kit.monitoring.LOST_REASONS and
+        REQUEUED_STATES): queued again when the restore posted it or the new server already held it; the running
+        prompt not asked for is lost, "crash" when the server had `died`, else "dropped" (the restart stopped it);
+        a prompt the new server refused is lost, "refused". Only what the save held: docstring of the module."""
+        back = set(self.restored) | set(self.present)
+        refused = {f["prompt_id"] for f in self.failed}
+        lost, requeued = {}, {}
+
+        def add(counts, key):
+            counts[key] = counts.get(key, 0) + 1
+        for pid in self.running:
+            if pid in back:
+                add(requeued, "running")
+            elif pid in refused:
+                add(lost, "refused")
+            else:
+                add(lost, "crash" if died else "dropped")
+        for pid in (back | refused) - set(self.running):
+            if pid in back:
+                add(requeued, "pending")
+            else:
+                add(lost, "refused")
+        return lost, requeued
 
     def lines(self) -> list[str]:
         out = []
@@ -215,6 +251,7 @@ def restore(root: Path, url: str, saved: Saved, *, requeue_running: bool = False
         present = set()
     for item in items:
         if item.prompt_id in present:  # queued again already (by a client that resubmitted it)
+            out.present.append(item.prompt_id)
             continue
         try:
             got = health.request_json(f"{url}/prompt", method="POST", body=item.body(), timeout=timeout)

@@ -13,7 +13,8 @@ for new out-of-memory errors (in the log since the last tick, and in /history ex
 - The queue survives a restart (h3kit.queuesave): every healthy tick saves GET /queue under the runtime
   root; a restart reads it once more from a server that still answers (else uses the last tick's save:
   at most one tick of new prompts is lost) and queues the pending prompts again once the new server is
-  healthy. The prompt that was running is reported, and queued again only with `requeue_running`.
+  healthy. The prompt that was running is reported, and queued again only with `requeue_running`. What became of
+  each saved prompt, queued again or lost, is counted for /metrics (h3kit.monitoring.count_prompts).
 - `h3kit stop` removes the record, and watch ends quietly when it sees that. A restart made by someone
   else (a new pid in the record) is adopted. Watch takes the service lock only while it restarts.
 
@@ -350,6 +351,8 @@ def _restart_locked(root: Path, rec: service.Record, policy: WatchPolicy, emit, 
         got = queuesave.restore(root, res.record.url, saved, requeue_running=policy.requeue_running,
                                 first_error=blk.summary if blk else None)
         outcome.restored += len(got.restored)
+        # h3kit_prompts_lost_total / _requeued_total: what became of each prompt the save held
+        monitoring.count_prompts(root, *got.fates(died=not alive))
         emit("restored", "; ".join(got.lines()), restored=got.to_dict())
     return res.record
 

@@ -60,6 +60,8 @@ RESTARTS_FILE = os.path.join("metrics", "restarts.json")  # under the runtime ro
 RUNTIME_ROOT_ENV = "H3KIT_RUNTIME_ROOT"
 VERSION_ENV = "H3KIT_VERSION"  # h3kit start sets it: the toolkit's version, on h3kit_build_info
 RESTART_REASONS = ("died", "unhealthy", "manual")  # h3kit.monitoring.REASONS: each is exposed, 0 before the first
+LOST_REASONS = ("crash", "dropped", "refused")  # h3kit.monitoring.LOST_REASONS: prompts of a restart's save not back
+REQUEUED_STATES = ("running", "pending")        # h3kit.monitoring.REQUEUED_STATES: those queued again
 # the alerts' bounds, exposed so that the rules compare against what this server runs with
 STALL_ENV, STALL_DEFAULT = "H3KIT_STALL_ALERT_SECONDS", 1800.0  # a device without progress in a prompt (a read: LOAD_TIMEOUT)
 STUCK_ENV, STUCK_DEFAULT = "H3KIT_PROMPT_STUCK_SECONDS", 7200.0        # a prompt running this long
@@ -420,14 +422,15 @@ def local_view() -> dict:
             "limits": {}}
 
 
-def restarts(root) -> dict:
-    """{reason: count} of the restarts h3kit watch and restart made, from the runtime root's record."""
+def restarts(root, key: str = "restarts") -> dict:
+    """{label: count} of the runtime root's record, written by h3kit watch and restart: `key` "restarts" (by reason),
+    "prompts_lost" (by reason) or "prompts_requeued" (by state)."""
     if not root:
         return {}
     try:
         with open(os.path.join(root, RESTARTS_FILE)) as f:
             data = json.load(f)
-        return {str(k): int(v) for k, v in data.get("restarts", {}).items()}
+        return {str(k): int(v) for k, v in data.get(key, {}).items()}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
 
@@ -708,11 +711,22 @@ class Collector:
                             "reason (the runtime root's metrics/restarts.json).", labels=["reason"])
         for reason, n in sorted({**dict.fromkeys(RESTART_REASONS, 0), **restarts(self.root)}.items()):
             restarted.add_metric([reason], n)
+        lost = counter("h3kit_prompts_lost", "Prompts of the queue saved before a restart by h3kit watch or restart "
+                       "that the restore did not queue again, by reason: crash (running when the server died), "
+                       "dropped (running when the restart stopped the server), refused (the new server refused it). "
+                       "Prompts no save held are not counted.", labels=["reason"])
+        requeued = counter("h3kit_prompts_requeued", "Prompts of the queue saved before a restart that the restore "
+                           "queued again, by what they were (running: it runs again from the start; pending).",
+                           labels=["state"])
+        for family, key, every in ((lost, "prompts_lost", LOST_REASONS), (requeued, "prompts_requeued",
+                                                                          REQUEUED_STATES)):
+            for label, n in sorted({**dict.fromkeys(every, 0), **restarts(self.root, key)}.items()):
+                family.add_metric([label], n)
         info = build_info()
         build = gauge("h3kit_build_info", "1, with the versions this server runs as labels (h3kit: the toolkit's "
                       "version; series: the installed patch series' digest).", labels=list(info))
         build.add_metric(list(info.values()), 1)
-        yield from (shm, shm_size, restarted, build)
+        yield from (shm, shm_size, restarted, lost, requeued, build)
 
 
 _REGISTRY = None

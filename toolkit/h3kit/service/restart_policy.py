@@ -96,7 +96,7 @@ def _queue_under_lock(root: Path, rec: Record, alive: bool, saved, queue, drop_r
 def _stop_start_restore(root: Path, rec: Record, alive: bool, saved, blk, phases: dict, *, grace: float,
                         timeout: float, requeue_running: bool, progress: Progress):
     """Stop `rec`'s server (when alive), wait for its port, start it again and queue the saved prompts, timing each
-    phase into `phases`; (StopResult or None, StartResult, Restored or None)."""
+    phase into `phases`, and count what became of them; (StopResult or None, StartResult, Restored or None)."""
     stopped = None
     if alive:
         t0 = time.monotonic()
@@ -115,6 +115,8 @@ def _stop_start_restore(root: Path, rec: Record, alive: bool, saved, blk, phases
         restored = queuesave.restore(root, started.record.url, saved, requeue_running=requeue_running,
                                      first_error=blk.summary if blk else None)
         phases["restore"] = time.monotonic() - t0
+        # h3kit_prompts_lost_total / _requeued_total, beside the restart: what became of each prompt the save held
+        monitoring.count_prompts(root, *restored.fates(died=not alive))
     return stopped, started, restored
 
 
