@@ -112,13 +112,13 @@ def one_host(tmp_path_factory):
     return drive(tmp_path_factory.mktemp("pg"), "all", "--world", 3, "--timeout", 4, "--idle", 5)
 
 
-@pytest.fixture(scope="module", params=CLOCKS)
+@pytest.fixture(scope="module")
 def attacks(request, tmp_path_factory):
     """Three ranks, collective timeout 30 s, HCCL/NCCL's semantics (H3KIT_EMULATE_NO_RELEASE=1): what a local user
     without the key writes (hostile: first, in the group's first generation, which its log lines name), the store's
     keys deleted while commands run, then (on plain gloo) a rank's command connection closed (which replaces the
-    group), one after the other in one group: {label: record}, and the folder of the log (scenario_log); on plain
-    gloo and under the twin (CLOCKS)."""
+    group), one after the other in one group: {label: record}, and the folder of the log (scenario_log); on the clock
+    each test names (CLOCKS, indirect: one group per clock for the module)."""
     tmp = tmp_path_factory.mktemp(f"attacks-{request.param}")
     steps = [("hostile", "hostile", {"flood": FLOOD}), ("deleted_command", "deleted_command", {"sleep": 1})]
     if request.param == "gloo":
@@ -239,11 +239,10 @@ def test_a_rank_that_never_makes_its_command_connection_is_named_within_the_join
     assert result["state"] == "failed" and seconds < 30 + 5 + 30, seconds
 
 
+@pytest.mark.parametrize("attacks", ["gloo"], indirect=True)  # plain gloo only: a channel, no collective (CLOCKS)
 def test_a_rank_whose_command_connection_closes_during_a_command_is_named(attacks):
     """Worker rank 1 closes its command connection during a command and holds it 20 s (alive, in no collective): the
     command fails within seconds naming rank 1 (the connection's end), the group is replaced, the next runs."""
-    if "closed_link" not in attacks[1]:
-        pytest.skip("the closed command connection runs on plain gloo only (CLOCKS)")
     result = attacks[1]["closed_link"]
     assert result["first"]["ok"], result["first"]
     kind, message, seconds = error_of(result["closed"])
@@ -267,6 +266,7 @@ FLOOD = 40          # the issue's probe: 40 values of 4 MiB (they grew the serve
 FLOOD_BOUND = 32 << 20
 
 
+@pytest.mark.parametrize("attacks", CLOCKS, indirect=True)
 def test_what_a_local_user_without_the_key_writes_is_dropped(attacks):
     """The issue's probes: garbage in the next command's old slot, in `gen`, in a result and an error slot, a
     bumped failure counter, a signed value replayed into the next command's error slot, a flood of keys; then
@@ -328,6 +328,7 @@ def test_the_channel_folder_must_be_private(tmp_path):
         mp.GroupRuntime(spec, wire.new_key()).start()
 
 
+@pytest.mark.parametrize("attacks", CLOCKS, indirect=True)
 def test_deleting_the_stores_keys_while_commands_run_costs_no_prompt(attacks):
     """A store client without the key deletes, while five commands run, every command key it sees (cmd/{g}/{n}) and
     every other key it lists but `layout` and the process groups' rendezvous keys: every command still runs, on
