@@ -31,6 +31,7 @@ SUPPORT = ROOT / "tests" / "support"
 DRIVER = SUPPORT / "process_group_driver.py"
 sys.path.insert(0, str(ROOT / "patches" / "src"))
 import comfy.multinpu_channel as channel  # noqa: E402  (namespace package: patches/src/comfy)
+import comfy.multinpu_clock as clock  # noqa: E402
 import comfy.multinpu_launch as launch  # noqa: E402
 import comfy.multinpu_wire as wire  # noqa: E402
 import comfy.multinpu_process as mp  # noqa: E402
@@ -78,6 +79,28 @@ def scenario_log(tmp_path, label):
     return "\n".join(lines)
 
 
+# The lost host and the keyless client run twice: on plain gloo, and under the twin of the accelerator's clock
+# (H3KIT_EMULATE_ASYNC_DEVICE=1: every collective but barrier returns at enqueue and completes on the rank's stream,
+# comfy/multinpu_clock.py), as the faults, hangs and full /dev/shm do (test_multinpu_process_faults.py, _hang.py,
+# test_multinpu_shm.py). The twin's attacks leave out the closed command connection (a channel, not a collective:
+# nothing the device's clock changes; 20 s of its hold and a group replacement).
+CLOCKS = ["gloo", "twin"]
+
+
+def clock_env(which, **extra):
+    return _env(**extra, **({clock.ASYNC_ENV: "1"} if which == "twin" else {}))
+
+
+def ran_on(result, which, world):
+    """Every rank's beats named the clock the run was asked for (node 1's workers, started by its agent, too)."""
+    clocks = {int(rank): seen for rank, seen in result["clocks"].items()}
+    assert sorted(clocks) == list(range(world)), clocks
+    if which == "twin":  # a beat before the rank's first marker says "sync"; every rank's later ones "twin"
+        assert all("twin" in seen and "event" not in seen for seen in clocks.values()), clocks
+    else:
+        assert all(seen == ["sync"] for seen in clocks.values()), clocks
+
+
 def error_of(attempt):
     assert not attempt["ok"], attempt
     return attempt["error"]["type"], attempt["error"]["message"], attempt["seconds"]
@@ -90,16 +113,19 @@ def one_host(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def attacks(tmp_path_factory):
+def attacks(request, tmp_path_factory):
     """Three ranks, collective timeout 30 s, HCCL/NCCL's semantics (H3KIT_EMULATE_NO_RELEASE=1): what a local user
     without the key writes (hostile: first, in the group's first generation, which its log lines name), the store's
-    keys deleted while commands run, then a rank's command connection closed (which replaces the group), one after
-    the other in one group: {label: record}, and the folder of the log (scenario_log)."""
-    tmp = tmp_path_factory.mktemp("attacks")
-    result = sequence(tmp, [("hostile", "hostile", {"flood": FLOOD}),
-                            ("deleted_command", "deleted_command", {"sleep": 1}),
-                            ("closed_link", "closed_link", {"victim": 1, "sleep": 20})],
-                      "--world", 3, "--timeout", 30, env=_env(H3KIT_EMULATE_NO_RELEASE="1"))
+    keys deleted while commands run, then (on plain gloo) a rank's command connection closed (which replaces the
+    group), one after the other in one group: {label: record}, and the folder of the log (scenario_log); on the clock
+    each test names (CLOCKS, indirect: one group per clock for the module)."""
+    tmp = tmp_path_factory.mktemp(f"attacks-{request.param}")
+    steps = [("hostile", "hostile", {"flood": FLOOD}), ("deleted_command", "deleted_command", {"sleep": 1})]
+    if request.param == "gloo":
+        steps.append(("closed_link", "closed_link", {"victim": 1, "sleep": 20}))
+    result = sequence(tmp, steps, "--world", 3, "--timeout", 30,
+                      env=clock_env(request.param, H3KIT_EMULATE_NO_RELEASE="1"))
+    ran_on(result, request.param, 3)
     return tmp, result
 
 
@@ -213,6 +239,7 @@ def test_a_rank_that_never_makes_its_command_connection_is_named_within_the_join
     assert result["state"] == "failed" and seconds < 30 + 5 + 30, seconds
 
 
+@pytest.mark.parametrize("attacks", ["gloo"], indirect=True)  # plain gloo only: a channel, no collective (CLOCKS)
 def test_a_rank_whose_command_connection_closes_during_a_command_is_named(attacks):
     """Worker rank 1 closes its command connection during a command and holds it 20 s (alive, in no collective): the
     command fails within seconds naming rank 1 (the connection's end), the group is replaced, the next runs."""
@@ -239,6 +266,7 @@ FLOOD = 40          # the issue's probe: 40 values of 4 MiB (they grew the serve
 FLOOD_BOUND = 32 << 20
 
 
+@pytest.mark.parametrize("attacks", CLOCKS, indirect=True)
 def test_what_a_local_user_without_the_key_writes_is_dropped(attacks):
     """The issue's probes: garbage in the next command's old slot, in `gen`, in a result and an error slot, a
     bumped failure counter, a signed value replayed into the next command's error slot, a flood of keys; then
@@ -300,6 +328,7 @@ def test_the_channel_folder_must_be_private(tmp_path):
         mp.GroupRuntime(spec, wire.new_key()).start()
 
 
+@pytest.mark.parametrize("attacks", CLOCKS, indirect=True)
 def test_deleting_the_stores_keys_while_commands_run_costs_no_prompt(attacks):
     """A store client without the key deletes, while five commands run, every command key it sees (cmd/{g}/{n}) and
     every other key it lists but `layout` and the process groups' rendezvous keys: every command still runs, on
@@ -472,14 +501,17 @@ def test_a_store_grown_past_its_limit_by_a_flood_ends_and_comes_back(store_lost)
     assert "past its limit (H3KIT_STORE_GROWTH_LIMIT=64)" in log and "past its memory limit: a flood of keys" in log
 
 
-def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path):
-    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics and the default heartbeat (15 s): the command fails naming a
-    rank of node 1 within 15 s of the kill, before the command would have ended by itself (rank 0 holds it 20 s);
-    the next fails naming the lost node instead of holding the queue for the join timeout, and once the agent is
-    started again the group forms by itself."""
+@pytest.mark.parametrize("which", CLOCKS)
+def test_a_lost_host_fails_fast_and_the_group_comes_back_by_itself(tmp_path, which):
+    """Two nodes, node 1's agent SIGKILLed mid-command (its workers die with it), with HCCL/NCCL's semantics and the
+    default heartbeat (15 s): the command fails naming a rank of node 1 within 15 s of the kill, before the command
+    would have ended by itself (rank 0 holds it 20 s); the next fails naming the lost node instead of holding the
+    queue for the join timeout, and once the agent is started again the group forms by itself. On plain gloo and
+    under the twin (CLOCKS)."""
     result = drive(tmp_path, "agent_lost", "--agent", "--nnodes", 2, "--world", 4, "--timeout", 60,
                    "--join-timeout", 120, "--sleep", 20,
-                   env=_env(H3KIT_EMULATE_NO_RELEASE="1", **{wire.HEARTBEAT_ENV: "15"}), timeout=400)
+                   env=clock_env(which, H3KIT_EMULATE_NO_RELEASE="1", **{wire.HEARTBEAT_ENV: "15"}), timeout=400)
+    ran_on(result, which, 4)
     assert result["first"]["ok"]
     kind, message, seconds = error_of(result["lost"])
     assert kind == "RankDied" and ("rank 2 (cpu, node 1)" in message or "rank 3 (cpu, node 1)" in message), message

@@ -740,6 +740,19 @@ def scenario_agent_lost(rt, args):
 AGENT = [None]
 
 
+def watch_clocks() -> dict:
+    """{rank: the clocks its beats named} from now on, every process of the rank on every host counted ("sync" on
+    plain gloo, "twin" under H3KIT_EMULATE_ASYNC_DEVICE=1 once a marker was recorded; comfy.multinpu.BEAT_LISTENERS):
+    shows which clock a run ran on, node 1's workers (started by its agent) included."""
+    clocks = {}
+
+    def seen(rank, progress):
+        if isinstance(progress, dict) and progress.get("clock"):
+            clocks.setdefault(rank, set()).add(progress["clock"])
+    comfy.multinpu.BEAT_LISTENERS.append(seen)
+    return clocks
+
+
 def scenario_all(rt, args):
     """The one-host scenarios one after the other, in one group (each leaves it usable for the next)."""
     out = {}
@@ -822,6 +835,7 @@ def main(argv=None):
     result = {"scenario": args.scenario}
     t0 = time.monotonic()
     try:
+        clocks = watch_clocks()
         rt = mp.start_runtime(spec, os.environ[wire.KEY_ENV])
         result["port"] = rt.port
         if args.agent:
@@ -833,6 +847,7 @@ def main(argv=None):
             result.update(SCENARIOS[args.scenario](rt, args))
         result["ranks"] = rt.ranks()
         result["state"], result["error"] = rt.state, rt.error
+        result["clocks"] = {rank: sorted(seen) for rank, seen in sorted(clocks.items())}
     except BaseException as e:  # noqa: BLE001
         result["crash"] = {**_err(e), "traceback": traceback.format_exc()}
     result["seconds"] = time.monotonic() - t0
