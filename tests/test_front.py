@@ -25,7 +25,7 @@ for _m in ("aiohttp", "sqlalchemy", "prometheus_client"):
                     allow_module_level=True)
 
 from tests.support.front_helpers import (TOOLKIT, Front, Standin, http, metric_value,  # noqa: E402
-                                         sleep_prompt, wait_for)
+                                         sleep_prompt, starts, wait_for)
 
 BAND = (8700, 8799)
 FAST = ["--lease", "4", "--dead-after", "1"]
@@ -55,14 +55,6 @@ def front(procs, tmp_path, servers, **kw) -> Front:
     return f
 
 
-def starts(*servers) -> dict:
-    """{tag: [port, ...]} of every prompt start on these servers."""
-    out: dict = {}
-    for s in servers:
-        for r in s.runs():
-            if r["event"] == "start":
-                out.setdefault(r["prompt"]["1"]["inputs"]["tag"], []).append(r["port"])
-    return out
 
 
 def running_on(servers, tag):

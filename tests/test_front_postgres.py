@@ -21,7 +21,7 @@ for _m in ("aiohttp", "sqlalchemy", "prometheus_client", "pg8000"):
                     allow_module_level=True)
 
 from h3kit.front import store as st  # noqa: E402
-from tests.support.front_helpers import Front, Standin, sleep_prompt, wait_for  # noqa: E402
+from tests.support.front_helpers import Front, Standin, sleep_prompt, starts, wait_for  # noqa: E402
 
 URL_ENV = "H3KIT_TEST_POSTGRES_URL"
 BAND = (8700, 8799)
@@ -92,22 +92,15 @@ def test_two_fronts_on_one_postgres_run_each_job_once(pg_url, tmp_path):
                   for i in range(2)]
         procs += fronts
         ids = {f"p{i}": fronts[i % 2].submit(sleep_prompt(0.7, f"p{i}")) for i in range(10)}
-        wait_for("some jobs started", lambda: _starts(servers) and len(_starts(servers)) >= 3, timeout=60)
+        wait_for("some jobs started", lambda: starts(*servers) and len(starts(*servers)) >= 3, timeout=60)
         fronts[0].kill9()                       # its running jobs are taken over by the other front
         hist = fronts[1].wait_done(list(ids.values()), timeout=180)
         assert all(e["h3front"]["state"] == "done" for e in hist.values())
-        ran = _starts(servers)
+        ran = starts(*servers)
         assert sorted(ran) == sorted(ids) and all(len(v) == 1 for v in ran.values()), ran
     finally:
         for p in reversed(procs):
             p.stop()
 
 
-def _starts(servers) -> dict:
-    out: dict = {}
-    for s in servers:
-        for r in s.runs():
-            if r["event"] == "start":
-                out.setdefault(r["prompt"]["1"]["inputs"]["tag"], []).append(r["port"])
-    return out
 

@@ -24,6 +24,7 @@ import comfy.multinpu_clock as clock  # noqa: E402
 import comfy.multinpu_group as group  # noqa: E402
 import comfy.multinpu_progress as progress  # noqa: E402
 import comfy.multinpu_wire as wire  # noqa: E402
+from tests.test_multinpu_process_hang import _run  # noqa: E402  (beats once a second, checks twice)
 
 CPU = torch.device("cpu")
 
@@ -224,18 +225,6 @@ def _dev(n, coll, dev_coll, dev_in=None, steps=0, op="all_to_all", inside=True, 
             "dev_idle": 0.0, "clock": "twin"}
 
 
-def _run(watch, beats, until, command=(1, 3, "forward")):
-    g, n, name = command
-    t = 0.0
-    while t <= until:
-        for r, fn in beats.items():
-            if t == int(t):
-                watch.beat(r, 100 + r, fn(t), t)
-        verdict = watch.check({r: 100 + r for r in beats}, g, n, name, t)
-        if verdict is not None:
-            return t, verdict
-        t += 0.5
-    return None
 
 
 def test_hosts_waiting_in_the_barrier_while_their_devices_tick_are_never_judged():

@@ -161,6 +161,16 @@ class Front(Proc):
         return body.decode()
 
 
+def starts(*servers) -> dict:
+    """{tag: [port, ...]} of every prompt start on these stand-in servers."""
+    out: dict = {}
+    for s in servers:
+        for r in s.runs():
+            if r["event"] == "start":
+                out.setdefault(r["prompt"]["1"]["inputs"]["tag"], []).append(r["port"])
+    return out
+
+
 def sleep_prompt(seconds: float, tag: str = "", npu_count=None) -> dict:
     """A prompt the stand-in runs for `seconds`; with npu_count, a MultiNPUParallelConfig node asking for it."""
     prompt = {"1": {"class_type": "StandinSleep", "inputs": {"seconds": seconds, "tag": tag}}}

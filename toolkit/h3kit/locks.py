@@ -215,12 +215,18 @@ def is_locked(home: Path) -> str | None:
 
 
 def _owner_is_alive(folder: Path) -> bool:
+    return flock_held(folder / OWNER_NAME, unreadable=True)  # unreadable: not ours to judge
+
+
+def flock_held(path: Path, unreadable: bool = False) -> bool:
+    """Does another open file hold an flock on `path` now? False when there is no such file; `unreadable` when it
+    cannot be opened. Probes without waiting and keeps nothing."""
     try:
-        fd = os.open(folder / OWNER_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     except OSError:
-        return True  # unreadable: not ours to judge
+        return unreadable
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False

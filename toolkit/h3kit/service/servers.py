@@ -31,7 +31,6 @@ What each server has of its own (docs/service.md, "Several servers on one host")
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,17 +123,7 @@ def pick(tree: Path, port: int | None, comfy_home: str | os.PathLike | None = No
 
 def _busy(root: Path) -> bool:
     """Does another command hold `root`'s service lock now (a start there that has not written its record yet)?"""
-    try:
-        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    return locks.flock_held(root / LOCK_NAME)
 
 
 def _kept_port(root: Path) -> int | None:
