@@ -47,7 +47,8 @@ class FakeDriver:
     Its _lock is held by another thread in the tests: a scrape must never wait for it."""
 
     def __init__(self, state="ready", beats=None, since=None):
-        self.spec = wire.GroupSpec(nnodes=2, node_rank=0, local_size=1, device_type="cpu", join_timeout=240)
+        self.spec = wire.GroupSpec(nnodes=2, node_rank=0, local_size=1, device_type="cpu", join_timeout=240,
+                                   timeout=450)
         self.world_size = 2
         self.state = state
         self.generation = 3
@@ -317,6 +318,7 @@ def test_ranks_heartbeats_and_memory_come_from_the_driver_without_its_lock(recor
     assert value(got, "h3kit_group_join_timeout_seconds") == 240
     assert value(got, "h3kit_group_heartbeat_timeout_seconds") == wire.HEARTBEAT_STALE
     assert value(got, "h3kit_group_progress_bound_seconds") == 60.0
+    assert value(got, "h3kit_group_collective_timeout_seconds") == 450
     driver.state, driver.members = "broken", {}  # replaced: nobody joined
     got = scrape()
     assert value(got, "h3kit_group_ranks", state="joined") == 0

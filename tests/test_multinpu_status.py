@@ -82,6 +82,22 @@ def test_start_honours_master_port_on_one_host(home):
     assert rec["master_port"] == port
 
 
+def test_the_group_timeout_reaches_the_runtime_and_the_record(home):
+    """--group-timeout (issue 45: on npu 900 s by default, so HCCL_CONNECT_TIMEOUT keeps torch_npu's 600 s below it)
+    is written into the runtime's settings and the record; out of range or with threads it is refused, naming it."""
+    for args, want in (((), 900.0), (("--group-timeout", "1800"), 1800.0)):
+        r = home.start("--master-port", free_port(29800, 29899, span=2), *args, devices="0,1", device_type="npu",
+                       timeout=3)
+        assert r.returncode == 1 and home.record() is not None, r.stderr
+        assert json.loads(home.boots()[-1]["env"]["H3KIT_GROUP"])["timeout"] == want
+        assert home.record()["group_timeout"] == want
+        home.run("stop")
+    for args, words in ((("--group-timeout", "30"), "from 120 to 86400"),
+                        (("--group-timeout", "600", "--transport", "threads"), "applies to a process group")):
+        r = home.start(*args, devices="0,1", device_type="npu", timeout=3)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_a_record_of_an_earlier_h3kit_naming_its_launcher_is_still_read(home):
     """Records written before 2026-12-02 name a launcher (torchrun or h3kit): status and stop still trust them."""
     r = home.start("--master-port", free_port(29800, 29899, span=2), devices="0,1", device_type="npu", timeout=3)

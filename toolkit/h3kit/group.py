@@ -31,6 +31,14 @@ TRANSPORTS = ("process", "threads")
 # The group contract: what this side writes and comfy/multinpu_wire.py (the ComfyUI interpreter, which this one
 # cannot import) reads. Both copies are pinned equal by tests/test_group_contract.py.
 DEFAULT_JOIN_TIMEOUT = 300.0
+# The group (collective) timeout: every collective and wait of the ranks, behind h3kit's own detectors (heartbeat,
+# progress). The runtime's default (comfy.multinpu.DEFAULT_TIMEOUT) everywhere but npu; on npu 900 s, the least
+# round figure that keeps HCCL_CONNECT_TIMEOUT at torch_npu's advised 600 s in order below it (connect + 20 <=
+# HCCL_EXEC_TIMEOUT, a multiple of 68, < the group timeout: 620 <= 884 < 900; comfy/multinpu_links.py). A longer
+# timeout costs nothing while the detectors name a failed rank first (60 s progress bound, 15 s heartbeat).
+DEFAULT_GROUP_TIMEOUT = 300.0
+NPU_GROUP_TIMEOUT = 900.0
+GROUP_TIMEOUT_RANGE = (120.0, 86400.0)
 GROUP_ENV = "H3KIT_GROUP"            # read by comfy/multinpu_wire.py
 KEY_ENV = "H3KIT_GROUP_KEY"
 AGENT_MODULE = "comfy.multinpu_group"
@@ -46,6 +54,7 @@ class GroupSettings:
     master_addr: str = "127.0.0.1"
     master_port: int = 0               # 0: h3kit picks a free port on the master address at start
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    timeout: float | None = None       # the group timeout; None: the runtime's default (records before 2026-12-06)
 
     @property
     def is_process(self) -> bool:
@@ -57,7 +66,8 @@ class GroupSettings:
 
     def as_dict(self) -> dict:
         return {"transport": self.transport, "nnodes": self.nnodes, "node_rank": self.node_rank,
-                "master_addr": self.master_addr, "master_port": self.master_port, "join_timeout": self.join_timeout}
+                "master_addr": self.master_addr, "master_port": self.master_port, "join_timeout": self.join_timeout,
+                "group_timeout": self.timeout}
 
 
 def default_transport(device_type: str) -> str:
@@ -65,14 +75,30 @@ def default_transport(device_type: str) -> str:
     return "threads" if device_type == "cpu" else "process"
 
 
+def default_group_timeout(device_type: str) -> float:
+    """The group timeout `h3kit start` gives a process group on `device_type` (see NPU_GROUP_TIMEOUT)."""
+    return NPU_GROUP_TIMEOUT if device_type == "npu" else DEFAULT_GROUP_TIMEOUT
+
+
 def resolve(device_type: str, transport: str = "auto", nnodes: int = 1, node_rank: int = 0,
             master_addr: str = "127.0.0.1", master_port: int = 0,
-            join_timeout: float = DEFAULT_JOIN_TIMEOUT) -> GroupSettings:
-    """Checked settings (UsageError naming the fix otherwise); nothing is written or started."""
+            join_timeout: float = DEFAULT_JOIN_TIMEOUT, group_timeout: float | None = None) -> GroupSettings:
+    """Checked settings (UsageError naming the fix otherwise); nothing is written or started. group_timeout: None
+    for the device type's default (default_group_timeout), with the process transport only."""
     if transport == "auto":
         transport = "process" if nnodes > 1 else default_transport(device_type)
     if transport not in TRANSPORTS:
         raise UsageError(f"unknown transport {transport!r}", code="bad_transport", hint="use process or threads")
+    if group_timeout is not None and transport != "process":
+        raise UsageError("--group-timeout applies to a process group", code="bad_group",
+                         hint="add --transport process, or drop --group-timeout (threads wait the runtime's "
+                              f"{DEFAULT_GROUP_TIMEOUT:g} s)")
+    lo, hi = GROUP_TIMEOUT_RANGE
+    if group_timeout is not None and not lo <= group_timeout <= hi:
+        raise UsageError(f"--group-timeout {group_timeout:g} s is out of range", code="bad_group",
+                         hint=f"from {lo:g} to {hi:g} s: it must outlast h3kit's detectors (60 s progress bound) and "
+                              "HCCL's least timeouts; the default is "
+                              f"{NPU_GROUP_TIMEOUT:g} s on npu, {DEFAULT_GROUP_TIMEOUT:g} s elsewhere")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}", code="bad_group",
                          hint="number the hosts 0 .. nnodes-1; node 0 runs ComfyUI")
@@ -101,7 +127,9 @@ def resolve(device_type: str, transport: str = "auto", nnodes: int = 1, node_ran
         raise UsageError(f"--master-port {master_port}: with several hosts the command channel listens on the next "
                          "port (master port + 1)", code="bad_group",
                          hint="choose a port below 65535 whose next port is free too")
-    return GroupSettings(transport, nnodes, node_rank, str(addr), master_port, join_timeout)
+    timeout = (group_timeout if group_timeout is not None else default_group_timeout(device_type)) \
+        if transport == "process" else None
+    return GroupSettings(transport, nnodes, node_rank, str(addr), master_port, join_timeout, timeout)
 
 
 def _check_local(addr: str):
@@ -220,6 +248,8 @@ def environment(settings: GroupSettings, device_type: str, devices: list[int], r
             "device_type": device_type, "master_addr": settings.master_addr,
             "master_port": settings.master_port, "join_timeout": settings.join_timeout,
             "runtime_root": str(root), "worker_args": list(worker_args)}
+    if settings.timeout is not None:
+        spec["timeout"] = settings.timeout
     return {GROUP_ENV: json.dumps(spec), KEY_ENV: key, HCCL_PORT_ENV: str(hccl_band(devices))}
 
 

@@ -400,7 +400,7 @@ def group_view(runtime, now: float) -> dict:
                       "memory": progress.get("memory") or {}})
     joined = len(members) if runtime.state == "ready" else 0
     limits = {"join": runtime.spec.join_timeout, "heartbeat": comfy.multinpu_wire.HEARTBEAT_STALE,
-              "progress": watch.bound}
+              "progress": watch.bound, "group": runtime.spec.timeout}
     return {"world_size": runtime.world_size, "joined": joined, "ranks": ranks, "generation": runtime.generation,
             "state": runtime.state, "limits": limits}
 
@@ -643,7 +643,9 @@ class Collector:
                                ("heartbeat_timeout", "heartbeat", "H3KIT_HEARTBEAT_TIMEOUT: a rank silent this long "
                                 "is replaced."),
                                ("progress_bound", "progress", "H3KIT_PROGRESS_TIMEOUT: a rank short of its peers' "
-                                "collective this long is replaced.")):
+                                "collective this long is replaced."),
+                               ("collective_timeout", "group", "--group-timeout: every collective's last resort, "
+                                "behind the detectors above (HCCL's own timeouts in order below it).")):
             if key in view["limits"]:
                 family = gauge(f"h3kit_group_{name}_seconds", doc)
                 family.add_metric([], view["limits"][key])

@@ -86,12 +86,16 @@ def _error_lines(blk: dict, title: str, max_lines: int = 12) -> list[str]:
               help="The rendezvous port on node 0 (0: a free one, one host only).")
 @click.option("--join-timeout", type=click.FloatRange(min=1), default=group.DEFAULT_JOIN_TIMEOUT,
               show_default=True, metavar="S", help="Seconds for every rank of the group to join before start fails.")
+@click.option("--group-timeout", type=float, default=None, metavar="S",
+              help=f"The process group's collective timeout, behind h3kit's own detectors (default "
+                   f"{group.NPU_GROUP_TIMEOUT:g} s on npu, where HCCL_CONNECT_TIMEOUT 600 s stays in order below it; "
+                   f"{group.DEFAULT_GROUP_TIMEOUT:g} s elsewhere).")
 @timeout_option
 @json_option
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[-- EXTRA_COMFY_ARGS]")
 @handle_errors
 def start(comfy_home, devices, device_type, port, listen, runtime_root, python, transport, nnodes, node_rank,
-          master_addr, master_port, join_timeout, timeout, as_json, extra):
+          master_addr, master_port, join_timeout, group_timeout, timeout, as_json, extra):
     """Start the ComfyUI server on the given devices and wait until healthy.
 
     Sets ASCEND_RT_VISIBLE_DEVICES (npu), CUDA_VISIBLE_DEVICES (cuda) or, on cpu, runs with --cpu and
@@ -102,7 +106,8 @@ def start(comfy_home, devices, device_type, port, listen, runtime_root, python, 
     """
     ids = h3devices.parse_device_list(devices)
     kind = h3devices.resolve_device_type(device_type)
-    settings = group.resolve(kind, transport, nnodes, node_rank, master_addr, master_port, join_timeout)
+    settings = group.resolve(kind, transport, nnodes, node_rank, master_addr, master_port, join_timeout,
+                             group_timeout)
     listen = service.validate_listen(listen)
     if service.is_public(listen):
         err(f"h3kit: warning: listening on {listen}: ComfyUI has no authentication, anyone who reaches "

@@ -10,11 +10,12 @@ import ipaddress
 import psutil
 
 from h3kit.doctor.base import Doctor
+from h3kit.group import NPU_GROUP_TIMEOUT
 
 EXEC_RANGE = (68, 17340)      # comfy.multinpu_links.EXEC_RANGE
 CONNECT_RANGE = (120, 7200)   # comfy.multinpu_links.CONNECT_RANGE
 CONNECT_SLACK = 20            # comfy.multinpu_links.CONNECT_SLACK
-GROUP_TIMEOUT = 300.0         # comfy.multinpu.DEFAULT_TIMEOUT: the process transport's group timeout
+GROUP_TIMEOUT = NPU_GROUP_TIMEOUT  # what `h3kit start` gives an npu group unless --group-timeout says otherwise
 
 
 def _seconds(d: Doctor, name: str, lo: int, hi: int, why: str):
@@ -43,13 +44,13 @@ def check_timeouts(d: Doctor):
     conn = conn if conn is not None else max(CONNECT_RANGE[0], min(600, ex - CONNECT_SLACK))
     if not chosen:
         d.add("hccl", "ok", "HCCL_EXEC_TIMEOUT and HCCL_CONNECT_TIMEOUT unset: the workers set them in order below the "
-              f"group timeout ({GROUP_TIMEOUT:g} s: exec {ex} s, connect {conn} s; docs/multinpu.md, 'Links, buffers "
-              "and the HCCL settings in force')")
+              f"group timeout ({GROUP_TIMEOUT:g} s, h3kit start's default on npu: exec {ex} s, connect {conn} s; "
+              "docs/multinpu.md, 'Links, buffers and the HCCL settings in force')")
         return
     if not conn + CONNECT_SLACK <= ex < GROUP_TIMEOUT:
         d.add("hccl", "error", f"HCCL_CONNECT_TIMEOUT {conn} s (+{CONNECT_SLACK}), HCCL_EXEC_TIMEOUT {ex} s (HCCL rounds "
               f"to a multiple of 68) and the group timeout {GROUP_TIMEOUT:g} s are out of order",
-              f"connect + {CONNECT_SLACK} <= exec < group timeout, or unset both")
+              f"connect + {CONNECT_SLACK} <= exec < group timeout (h3kit start --group-timeout), or unset both")
     else:
         d.add("hccl", "ok", f"HCCL_CONNECT_TIMEOUT {conn} s, HCCL_EXEC_TIMEOUT {ex} s: in order below the group "
               f"timeout ({GROUP_TIMEOUT:g} s)")

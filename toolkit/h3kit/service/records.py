@@ -123,6 +123,7 @@ class Record:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     join_timeout: float = group.DEFAULT_JOIN_TIMEOUT
+    group_timeout: float | None = None  # None: the runtime's default (records written before 2026-12-06)
     launcher: str | None = None        # written by h3kit before 2026-12-02 (torchrun or h3kit launched the workers); unread
 
     @property
@@ -132,7 +133,7 @@ class Record:
     @property
     def group(self) -> group.GroupSettings:
         return group.GroupSettings(self.transport, self.nnodes, self.node_rank, self.master_addr,
-                                   self.master_port, self.join_timeout)
+                                   self.master_port, self.join_timeout, self.group_timeout)
 
     def verify(self) -> proc.Verdict:
         return proc.verify(self.pid, self.create_time, self.cmdline,
@@ -204,6 +205,10 @@ def _time(v, ctx):
     if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
         raise ValueError("must be a positive number of seconds")
     return float(v)
+
+
+def _time_or_none(v, ctx):
+    return None if v is None else _time(v, ctx)
 
 
 def _text(v, ctx):
@@ -294,6 +299,7 @@ RECORD_FIELDS = {
     "master_addr": (_listen, False),
     "master_port": (_int_range(0, 65535), False),
     "join_timeout": (_time, False),
+    "group_timeout": (_time_or_none, False),
     "launcher": (_launcher, False),
 }
 
