@@ -26,6 +26,20 @@ trap 'rm -rf "$logs"' EXIT
 torch_free_skip=(--ignore=tests/test_probes.py --ignore=tests/test_crash_safety.py --ignore=tests/test_patch_engine.py
                  --ignore=tests/test_patches_rebase.py --ignore=tests/test_hostile_inputs.py)
 
+# Only in the torch-free runs, when they run: the files none of whose tests needs torch (every one passes there, none
+# skips; checked 2026-12-06), which exercise the toolkit alone: the CLI, the service's processes and signals against
+# stand-ins, the front, the wheel. The two ends of the supported range (3.10, 3.13) run them; the main run's 3.11
+# between them would add nothing and cost the most there: on the two cores every run shares, these files took 285 s
+# of the main run's 3506 s of test time in a .ci/run of 2026-12-06 (22 min in all against the 15 the project allows;
+# docs/performance.md, "CI"). With no torch-free run (TEST_PYTHONS empty), or with files named on the command line,
+# the main run runs them.
+toolkit_only=(tests/test_front.py tests/test_front_postgres.py tests/test_front_units.py tests/test_service_standin.py
+              tests/test_service_servers.py tests/test_service_units.py tests/test_multinpu_status.py
+              tests/test_models_fetch.py tests/test_models_first_hour.py tests/test_models_pinned.py
+              tests/test_model_paths.py tests/test_wheel.py tests/test_json_shape.py tests/test_operator_papercuts.py
+              tests/test_check_workflow.py tests/test_check_workflow_templates.py tests/test_first_hour.py
+              tests/test_queuesave.py tests/test_parity_cli.py tests/test_test_policy.py)
+
 # A selection made only of the files above leaves the torch-free runs nothing to run: they are not started
 # (said below) rather than accepting pytest's exit 5, which would also hide a run that collected nothing by mistake.
 selected=0; ignored_only=0
@@ -66,9 +80,14 @@ for v in $pythons; do
     fi ) &
 done
 
+main_only=()
+if [ -n "$pythons" ] && [ "$selected" -eq 0 ]; then
+  for f in "${toolkit_only[@]}"; do main_only+=("--ignore=$f"); done
+fi
+
 start=$(date +%s)
 # files in tests/conftest.py's order (the longest first), not xdist's default of the most tests first
-"$main_py" -m pytest -n "${H3KIT_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+"$main_py" -m pytest -n "${H3KIT_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder ${main_only[@]+"${main_only[@]}"} "$@"
 rc=$?
 echo "tests: main run (python $("$main_py" -c 'import platform; print(platform.python_version())')) took $(( $(date +%s) - start )) s"
 wait
