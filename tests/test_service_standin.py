@@ -576,7 +576,10 @@ def test_watch_stops_a_crash_loop_with_capped_backoff(home):
 
 
 def test_watch_backoff_starts_again_after_a_stable_period(home):
-    home.configure(die_after=1.0)  # every boot is healthy for a second, then dies
+    # every boot is healthy for 3 s, then dies: room for watch's two checks 0.3 s apart after its restart's own wait
+    # for health, on a loaded machine too (at 1 s, one check of a torch-free run in a .ci/run of 2026-12-06 came too
+    # late and the delay doubled)
+    home.configure(die_after=3.0)
     assert home.start().returncode == 0
     watch = spawn_watch(home, "--interval", "0.1", "--stable-after", "0.3", "--backoff-max", "10",
                         "--crash-limit", "3", "--max-seconds", "60")
