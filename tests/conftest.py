@@ -156,6 +156,16 @@ def installed_tree(tmp_path_factory, comfy_source, comfy_python):
 
 
 @pytest.fixture(scope="session")
+def tiny_tree(tmp_path_factory, installed_tree, comfy_python):
+    """installed_tree with the demo's tiny H3 checkpoints under models/, written once per test process; read-only by
+    convention: a test that runs a server copies it (service_helpers.copy_tree) instead of writing them again."""
+    from h3kit import demo
+    dest = service_helpers.copy_tree(installed_tree, tmp_path_factory.mktemp("tiny_tree") / "ComfyUI")
+    demo.write_tiny_checkpoints(dest, comfy_python)
+    return dest
+
+
+@pytest.fixture(scope="session")
 def tiny_av_models(tmp_path_factory, installed_tree, comfy_python):
     """The four tiny H3 checkpoints (DiT, text encoder, video and audio VAE) the server-level tests load, written
     once per session: {component: path} (tests/support/av_pipeline.py)."""

@@ -33,7 +33,7 @@ import pytest
 from h3kit import demo
 from tests.conftest import ROOT
 from tests.support import requires
-from tests.support.service_helpers import free_port, http_json, wait_for
+from tests.support.service_helpers import copy_tree, free_port, http_json, wait_for
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 BOOT = 300
@@ -96,11 +96,9 @@ def tools() -> dict:
 
 
 @pytest.fixture(scope="module")
-def service(tools, installed_tree, comfy_python, tmp_path_factory):
+def service(tools, tiny_tree, comfy_python, tmp_path_factory):
     base = tmp_path_factory.mktemp("metrics")
-    home = base / "ComfyUI"
-    shutil.copytree(installed_tree, home, ignore=shutil.ignore_patterns(".git"), symlinks=True)
-    demo.write_tiny_checkpoints(home, comfy_python)
+    home = copy_tree(tiny_tree, base / "ComfyUI")
     s = Service(home, free_port(8660, 8679), base / "oom-1")
     env = dict(os.environ, H3KIT_MULTINPU_FAULT=f"dit_forward:oom:{base}/oom-{{rank}}")  # rank 1's: oom-1
     # devices 1,2: the ranks' physical ids differ from their logical 0 and 1; --cache-none: each prompt's loaders ask

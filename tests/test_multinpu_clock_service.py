@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from h3kit import demo, service
-from tests.support.service_helpers import free_port, http_json, wait_for
+from tests.support.service_helpers import copy_tree, free_port, http_json, wait_for
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 BOOT = 300
@@ -59,6 +58,16 @@ class Server:
             return entry if entry and entry["status"].get("completed") is not None else None
         return wait_for(done, PROMPT, f"prompt {prompt_id}", step=0.05)["status"]
 
+    def prompt_with(self, trigger: str, tag: str) -> tuple[dict, float]:
+        """A prompt run while the fault file `trigger` exists: (its status, seconds from submission to its end)."""
+        (self.triggers / trigger).touch()
+        try:
+            t0 = time.monotonic()
+            status = self.finished(self.prompt(tag))
+            return status, time.monotonic() - t0
+        finally:
+            (self.triggers / trigger).unlink()
+
     def workers(self) -> dict:
         return {r["rank"]: r["pid"] for r in json.loads((self.home / ".h3kit" / "run" / "ranks.json").read_text())["ranks"]}
 
@@ -67,11 +76,9 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(installed_tree, comfy_python, tmp_path_factory):
+def server(tiny_tree, comfy_python, tmp_path_factory):
     base = tmp_path_factory.mktemp("clock-service")
-    home = base / "ComfyUI"
-    shutil.copytree(installed_tree, home, ignore=shutil.ignore_patterns(".git"), symlinks=True)
-    demo.write_tiny_checkpoints(home, comfy_python)
+    home = copy_tree(tiny_tree, base / "ComfyUI")
     t = base / "triggers"
     t.mkdir()
     faults = (f"dit_config:slow={SLOW}:{t}/late-{{rank}},dit_forward:slow={SLOW}:{t}/slow,"
@@ -91,15 +98,9 @@ def server(installed_tree, comfy_python, tmp_path_factory):
 def test_a_late_loader_is_waited_for_and_the_prompt_runs(server):
     """Rank 1's DiT load needs SLOW s more device time than rank 0's (the first prompt loads every model): the
     install waits for its device under the load bound; the forward runs with both loaded."""
-    (server.triggers / "late-1").touch()
     log = server.log()
     offset = log.stat().st_size
-    try:
-        t0 = time.monotonic()
-        status = server.finished(server.prompt("late"))
-        seconds = time.monotonic() - t0
-    finally:
-        (server.triggers / "late-1").unlink()
+    status, seconds = server.prompt_with("late-1", "late")
     assert status["status_str"] == "success", status
     with open(log, "rb") as f:
         f.seek(offset)
@@ -114,13 +115,7 @@ def test_the_slow_fault_on_every_rank_in_the_dit_and_the_vae_decode_keeps_the_pr
     """Every rank's device needs SLOW s more for the DiT forward and again for the VAE decode (three times the
     bound each), each second completing: the prompt runs, on the same workers."""
     before = server.workers()
-    (server.triggers / "slow").touch()
-    try:
-        t0 = time.monotonic()
-        status = server.finished(server.prompt("slow"))
-        seconds = time.monotonic() - t0
-    finally:
-        (server.triggers / "slow").unlink()
+    status, seconds = server.prompt_with("slow", "slow")
     assert status["status_str"] == "success", status
     assert seconds >= 2 * SLOW, f"{seconds:.1f} s: both slow calls ran"
     assert server.workers() == before, "nobody was killed"

@@ -36,7 +36,8 @@ import pytest
 
 from h3kit import demo, health, outputs, service
 from tests.support import jsondoc
-from tests.support.service_helpers import free_port, http_json, pid_running, submit_until_sampling, wait_for
+from tests.support.service_helpers import (copy_tree, free_port, http_json, pid_running, submit_until_sampling,
+                                           wait_for)
 
 pytestmark = [pytest.mark.upstream, pytest.mark.slow]
 BOOT = 300
@@ -100,12 +101,8 @@ class Group:
 
 
 @pytest.fixture(scope="module")
-def tree(installed_tree, comfy_python, tmp_path_factory):
-    base = tmp_path_factory.mktemp("process-group")
-    home = base / "ComfyUI"
-    shutil.copytree(installed_tree, home, ignore=shutil.ignore_patterns(".git"), symlinks=True)
-    demo.write_tiny_checkpoints(home, comfy_python)
-    return home
+def tree(tiny_tree, tmp_path_factory):
+    return copy_tree(tiny_tree, tmp_path_factory.mktemp("process-group") / "ComfyUI")
 
 
 @pytest.fixture(scope="module")

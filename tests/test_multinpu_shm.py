@@ -325,18 +325,16 @@ def _h3kit(*args, env=None, timeout=BOOT + 60):
 
 @pytest.mark.upstream
 @pytest.mark.slow
-def test_a_full_dev_shm_costs_one_prompt_of_the_real_server(installed_tree, comfy_python, tmp_path):
+def test_a_full_dev_shm_costs_one_prompt_of_the_real_server(tiny_tree, comfy_python, tmp_path):
     """`h3kit start --transport process` on 2 CPU ranks with the tiny H3 checkpoints, the hand-off folder a 16 MiB
     tmpfs (H3KIT_SHM_DIR). Filled by another program after a warm prompt, the next prompt errors with the message
     within seconds; the server and both workers live on (same pids); once space returns the next prompt runs.
     (Before: the server died of SIGBUS, the prompt never answered, the next was refused.) Then the server is killed
     -9 mid-prompt: its input file stays until the next `h3kit start`, which removes it, and a prompt runs."""
     from h3kit import demo
-    from tests.support.service_helpers import free_port, http_json, pid_running, wait_for
+    from tests.support.service_helpers import copy_tree, free_port, http_json, pid_running, wait_for
 
-    home = tmp_path / "ComfyUI"
-    shutil.copytree(installed_tree, home, ignore=shutil.ignore_patterns(".git"), symlinks=True)
-    demo.write_tiny_checkpoints(home, comfy_python)
+    home = copy_tree(tiny_tree, tmp_path / "ComfyUI")
     folder = tmp_path / "shm"
     folder.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "h3kit-test", str(folder)],

@@ -82,6 +82,17 @@ class Proc:
     def text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def wait_up(self, what: str, url: str, timeout: float) -> None:
+        """Until GET `url` answers 200; an exit meanwhile fails at once with the end of the log."""
+        def up() -> bool:
+            if not self.alive():
+                raise AssertionError(f"{what} exited:\n{self.text()[-3000:]}")
+            try:
+                return http("GET", url, timeout=2)[0] == 200
+            except OSError:
+                return False
+        wait_for(what, up, timeout=timeout)
+
 
 class Standin(Proc):
     def __init__(self, home: Path, port: int, devices: int = 1, run_seconds: float = 0.5):
@@ -90,15 +101,7 @@ class Standin(Proc):
         super().__init__([sys.executable, str(SUPPORT / "front_standin.py"), "--port", str(port), "--devices",
                           str(devices), "--home", str(home), "--run-seconds", str(run_seconds)],
                          self.home / "standin.log")
-        wait_for(f"stand-in on {port}", lambda: self._up(), timeout=60)
-
-    def _up(self) -> bool:
-        if not self.alive():
-            raise AssertionError(f"stand-in exited:\n{self.text()[-2000:]}")
-        try:
-            return http("GET", self.url + "/system_stats", timeout=2)[0] == 200
-        except OSError:
-            return False
+        self.wait_up(f"stand-in on {port}", self.url + "/system_stats", timeout=60)
 
     def runs(self) -> list[dict]:
         path = self.home / "runs.jsonl"
@@ -117,15 +120,7 @@ class Front(Proc):
             argv += ["--db", db]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TOOLKIT), os.environ.get("PYTHONPATH", "")]))
         super().__init__(argv, self.data_dir / log_name, env=env)
-        wait_for(f"front on {port}", self._up, timeout=90)
-
-    def _up(self) -> bool:
-        if not self.alive():
-            raise AssertionError(f"front exited:\n{self.text()[-3000:]}")
-        try:
-            return http("GET", self.url + "/healthz", timeout=2)[0] == 200
-        except OSError:
-            return False
+        self.wait_up(f"front on {port}", self.url + "/healthz", timeout=90)
 
     def call(self, method: str, path: str, body=None, **kw):
         kw.setdefault("token", self.token)

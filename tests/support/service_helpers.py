@@ -223,6 +223,12 @@ def kill_started_under(home: Path) -> None:
             pass
 
 
+def copy_tree(src: Path, dest: Path) -> Path:
+    """A ComfyUI tree of a test's own: `src` copied to `dest` without its git folder, links kept as links."""
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+    return dest
+
+
 class Home:
     """A ComfyUI home for one test, with its own runtime root and port."""
 

@@ -57,7 +57,6 @@ STAGING = ".h3kit-fetch"
 PART_SUFFIX = ".part"
 # left free on a file system after the downloads: ComfyUI, logs and the next download need room too
 RESERVE_BYTES = 512 * 2**20
-HASH_CHUNK = 8 * 2**20
 SAFE_SUFFIXES = (".safetensors", ".sft")
 
 
@@ -644,14 +643,6 @@ def _download_xet(job: Job, progress: bool) -> str:
     return got
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _verify_and_place(job: Job, path: str, log) -> None:
     """Size and sha256 checked, then renamed to the name ComfyUI loads; a file that fails is deleted."""
     size = os.path.getsize(path)
@@ -660,7 +651,7 @@ def _verify_and_place(job: Job, path: str, log) -> None:
         problem = f"{size} bytes downloaded, {job.size} expected"
     elif job.sha256:
         log(f"{job.wanted.name}: checking sha256 ...")
-        got = _sha256(path)
+        got = sources_mod.sha256_file(path)
         if got != job.sha256:
             problem = f"sha256 {got}, expected {job.sha256}"
     if problem:
