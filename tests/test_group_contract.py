@@ -77,6 +77,9 @@ def test_what_h3kit_writes_is_what_the_runtime_reads(wire, tmp_path):
 def test_the_modules_a_host_runs_exist():
     src = ROOT / "patches" / "src"
     assert (src / (group.WORKER_MODULE.replace(".", "/") + ".py")).is_file()
+    # the fork server the launcher starts on the CPU: status accepts a worker whose command line is its
+    zygote = (src / (group.ZYGOTE_MODULE.replace(".", "/") + ".py"))
+    assert zygote.is_file() and "[sys.executable, \"-B\", \"-m\", __name__" in zygote.read_text()
     agent = ast.parse((src / (group.AGENT_MODULE.replace(".", "/") + ".py")).read_text())
     main = [n for n in agent.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert main and "agent_main()" in ast.unparse(main[0]), f"{group.AGENT_MODULE} does not run the agent"

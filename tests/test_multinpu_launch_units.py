@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.support import requires
 
 torch = requires.module("torch", requires.NO_TORCH_REASON, allow_module_level=True)
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "patches" / "src"))
 import comfy.multinpu_launch as launch  # noqa: E402  (namespace package: patches/src/comfy)
 import comfy.multinpu_wire as wire  # noqa: E402
+import comfy.multinpu_zygote as zygote  # noqa: E402
 
 
 def test_how_a_worker_ended_is_worded_and_which_ends_h3kit_caused():
@@ -35,6 +38,7 @@ def test_how_a_worker_ended_is_worded_and_which_ends_h3kit_caused():
 
 def test_a_worker_is_one_device_with_its_rank_whatever_the_server_simulates(monkeypatch):
     monkeypatch.setenv("H3KIT_SIM_DEVICES", "2")
+    monkeypatch.setenv(zygote.WORKER_START_ENV, "exec")  # the environment as Popen gets it (fork: test_multinpu_zygote)
     workers = launch.LocalWorkers(wire.GroupSpec(local_size=2), "the-key")
     seen = {}
 
@@ -51,7 +55,9 @@ def test_a_worker_is_one_device_with_its_rank_whatever_the_server_simulates(monk
     assert seen["PYTHONUNBUFFERED"] == "1" and seen[wire.PARENT_ENV] == str(os.getpid())
 
 
-def test_each_start_of_a_rank_records_its_process(tmp_path):
+@pytest.mark.parametrize("start", zygote.WORKER_STARTS)
+def test_each_start_of_a_rank_records_its_process(tmp_path, monkeypatch, start):
+    monkeypatch.setenv(zygote.WORKER_START_ENV, start)
     (tmp_path / "quick_worker.py").write_text("")  # a worker that ends at once
     workers = launch.LocalWorkers(wire.GroupSpec(local_size=1, worker_module="quick_worker"), "k")
     workers.cwd = tmp_path  # the folder the workers run in (the ComfyUI tree in a server)
@@ -61,8 +67,11 @@ def test_each_start_of_a_rank_records_its_process(tmp_path):
         assert proc.wait(timeout=60) == 0
         info = workers.info[0]
         assert info["pid"] == proc.pid and info["alive"] and info["create_time"], info
-        assert info["cmdline"][-1] == "quick_worker"
+        # what h3kit's status verifies it by: its own command line, or (forked) its fork server's
+        assert info["cmdline"][-1] == "quick_worker" if start == "exec" else "comfy.multinpu_zygote" in info["cmdline"]
+        assert isinstance(proc, zygote.ForkedWorker) == (start == "fork")  # no fallback to exec taken
         pids.add(proc.pid)
+    workers.stop()
     assert len(pids) == 2
 
 
@@ -209,6 +218,7 @@ def test_only_a_replacement_is_told_to_wait_for_its_devices_memory(monkeypatch):
     """Issue 45 item 7: the launcher marks every start of a rank after its first (comfy.multinpu_links.before_device
     then waits for the device's memory); the first start does not wait."""
     import comfy.multinpu_links as links
+    monkeypatch.setenv(zygote.WORKER_START_ENV, "exec")  # the environment as Popen gets it
     workers = launch.LocalWorkers(wire.GroupSpec(local_size=2), "the-key")
     seen = []
 

@@ -151,7 +151,8 @@ def test_the_driver_is_never_a_rank(one_host):
     ranks = one_host["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2]
     assert one_host["basics"]["driver_pid"] not in [r["pid"] for r in ranks]
-    assert all(r["cmdline"][-1] == "process_group_worker" for r in ranks), "rank 0 is a worker process too"
+    # rank 0 is a worker process too: on the CPU forked from the driver's fork server, whose command line it shows
+    assert all(r["cmdline"][-1] == "process_group_worker" or "comfy.multinpu_zygote" in r["cmdline"] for r in ranks)
 
 
 def test_idle_longer_than_the_collective_timeout(one_host):

@@ -188,10 +188,12 @@ def test_status_lists_every_rank_alive_and_joined(group):
     assert st["pid"] not in {r["pid"] for r in ranks} and len({r["pid"] for r in ranks}) == 4, "the server is no rank"
     agent = group.status(1)
     assert agent["running"] and agent["healthy"] and agent["queue"] is None, agent
-    # the agent's two workers are its children; ranks 0 and 1 the server's, and the server's other child is the
-    # group's store, in a process of its own
+    # the agent's two workers are its own (forked, as on the CPU by default, by its one fork server, a child of its);
+    # ranks 0 and 1 the server's, and the server's other child is the group's store, in a process of its own
     def workers_under(pid):
-        return {p.pid for p in psutil.Process(pid).children() if "--store" not in p.cmdline()}
+        forks = [p for p in psutil.Process(pid).children() if "comfy.multinpu_zygote" in p.cmdline()]
+        assert len(forks) == 1, psutil.Process(pid).children()
+        return {p.pid for p in forks[0].children()}
     assert workers_under(agent["pid"]) == {r["pid"] for r in ranks[2:]}
     assert workers_under(st["pid"]) == {ranks[0]["pid"], ranks[1]["pid"]}
     store = [p for p in psutil.Process(st["pid"]).children() if "--store" in p.cmdline()]

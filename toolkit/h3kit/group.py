@@ -258,6 +258,8 @@ def agent_argv(python: str) -> list[str]:
 
 
 WORKER_MODULE = "comfy.multinpu_worker"
+# the fork server a CPU group's workers are forked from (comfy.multinpu_zygote): a forked worker's command line is its
+ZYGOTE_MODULE = "comfy.multinpu_zygote"
 
 
 def runs_module(cmdline, module: str) -> bool:
@@ -266,15 +268,15 @@ def runs_module(cmdline, module: str) -> bool:
     return any(a == "-m" and i + 1 < len(cmd) and cmd[i + 1] == module for i, a in enumerate(cmd))
 
 
-def module_owner(comfy_home: str, module: str):
+def module_owner(comfy_home: str, *modules: str):
     """The check that a live process is the group process h3kit launched from `comfy_home`: it runs
-    `-m module` (the agent or a worker) in that tree. Returns a function of a psutil.Process giving the reason
-    it is not, or None."""
+    `-m module` (the agent or a worker; one of `modules`) in that tree. Returns a function of a psutil.Process
+    giving the reason it is not, or None."""
     home = os.path.realpath(comfy_home)
 
     def check(p) -> str | None:
-        if not runs_module(p.cmdline(), module):
-            return f"it does not run {module}"
+        if not any(runs_module(p.cmdline(), m) for m in modules):
+            return f"it does not run {' or '.join(modules)}"
         where = os.path.realpath(p.cwd())
         if where != home:
             return f"it runs in {where}, not in {home}"
@@ -300,7 +302,7 @@ def ranks_view(root: Path, server_pid: int, node_rank: int, comfy_home: str) -> 
     this host (pid, start time and command line must still match, and it must be a worker running in
     `comfy_home`) and taken from the driver's monitor for the others. {"state", "error", "generation",
     "world_size", "ranks": [...], "file": bool}."""
-    worker = module_owner(comfy_home, WORKER_MODULE)
+    worker = module_owner(comfy_home, WORKER_MODULE, ZYGOTE_MODULE)
     data = read_ranks(root)
     if data is None:
         return {"state": "unknown", "error": f"no {RANKS_FILE} under {root} yet", "ranks": [], "file": False}

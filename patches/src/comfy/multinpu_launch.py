@@ -20,6 +20,7 @@ import torch
 import torch.distributed
 
 import comfy.multinpu_links as links
+import comfy.multinpu_zygote as zygote
 from comfy.multinpu_wire import (CRASH_LIMIT, CRASH_WINDOW, GROUP_ENV, GroupError, GroupSpec, KEY_ENV,
                                  LOCAL_RANK_ENV, PARENT_ENV, RANKS_FILE, RANK_ENV, RECYCLED_EXIT, REPORTED_EXIT,
                                  SECONDARY, Signer, TERM_EXIT, cpu_threads, key_from_environment, wait_or_kill)
@@ -124,6 +125,8 @@ class LocalWorkers:
         self.deaths = collections.defaultdict(collections.deque)
         self.killed = {}               # rank -> why this object killed it
         self.respawn_at = {}           # rank -> monotonic time its replacement starts
+        self.fork = zygote.worker_start(spec) == "fork"
+        self.fork_server = None        # started with the first worker forked
 
     def recycle(self, why: str):
         """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too), to be
@@ -143,13 +146,17 @@ class LocalWorkers:
         env[links.REPLACEMENT_ENV] = "1" if self.info[rank]["restarts"] else "0"  # waits for its device's memory
         if (threads := cpu_threads(self.spec)) is not None:
             env["OMP_NUM_THREADS"] = str(threads)
-        proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        proc = zygote.fork_worker(self, rank, env) if self.fork else None  # None: it could not, said
+        if proc is None:
+            proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, close_fds=True)
         self.procs[rank] = proc
         info = self.info[rank]
-        info.update(process_identity(proc.pid), alive=True)
-        # read at once, /proc can show an empty command line while the new image starts; it is argv
+        info.update(getattr(proc, "identity", None) or process_identity(proc.pid), alive=True)
+        # read at once, /proc can show an empty command line while the new image starts; it is argv (a forked
+        # worker's is its fork server's, which h3kit's status takes for a worker's)
         info["cmdline"] = info["cmdline"] or list(argv)
-        logging.info(f"MultiNPU: started {self.spec.describe_rank(rank)} as pid {proc.pid}")
+        logging.info(f"MultiNPU: started {self.spec.describe_rank(rank)} as pid {proc.pid}"
+                     + (" (forked)" if isinstance(proc, zygote.ForkedWorker) else ""))
         return proc
 
     def start(self):
@@ -223,6 +230,8 @@ class LocalWorkers:
         for rank, p in self.procs.items():
             if p.poll() is not None:
                 self.info[rank].update(alive=False, last_exit=_exit_reason(p.returncode))
+        if self.fork_server is not None:
+            self.fork_server.close()
 
 
 def write_ranks_file(spec: GroupSpec, role: str, state, error, generation, ranks: list, **more):

@@ -49,7 +49,7 @@ PATCHED_FILES = ("comfy/multinpu.py", "comfy/multinpu_clock.py", "comfy/multinpu
                  "comfy/multinpu_vae.py", "comfy/multinpu_weights.py", "comfy_extras/nodes_multinpu.py",
                  "comfy/npu_quant.py", "comfy/multinpu_process.py", "comfy/multinpu_group.py",
                  "comfy/multinpu_models.py", "comfy/multinpu_wire.py", "comfy/multinpu_links.py", "comfy/multinpu_channel.py",
-                 "comfy/multinpu_launch.py", "comfy/multinpu_progress.py", "comfy/multinpu_members.py",
+                 "comfy/multinpu_launch.py", "comfy/multinpu_zygote.py", "comfy/multinpu_progress.py", "comfy/multinpu_members.py",
                  "comfy/multinpu_commands.py", "comfy/multinpu_installs.py", "comfy/multinpu_runtime_base.py",
                  "comfy/multidevice.py", "comfy/model_cache.py")
 WEIGHTS = ("float", "int8")  # dit: the tiny DiT as saved (fp32), or its block linears in INT8 (ConvRot)
