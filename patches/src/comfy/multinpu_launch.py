@@ -127,6 +127,7 @@ class LocalWorkers:
         self.respawn_at = {}           # rank -> monotonic time its replacement starts
         self.fork = zygote.worker_start(spec) == "fork"
         self.fork_server = None        # started with the first worker forked
+        self.started = False
 
     def recycle(self, why: str):
         """Kill every worker of this host (SIGKILL: one stopped or inside a wedged collective must go too), to be
@@ -162,6 +163,7 @@ class LocalWorkers:
     def start(self):
         for rank in self.ranks:
             self.spawn(rank)
+        self.started = True  # a fork server's imports done: the join's bound is on joining alone
 
     def poll(self) -> list:
         """[(rank, pid, reason)] of the workers that ended since the last poll; each is replaced unless

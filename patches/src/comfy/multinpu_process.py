@@ -289,12 +289,15 @@ def start_from_environment():
 
 
 def wait_ready(runtime: GroupRuntime, timeout: float):
-    """Block until the group has formed (scripts that drive it directly); wire.GroupError when it cannot."""
-    deadline = time.monotonic() + timeout
+    """Block until the group has formed (scripts that drive it directly), `timeout` counted from its workers' start
+    (a fork server's imports come first, comfy.multinpu_zygote); wire.GroupError when it cannot."""
+    deadline = None
     while runtime.state != "ready":
         if runtime.state == "failed":
             raise wire.GroupError(f"MultiNPU: the process group failed: {runtime.error}")
-        if time.monotonic() > deadline:
+        if deadline is None and runtime._local.started:
+            deadline = time.monotonic() + timeout
+        if deadline is not None and time.monotonic() > deadline:
             raise wire.GroupError(f"MultiNPU: the process group did not form within {timeout:g} s")
         time.sleep(wire.POLL)
 

@@ -96,11 +96,9 @@ class ForkServer:
             self.buffer += data
         while b"\n" in self.buffer:
             line, self.buffer = self.buffer.split(b"\n", 1)
-            message = json.loads(line)
-            if "exit" in message:
+            if "exit" in (message := json.loads(line)):
                 self.exits[message["exit"]] = message["code"]
-            else:
-                reply = message
+            reply = reply if "exit" in message else message
         return reply
 
     def exit_code(self, pid: int):
@@ -187,9 +185,10 @@ def _run_worker(request: dict):
 
 
 def serve(sock: socket.socket):
-    """Fork a worker per request line, reply with its pid and identity, report each exit; return at the launcher's
-    end of the socket closing."""
-    from comfy.multinpu_launch import process_identity
+    """Fork a worker per request line, reply with its pid and identity (read before it can be reaped: one that ends
+    at once is gone before the launcher looks), report each exit; return when the launcher closes its end."""
+    import psutil
+    own_cmdline = psutil.Process().cmdline()  # a forked worker's, until it execs (it never does)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -225,7 +224,8 @@ def serve(sock: socket.socket):
                 for fd in (wake_r, wake_w, sock.fileno()):
                     os.close(fd)
                 _run_worker(json.loads(line))
-            sock.sendall(json.dumps({"pid": pid, "identity": process_identity(pid)}).encode() + b"\n")
+            identity = {"pid": pid, "create_time": psutil.Process(pid).create_time(), "cmdline": own_cmdline}
+            sock.sendall(json.dumps({"pid": pid, "identity": identity}).encode() + b"\n")
 
 
 if __name__ == "__main__":
