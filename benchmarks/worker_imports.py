@@ -24,14 +24,13 @@ preload = sys.argv[1].split(",") if sys.argv[1] else []
 for name in preload:
     importlib.import_module(name)
 start = cpu()
-import comfy.multinpu_worker as worker  # its own imports: torch and h3kit's wire modules
-import comfy.options
+import torch, comfy.multinpu_group, comfy.multinpu_links, comfy.multinpu_wire, comfy.options
 comfy.options.enable_args_parsing()
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.cli_args
 comfy.cli_args.args.cpu = True
 import comfy.model_management
-for name in worker.RUNNERS:  # as comfy.multinpu_worker.main imports them
+for name in ("comfy.multinpu_models", "comfy.multinpu_dit", "comfy.multinpu_te", "comfy.multinpu_vae"):
     importlib.import_module(name)
 print(json.dumps({"preload": start, "worker": cpu() - start}))
 """
@@ -53,8 +52,7 @@ def main() -> int:
             seen[how].append(json.loads(out.splitlines()[-1]))
     for how, runs in seen.items():
         worker = [r["worker"] for r in runs]
-        each = ", ".join(f"{w:.2f}" for w in worker)
-        print(f"{how}: a worker's imports {statistics.median(worker):.2f} CPU-s (runs {each})"
+        print(f"{how}: a worker's imports {statistics.median(worker):.2f} CPU-s (runs {', '.join(f'{w:.2f}' for w in worker)})"
               + (f"; the fork server's, once per launcher, {statistics.median(r['preload'] for r in runs):.2f} CPU-s"
                  if how == "fork" else ""))
     return 0

@@ -118,26 +118,3 @@ def test_the_start_is_fork_on_the_cpu_exec_on_accelerators_and_a_typo_is_refused
         zygote.worker_start(wire.GroupSpec(device_type="cpu"))
     # what the fork server imports for ComfyUI's worker touches no device: comfy.model_management is the worker's
     assert not any("model_management" in m for m in zygote.preload(wire.GroupSpec()))
-
-
-def test_a_fork_server_that_fails_once_leaves_the_host_to_exec(tmp_path, monkeypatch):
-    """A fork server that cannot start a worker costs that worker nothing but a warning (it starts as a new
-    interpreter), and no later worker waits on it again: the launcher starts the rest by exec."""
-    (tmp_path / "quick_worker.py").write_text("")
-    monkeypatch.delenv(zygote.WORKER_START_ENV, raising=False)
-    workers = launch.LocalWorkers(wire.GroupSpec(local_size=2, worker_module="quick_worker"), "k")
-    workers.cwd = tmp_path
-    tries = []
-
-    def refuse(self, module, *args):
-        tries.append(module)
-        raise wire.GroupError("the fork server (pid 1) did not start quick_worker")
-    monkeypatch.setattr(zygote.ForkServer, "fork", refuse)
-    try:
-        first, second = workers.spawn(0), workers.spawn(1)
-        assert not isinstance(first, zygote.ForkedWorker) and not isinstance(second, zygote.ForkedWorker)
-        assert first.wait(60) == 0 and second.wait(60) == 0
-        assert tries == ["quick_worker"] and workers.fork is False
-    finally:
-        workers.stop()
-    assert not workers.fork_server.alive()  # the one that failed ended with the launcher: no stray process

@@ -4,7 +4,6 @@ as `python -m` would, and reports each worker's pid and exit. docs/multinpu.md, 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import logging
@@ -44,19 +43,14 @@ def preload(spec) -> tuple:
 
 def fork_worker(workers, rank: int, env: dict):
     """Worker `rank` of a LocalWorkers forked from its fork server (started with the first worker's environment, and
-    again if it ended); None, with a warning, when the fork server cannot: the launcher then starts this worker and
-    every later one as a new interpreter, instead of waiting on a fork server that failed once."""
+    again if it ended); None, with a warning, when the fork server cannot: the launcher then starts an interpreter."""
     from comfy.multinpu_wire import GroupError
     try:
-        if workers.fork_server is not None and not workers.fork_server.alive():
-            workers.fork_server.close()  # ended: its workers with it (their death signal)
-            workers.fork_server = None
-        if workers.fork_server is None:
+        if workers.fork_server is None or not workers.fork_server.alive():
             workers.fork_server = ForkServer(preload(workers.spec), env, workers.cwd)
         return workers.fork_server.fork(workers.spec.worker_module, workers.spec.worker_args, env, workers.cwd)
     except GroupError as e:
-        logging.warning(f"MultiNPU: {e}; {workers.spec.describe_rank(rank)} and later workers start as interpreters")
-        workers.fork = False
+        logging.warning(f"MultiNPU: {e}; starting {workers.spec.describe_rank(rank)} as a new interpreter")
         return None
 
 
@@ -110,17 +104,22 @@ class ForkServer:
     def exit_code(self, pid: int):
         """Worker `pid`'s exit code, None while it runs; once the fork server is gone its workers got SIGTERM."""
         with self.lock:
-            with contextlib.suppress(OSError):  # a closed end: what it said before is all there is
+            try:
                 self._read(0.0)
+            except OSError:
+                pass
             if pid not in self.exits and not self.alive() and not os.path.exists(f"/proc/{pid}"):
                 self.exits[pid] = -signal.SIGTERM
             return self.exits.get(pid)
 
     def close(self):
         """End the fork server (its workers that still run get SIGTERM, their death signal) and wait for it."""
-        from comfy.multinpu_wire import wait_or_kill
         self.sock.close()
-        wait_or_kill(self.proc, 10.0)
+        try:
+            self.proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5.0)
 
 
 class ForkedWorker:
@@ -198,9 +197,11 @@ def serve(sock: socket.socket):
     buffer = b""
     while True:
         ready = select.select([sock, wake_r], [], [])[0]
-        with contextlib.suppress(BlockingIOError):  # the wake-ups SIGCHLD wrote: read, and the children reaped below
+        try:
             while os.read(wake_r, 512):
                 pass
+        except BlockingIOError:
+            pass
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
